@@ -1,0 +1,17 @@
+//! credgate-core: everything credgate decides without doing IO.
+//!
+//! Image references ([`reference`]), the kubelet's pattern grammar and matching ([`pattern`]),
+//! Go durations ([`duration`]), the `CredentialProviderConfig` decoder and validator ([`config`]),
+//! the plugin wire format ([`wire`]), node-wide docker config files ([`dockerconfig`]) and the
+//! keyring order ([`keyring`]). Nothing here touches the file system, processes, clocks or the
+//! network; every function is testable from string literals.
+
+pub mod config;
+pub mod dockerconfig;
+pub mod duration;
+pub mod keyring;
+pub mod pattern;
+pub mod reference;
+pub mod wire;
+
+pub use secrecy::{ExposeSecret, SecretString};

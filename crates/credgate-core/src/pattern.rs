@@ -1,0 +1,434 @@
+//! The kubelet's image patterns (`matchImages` entries and `auth` keys) and the matching rule:
+//! equal ports, equal label counts, per-label shell globs, and a plain path prefix.
+//!
+//! A [`Pattern`] is parsed once, when a config or a plugin response is loaded; matching a
+//! [`Target`] then does no parsing and no allocation.
+
+use std::fmt;
+
+/// Why a pattern is not the host[:port][/path] of an https URL.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PatternError {
+    #[error("invalid control character in pattern")]
+    ControlCharacter,
+    #[error("invalid character {0:?} in host name")]
+    InvalidHostCharacter(char),
+    #[error("invalid port {0:?} after host")]
+    InvalidPort(String),
+    #[error("missing ']' in host")]
+    UnclosedBracket,
+    #[error("invalid URL escape {0:?}")]
+    InvalidEscape(String),
+}
+
+/// A pattern the kubelet accepts but that can never match anything.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PatternLint {
+    /// `https://host`: the scheme becomes part of the host.
+    Scheme,
+    /// `host/*`: a `*` in the path is a literal asterisk, not a glob.
+    GlobInPath,
+    /// `host?x`: `?` starts a URL query, so the host ends before it.
+    Query,
+    /// A host label that is not a valid glob (`[a-`), so it never matches.
+    BadGlob(String),
+}
+
+impl fmt::Display for PatternLint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PatternLint::Scheme => f.write_str(
+                "contains a URL scheme; patterns are host[:port][/path] and this one never matches",
+            ),
+            PatternLint::GlobInPath => f.write_str(
+                "has '*' in its path; paths are plain prefixes, '*' there only matches a literal '*'",
+            ),
+            PatternLint::Query => f.write_str(
+                "contains '?', which starts a URL query: the host ends before it, so it is no glob",
+            ),
+            PatternLint::BadGlob(label) => {
+                write!(f, "host label {label:?} is not a valid glob and never matches")
+            }
+        }
+    }
+}
+
+/// The parts of a schemeless URL that matching uses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UrlParts {
+    /// Host as `url.Host` has it: brackets and port included.
+    pub authority: String,
+    /// Unescaped path, with its leading `/` (empty when absent).
+    pub path: String,
+}
+
+/// Reads `s` as the authority and path of `https://` + `s`, as Go's `url.Parse` does.
+pub fn parse_schemeless(s: &str) -> Result<UrlParts, PatternError> {
+    if s.bytes().any(|b| b < 0x20 || b == 0x7f) {
+        return Err(PatternError::ControlCharacter);
+    }
+    let s = match s.split_once('#') {
+        Some((before, fragment)) => {
+            unescape(fragment)?;
+            before
+        }
+        None => s,
+    };
+    let s = s.split_once('?').map_or(s, |(before, _)| before);
+    let (authority, path) = match s.find('/') {
+        Some(i) => (&s[..i], &s[i..]),
+        None => (s, ""),
+    };
+    let host = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+    validate_host(host)?;
+    Ok(UrlParts {
+        authority: host.to_owned(),
+        path: unescape(path)?,
+    })
+}
+
+fn validate_host(host: &str) -> Result<(), PatternError> {
+    let port = if let Some(rest) = host.strip_prefix('[') {
+        let end = rest.find(']').ok_or(PatternError::UnclosedBracket)?;
+        &rest[end + 1..]
+    } else {
+        host.rfind(':').map_or("", |i| &host[i..])
+    };
+    let port_ok = port.is_empty()
+        || (port.starts_with(':') && port[1..].bytes().all(|b| b.is_ascii_digit()));
+    if !port_ok {
+        return Err(PatternError::InvalidPort(port.to_owned()));
+    }
+    if host.contains('%') {
+        return Err(PatternError::InvalidEscape(host.to_owned()));
+    }
+    match host.chars().find(|c| c.is_ascii() && !host_char_ok(*c)) {
+        Some(c) => Err(PatternError::InvalidHostCharacter(c)),
+        None => Ok(()),
+    }
+}
+
+fn host_char_ok(c: char) -> bool {
+    c.is_ascii_alphanumeric() || "-_.~!$&'()*+,;=:[]<>\"".contains(c)
+}
+
+fn unescape(s: &str) -> Result<String, PatternError> {
+    if !s.contains('%') {
+        return Ok(s.to_owned());
+    }
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%' {
+            let hex = b.get(i + 1..i + 3).filter(|h| h.iter().all(u8::is_ascii_hexdigit));
+            let hex = hex.ok_or_else(|| {
+                PatternError::InvalidEscape(s[i..].chars().take(3).collect())
+            })?;
+            let text = std::str::from_utf8(hex).expect("hex digits are ascii");
+            out.push(u8::from_str_radix(text, 16).expect("validated hex"));
+            i += 3;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    Ok(String::from_utf8_lossy(&out).into_owned())
+}
+
+/// Go's `net.SplitHostPort`, falling back to (whole, "") when it fails, as the kubelet does.
+pub fn split_host_port(authority: &str) -> (&str, &str) {
+    if let Some(rest) = authority.strip_prefix('[') {
+        if let Some(end) = rest.find(']') {
+            let after = &rest[end + 1..];
+            if let Some(port) = after.strip_prefix(':') {
+                if !port.contains(':') {
+                    return (&rest[..end], port);
+                }
+            }
+        }
+        return (authority, "");
+    }
+    match authority.rfind(':') {
+        Some(i) if !authority[..i].contains(':') => (&authority[..i], &authority[i + 1..]),
+        _ => (authority, ""),
+    }
+}
+
+/// One host label of a pattern.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Label {
+    Literal(Box<str>),
+    Glob(Box<str>),
+    /// Not a valid glob: never matches.
+    Bad,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Host {
+    /// No glob metacharacters: the host must be equal as a whole.
+    Literal(Box<str>),
+    Labels(Box<[Label]>),
+}
+
+/// A parsed pattern, ready to be matched many times.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Pattern {
+    raw: Box<str>,
+    host: Host,
+    port: Box<str>,
+    path: Box<str>,
+}
+
+impl Pattern {
+    /// Parses a `matchImages` entry or an `auth` key.
+    pub fn parse(raw: &str) -> Result<Self, PatternError> {
+        let parts = parse_schemeless(raw)?;
+        let (host, port) = split_host_port(&parts.authority);
+        let labels: Vec<&str> = host.split('.').collect();
+        let host = if labels.iter().any(|l| has_glob_meta(l)) {
+            Host::Labels(labels.iter().map(|l| label(l)).collect())
+        } else {
+            Host::Literal(host.into())
+        };
+        Ok(Pattern {
+            raw: raw.into(),
+            host,
+            port: port.into(),
+            path: parts.path.into(),
+        })
+    }
+
+    /// The pattern as written.
+    pub fn as_str(&self) -> &str {
+        &self.raw
+    }
+
+    /// Whether this pattern matches the target.
+    pub fn matches(&self, target: &Target<'_>) -> bool {
+        if *self.port != *target.port || !target.path.starts_with(&*self.path) {
+            return false;
+        }
+        match &self.host {
+            Host::Literal(h) => **h == *target.host,
+            Host::Labels(labels) => {
+                let mut parts = target.host.split('.');
+                let all = labels.iter().all(|l| match (l, parts.next()) {
+                    (Label::Literal(want), Some(got)) => **want == *got,
+                    (Label::Glob(glob), Some(got)) => glob_match(glob, got),
+                    _ => false,
+                });
+                all && parts.next().is_none()
+            }
+        }
+    }
+
+    /// The reasons this pattern can never match anything, for `check-config`.
+    pub fn lints(&self) -> Vec<PatternLint> {
+        let mut out = Vec::new();
+        if self.raw.contains("://") {
+            out.push(PatternLint::Scheme);
+        }
+        if self.path.contains('*') {
+            out.push(PatternLint::GlobInPath);
+        }
+        if self.raw.contains('?') {
+            out.push(PatternLint::Query);
+        }
+        if let (Host::Labels(labels), Ok(parts)) = (&self.host, parse_schemeless(&self.raw)) {
+            let (host, _) = split_host_port(&parts.authority);
+            for (l, text) in labels.iter().zip(host.split('.')) {
+                if *l == Label::Bad {
+                    out.push(PatternLint::BadGlob(text.to_owned()));
+                }
+            }
+        }
+        out
+    }
+}
+
+impl fmt::Display for Pattern {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.raw)
+    }
+}
+
+fn has_glob_meta(s: &str) -> bool {
+    s.contains(['*', '?', '[', '\\'])
+}
+
+fn label(text: &str) -> Label {
+    if !has_glob_meta(text) {
+        Label::Literal(text.into())
+    } else if glob_valid(text) {
+        Label::Glob(text.into())
+    } else {
+        Label::Bad
+    }
+}
+
+/// What a pattern is matched against: an image name or a registry host, split once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Target<'a> {
+    host: &'a str,
+    port: &'a str,
+    path: &'a str,
+}
+
+impl<'a> Target<'a> {
+    /// A target from a normalized image name (`registry:port/path`), which the reference
+    /// grammar guarantees has no URL escapes, queries or user info.
+    pub fn from_image_name(name: &'a str) -> Self {
+        let (authority, path) = match name.find('/') {
+            Some(i) => (&name[..i], &name[i..]),
+            None => (name, ""),
+        };
+        let (host, port) = split_host_port(authority);
+        Target { host, port, path }
+    }
+
+    /// A target from arbitrary schemeless URL parts (a registry host given to the docker
+    /// credential helper, say).
+    pub fn from_parts(parts: &'a UrlParts) -> Self {
+        let (host, port) = split_host_port(&parts.authority);
+        Target {
+            host,
+            port,
+            path: &parts.path,
+        }
+    }
+}
+
+/// Checks the glob syntax of Go's `path.Match`.
+pub fn glob_valid(pattern: &str) -> bool {
+    let mut chars = pattern.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' => {
+                if chars.next().is_none() {
+                    return false;
+                }
+            }
+            '[' => {
+                if chars.peek() == Some(&'^') {
+                    chars.next();
+                }
+                let mut first = true;
+                loop {
+                    match chars.peek() {
+                        None => return false,
+                        Some(']') if !first => {
+                            chars.next();
+                            break;
+                        }
+                        _ => {}
+                    }
+                    first = false;
+                    if class_char(&mut chars).is_none() {
+                        return false;
+                    }
+                    if chars.peek() == Some(&'-') {
+                        chars.next();
+                        if class_char(&mut chars).is_none() {
+                            return false;
+                        }
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    true
+}
+
+fn class_char(chars: &mut std::iter::Peekable<std::str::Chars<'_>>) -> Option<char> {
+    match chars.next()? {
+        '-' | ']' => None,
+        '\\' => chars.next(),
+        c => Some(c),
+    }
+}
+
+/// Go's `path.Match` for one label (no separators): `*`, `?`, `[...]`, `\` escapes.
+/// Call only with a pattern for which [`glob_valid`] holds.
+pub fn glob_match(pattern: &str, text: &str) -> bool {
+    let p: Vec<char> = pattern.chars().collect();
+    let t: Vec<char> = text.chars().collect();
+    glob_at(&p, &t)
+}
+
+fn glob_at(p: &[char], t: &[char]) -> bool {
+    let (mut pi, mut ti) = (0, 0);
+    let mut star: Option<(usize, usize)> = None;
+    while ti < t.len() {
+        if pi < p.len() && p[pi] == '*' {
+            star = Some((pi, ti));
+            pi += 1;
+            continue;
+        }
+        if pi < p.len() {
+            if let Some(next) = single(p, pi, t[ti]) {
+                pi = next;
+                ti += 1;
+                continue;
+            }
+        }
+        match star {
+            Some((sp, st)) => {
+                pi = sp + 1;
+                ti = st + 1;
+                star = Some((sp, st + 1));
+            }
+            None => return false,
+        }
+    }
+    p[pi..].iter().all(|c| *c == '*')
+}
+
+/// Matches one non-star pattern item at `p[pi]` against `c`; returns the next pattern index.
+fn single(p: &[char], pi: usize, c: char) -> Option<usize> {
+    match p[pi] {
+        '?' => Some(pi + 1),
+        '\\' => (p.get(pi + 1) == Some(&c)).then_some(pi + 2),
+        '[' => class(p, pi + 1, c),
+        lit => (lit == c).then_some(pi + 1),
+    }
+}
+
+fn class(p: &[char], mut i: usize, c: char) -> Option<usize> {
+    let negated = p.get(i) == Some(&'^');
+    if negated {
+        i += 1;
+    }
+    let mut matched = false;
+    let mut first = true;
+    loop {
+        if p[i] == ']' && !first {
+            i += 1;
+            break;
+        }
+        first = false;
+        let (lo, next) = class_item(p, i);
+        let (hi, next) = if p[next] == '-' {
+            class_item(p, next + 1)
+        } else {
+            (lo, next)
+        };
+        if lo <= c && c <= hi {
+            matched = true;
+        }
+        i = next;
+    }
+    (matched != negated).then_some(i)
+}
+
+fn class_item(p: &[char], i: usize) -> (char, usize) {
+    if p[i] == '\\' {
+        (p[i + 1], i + 2)
+    } else {
+        (p[i], i + 1)
+    }
+}
+
+#[cfg(test)]
+mod tests;
