@@ -1,1 +1,26 @@
+//! credgate-engine: the IO half of credgate's credential providers.
+//!
+//! An [`Engine`] holds the configured providers, each with a plugin command, a cache keyed as
+//! the plugin answers (`Image`, `Registry`, `Global`, optionally scoped to a service account),
+//! a list of pending runs that concurrent misses join, and a failure backoff; plus static
+//! sources (node-wide docker config files). [`Engine::lookup`] returns every credential that
+//! applies to an image, in the order a puller should try them.
+//!
+//! IO sits behind narrow seams so tests inject fakes: [`exec::PluginRunner`] runs plugins
+//! ([`exec::ExecRunner`] spawns real executables) and [`clock::Clock`] tells time.
 
+pub mod cache;
+pub mod clock;
+pub mod engine;
+pub mod error;
+pub mod exec;
+pub mod metrics;
+pub mod provider;
+pub mod source;
+
+pub use engine::{
+    BuildError, Credential, CredentialRef, Engine, EngineBuilder, EngineOptions, Lookup,
+    LookupError, LookupRequest, Source, StaticSource,
+};
+pub use error::ProviderError;
+pub use provider::{BackoffPolicy, ProviderStatus, ServiceAccount};

@@ -1,0 +1,72 @@
+//! Failures of one provider during a lookup. Shared by every waiter of a coalesced run, so they
+//! are cheap to clone; none carries plugin output or a credential.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use credgate_core::wire::ResponseError;
+
+use crate::exec::RunError;
+
+/// Why a provider gave no credentials for a lookup.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ProviderError {
+    #[error(transparent)]
+    Run(Arc<RunError>),
+    #[error("plugin {plugin}: {error}")]
+    Response { plugin: String, error: ResponseError },
+    #[error("plugin {plugin}: a response password equals the service account token, but cacheType is not Token")]
+    TokenEchoed { plugin: String },
+    #[error("plugin {plugin}: backing off after {failures} consecutive failures, next run allowed in {retry_in:?}")]
+    Backoff {
+        plugin: String,
+        failures: u32,
+        retry_in: Duration,
+    },
+    #[error("plugin {plugin}: the service account lacks the required annotation {key:?}")]
+    MissingAnnotation { plugin: String, key: String },
+    #[error("plugin {plugin}: the run ended without an answer")]
+    Abandoned { plugin: String },
+}
+
+impl ProviderError {
+    /// Every value [`ProviderError::reason`] returns.
+    pub const REASONS: &'static [&'static str] = &[
+        "spawn",
+        "timeout",
+        "nonzero_exit",
+        "output_too_large",
+        "io",
+        "malformed_response",
+        "token_echoed",
+        "backoff",
+        "missing_annotation",
+        "abandoned",
+    ];
+
+    /// The metric label for this failure.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            ProviderError::Run(e) => match **e {
+                RunError::Spawn { .. } => "spawn",
+                RunError::Timeout { .. } => "timeout",
+                RunError::NonZeroExit { .. } => "nonzero_exit",
+                RunError::OutputTooLarge { .. } => "output_too_large",
+                RunError::Io { .. } => "io",
+            },
+            ProviderError::Response { .. } => "malformed_response",
+            ProviderError::TokenEchoed { .. } => "token_echoed",
+            ProviderError::Backoff { .. } => "backoff",
+            ProviderError::MissingAnnotation { .. } => "missing_annotation",
+            ProviderError::Abandoned { .. } => "abandoned",
+        }
+    }
+
+    /// Whether the plugin ran (or tried to) and failed, as opposed to not being run.
+    pub fn is_run_failure(&self) -> bool {
+        !matches!(
+            self,
+            ProviderError::Backoff { .. } | ProviderError::MissingAnnotation { .. }
+        )
+    }
+}

@@ -1,0 +1,180 @@
+//! The engine's Prometheus metrics: plugin runs, run durations, errors by reason, cache hits,
+//! misses and entries, per provider. Counters on the lookup hot path are striped per thread so
+//! that concurrent lookups never write the same cache line.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+use prometheus_client::metrics::counter::{Atomic, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+const STRIPES: usize = 16;
+
+#[repr(align(128))]
+#[derive(Default)]
+struct Padded(AtomicU64);
+
+/// A `u64` counter spread over cache-line-padded stripes, one picked per thread.
+#[derive(Default)]
+pub struct Striped {
+    stripes: [Padded; STRIPES],
+}
+
+impl std::fmt::Debug for Striped {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Striped({})", self.get())
+    }
+}
+
+fn stripe() -> usize {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    thread_local! {
+        static SLOT: usize = NEXT.fetch_add(1, Ordering::Relaxed) % STRIPES;
+    }
+    SLOT.with(|s| *s)
+}
+
+impl Atomic<u64> for Striped {
+    fn inc(&self) -> u64 {
+        self.inc_by(1)
+    }
+
+    fn inc_by(&self, v: u64) -> u64 {
+        self.stripes[stripe()].0.fetch_add(v, Ordering::Relaxed)
+    }
+
+    fn get(&self) -> u64 {
+        self.stripes.iter().map(|s| s.0.load(Ordering::Relaxed)).sum()
+    }
+}
+
+/// A hot-path counter.
+pub type FastCounter = Counter<u64, Striped>;
+
+type Labels = Vec<(&'static str, String)>;
+
+/// Every metric family of the engine; providers hold handles into it.
+#[derive(Clone)]
+pub struct EngineMetrics {
+    runs: Family<Labels, Counter>,
+    run_seconds: Family<Labels, Histogram, fn() -> Histogram>,
+    errors: Family<Labels, Counter>,
+    hits: Family<Labels, FastCounter>,
+    misses: Family<Labels, Counter>,
+    entries: Family<Labels, Gauge>,
+}
+
+fn run_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.001, 2.0, 16))
+}
+
+impl Default for EngineMetrics {
+    fn default() -> Self {
+        EngineMetrics {
+            runs: Family::default(),
+            run_seconds: Family::new_with_constructor(run_histogram as fn() -> Histogram),
+            errors: Family::default(),
+            hits: Family::default(),
+            misses: Family::default(),
+            entries: Family::default(),
+        }
+    }
+}
+
+impl EngineMetrics {
+    /// Registers every family under the `credgate_` prefix.
+    pub fn register(&self, registry: &mut Registry) {
+        let r = registry.sub_registry_with_prefix("credgate");
+        r.register("plugin_runs", "Plugin executions", self.runs.clone());
+        r.register(
+            "plugin_run_duration_seconds",
+            "Plugin execution time",
+            self.run_seconds.clone(),
+        );
+        r.register("plugin_errors", "Plugin failures by reason", self.errors.clone());
+        r.register("cache_hits", "Lookups served from a provider cache", self.hits.clone());
+        r.register("cache_misses", "Lookups that needed a plugin run", self.misses.clone());
+        r.register("cache_entries", "Live entries in a provider cache", self.entries.clone());
+    }
+
+    /// The handles of one provider.
+    pub fn provider(&self, name: &str) -> ProviderMetrics {
+        let l: Labels = vec![("provider", name.to_owned())];
+        ProviderMetrics {
+            name: name.to_owned(),
+            runs: self.runs.get_or_create(&l).clone(),
+            run_seconds: self.run_seconds.get_or_create(&l).clone(),
+            hits: self.hits.get_or_create(&l).clone(),
+            misses: self.misses.get_or_create(&l).clone(),
+            entries: self.entries.get_or_create(&l).clone(),
+            errors: self.errors.clone(),
+        }
+    }
+}
+
+/// One provider's metric handles, resolved once so the hot path does no label lookups.
+#[derive(Clone)]
+pub struct ProviderMetrics {
+    name: String,
+    pub runs: Counter,
+    pub run_seconds: Histogram,
+    pub hits: FastCounter,
+    pub misses: Counter,
+    pub entries: Gauge,
+    errors: Family<Labels, Counter>,
+}
+
+impl ProviderMetrics {
+    /// Counts a failure under its reason.
+    pub fn error(&self, reason: &'static str) {
+        let l: Labels = vec![("provider", self.name.clone()), ("reason", reason.to_owned())];
+        self.errors.get_or_create(&l).inc();
+    }
+
+    /// Failures so far, all reasons.
+    pub fn error_count(&self) -> u64 {
+        let mut total = 0;
+        for reason in crate::error::ProviderError::REASONS {
+            let l: Labels = vec![("provider", self.name.clone()), ("reason", (*reason).to_owned())];
+            total += self.errors.get(&l).map_or(0, |c| c.get());
+        }
+        total
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn striped_counts_across_threads() {
+        let c = FastCounter::default();
+        std::thread::scope(|s| {
+            for _ in 0..4 {
+                s.spawn(|| (0..1000).for_each(|_| {
+                    c.inc();
+                }));
+            }
+        });
+        assert_eq!(c.get(), 4000);
+    }
+
+    #[test]
+    fn exposes_text_format() {
+        let m = EngineMetrics::default();
+        let p = m.provider("ecr");
+        p.runs.inc();
+        p.hits.inc();
+        p.error("timeout");
+        let mut reg = Registry::default();
+        m.register(&mut reg);
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &reg).unwrap();
+        assert!(out.contains("credgate_plugin_runs_total{provider=\"ecr\"} 1"), "{out}");
+        assert!(out.contains("credgate_cache_hits_total{provider=\"ecr\"} 1"), "{out}");
+        assert!(out.contains("credgate_plugin_errors_total{provider=\"ecr\",reason=\"timeout\"} 1"), "{out}");
+        assert_eq!(p.error_count(), 1);
+    }
+}

@@ -1,0 +1,446 @@
+//! One configured provider at run time: its cache, its pending plugin runs and how concurrent
+//! misses join them, its failure backoff and its status.
+//!
+//! Coalescing: a miss first joins a pending run for the same image (that run answers it
+//! whatever its key type). Otherwise, unless the provider's last answer was `Image`-keyed, it
+//! waits once for a pending run that would cover it if the answer is `Registry`- or
+//! `Global`-keyed (same registry first, then any); if the answer does not cover it, it starts
+//! its own run. So a burst behind a `Registry` or `Global` plugin costs one run, and no request
+//! waits longer than two runs.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant, SystemTime};
+
+use credgate_core::config::{ProviderSpec, TokenCacheType};
+use credgate_core::keyring::AuthSet;
+use credgate_core::pattern::Target;
+use credgate_core::wire::{self, CacheKeyType};
+use secrecy::{ExposeSecret, SecretString};
+use sha2::{Digest, Sha256};
+use tokio::sync::watch;
+
+use crate::cache::{Cache, Entry, Scope};
+use crate::clock::Clock;
+use crate::error::ProviderError;
+use crate::exec::{PluginCommand, PluginRunner};
+use crate::metrics::ProviderMetrics;
+
+/// The result every waiter of a run receives.
+pub type RunResult = Result<Arc<Entry>, ProviderError>;
+
+/// A pod's service account, for providers with `tokenAttributes` (KEP-4412).
+#[derive(Clone)]
+pub struct ServiceAccount {
+    pub namespace: String,
+    pub name: String,
+    pub uid: String,
+    /// A token for the provider's audience, minted by the caller.
+    pub token: SecretString,
+    pub annotations: BTreeMap<String, String>,
+}
+
+impl std::fmt::Debug for ServiceAccount {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServiceAccount")
+            .field("namespace", &self.namespace)
+            .field("name", &self.name)
+            .field("uid", &self.uid)
+            .field("token", &"<redacted>")
+            .field("annotations", &self.annotations)
+            .finish()
+    }
+}
+
+/// How failures slow down the next run.
+#[derive(Debug, Clone, Copy)]
+pub struct BackoffPolicy {
+    /// The wait after the second consecutive failure; it doubles with each further one.
+    pub base: Duration,
+    pub max: Duration,
+}
+
+impl Default for BackoffPolicy {
+    fn default() -> Self {
+        BackoffPolicy {
+            base: Duration::from_millis(500),
+            max: Duration::from_secs(30),
+        }
+    }
+}
+
+/// What operators see of a provider.
+#[derive(Debug, Clone, Default)]
+pub struct ProviderStatus {
+    pub name: String,
+    pub runs: u64,
+    pub errors: u64,
+    pub cache_hits: u64,
+    pub cache_misses: u64,
+    pub cache_entries: usize,
+    pub last_run: Option<SystemTime>,
+    pub last_success: Option<SystemTime>,
+    pub last_error: Option<String>,
+    pub consecutive_failures: u32,
+}
+
+#[derive(Default)]
+struct RunState {
+    consecutive_failures: u32,
+    next_allowed: Option<Instant>,
+    last_run: Option<SystemTime>,
+    last_success: Option<SystemTime>,
+    last_error: Option<String>,
+}
+
+struct Pending {
+    image: Arc<str>,
+    registry: Arc<str>,
+    scope: Option<Arc<Scope>>,
+    rx: watch::Receiver<Option<RunResult>>,
+}
+
+#[derive(Default)]
+struct Inflight {
+    pending: Vec<Arc<Pending>>,
+    /// The key type of the provider's last answer.
+    hint: Option<CacheKeyType>,
+}
+
+impl Inflight {
+    fn exact(&self, ask: &Ask<'_>) -> Option<Arc<Pending>> {
+        self.pending
+            .iter()
+            .find(|p| p.scope == ask.scope && *p.image == *ask.image)
+            .cloned()
+    }
+
+    fn cover(&self, ask: &Ask<'_>) -> Option<Arc<Pending>> {
+        let same_scope = |p: &&Arc<Pending>| p.scope == ask.scope;
+        let same_registry = |p: &&Arc<Pending>| same_scope(p) && *p.registry == *ask.registry;
+        let found = match self.hint {
+            Some(CacheKeyType::Image) => None,
+            Some(CacheKeyType::Registry) => self.pending.iter().find(same_registry),
+            Some(CacheKeyType::Global) => self.pending.iter().find(same_scope),
+            None => self.pending.iter().find(same_registry).or_else(|| self.pending.iter().find(same_scope)),
+        };
+        found.cloned()
+    }
+}
+
+/// How a provider takes part in one lookup.
+pub enum Mode {
+    /// No service account involved.
+    Plain,
+    /// Keyed and run with a service account.
+    Scoped {
+        scope: Arc<Scope>,
+        token: SecretString,
+        annotations: BTreeMap<String, String>,
+    },
+    /// Requires a service account and has none: not run.
+    Skip,
+}
+
+impl Mode {
+    pub fn scope(&self) -> Option<&Arc<Scope>> {
+        match self {
+            Mode::Scoped { scope, .. } => Some(scope),
+            _ => None,
+        }
+    }
+}
+
+/// One request for a provider's credentials.
+pub struct Ask<'a> {
+    pub image: &'a str,
+    pub registry: &'a str,
+    pub scope: Option<Arc<Scope>>,
+    pub mode: &'a Mode,
+    pub fresh_until: Instant,
+}
+
+enum Join {
+    Exact,
+    Speculative,
+}
+
+/// A provider at run time.
+pub struct Provider {
+    pub spec: ProviderSpec,
+    command: PluginCommand,
+    pub cache: Cache,
+    inflight: Mutex<Inflight>,
+    state: Mutex<RunState>,
+    pub metrics: ProviderMetrics,
+    runner: Arc<dyn PluginRunner>,
+    clock: Arc<dyn Clock>,
+    backoff: BackoffPolicy,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// What a provider is built from.
+pub struct ProviderParts {
+    pub spec: ProviderSpec,
+    pub command: PluginCommand,
+    pub cache_capacity: usize,
+    pub metrics: ProviderMetrics,
+    pub runner: Arc<dyn PluginRunner>,
+    pub clock: Arc<dyn Clock>,
+    pub backoff: BackoffPolicy,
+}
+
+impl Provider {
+    pub fn new(parts: ProviderParts) -> Self {
+        Provider {
+            spec: parts.spec,
+            command: parts.command,
+            cache: Cache::new(parts.cache_capacity),
+            inflight: Mutex::default(),
+            state: Mutex::default(),
+            metrics: parts.metrics,
+            runner: parts.runner,
+            clock: parts.clock,
+            backoff: parts.backoff,
+        }
+    }
+
+    /// Whether any `matchImages` pattern matches the image.
+    pub fn applies(&self, target: &Target<'_>) -> bool {
+        self.spec.match_images.iter().any(|p| p.matches(target))
+    }
+
+    /// How this provider takes part given the caller's service account.
+    pub fn mode(&self, sa: Option<&ServiceAccount>) -> Result<Mode, ProviderError> {
+        let Some(ta) = &self.spec.token_attributes else {
+            return Ok(Mode::Plain);
+        };
+        let Some(sa) = sa else {
+            return Ok(if ta.require_service_account { Mode::Skip } else { Mode::Plain });
+        };
+        let mut annotations = BTreeMap::new();
+        for key in &ta.required_annotation_keys {
+            let value = sa.annotations.get(key).ok_or_else(|| ProviderError::MissingAnnotation {
+                plugin: self.spec.name.clone(),
+                key: key.clone(),
+            })?;
+            annotations.insert(key.clone(), value.clone());
+        }
+        for key in &ta.optional_annotation_keys {
+            if let Some(value) = sa.annotations.get(key) {
+                annotations.insert(key.clone(), value.clone());
+            }
+        }
+        let token_sha256 = (ta.cache_type == TokenCacheType::Token)
+            .then(|| Sha256::digest(sa.token.expose_secret().as_bytes()).into());
+        let scope = Scope {
+            namespace: sa.namespace.clone(),
+            name: sa.name.clone(),
+            uid: sa.uid.clone(),
+            annotations: annotations.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            token_sha256,
+        };
+        Ok(Mode::Scoped {
+            scope: Arc::new(scope),
+            token: sa.token.clone(),
+            annotations,
+        })
+    }
+
+    /// Credentials for a cache miss: joins a pending run that covers the request or starts
+    /// one.
+    pub async fn get(self: &Arc<Self>, ask: Ask<'_>) -> RunResult {
+        let mut speculated = false;
+        let mut counted = false;
+        loop {
+            let (pending, join) = {
+                let mut inflight = lock(&self.inflight);
+                let snapshot = self.cache.load();
+                if let Some(e) = snapshot.find(ask.image, ask.registry, ask.scope.as_deref(), ask.fresh_until) {
+                    self.metrics.hits.inc();
+                    return Ok(e.clone());
+                }
+                if !counted {
+                    self.metrics.misses.inc();
+                    counted = true;
+                }
+                if let Some(p) = inflight.exact(&ask) {
+                    (p, Join::Exact)
+                } else if let Some(p) = (!speculated).then(|| inflight.cover(&ask)).flatten() {
+                    (p, Join::Speculative)
+                } else {
+                    self.check_backoff()?;
+                    (self.start(&ask, &mut inflight), Join::Exact)
+                }
+            };
+            let result = self.wait(&pending).await;
+            match (join, result) {
+                (Join::Speculative, Ok(e))
+                    if !e.covers(ask.image, ask.registry, ask.scope.as_deref()) =>
+                {
+                    speculated = true;
+                }
+                (_, r) => return r,
+            }
+        }
+    }
+
+    async fn wait(&self, pending: &Pending) -> RunResult {
+        let mut rx = pending.rx.clone();
+        let abandoned = || ProviderError::Abandoned {
+            plugin: self.spec.name.clone(),
+        };
+        let value = rx.wait_for(Option::is_some).await.map_err(|_| abandoned())?;
+        value.clone().ok_or_else(abandoned)?
+    }
+
+    fn check_backoff(&self) -> Result<(), ProviderError> {
+        let state = lock(&self.state);
+        let now = self.clock.now();
+        match state.next_allowed {
+            Some(t) if now < t => {
+                self.metrics.error("backoff");
+                Err(ProviderError::Backoff {
+                    plugin: self.spec.name.clone(),
+                    failures: state.consecutive_failures,
+                    retry_in: t - now,
+                })
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Registers a pending run and spawns it; the run completes even if every waiter goes away.
+    fn start(self: &Arc<Self>, ask: &Ask<'_>, inflight: &mut Inflight) -> Arc<Pending> {
+        let (tx, rx) = watch::channel(None);
+        let pending = Arc::new(Pending {
+            image: ask.image.into(),
+            registry: ask.registry.into(),
+            scope: ask.scope.clone(),
+            rx,
+        });
+        inflight.pending.push(pending.clone());
+        let (token, annotations) = match ask.mode {
+            Mode::Scoped { token, annotations, .. } => (Some(token.clone()), Some(annotations.clone())),
+            _ => (None, None),
+        };
+        let request = wire::Request {
+            api_version: self.spec.api_version,
+            image: ask.image,
+            service_account_token: token.as_ref(),
+            service_account_annotations: annotations.as_ref(),
+        }
+        .encode();
+        let this = self.clone();
+        let job = pending.clone();
+        tokio::spawn(async move {
+            let result = this.run(&job, request, token).await;
+            if let Ok(entry) = &result {
+                let n = this.cache.insert(entry.clone(), this.clock.now());
+                this.metrics.entries.set(i64::try_from(n).unwrap_or(i64::MAX));
+            }
+            {
+                let mut inflight = lock(&this.inflight);
+                inflight.pending.retain(|p| !Arc::ptr_eq(p, &job));
+                if let Ok(entry) = &result {
+                    inflight.hint = Some(entry.key_type);
+                }
+            }
+            let _ = tx.send(Some(result));
+        });
+        pending
+    }
+
+    #[tracing::instrument(name = "plugin_run", skip_all, fields(plugin = %self.spec.name, image = %job.image))]
+    async fn run(&self, job: &Pending, request: Vec<u8>, token: Option<SecretString>) -> RunResult {
+        let started = Instant::now();
+        self.metrics.runs.inc();
+        lock(&self.state).last_run = Some(self.clock.wall());
+        let output = self.runner.run(&self.command, request).await;
+        self.metrics.run_seconds.observe(started.elapsed().as_secs_f64());
+        let result = output
+            .map_err(|e| ProviderError::Run(Arc::new(e)))
+            .and_then(|stdout| self.decode(job, &stdout, token.as_ref()));
+        self.record(&result);
+        result
+    }
+
+    fn decode(&self, job: &Pending, stdout: &[u8], token: Option<&SecretString>) -> RunResult {
+        let plugin = || self.spec.name.clone();
+        let response = wire::decode_response(stdout, self.spec.api_version)
+            .map_err(|error| ProviderError::Response { plugin: plugin(), error })?;
+        let token_keyed = self
+            .spec
+            .token_attributes
+            .as_ref()
+            .is_some_and(|t| t.cache_type == TokenCacheType::Token);
+        if let (Some(token), false) = (token, token_keyed) {
+            let echoed = response
+                .auth
+                .iter()
+                .any(|(_, a)| a.password.expose_secret() == token.expose_secret());
+            if echoed {
+                return Err(ProviderError::TokenEchoed { plugin: plugin() });
+            }
+        }
+        let (auth, invalid) = AuthSet::new(response.auth);
+        for bad in invalid {
+            tracing::warn!(plugin = %self.spec.name, key = %bad.key, error = %bad.error, "auth key of plugin response ignored");
+        }
+        let ttl = response.cache_duration.unwrap_or(self.spec.default_cache_duration);
+        let (now, wall) = (self.clock.now(), self.clock.wall());
+        let cached = !ttl.is_zero();
+        Ok(Arc::new(Entry {
+            auth,
+            key_type: response.cache_key_type,
+            image: job.image.clone(),
+            registry: job.registry.clone(),
+            scope: job.scope.clone(),
+            expires: cached.then(|| now + ttl),
+            expires_wall: cached.then(|| wall + ttl),
+            fetched_wall: wall,
+        }))
+    }
+
+    fn record(&self, result: &RunResult) {
+        let mut state = lock(&self.state);
+        match result {
+            Ok(_) => {
+                state.consecutive_failures = 0;
+                state.next_allowed = None;
+                state.last_success = Some(self.clock.wall());
+            }
+            Err(e) => {
+                self.metrics.error(e.reason());
+                tracing::warn!(plugin = %self.spec.name, error = %e, reason = e.reason(), "plugin run failed");
+                state.consecutive_failures += 1;
+                state.last_error = Some(e.to_string());
+                if state.consecutive_failures >= 2 {
+                    let exp = (state.consecutive_failures - 2).min(16);
+                    let delay = self.backoff.base.saturating_mul(1 << exp).min(self.backoff.max);
+                    state.next_allowed = Some(self.clock.now() + delay);
+                }
+            }
+        }
+    }
+
+    /// A snapshot for operators.
+    pub fn status(&self) -> ProviderStatus {
+        let state = lock(&self.state);
+        ProviderStatus {
+            name: self.spec.name.clone(),
+            runs: self.metrics.runs.get(),
+            errors: self.metrics.error_count(),
+            cache_hits: self.metrics.hits.get(),
+            cache_misses: self.metrics.misses.get(),
+            cache_entries: self.cache.load().live(self.clock.now()),
+            last_run: state.last_run,
+            last_success: state.last_success,
+            last_error: state.last_error.clone(),
+            consecutive_failures: state.consecutive_failures,
+        }
+    }
+}

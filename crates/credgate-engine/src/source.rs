@@ -1,0 +1,101 @@
+//! Reading sources from disk: the provider config (a file, or a directory of `.json`, `.yaml`
+//! and `.yml` files read in sorted order) and node-wide docker config files.
+
+use std::io;
+use std::path::{Path, PathBuf};
+
+use credgate_core::config::{ConfigError, Document, ProviderConfig};
+use credgate_core::dockerconfig::{self, DockerConfigError};
+use credgate_core::keyring::AuthSet;
+
+use crate::engine::StaticSource;
+
+/// Why a file could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("cannot read {path}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("no .json, .yaml or .yml files in {0}")]
+    EmptyDirectory(PathBuf),
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("{path}: {source}")]
+    DockerConfig {
+        path: PathBuf,
+        source: DockerConfigError,
+    },
+}
+
+fn read(path: &Path) -> Result<Vec<u8>, LoadError> {
+    std::fs::read(path).map_err(|source| LoadError::Read {
+        path: path.to_owned(),
+        source,
+    })
+}
+
+/// The files a provider config path stands for, in the order they are read.
+pub fn config_files(path: &Path) -> Result<Vec<PathBuf>, LoadError> {
+    let meta = std::fs::metadata(path).map_err(|source| LoadError::Read {
+        path: path.to_owned(),
+        source,
+    })?;
+    if !meta.is_dir() {
+        return Ok(vec![path.to_owned()]);
+    }
+    let entries = std::fs::read_dir(path).map_err(|source| LoadError::Read {
+        path: path.to_owned(),
+        source,
+    })?;
+    let mut files = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(|source| LoadError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        let p = entry.path();
+        let ext_ok = matches!(p.extension().and_then(|e| e.to_str()), Some("json" | "yaml" | "yml"));
+        if ext_ok && std::fs::metadata(&p).is_ok_and(|m| m.is_file()) {
+            files.push(p);
+        }
+    }
+    if files.is_empty() {
+        return Err(LoadError::EmptyDirectory(path.to_owned()));
+    }
+    files.sort();
+    Ok(files)
+}
+
+/// Loads and validates a provider config from a file or a directory.
+pub fn load_provider_config(path: &Path) -> Result<ProviderConfig, LoadError> {
+    let files = config_files(path)?;
+    let contents = files.iter().map(|f| read(f)).collect::<Result<Vec<_>, _>>()?;
+    let names: Vec<String> = files.iter().map(|f| f.display().to_string()).collect();
+    let docs: Vec<Document<'_>> = names
+        .iter()
+        .zip(&contents)
+        .map(|(name, bytes)| Document { name, bytes })
+        .collect();
+    Ok(ProviderConfig::from_documents(&docs)?)
+}
+
+/// Loads a docker `config.json` as a static source; keys that do not parse are logged and left
+/// out.
+pub fn load_docker_config(path: &Path) -> Result<StaticSource, LoadError> {
+    let bytes = read(path)?;
+    let items = dockerconfig::parse(&bytes).map_err(|source| LoadError::DockerConfig {
+        path: path.to_owned(),
+        source,
+    })?;
+    let (auth, invalid) = AuthSet::new(items);
+    for bad in invalid {
+        tracing::warn!(path = %path.display(), key = %bad.key, error = %bad.error, "docker config key ignored");
+    }
+    Ok(StaticSource {
+        name: path.display().to_string(),
+        auth,
+    })
+}
