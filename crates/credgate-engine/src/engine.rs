@@ -139,7 +139,7 @@ pub struct Lookup {
 pub struct EngineBuilder {
     config: Option<ProviderConfig>,
     options: EngineOptions,
-    runner: Arc<dyn PluginRunner>,
+    runner: Option<Arc<dyn PluginRunner>>,
     clock: Arc<dyn Clock>,
     statics: Vec<StaticSource>,
     metrics: EngineMetrics,
@@ -159,7 +159,7 @@ impl EngineBuilder {
 
     /// Replaces the process runner (tests inject fakes); also skips the binary checks.
     pub fn runner(mut self, runner: Arc<dyn PluginRunner>) -> Self {
-        self.runner = runner;
+        self.runner = Some(runner);
         self.check_binaries = false;
         self
     }
@@ -186,6 +186,7 @@ impl EngineBuilder {
         if let Some(name) = opts.timeouts.keys().find(|n| !specs.iter().any(|s| &s.name == *n)) {
             return Err(BuildError::UnknownProvider(name.clone()));
         }
+        let runner = self.runner.clone().unwrap_or_else(|| Arc::new(ExecRunner { limits: opts.limits }));
         let mut providers = Vec::with_capacity(specs.len());
         for spec in specs {
             let path = opts.plugin_dir.join(&spec.name);
@@ -204,7 +205,7 @@ impl EngineBuilder {
                 spec,
                 command,
                 cache_capacity: opts.cache_capacity,
-                runner: self.runner.clone(),
+                runner: runner.clone(),
                 clock: self.clock.clone(),
                 backoff: opts.backoff,
             })));
@@ -261,7 +262,7 @@ impl Engine {
         EngineBuilder {
             config: None,
             options: EngineOptions::default(),
-            runner: Arc::new(ExecRunner::default()),
+            runner: None,
             clock: Arc::new(SystemClock),
             statics: Vec::new(),
             metrics: EngineMetrics::default(),

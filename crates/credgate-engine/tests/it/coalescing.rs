@@ -1,0 +1,148 @@
+//! Coalescing of concurrent misses, counted with a fake runner under tokio's paused clock:
+//! every request is queued before the first run's one-second delay elapses.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use credgate_engine::{Engine, EngineOptions, LookupRequest};
+use tokio::sync::Barrier;
+use tokio::time::Instant;
+
+use crate::common::*;
+
+const RUN: Duration = Duration::from_secs(1);
+
+fn fake_engine(key_type: &'static str, runner: Option<Arc<FakeRunner>>) -> (Engine, Arc<FakeRunner>) {
+    let runner = runner.unwrap_or_else(|| {
+        FakeRunner::new(RUN, move |_, _| {
+            Ok(response(WIRE_V1, key_type, Some("1h"), &[("registry.example.com", "u", "p")]))
+        })
+    });
+    let engine = Engine::builder()
+        .config(config(&[("p", &["registry.example.com", "other.example.com"], "10m", WIRE_V1)]))
+        .options(EngineOptions::default())
+        .runner(runner.clone())
+        .build()
+        .unwrap();
+    (engine, runner)
+}
+
+/// Starts `images.len()` lookups behind a barrier; returns each one's wait.
+async fn burst(engine: &Engine, images: Vec<String>) -> Vec<Duration> {
+    let barrier = Arc::new(Barrier::new(images.len()));
+    let tasks: Vec<_> = images
+        .into_iter()
+        .map(|image| {
+            let (engine, barrier) = (engine.clone(), barrier.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                let started = Instant::now();
+                let got = engine.lookup(&LookupRequest { image: &image, ..Default::default() }).await.unwrap();
+                assert!(got.errors.is_empty(), "{:?}", got.errors);
+                started.elapsed()
+            })
+        })
+        .collect();
+    let mut waits = Vec::new();
+    for t in tasks {
+        waits.push(t.await.unwrap());
+    }
+    waits
+}
+
+fn distinct(n: usize) -> Vec<String> {
+    (0..n).map(|i| format!("registry.example.com/team/app-{i}:v1")).collect()
+}
+
+#[tokio::test(start_paused = true)]
+async fn registry_keyed_burst_of_distinct_images_costs_one_run() {
+    let (engine, runner) = fake_engine("Registry", None);
+    let waits = burst(&engine, distinct(100)).await;
+    assert_eq!(runner.runs(), 1);
+    assert!(waits.iter().all(|w| *w <= RUN), "{waits:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn global_keyed_burst_across_registries_costs_one_run() {
+    let (engine, runner) = fake_engine("Global", None);
+    let mut images = distinct(50);
+    images.extend((0..50).map(|i| format!("other.example.com/x/{i}")));
+    burst(&engine, images).await;
+    assert_eq!(runner.runs(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn image_keyed_burst_costs_n_runs_and_waits_at_most_two() {
+    let (engine, runner) = fake_engine("Image", None);
+    let waits = burst(&engine, distinct(100)).await;
+    assert_eq!(runner.runs(), 100);
+    assert!(waits.iter().all(|w| *w <= 2 * RUN), "{waits:?}");
+    // Once the provider is known to answer per image, nobody waits on someone else's run.
+    let more: Vec<String> = (100..200).map(|i| format!("registry.example.com/team/app-{i}:v1")).collect();
+    let waits = burst(&engine, more).await;
+    assert_eq!(runner.runs(), 200);
+    assert!(waits.iter().all(|w| *w <= RUN), "{waits:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn same_image_burst_costs_one_run() {
+    for key_type in ["Image", "Registry", "Global"] {
+        let (engine, runner) = fake_engine(key_type, None);
+        burst(&engine, vec!["registry.example.com/team/app:v1".to_owned(); 100]).await;
+        assert_eq!(runner.runs(), 1, "{key_type}");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn zero_duration_answers_still_reach_every_waiter() {
+    let runner = FakeRunner::new(RUN, |_, _| {
+        Ok(response(WIRE_V1, "Registry", Some("0s"), &[("registry.example.com", "u", "p")]))
+    });
+    let (engine, runner) = fake_engine("Registry", Some(runner));
+    let waits = burst(&engine, distinct(20)).await;
+    assert_eq!(runner.runs(), 1);
+    assert!(waits.iter().all(|w| *w <= RUN));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failed_run_is_shared_by_its_waiters() {
+    let runner = FakeRunner::new(RUN, |_, _| Err(()));
+    let (engine, runner) = fake_engine("Registry", Some(runner));
+    let barrier = Arc::new(Barrier::new(10));
+    let tasks: Vec<_> = distinct(10)
+        .into_iter()
+        .map(|image| {
+            let (engine, barrier) = (engine.clone(), barrier.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                engine.lookup(&LookupRequest { image: &image, ..Default::default() }).await.unwrap()
+            })
+        })
+        .collect();
+    for t in tasks {
+        let got = t.await.unwrap();
+        assert_eq!(got.errors.len(), 1);
+    }
+    assert_eq!(runner.runs(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_cancelled_caller_does_not_strand_the_others() {
+    let (engine, runner) = fake_engine("Registry", None);
+    let first = {
+        let engine = engine.clone();
+        tokio::spawn(async move {
+            engine
+                .lookup(&LookupRequest { image: "registry.example.com/a", ..Default::default() })
+                .await
+        })
+    };
+    tokio::task::yield_now().await;
+    first.abort();
+    let got = engine
+        .lookup(&LookupRequest { image: "registry.example.com/b", ..Default::default() })
+        .await
+        .unwrap();
+    assert_eq!(got.credentials.len(), 1);
+    assert_eq!(runner.runs(), 1);
+}

@@ -1,0 +1,9 @@
+//! Integration tests of the engine: real plugin executables written to a temp dir, and
+//! coalescing and cache timing with an injected runner under tokio's paused clock.
+
+mod cache;
+mod coalescing;
+mod common;
+mod plugins;
+mod service_accounts;
+mod sources;
