@@ -1,1 +1,65 @@
-fn main() {}
+//! `credgate`: the command-line face of credgate. Each subcommand is a short function over the
+//! library; `main` maps outcomes to exit codes in one place (0 success, 1 negative answer or
+//! failure, 2 usage error).
+
+mod cmd;
+mod opts;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+use crate::opts::{Cli, Command};
+
+/// What a subcommand concluded.
+pub enum Outcome {
+    /// Exit 0.
+    Yes,
+    /// Exit 1: the operation's negative answer (no credentials, no match, invalid config).
+    No,
+    /// Exit 2: the input was unusable (a malformed pattern).
+    Usage,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logs(cli.verbose);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime starts");
+    let result = runtime.block_on(async {
+        match cli.command {
+            Command::Get(args) => cmd::get::run(args).await,
+            Command::CheckConfig(args) => cmd::check::run(args),
+            Command::Match(args) => cmd::matching::run(args),
+        }
+    });
+    match result {
+        Ok(Outcome::Yes) => ExitCode::SUCCESS,
+        Ok(Outcome::No) => ExitCode::from(1),
+        Ok(Outcome::Usage) => ExitCode::from(2),
+        Err(e) => {
+            eprintln!("error: {}", chain(&e));
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// `outer: inner: root`, one line.
+fn chain(e: &anyhow::Error) -> String {
+    e.chain().map(ToString::to_string).collect::<Vec<_>>().join(": ")
+}
+
+fn init_logs(verbose: u8) {
+    let level = match verbose {
+        0 => "error",
+        1 => "info",
+        2 => "debug",
+        _ => "trace",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_env("CREDGATE_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+}

@@ -1,0 +1,151 @@
+//! The `credgate` binary end to end: the README's example, JSON and table output, exit codes
+//! of `get`, `check-config` and `match`, and secrets kept off stderr.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn credgate(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_credgate"))
+        .args(args)
+        .current_dir(repo())
+        .env_remove("CREDGATE_LOG")
+        .output()
+        .expect("credgate runs")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+const EXAMPLE: [&str; 4] = [
+    "--image-credential-provider-config",
+    "examples/provider-config.yaml",
+    "--image-credential-provider-bin-dir",
+    "examples/plugins",
+];
+
+#[test]
+fn readme_example_get_table() {
+    let mut args = vec!["get", "--no-docker-config"];
+    args.extend(EXAMPLE);
+    args.push("registry.example.com/team/app:v1");
+    let out = credgate(&args);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(stdout.contains("credgate-example-plugin") && stdout.contains("demo"), "{stdout}");
+    assert!(!stdout.contains("demo-password"), "table hides passwords: {stdout}");
+}
+
+#[test]
+fn get_json_in_try_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let docker = dir.path().join("config.json");
+    std::fs::write(&docker, r#"{"auths":{"*.registry.example.com":{"username":"wild","password":"w"},"registry.example.com":{"username":"static","password":"s"}}}"#).unwrap();
+    let mut args = vec!["get", "-o", "json", "--min-valid-for", "5m", "--docker-config", docker.to_str().unwrap()];
+    args.extend(EXAMPLE);
+    args.push("registry.example.com/team/app@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef");
+    let out = credgate(&args);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = rows.as_array().unwrap();
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    assert_eq!(rows[0]["provider"], docker.to_str().unwrap());
+    assert_eq!(rows[0]["source"], "docker-config");
+    assert_eq!(rows[0]["expires_at"], serde_json::Value::Null);
+    assert_eq!(rows[1]["provider"], "credgate-example-plugin");
+    assert_eq!(rows[1]["pattern"], "registry.example.com");
+    assert_eq!(rows[1]["username"], "demo");
+    assert_eq!(rows[1]["password"], "demo-password");
+    let expires = rows[1]["expires_at"].as_str().unwrap();
+    assert!(expires.ends_with('Z') && expires.contains('T'), "{expires}");
+}
+
+#[test]
+fn get_without_credentials_exits_1() {
+    let mut args = vec!["get", "--no-docker-config"];
+    args.extend(EXAMPLE);
+    args.push("quay.io/team/app");
+    let out = credgate(&args);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("no credentials for quay.io/team/app"));
+}
+
+#[test]
+fn get_with_a_failing_plugin_warns_without_secrets() {
+    let dir = tempfile::tempdir().unwrap();
+    let plugin = dir.path().join("bad");
+    std::fs::write(&plugin, "#!/bin/sh\ncat >/dev/null\necho '{\"password\":\"leaked-secret\"}'\nexit 4\n").unwrap();
+    std::os::unix::fs::PermissionsExt::set_mode(&mut std::fs::metadata(&plugin).unwrap().permissions(), 0o755);
+    std::fs::set_permissions(&plugin, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let config = dir.path().join("c.yaml");
+    std::fs::write(&config, "apiVersion: kubelet.config.k8s.io/v1\nkind: CredentialProviderConfig\nproviders:\n- name: bad\n  matchImages: [reg.io]\n  defaultCacheDuration: 1m\n  apiVersion: credentialprovider.kubelet.k8s.io/v1\n").unwrap();
+    let out = credgate(&[
+        "get", "-vvv", "--no-docker-config",
+        "--image-credential-provider-config", config.to_str().unwrap(),
+        "--image-credential-provider-bin-dir", dir.path().to_str().unwrap(),
+        "reg.io/app",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("warning: plugin bad: exited with exit status: 4"), "{stderr}");
+    assert!(!stderr.contains("leaked-secret") && !text(&out.stdout).contains("leaked-secret"));
+}
+
+#[test]
+fn get_with_a_bad_reference_or_config_exits_1() {
+    let out = credgate(&["get", "--no-docker-config", "Bad/Image"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).starts_with("error: lookup failed: invalid image reference"), "{}", text(&out.stderr));
+    let out = credgate(&["get", "--image-credential-provider-config", "nope.yaml", "--image-credential-provider-bin-dir", ".", "x.io/a"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("nope.yaml"));
+}
+
+#[test]
+fn check_config_lists_every_problem() {
+    let out = credgate(&["check-config", "examples/provider-config.yaml", "--image-credential-provider-bin-dir", "examples/plugins"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).starts_with("ok: 1 provider(s), config sha256:"));
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("bad.yaml");
+    std::fs::write(&bad, "apiVersion: kubelet.config.k8s.io/v1\nkind: CredentialProviderConfig\nproviders:\n- name: a/b\n  matchImages: [\"https://x.io\", \"x:y\"]\n  apiVersion: nope\n").unwrap();
+    let out = credgate(&["check-config", bad.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    let lines: Vec<String> = text(&out.stderr).lines().map(String::from).collect();
+    assert_eq!(lines.len(), 4, "{lines:?}");
+    assert!(lines[0].ends_with("providers[0].name: provider name \"a/b\" cannot contain '/'"), "{lines:?}");
+    let missing = credgate(&["check-config", "examples/provider-config.yaml", "--image-credential-provider-bin-dir", "/nonexistent"]);
+    assert_eq!(missing.status.code(), Some(1));
+    assert!(text(&missing.stderr).contains("does not exist"));
+}
+
+#[test]
+fn check_config_warns_about_patterns_that_never_match() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("lint.yaml");
+    std::fs::write(&cfg, "apiVersion: kubelet.config.k8s.io/v1\nkind: CredentialProviderConfig\nproviders:\n- name: p\n  matchImages: [\"https://x.io\", \"x.io/*\"]\n  defaultCacheDuration: 1m\n  apiVersion: credentialprovider.kubelet.k8s.io/v1\n").unwrap();
+    let out = credgate(&["check-config", cfg.to_str().unwrap()]);
+    assert!(out.status.success());
+    let stderr = text(&out.stderr);
+    assert_eq!(stderr.matches("warning:").count(), 2, "{stderr}");
+}
+
+#[test]
+fn match_exit_codes() {
+    for (pattern, image, code, out) in [
+        ("*.dkr.ecr.*.amazonaws.com", "123456789012.dkr.ecr.us-east-1.amazonaws.com/app:v1", 0, "true"),
+        ("docker.io", "nginx:1.25", 0, "true"),
+        ("k*.io", "quay.io/x", 1, "false"),
+        ("127.0.0.1:5000", "127.0.0.1:5000", 0, "true"),
+        ("reg.io:abc", "reg.io/x", 2, ""),
+    ] {
+        let got = credgate(&["match", pattern, image]);
+        assert_eq!(got.status.code(), Some(code), "{pattern} {image}: {}", text(&got.stderr));
+        assert_eq!(text(&got.stdout).trim(), out);
+    }
+    assert_eq!(credgate(&["match", "only-one-arg"]).status.code(), Some(2));
+}
