@@ -1,1 +1,309 @@
-fn main() {}
+//! `credgate-bench`: drives the credgate engine (not the CLI) with any provider config and plugin
+//! directory, and reports plugin runs from the engine's own counters.
+//!
+//! Scenarios: `hit` (warm-cache lookups from G threads), `burst` (K concurrent cold lookups),
+//! `miss` (sequential lookups that each run the plugin), `rawexec` (the plugin spawned with no
+//! credgate code around it: the floor for `miss`).
+
+use std::future::Future;
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context as _, Result};
+use clap::{Parser, ValueEnum};
+use credgate_core::config::ProviderSpec;
+use credgate_core::reference::ImageRef;
+use credgate_core::wire;
+use credgate_engine::source::load_provider_config;
+use credgate_engine::{Engine, EngineOptions, LookupRequest};
+use serde_json::{json, Value};
+
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
+enum Scenario {
+    Hit,
+    Burst,
+    Miss,
+    Rawexec,
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
+enum Format {
+    Text,
+    Json,
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
+enum BurstMode {
+    Distinct,
+    Same,
+    Both,
+}
+
+#[derive(Parser)]
+#[command(name = "credgate-bench", about = "Benchmarks of the credgate engine")]
+struct Args {
+    scenario: Scenario,
+    #[arg(long, default_value = "bench/hit.yaml")]
+    image_credential_provider_config: PathBuf,
+    /// Defaults to the directory of this program (where cargo builds credgate-static-plugin).
+    #[arg(long)]
+    image_credential_provider_bin_dir: Option<PathBuf>,
+    #[arg(long, default_value = "registry.example.com/team/app-0:v1")]
+    image: String,
+    /// `{i}` is replaced by the request's index (burst).
+    #[arg(long, default_value = "registry.example.com/team/app-{i}:v1")]
+    image_template: String,
+    #[arg(long, default_value = "1,2", value_delimiter = ',')]
+    threads: Vec<usize>,
+    #[arg(long, default_value = "5s", value_parser = parse_duration)]
+    duration: Duration,
+    #[arg(short = 'k', default_value_t = 100)]
+    k: usize,
+    #[arg(long, default_value_t = 5)]
+    reps: usize,
+    #[arg(short = 'n', default_value_t = 200)]
+    n: usize,
+    #[arg(long, value_enum, default_value_t = BurstMode::Both)]
+    mode: BurstMode,
+    /// The provider whose plugin `rawexec` spawns (default: the first).
+    #[arg(long)]
+    plugin: Option<String>,
+    #[arg(short = 'o', long, value_enum, default_value_t = Format::Text)]
+    output: Format,
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    credgate_core::duration::GoDuration::parse(s)
+        .map_err(|e| e.to_string())?
+        .to_std()
+        .ok_or_else(|| "negative duration".to_owned())
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    match args.scenario {
+        Scenario::Hit => hit(&args, &rt),
+        Scenario::Burst => burst(&args, &rt),
+        Scenario::Miss => miss(&args, &rt),
+        Scenario::Rawexec => rawexec(&args),
+    }
+}
+
+fn bin_dir(args: &Args) -> Result<PathBuf> {
+    match &args.image_credential_provider_bin_dir {
+        Some(d) => Ok(d.clone()),
+        None => Ok(std::env::current_exe()?.parent().context("program has a directory")?.to_owned()),
+    }
+}
+
+fn engine(args: &Args) -> Result<Engine> {
+    let config = load_provider_config(&args.image_credential_provider_config)?;
+    let options = EngineOptions { plugin_dir: bin_dir(args)?, ..Default::default() };
+    Ok(Engine::builder().config(config).options(options).build()?)
+}
+
+fn emit(args: &Args, v: Value) {
+    match args.output {
+        Format::Json => println!("{v}"),
+        Format::Text => {
+            let obj = v.as_object().expect("results are objects");
+            let parts: Vec<String> = obj.iter().map(|(k, v)| format!("{k}={v}")).collect();
+            println!("{}", parts.join(" "));
+        }
+    }
+}
+
+/// Polls a future that is expected to complete without waiting (a cache hit) on this thread;
+/// falls back to the runtime when it does wait.
+fn poll_now<F: Future>(rt: &tokio::runtime::Runtime, fut: F) -> F::Output {
+    let mut fut = std::pin::pin!(fut);
+    match fut.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
+        Poll::Ready(v) => v,
+        Poll::Pending => rt.block_on(fut),
+    }
+}
+
+fn hit(args: &Args, rt: &tokio::runtime::Runtime) -> Result<()> {
+    let engine = engine(args)?;
+    let req = LookupRequest { image: &args.image, ..Default::default() };
+    let first = rt.block_on(engine.lookup(&req))?;
+    ensure!(first.errors.is_empty(), "first lookup failed: {}", first.errors[0]);
+    ensure!(!first.credentials.is_empty(), "the plugin gave no credentials for {}", args.image);
+    for api in ["cached", "owned"] {
+        for &threads in &args.threads {
+            let (ops, wall) = hit_run(&engine, rt, &req, threads, args.duration, api == "cached");
+            emit(args, json!({
+                "scenario": "hit", "api": api, "threads": threads,
+                "ops_per_s": (ops as f64 / wall.as_secs_f64()).round(),
+                "ns_per_op": ((wall.as_nanos() as f64 / ops as f64) * 10.0).round() / 10.0,
+                "runs": engine.total_runs(),
+            }));
+        }
+    }
+    ensure!(engine.total_runs() == 1, "expected exactly one plugin run, saw {}", engine.total_runs());
+    Ok(())
+}
+
+fn hit_run(
+    engine: &Engine,
+    rt: &tokio::runtime::Runtime,
+    req: &LookupRequest<'_>,
+    threads: usize,
+    duration: Duration,
+    cached: bool,
+) -> (u64, Duration) {
+    let measuring = AtomicBool::new(false);
+    let stop = AtomicBool::new(false);
+    let one = || -> usize {
+        if cached {
+            engine.lookup_cached(req, |c| c.len()).ok().flatten().unwrap_or(0)
+        } else {
+            poll_now(rt, engine.lookup(req)).map(|l| l.credentials.len()).unwrap_or(0)
+        }
+    };
+    let mut wall = Duration::ZERO;
+    let total: u64 = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                s.spawn(|| {
+                    let mut n = 0u64;
+                    while !measuring.load(Ordering::Relaxed) {
+                        std::hint::black_box(one());
+                    }
+                    while !stop.load(Ordering::Relaxed) {
+                        std::hint::black_box(one());
+                        n += 1;
+                    }
+                    n
+                })
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(200));
+        let started = Instant::now();
+        measuring.store(true, Ordering::Relaxed);
+        std::thread::sleep(duration);
+        stop.store(true, Ordering::Relaxed);
+        wall = started.elapsed();
+        workers.into_iter().map(|w| w.join().expect("worker")).sum()
+    });
+    (total, wall)
+}
+
+fn burst(args: &Args, rt: &tokio::runtime::Runtime) -> Result<()> {
+    let modes: &[&str] = match args.mode {
+        BurstMode::Distinct => &["distinct"],
+        BurstMode::Same => &["same"],
+        BurstMode::Both => &["distinct", "same"],
+    };
+    for mode in modes {
+        for rep in 1..=args.reps {
+            let engine = engine(args)?;
+            let images: Vec<String> = (0..args.k)
+                .map(|i| args.image_template.replace("{i}", &if *mode == "same" { 0 } else { i }.to_string()))
+                .collect();
+            let barrier = Arc::new(tokio::sync::Barrier::new(args.k));
+            let started = Instant::now();
+            let errors = rt.block_on(async {
+                let tasks: Vec<_> = images
+                    .into_iter()
+                    .map(|image| {
+                        let (engine, barrier) = (engine.clone(), barrier.clone());
+                        tokio::spawn(async move {
+                            barrier.wait().await;
+                            let req = LookupRequest { image: &image, ..Default::default() };
+                            engine.lookup(&req).await.map(|l| l.errors.len()).unwrap_or(1)
+                        })
+                    })
+                    .collect();
+                let mut errors = 0;
+                for t in tasks {
+                    errors += t.await.unwrap_or(1);
+                }
+                errors
+            });
+            let wall = started.elapsed();
+            emit(args, json!({
+                "scenario": "burst", "mode": mode, "rep": rep, "k": args.k,
+                "runs": engine.total_runs(), "errors": errors,
+                "wall_ms": (wall.as_secs_f64() * 1e4).round() / 10.0,
+            }));
+        }
+    }
+    Ok(())
+}
+
+fn stats(args: &Args, scenario: &str, mut samples: Vec<Duration>, runs: u64) {
+    samples.sort();
+    let ms = |d: Duration| (d.as_secs_f64() * 1e6).round() / 1e3;
+    let mean = samples.iter().sum::<Duration>() / samples.len() as u32;
+    let pct = |p: f64| samples[((samples.len() as f64 * p).ceil() as usize).saturating_sub(1).min(samples.len() - 1)];
+    emit(args, json!({
+        "scenario": scenario, "n": samples.len(), "runs": runs,
+        "mean_ms": ms(mean), "p50_ms": ms(pct(0.50)), "p99_ms": ms(pct(0.99)),
+    }));
+}
+
+fn miss(args: &Args, rt: &tokio::runtime::Runtime) -> Result<()> {
+    let engine = engine(args)?;
+    let req = LookupRequest { image: &args.image, ..Default::default() };
+    let mut samples = Vec::with_capacity(args.n);
+    for i in 0..10 + args.n {
+        let started = Instant::now();
+        let got = rt.block_on(engine.lookup(&req))?;
+        let took = started.elapsed();
+        ensure!(got.errors.is_empty(), "lookup failed: {}", got.errors[0]);
+        if i >= 10 {
+            samples.push(took);
+        }
+    }
+    let runs = engine.total_runs();
+    ensure!(runs as usize == 10 + args.n, "every lookup must run the plugin (cacheDuration 0s); saw {runs} runs");
+    stats(args, "miss", samples, runs);
+    Ok(())
+}
+
+fn rawexec(args: &Args) -> Result<()> {
+    let config = load_provider_config(&args.image_credential_provider_config)?;
+    let spec: &ProviderSpec = match &args.plugin {
+        Some(name) => config.providers.iter().find(|p| &p.name == name).context("no such provider")?,
+        None => config.providers.first().context("config has no providers")?,
+    };
+    let image = ImageRef::parse(&args.image)?;
+    let request = wire::Request {
+        api_version: spec.api_version,
+        image: image.name(),
+        service_account_token: None,
+        service_account_annotations: None,
+    }
+    .encode();
+    let path = bin_dir(args)?.join(&spec.name);
+    let mut samples = Vec::with_capacity(args.n);
+    for i in 0..10 + args.n {
+        let started = Instant::now();
+        let mut child = Command::new(&path)
+            .args(&spec.args)
+            .envs(spec.env.iter().map(|(k, v)| (k, v)))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("cannot run {}", path.display()))?;
+        child.stdin.take().context("stdin")?.write_all(&request)?;
+        let out = child.wait_with_output()?;
+        let took = started.elapsed();
+        if !out.status.success() || out.stdout.is_empty() {
+            bail!("plugin failed: {}", out.status);
+        }
+        if i >= 10 {
+            samples.push(took);
+        }
+    }
+    stats(args, "rawexec", samples, (10 + args.n) as u64);
+    Ok(())
+}

@@ -350,18 +350,40 @@ fn class_char(chars: &mut std::iter::Peekable<std::str::Chars<'_>>) -> Option<ch
 }
 
 /// Go's `path.Match` for one label (no separators): `*`, `?`, `[...]`, `\` escapes.
-/// Call only with a pattern for which [`glob_valid`] holds.
+/// Call only with a pattern for which [`glob_valid`] holds. ASCII input (every real host) is
+/// matched byte-wise without allocating.
 pub fn glob_match(pattern: &str, text: &str) -> bool {
-    let p: Vec<char> = pattern.chars().collect();
-    let t: Vec<char> = text.chars().collect();
-    glob_at(&p, &t)
+    if pattern.is_ascii() && text.is_ascii() {
+        glob_at(pattern.as_bytes(), text.as_bytes())
+    } else {
+        let p: Vec<char> = pattern.chars().collect();
+        let t: Vec<char> = text.chars().collect();
+        glob_at(&p, &t)
+    }
 }
 
-fn glob_at(p: &[char], t: &[char]) -> bool {
+/// A pattern or text symbol: a byte or a char.
+trait Sym: Copy + Ord {
+    fn is(self, c: u8) -> bool;
+}
+
+impl Sym for u8 {
+    fn is(self, c: u8) -> bool {
+        self == c
+    }
+}
+
+impl Sym for char {
+    fn is(self, c: u8) -> bool {
+        self == char::from(c)
+    }
+}
+
+fn glob_at<T: Sym>(p: &[T], t: &[T]) -> bool {
     let (mut pi, mut ti) = (0, 0);
     let mut star: Option<(usize, usize)> = None;
     while ti < t.len() {
-        if pi < p.len() && p[pi] == '*' {
+        if pi < p.len() && p[pi].is(b'*') {
             star = Some((pi, ti));
             pi += 1;
             continue;
@@ -382,34 +404,38 @@ fn glob_at(p: &[char], t: &[char]) -> bool {
             None => return false,
         }
     }
-    p[pi..].iter().all(|c| *c == '*')
+    p[pi..].iter().all(|c| c.is(b'*'))
 }
 
 /// Matches one non-star pattern item at `p[pi]` against `c`; returns the next pattern index.
-fn single(p: &[char], pi: usize, c: char) -> Option<usize> {
-    match p[pi] {
-        '?' => Some(pi + 1),
-        '\\' => (p.get(pi + 1) == Some(&c)).then_some(pi + 2),
-        '[' => class(p, pi + 1, c),
-        lit => (lit == c).then_some(pi + 1),
+fn single<T: Sym>(p: &[T], pi: usize, c: T) -> Option<usize> {
+    let x = p[pi];
+    if x.is(b'?') {
+        Some(pi + 1)
+    } else if x.is(b'\\') {
+        (p.get(pi + 1) == Some(&c)).then_some(pi + 2)
+    } else if x.is(b'[') {
+        class(p, pi + 1, c)
+    } else {
+        (x == c).then_some(pi + 1)
     }
 }
 
-fn class(p: &[char], mut i: usize, c: char) -> Option<usize> {
-    let negated = p.get(i) == Some(&'^');
+fn class<T: Sym>(p: &[T], mut i: usize, c: T) -> Option<usize> {
+    let negated = p[i].is(b'^');
     if negated {
         i += 1;
     }
     let mut matched = false;
     let mut first = true;
     loop {
-        if p[i] == ']' && !first {
+        if p[i].is(b']') && !first {
             i += 1;
             break;
         }
         first = false;
         let (lo, next) = class_item(p, i);
-        let (hi, next) = if p[next] == '-' {
+        let (hi, next) = if p[next].is(b'-') {
             class_item(p, next + 1)
         } else {
             (lo, next)
@@ -422,8 +448,8 @@ fn class(p: &[char], mut i: usize, c: char) -> Option<usize> {
     (matched != negated).then_some(i)
 }
 
-fn class_item(p: &[char], i: usize) -> (char, usize) {
-    if p[i] == '\\' {
+fn class_item<T: Sym>(p: &[T], i: usize) -> (T, usize) {
+    if p[i].is(b'\\') {
         (p[i + 1], i + 2)
     } else {
         (p[i], i + 1)

@@ -53,31 +53,38 @@ impl<'a> ImageRef<'a> {
         if is_identifier(input) {
             return Err(ReferenceError::IdentifierLike);
         }
-        let (domain, remainder, explicit) = split_domain(input);
-        let (before_digest, digest) = match remainder.split_once('@') {
-            Some((b, d)) => (b, Some(d)),
-            None => (remainder, None),
+        let scan = Scan::of(input.as_bytes());
+        let end = scan.at.unwrap_or(input.len());
+        let (domain, path_start, explicit) = match scan.slash {
+            Some(s) if scan.domain_hint || &input[..s] == "localhost" => (&input[..s], s + 1, true),
+            _ => (DEFAULT_DOMAIN, 0, false),
         };
-        let (path, tag) = split_tag(before_digest);
-        if path.bytes().any(|b| b.is_ascii_uppercase()) {
-            return Err(ReferenceError::Uppercase);
-        }
+        let path_end = scan.tag_colon.filter(|c| *c >= path_start).unwrap_or(end);
+        let path = &input[path_start..path_end];
+        let tag = (path_end < end).then(|| &input[path_end + 1..end]);
+        let digest = scan.at.map(|i| &input[i + 1..]);
         let domain = if domain == LEGACY_DEFAULT_DOMAIN {
             DEFAULT_DOMAIN
         } else {
             domain
         };
         validate_domain(domain)?;
-        validate_path(path)?;
+        if let Err(e) = validate_path(path) {
+            return Err(if path.bytes().any(|b| b.is_ascii_uppercase()) {
+                ReferenceError::Uppercase
+            } else {
+                e
+            });
+        }
         if let Some(tag) = tag {
             validate_tag(tag)?;
         }
         if let Some(digest) = digest {
             validate_digest(digest)?;
         }
-        let official = domain == DEFAULT_DOMAIN && !path.contains('/');
-        let name = if explicit && !official && domain.len() == input.find('/').unwrap_or(0) {
-            Cow::Borrowed(&input[..domain.len() + 1 + path.len()])
+        let official = domain == DEFAULT_DOMAIN && !path.bytes().any(|b| b == b'/');
+        let name = if explicit && !official && domain.as_ptr() == input.as_ptr() {
+            Cow::Borrowed(&input[..path_end])
         } else {
             let prefix = if official { OFFICIAL_PREFIX } else { "" };
             Cow::Owned(format!("{domain}/{prefix}{path}"))
@@ -149,27 +156,39 @@ pub fn is_default_registry(name: &str) -> bool {
     }
 }
 
-/// Splits off the registry: the first segment is one when it contains `.` or `:`, is
-/// `localhost`, or has an upper-case letter. Returns (domain, remainder, explicit).
-fn split_domain(input: &str) -> (&str, &str, bool) {
-    match input.split_once('/') {
-        Some((first, rest))
-            if first.contains(['.', ':'])
-                || first == "localhost"
-                || first.bytes().any(|b| b.is_ascii_uppercase()) =>
-        {
-            (first, rest, true)
-        }
-        _ => (DEFAULT_DOMAIN, input, false),
-    }
+/// Where the separators of a reference are, found in one pass.
+struct Scan {
+    /// The first `/`.
+    slash: Option<usize>,
+    /// The `@` that starts the digest.
+    at: Option<usize>,
+    /// The last `:` after the last `/` (before `@`): where a tag starts.
+    tag_colon: Option<usize>,
+    /// A `.`, `:` or upper-case letter before the first `/`: the first segment is a registry.
+    domain_hint: bool,
 }
 
-/// Splits `path[:tag]`; a colon only starts a tag after the last `/`.
-fn split_tag(s: &str) -> (&str, Option<&str>) {
-    let last_slash = s.rfind('/').map_or(0, |i| i + 1);
-    match s[last_slash..].find(':') {
-        Some(i) => (&s[..last_slash + i], Some(&s[last_slash + i + 1..])),
-        None => (s, None),
+impl Scan {
+    fn of(b: &[u8]) -> Self {
+        let mut scan = Scan { slash: None, at: None, tag_colon: None, domain_hint: false };
+        for (i, &x) in b.iter().enumerate() {
+            match x {
+                b'/' => {
+                    scan.slash.get_or_insert(i);
+                    scan.tag_colon = None;
+                }
+                b':' => scan.tag_colon = Some(i),
+                b'@' => {
+                    scan.at = Some(i);
+                    break;
+                }
+                _ => {}
+            }
+            if scan.slash.is_none() && (x == b'.' || x == b':' || x.is_ascii_uppercase()) {
+                scan.domain_hint = true;
+            }
+        }
+        scan
     }
 }
 
@@ -178,73 +197,80 @@ fn is_identifier(s: &str) -> bool {
 }
 
 fn validate_domain(domain: &str) -> Result<(), ReferenceError> {
-    let (host, port) = if let Some(rest) = domain.strip_prefix('[') {
-        let end = rest.find(']').ok_or(ReferenceError::InvalidDomain)?;
-        let ip = &rest[..end];
-        if ip.is_empty() || !ip.bytes().all(|b| b.is_ascii_hexdigit() || b == b':') {
+    let b = domain.as_bytes();
+    let port_at = if b.first() == Some(&b'[') {
+        let end = b.iter().position(|x| *x == b']').ok_or(ReferenceError::InvalidDomain)?;
+        let ip = &b[1..end];
+        if ip.is_empty() || !ip.iter().all(|x| x.is_ascii_hexdigit() || *x == b':') {
             return Err(ReferenceError::InvalidDomain);
         }
-        (None, &rest[end + 1..])
+        end + 1
     } else {
-        match domain.find(':') {
-            Some(i) => (Some(&domain[..i]), &domain[i..]),
-            None => (Some(domain), ""),
-        }
-    };
-    if let Some(host) = host {
-        if host.is_empty() || !host.split('.').all(valid_domain_component) {
+        let end = b.iter().position(|x| *x == b':').unwrap_or(b.len());
+        if !valid_host(&b[..end]) {
             return Err(ReferenceError::InvalidDomain);
         }
-    }
+        end
+    };
+    let port = &b[port_at..];
     if !port.is_empty() {
-        let digits = port.strip_prefix(':').ok_or(ReferenceError::InvalidDomain)?;
-        if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        let digits = port.strip_prefix(b":").ok_or(ReferenceError::InvalidDomain)?;
+        if digits.is_empty() || !digits.iter().all(u8::is_ascii_digit) {
             return Err(ReferenceError::InvalidDomain);
         }
     }
     Ok(())
 }
 
-fn valid_domain_component(c: &str) -> bool {
-    let b = c.as_bytes();
-    !b.is_empty()
-        && b[0].is_ascii_alphanumeric()
-        && b[b.len() - 1].is_ascii_alphanumeric()
-        && b.iter().all(|x| x.is_ascii_alphanumeric() || *x == b'-')
-}
-
-fn validate_path(path: &str) -> Result<(), ReferenceError> {
-    if path.split('/').all(valid_path_component) {
-        Ok(())
-    } else {
-        Err(ReferenceError::InvalidPath)
-    }
-}
-
-/// `[a-z0-9]+(?:(?:[._]|__|[-]+)[a-z0-9]+)*`
-fn valid_path_component(c: &str) -> bool {
-    let b = c.as_bytes();
-    let alnum = |x: u8| x.is_ascii_lowercase() || x.is_ascii_digit();
-    if b.is_empty() || !alnum(b[0]) || !alnum(b[b.len() - 1]) {
-        return false;
-    }
-    let mut i = 0;
-    while i < b.len() {
-        if alnum(b[i]) {
-            i += 1;
-            continue;
-        }
-        let start = i;
-        while i < b.len() && !alnum(b[i]) {
-            i += 1;
-        }
-        let sep = &b[start..i];
-        let ok = sep == b"." || sep == b"_" || sep == b"__" || sep.iter().all(|x| *x == b'-');
+/// Dot-separated components, each alphanumeric at both ends with `-` inside.
+fn valid_host(b: &[u8]) -> bool {
+    let mut prev = b'.';
+    for &x in b {
+        let ok = match x {
+            b'.' => prev != b'.' && prev != b'-',
+            b'-' => prev != b'.',
+            _ => x.is_ascii_alphanumeric(),
+        };
         if !ok {
             return false;
         }
+        prev = x;
     }
-    true
+    prev != b'.' && prev != b'-'
+}
+
+/// Components `[a-z0-9]+(?:(?:[._]|__|[-]+)[a-z0-9]+)*` separated by `/`.
+fn validate_path(path: &str) -> Result<(), ReferenceError> {
+    let alnum = |x: u8| x.is_ascii_lowercase() || x.is_ascii_digit();
+    let mut run_start = 0usize;
+    let mut prev_alnum = false;
+    let mut sep: (u8, usize) = (0, 0);
+    for (i, &x) in path.as_bytes().iter().enumerate() {
+        if alnum(x) {
+            prev_alnum = true;
+            sep = (0, 0);
+            continue;
+        }
+        if !prev_alnum && sep.1 == 0 {
+            return Err(ReferenceError::InvalidPath);
+        }
+        match x {
+            b'/' if sep.1 == 0 => {
+                run_start = i + 1;
+                prev_alnum = false;
+                continue;
+            }
+            b'.' if sep.1 == 0 => sep = (b'.', 1),
+            b'_' if sep.1 == 0 || (sep == (b'_', 1)) => sep = (b'_', sep.1 + 1),
+            b'-' if sep.1 == 0 || sep.0 == b'-' => sep = (b'-', sep.1 + 1),
+            _ => return Err(ReferenceError::InvalidPath),
+        }
+        prev_alnum = false;
+    }
+    if path.len() == run_start || !prev_alnum {
+        return Err(ReferenceError::InvalidPath);
+    }
+    Ok(())
 }
 
 /// `[\w][\w.-]{0,127}`

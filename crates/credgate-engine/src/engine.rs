@@ -263,7 +263,7 @@ impl Engine {
             config: None,
             options: EngineOptions::default(),
             runner: None,
-            clock: Arc::new(SystemClock),
+            clock: Arc::new(SystemClock::new()),
             statics: Vec::new(),
             metrics: EngineMetrics::default(),
             check_binaries: true,
