@@ -53,36 +53,32 @@ impl<'a> ImageRef<'a> {
         if is_identifier(input) {
             return Err(ReferenceError::IdentifierLike);
         }
-        let scan = Scan::of(input.as_bytes());
-        let end = scan.at.unwrap_or(input.len());
-        let (domain, path_start, explicit) = match scan.slash {
-            Some(s) if scan.domain_hint || &input[..s] == "localhost" => (&input[..s], s + 1, true),
+        let b = input.as_bytes();
+        let first_end = b.iter().position(|x| *x == b'/');
+        let (domain, rest_start, explicit) = match first_end {
+            Some(s) if is_registry(&b[..s]) => (&input[..s], s + 1, true),
             _ => (DEFAULT_DOMAIN, 0, false),
         };
-        let path_end = scan.tag_colon.filter(|c| *c >= path_start).unwrap_or(end);
-        let path = &input[path_start..path_end];
-        let tag = (path_end < end).then(|| &input[path_end + 1..end]);
-        let digest = scan.at.map(|i| &input[i + 1..]);
+        let tail = Tail::scan(&b[rest_start..]).map_err(|e| match e {
+            ReferenceError::InvalidPath if input[rest_start..].bytes().any(|x| x.is_ascii_uppercase()) => {
+                ReferenceError::Uppercase
+            }
+            e => e,
+        })?;
+        let path_end = rest_start + tail.path_len;
+        let path = &input[rest_start..path_end];
+        let tag = tail.tag.map(|(from, to)| &input[rest_start + from..rest_start + to]);
+        let digest = tail.digest_from.map(|from| &input[rest_start + from..]);
         let domain = if domain == LEGACY_DEFAULT_DOMAIN {
             DEFAULT_DOMAIN
         } else {
             domain
         };
         validate_domain(domain)?;
-        if let Err(e) = validate_path(path) {
-            return Err(if path.bytes().any(|b| b.is_ascii_uppercase()) {
-                ReferenceError::Uppercase
-            } else {
-                e
-            });
-        }
-        if let Some(tag) = tag {
-            validate_tag(tag)?;
-        }
         if let Some(digest) = digest {
             validate_digest(digest)?;
         }
-        let official = domain == DEFAULT_DOMAIN && !path.bytes().any(|b| b == b'/');
+        let official = domain == DEFAULT_DOMAIN && !tail.nested;
         let name = if explicit && !official && domain.as_ptr() == input.as_ptr() {
             Cow::Borrowed(&input[..path_end])
         } else {
@@ -156,39 +152,107 @@ pub fn is_default_registry(name: &str) -> bool {
     }
 }
 
-/// Where the separators of a reference are, found in one pass.
-struct Scan {
-    /// The first `/`.
-    slash: Option<usize>,
-    /// The `@` that starts the digest.
-    at: Option<usize>,
-    /// The last `:` after the last `/` (before `@`): where a tag starts.
-    tag_colon: Option<usize>,
-    /// A `.`, `:` or upper-case letter before the first `/`: the first segment is a registry.
-    domain_hint: bool,
+/// Whether the first segment names a registry: it has `.`, `:` or an upper-case letter, or is
+/// `localhost`.
+fn is_registry(first: &[u8]) -> bool {
+    first == b"localhost"
+        || first
+            .iter()
+            .any(|x| *x == b'.' || *x == b':' || x.is_ascii_uppercase())
 }
 
-impl Scan {
-    fn of(b: &[u8]) -> Self {
-        let mut scan = Scan { slash: None, at: None, tag_colon: None, domain_hint: false };
-        for (i, &x) in b.iter().enumerate() {
-            match x {
-                b'/' => {
-                    scan.slash.get_or_insert(i);
-                    scan.tag_colon = None;
-                }
-                b':' => scan.tag_colon = Some(i),
-                b'@' => {
-                    scan.at = Some(i);
-                    break;
-                }
-                _ => {}
+/// Byte classes of the repository grammar.
+const C_ALNUM: u8 = 0;
+const C_SLASH: u8 = 1;
+const C_DOT: u8 = 2;
+const C_UNDER: u8 = 3;
+const C_DASH: u8 = 4;
+const C_COLON: u8 = 5;
+const C_AT: u8 = 6;
+const C_OTHER: u8 = 7;
+
+const CLASS: [u8; 256] = {
+    let mut t = [C_OTHER; 256];
+    let mut i = 0;
+    while i < 256 {
+        let c = i as u8;
+        t[i] = match c {
+            b'a'..=b'z' | b'0'..=b'9' => C_ALNUM,
+            b'/' => C_SLASH,
+            b'.' => C_DOT,
+            b'_' => C_UNDER,
+            b'-' => C_DASH,
+            b':' => C_COLON,
+            b'@' => C_AT,
+            _ => C_OTHER,
+        };
+        i += 1;
+    }
+    t
+};
+
+/// Path states: at a component start, after an alphanumeric, after `.`, `_`, `__`, `-`+.
+const S_START: u8 = 0;
+const S_ALNUM: u8 = 1;
+const S_DOT: u8 = 2;
+const S_UNDER: u8 = 3;
+const S_UNDER2: u8 = 4;
+const S_DASH: u8 = 5;
+const S_BAD: u8 = 6;
+
+/// `NEXT[state][class]`: the path grammar
+/// `[a-z0-9]+(?:(?:[._]|__|[-]+)[a-z0-9]+)*(?:/...)*`; `:` and `@` end the path (handled by
+/// the caller), anything else is `S_BAD`.
+const NEXT: [[u8; 8]; 6] = [
+    // alnum    /        .      _         -       :      @      other
+    [S_ALNUM, S_BAD, S_BAD, S_BAD, S_BAD, S_BAD, S_BAD, S_BAD],        // start
+    [S_ALNUM, S_START, S_DOT, S_UNDER, S_DASH, S_BAD, S_BAD, S_BAD],   // alnum
+    [S_ALNUM, S_BAD, S_BAD, S_BAD, S_BAD, S_BAD, S_BAD, S_BAD],        // .
+    [S_ALNUM, S_BAD, S_BAD, S_UNDER2, S_BAD, S_BAD, S_BAD, S_BAD],     // _
+    [S_ALNUM, S_BAD, S_BAD, S_BAD, S_BAD, S_BAD, S_BAD, S_BAD],        // __
+    [S_ALNUM, S_BAD, S_BAD, S_BAD, S_DASH, S_BAD, S_BAD, S_BAD],       // -
+];
+
+/// The repository path, tag and digest after the registry, validated in one forward pass.
+struct Tail {
+    path_len: usize,
+    /// Whether the path has more than one component.
+    nested: bool,
+    tag: Option<(usize, usize)>,
+    digest_from: Option<usize>,
+}
+
+impl Tail {
+    fn scan(b: &[u8]) -> Result<Self, ReferenceError> {
+        let mut state = S_START;
+        let mut nested = false;
+        let mut i = 0;
+        while i < b.len() {
+            let class = CLASS[b[i] as usize];
+            if class == C_COLON || class == C_AT {
+                break;
             }
-            if scan.slash.is_none() && (x == b'.' || x == b':' || x.is_ascii_uppercase()) {
-                scan.domain_hint = true;
+            nested |= class == C_SLASH;
+            state = NEXT[state as usize][class as usize];
+            if state == S_BAD {
+                return Err(ReferenceError::InvalidPath);
             }
+            i += 1;
         }
-        scan
+        if state != S_ALNUM {
+            return Err(ReferenceError::InvalidPath);
+        }
+        let path_len = i;
+        let mut tag = None;
+        if b.get(i) == Some(&b':') {
+            let start = i + 1;
+            let end = b[start..].iter().position(|x| *x == b'@').map_or(b.len(), |p| start + p);
+            validate_tag(&b[start..end])?;
+            tag = Some((start, end));
+            i = end;
+        }
+        let digest_from = (b.get(i) == Some(&b'@')).then_some(i + 1);
+        Ok(Tail { path_len, nested, tag, digest_from })
     }
 }
 
@@ -239,44 +303,9 @@ fn valid_host(b: &[u8]) -> bool {
     prev != b'.' && prev != b'-'
 }
 
-/// Components `[a-z0-9]+(?:(?:[._]|__|[-]+)[a-z0-9]+)*` separated by `/`.
-fn validate_path(path: &str) -> Result<(), ReferenceError> {
-    let alnum = |x: u8| x.is_ascii_lowercase() || x.is_ascii_digit();
-    let mut run_start = 0usize;
-    let mut prev_alnum = false;
-    let mut sep: (u8, usize) = (0, 0);
-    for (i, &x) in path.as_bytes().iter().enumerate() {
-        if alnum(x) {
-            prev_alnum = true;
-            sep = (0, 0);
-            continue;
-        }
-        if !prev_alnum && sep.1 == 0 {
-            return Err(ReferenceError::InvalidPath);
-        }
-        match x {
-            b'/' if sep.1 == 0 => {
-                run_start = i + 1;
-                prev_alnum = false;
-                continue;
-            }
-            b'.' if sep.1 == 0 => sep = (b'.', 1),
-            b'_' if sep.1 == 0 || (sep == (b'_', 1)) => sep = (b'_', sep.1 + 1),
-            b'-' if sep.1 == 0 || sep.0 == b'-' => sep = (b'-', sep.1 + 1),
-            _ => return Err(ReferenceError::InvalidPath),
-        }
-        prev_alnum = false;
-    }
-    if path.len() == run_start || !prev_alnum {
-        return Err(ReferenceError::InvalidPath);
-    }
-    Ok(())
-}
-
 /// `[\w][\w.-]{0,127}`
-fn validate_tag(tag: &str) -> Result<(), ReferenceError> {
+fn validate_tag(b: &[u8]) -> Result<(), ReferenceError> {
     let word = |x: u8| x.is_ascii_alphanumeric() || x == b'_';
-    let b = tag.as_bytes();
     if b.is_empty() || b.len() > TAG_MAX || !word(b[0]) {
         return Err(ReferenceError::InvalidTag);
     }
