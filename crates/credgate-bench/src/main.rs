@@ -86,7 +86,10 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
     match args.scenario {
         Scenario::Hit => hit(&args, &rt),
         Scenario::Burst => burst(&args, &rt),
@@ -98,13 +101,19 @@ fn main() -> Result<()> {
 fn bin_dir(args: &Args) -> Result<PathBuf> {
     match &args.image_credential_provider_bin_dir {
         Some(d) => Ok(d.clone()),
-        None => Ok(std::env::current_exe()?.parent().context("program has a directory")?.to_owned()),
+        None => Ok(std::env::current_exe()?
+            .parent()
+            .context("program has a directory")?
+            .to_owned()),
     }
 }
 
 fn engine(args: &Args) -> Result<Engine> {
     let config = load_provider_config(&args.image_credential_provider_config)?;
-    let options = EngineOptions { plugin_dir: bin_dir(args)?, ..Default::default() };
+    let options = EngineOptions {
+        plugin_dir: bin_dir(args)?,
+        ..Default::default()
+    };
     Ok(Engine::builder().config(config).options(options).build()?)
 }
 
@@ -131,22 +140,40 @@ fn poll_now<F: Future>(rt: &tokio::runtime::Runtime, fut: F) -> F::Output {
 
 fn hit(args: &Args, rt: &tokio::runtime::Runtime) -> Result<()> {
     let engine = engine(args)?;
-    let req = LookupRequest { image: &args.image, ..Default::default() };
+    let req = LookupRequest {
+        image: &args.image,
+        ..Default::default()
+    };
     let first = rt.block_on(engine.lookup(&req))?;
-    ensure!(first.errors.is_empty(), "first lookup failed: {}", first.errors[0]);
-    ensure!(!first.credentials.is_empty(), "the plugin gave no credentials for {}", args.image);
+    ensure!(
+        first.errors.is_empty(),
+        "first lookup failed: {}",
+        first.errors[0]
+    );
+    ensure!(
+        !first.credentials.is_empty(),
+        "the plugin gave no credentials for {}",
+        args.image
+    );
     for api in ["cached", "owned"] {
         for &threads in &args.threads {
             let (ops, wall) = hit_run(&engine, rt, &req, threads, args.duration, api == "cached");
-            emit(args, json!({
-                "scenario": "hit", "api": api, "threads": threads,
-                "ops_per_s": (ops as f64 / wall.as_secs_f64()).round(),
-                "ns_per_op": ((wall.as_nanos() as f64 / ops as f64) * 10.0).round() / 10.0,
-                "runs": engine.total_runs(),
-            }));
+            emit(
+                args,
+                json!({
+                    "scenario": "hit", "api": api, "threads": threads,
+                    "ops_per_s": (ops as f64 / wall.as_secs_f64()).round(),
+                    "ns_per_op": ((wall.as_nanos() as f64 / ops as f64) * 10.0).round() / 10.0,
+                    "runs": engine.total_runs(),
+                }),
+            );
         }
     }
-    ensure!(engine.total_runs() == 1, "expected exactly one plugin run, saw {}", engine.total_runs());
+    ensure!(
+        engine.total_runs() == 1,
+        "expected exactly one plugin run, saw {}",
+        engine.total_runs()
+    );
     Ok(())
 }
 
@@ -162,9 +189,15 @@ fn hit_run(
     let stop = AtomicBool::new(false);
     let one = || -> usize {
         if cached {
-            engine.lookup_cached(req, |c| c.len()).ok().flatten().unwrap_or(0)
+            engine
+                .lookup_cached(req, |c| c.len())
+                .ok()
+                .flatten()
+                .unwrap_or(0)
         } else {
-            poll_now(rt, engine.lookup(req)).map(|l| l.credentials.len()).unwrap_or(0)
+            poll_now(rt, engine.lookup(req))
+                .map(|l| l.credentials.len())
+                .unwrap_or(0)
         }
     };
     let mut wall = Duration::ZERO;
@@ -205,7 +238,10 @@ fn burst(args: &Args, rt: &tokio::runtime::Runtime) -> Result<()> {
         for rep in 1..=args.reps {
             let engine = engine(args)?;
             let images: Vec<String> = (0..args.k)
-                .map(|i| args.image_template.replace("{i}", &if *mode == "same" { 0 } else { i }.to_string()))
+                .map(|i| {
+                    args.image_template
+                        .replace("{i}", &if *mode == "same" { 0 } else { i }.to_string())
+                })
                 .collect();
             let barrier = Arc::new(tokio::sync::Barrier::new(args.k));
             let started = Instant::now();
@@ -216,8 +252,15 @@ fn burst(args: &Args, rt: &tokio::runtime::Runtime) -> Result<()> {
                         let (engine, barrier) = (engine.clone(), barrier.clone());
                         tokio::spawn(async move {
                             barrier.wait().await;
-                            let req = LookupRequest { image: &image, ..Default::default() };
-                            engine.lookup(&req).await.map(|l| l.errors.len()).unwrap_or(1)
+                            let req = LookupRequest {
+                                image: &image,
+                                ..Default::default()
+                            };
+                            engine
+                                .lookup(&req)
+                                .await
+                                .map(|l| l.errors.len())
+                                .unwrap_or(1)
                         })
                     })
                     .collect();
@@ -228,11 +271,14 @@ fn burst(args: &Args, rt: &tokio::runtime::Runtime) -> Result<()> {
                 errors
             });
             let wall = started.elapsed();
-            emit(args, json!({
-                "scenario": "burst", "mode": mode, "rep": rep, "k": args.k,
-                "runs": engine.total_runs(), "errors": errors,
-                "wall_ms": (wall.as_secs_f64() * 1e4).round() / 10.0,
-            }));
+            emit(
+                args,
+                json!({
+                    "scenario": "burst", "mode": mode, "rep": rep, "k": args.k,
+                    "runs": engine.total_runs(), "errors": errors,
+                    "wall_ms": (wall.as_secs_f64() * 1e4).round() / 10.0,
+                }),
+            );
         }
     }
     Ok(())
@@ -242,16 +288,26 @@ fn stats(args: &Args, scenario: &str, mut samples: Vec<Duration>, runs: u64) {
     samples.sort();
     let ms = |d: Duration| (d.as_secs_f64() * 1e6).round() / 1e3;
     let mean = samples.iter().sum::<Duration>() / samples.len() as u32;
-    let pct = |p: f64| samples[((samples.len() as f64 * p).ceil() as usize).saturating_sub(1).min(samples.len() - 1)];
-    emit(args, json!({
-        "scenario": scenario, "n": samples.len(), "runs": runs,
-        "mean_ms": ms(mean), "p50_ms": ms(pct(0.50)), "p99_ms": ms(pct(0.99)),
-    }));
+    let pct = |p: f64| {
+        samples[((samples.len() as f64 * p).ceil() as usize)
+            .saturating_sub(1)
+            .min(samples.len() - 1)]
+    };
+    emit(
+        args,
+        json!({
+            "scenario": scenario, "n": samples.len(), "runs": runs,
+            "mean_ms": ms(mean), "p50_ms": ms(pct(0.50)), "p99_ms": ms(pct(0.99)),
+        }),
+    );
 }
 
 fn miss(args: &Args, rt: &tokio::runtime::Runtime) -> Result<()> {
     let engine = engine(args)?;
-    let req = LookupRequest { image: &args.image, ..Default::default() };
+    let req = LookupRequest {
+        image: &args.image,
+        ..Default::default()
+    };
     let mut samples = Vec::with_capacity(args.n);
     for i in 0..10 + args.n {
         let started = Instant::now();
@@ -263,7 +319,10 @@ fn miss(args: &Args, rt: &tokio::runtime::Runtime) -> Result<()> {
         }
     }
     let runs = engine.total_runs();
-    ensure!(runs as usize == 10 + args.n, "every lookup must run the plugin (cacheDuration 0s); saw {runs} runs");
+    ensure!(
+        runs as usize == 10 + args.n,
+        "every lookup must run the plugin (cacheDuration 0s); saw {runs} runs"
+    );
     stats(args, "miss", samples, runs);
     Ok(())
 }
@@ -271,8 +330,15 @@ fn miss(args: &Args, rt: &tokio::runtime::Runtime) -> Result<()> {
 fn rawexec(args: &Args) -> Result<()> {
     let config = load_provider_config(&args.image_credential_provider_config)?;
     let spec: &ProviderSpec = match &args.plugin {
-        Some(name) => config.providers.iter().find(|p| &p.name == name).context("no such provider")?,
-        None => config.providers.first().context("config has no providers")?,
+        Some(name) => config
+            .providers
+            .iter()
+            .find(|p| &p.name == name)
+            .context("no such provider")?,
+        None => config
+            .providers
+            .first()
+            .context("config has no providers")?,
     };
     let image = ImageRef::parse(&args.image)?;
     let request = wire::Request {

@@ -31,7 +31,8 @@ pub enum WireVersion {
 }
 
 impl WireVersion {
-    pub const ALL: [WireVersion; 3] = [WireVersion::V1alpha1, WireVersion::V1beta1, WireVersion::V1];
+    pub const ALL: [WireVersion; 3] =
+        [WireVersion::V1alpha1, WireVersion::V1beta1, WireVersion::V1];
 
     /// The `apiVersion` string.
     pub fn as_str(self) -> &'static str {
@@ -82,10 +83,21 @@ pub struct ProviderSpec {
 
 impl fmt::Debug for ProviderSpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let env: Vec<String> = self.env.iter().map(|(k, _)| format!("{k}=<redacted>")).collect();
+        let env: Vec<String> = self
+            .env
+            .iter()
+            .map(|(k, _)| format!("{k}=<redacted>"))
+            .collect();
         f.debug_struct("ProviderSpec")
             .field("name", &self.name)
-            .field("match_images", &self.match_images.iter().map(Pattern::as_str).collect::<Vec<_>>())
+            .field(
+                "match_images",
+                &self
+                    .match_images
+                    .iter()
+                    .map(Pattern::as_str)
+                    .collect::<Vec<_>>(),
+            )
             .field("default_cache_duration", &self.default_cache_duration)
             .field("api_version", &self.api_version)
             .field("args", &self.args)
@@ -130,7 +142,11 @@ pub struct ConfigLint {
 
 impl fmt::Display for ConfigLint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}: {}: pattern {:?} {}", self.document, self.field, self.pattern, self.lint)
+        write!(
+            f,
+            "{}: {}: pattern {:?} {}",
+            self.document, self.field, self.pattern, self.lint
+        )
     }
 }
 
@@ -149,7 +165,10 @@ pub enum ConfigError {
     WrongKind { document: String, kind: String },
     /// `apiVersion` is not one of the kubelet's config versions.
     #[error("{document}: apiVersion: unsupported {api_version:?}, expected kubelet.config.k8s.io/v1alpha1, /v1beta1 or /v1")]
-    WrongApiVersion { document: String, api_version: String },
+    WrongApiVersion {
+        document: String,
+        api_version: String,
+    },
     /// No documents were given (an empty directory).
     #[error("no provider config files found")]
     NoDocuments,

@@ -46,9 +46,8 @@ pub fn parse(bytes: &[u8]) -> Result<Vec<(String, AuthConfig)>, DockerConfigErro
             let (username, password) = if entry.auth.is_empty() {
                 (entry.username, entry.password)
             } else {
-                decode_auth(&entry.auth).ok_or_else(|| DockerConfigError::InvalidAuth {
-                    key: key.clone(),
-                })?
+                decode_auth(&entry.auth)
+                    .ok_or_else(|| DockerConfigError::InvalidAuth { key: key.clone() })?
             };
             let password = SecretString::from(password);
             Ok((key, AuthConfig { username, password }))
@@ -57,7 +56,9 @@ pub fn parse(bytes: &[u8]) -> Result<Vec<(String, AuthConfig)>, DockerConfigErro
 }
 
 fn decode_auth(auth: &str) -> Option<(String, String)> {
-    let bytes = base64::engine::general_purpose::STANDARD.decode(auth).ok()?;
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(auth)
+        .ok()?;
     let text = String::from_utf8(bytes).ok()?;
     let (user, pass) = text.split_once(':')?;
     Some((user.to_owned(), pass.to_owned()))
@@ -86,11 +87,19 @@ mod tests {
     #[test]
     fn bad_files_name_no_secret() {
         let err = parse(br#"{"auths":{"reg.io":{"auth":"bm9jb2xvbg=="}}}"#).unwrap_err();
-        assert_eq!(err, DockerConfigError::InvalidAuth { key: "reg.io".into() });
+        assert_eq!(
+            err,
+            DockerConfigError::InvalidAuth {
+                key: "reg.io".into()
+            }
+        );
         let err = parse(br#"{"auths":{"reg.io":{"auth":"!!!"}}}"#).unwrap_err();
         assert!(matches!(err, DockerConfigError::InvalidAuth { .. }));
         let err = parse(br#"{"auths":{"reg.io":{"password":12345678}}}"#).unwrap_err();
         assert!(!err.to_string().contains("12345678"));
-        assert!(matches!(parse(b"garbage"), Err(DockerConfigError::Malformed { .. })));
+        assert!(matches!(
+            parse(b"garbage"),
+            Err(DockerConfigError::Malformed { .. })
+        ));
     }
 }

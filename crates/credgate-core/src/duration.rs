@@ -65,7 +65,9 @@ impl GoDuration {
                     unit: unit.to_owned(),
                     input: input.to_owned(),
                 })?;
-            total += value.scaled(scale).ok_or_else(|| DurationError::Overflow(input.into()))?;
+            total += value
+                .scaled(scale)
+                .ok_or_else(|| DurationError::Overflow(input.into()))?;
             if total > i64::MAX as u128 + u128::from(neg) {
                 return Err(DurationError::Overflow(input.to_owned()));
             }
@@ -207,12 +209,23 @@ mod tests {
 
     #[test]
     fn refuses_what_go_refuses() {
-        for input in ["", "-", "s", "1", "10", ".s", "1x", "1hh", "1 h", " 1h", "1h ", "3000000h"] {
+        for input in [
+            "", "-", "s", "1", "10", ".s", "1x", "1hh", "1 h", " 1h", "1h ", "3000000h",
+        ] {
             assert!(GoDuration::parse(input).is_err(), "{input:?} should fail");
         }
-        assert!(matches!(GoDuration::parse("10"), Err(DurationError::MissingUnit(_))));
-        assert!(matches!(GoDuration::parse("1d"), Err(DurationError::UnknownUnit { .. })));
-        assert!(matches!(GoDuration::parse("9999999999h"), Err(DurationError::Overflow(_))));
+        assert!(matches!(
+            GoDuration::parse("10"),
+            Err(DurationError::MissingUnit(_))
+        ));
+        assert!(matches!(
+            GoDuration::parse("1d"),
+            Err(DurationError::UnknownUnit { .. })
+        ));
+        assert!(matches!(
+            GoDuration::parse("9999999999h"),
+            Err(DurationError::Overflow(_))
+        ));
     }
 
     #[test]

@@ -106,7 +106,11 @@ pub type Selection<'a, S> = SmallVec<[(S, &'a KeyedAuth); 4]>;
 /// Selects the credentials of `sources` (in source order) that apply to the normalized image
 /// `name`, in the order a puller should try them.
 pub fn select<'a, S: Copy>(name: &str, sources: &[(S, &'a AuthSet)]) -> Selection<'a, S> {
-    select_target(&Target::from_image_name(name), is_default_registry(name), sources)
+    select_target(
+        &Target::from_image_name(name),
+        is_default_registry(name),
+        sources,
+    )
 }
 
 /// [`select`] for a target that is already split; `docker_hub` says whether the Docker Hub
@@ -189,30 +193,54 @@ mod tests {
             users("registry.example.com/team/app", &[(0, &s)]),
             vec!["0:app", "0:team", "0:host", "0:wild"]
         );
-        assert_eq!(users("registry.example.com/x", &[(0, &s)]), vec!["0:host", "0:wild"]);
+        assert_eq!(
+            users("registry.example.com/x", &[(0, &s)]),
+            vec!["0:host", "0:wild"]
+        );
         assert_eq!(users("a.example.com/x", &[(0, &s)]), vec!["0:wild"]);
         assert!(users("example.com/x", &[(0, &s)]).is_empty());
     }
 
     #[test]
     fn order_across_sources_is_by_key_then_source() {
-        let docker = set(&[("*.example.com", "docker-wild"), ("registry.example.com", "docker")]);
+        let docker = set(&[
+            ("*.example.com", "docker-wild"),
+            ("registry.example.com", "docker"),
+        ]);
         let p1 = set(&[("registry.example.com", "p1")]);
-        let p2 = set(&[("registry.example.com/team", "p2-team"), ("registry.example.com", "p2")]);
+        let p2 = set(&[
+            ("registry.example.com/team", "p2-team"),
+            ("registry.example.com", "p2"),
+        ]);
         assert_eq!(
-            users("registry.example.com/team/app", &[(0, &docker), (1, &p1), (2, &p2)]),
+            users(
+                "registry.example.com/team/app",
+                &[(0, &docker), (1, &p1), (2, &p2)]
+            ),
             vec!["2:p2-team", "0:docker", "1:p1", "2:p2", "0:docker-wild"]
         );
     }
 
     #[test]
     fn docker_hub_fallback_only_when_nothing_matched() {
-        let hub = set(&[("https://index.docker.io/v1/", "hub"), ("docker.io", "dockerio")]);
-        assert_eq!(users("docker.io/library/nginx", &[(0, &hub)]), vec!["0:dockerio"]);
+        let hub = set(&[
+            ("https://index.docker.io/v1/", "hub"),
+            ("docker.io", "dockerio"),
+        ]);
+        assert_eq!(
+            users("docker.io/library/nginx", &[(0, &hub)]),
+            vec!["0:dockerio"]
+        );
         let only_hub = set(&[("https://index.docker.io/v1/", "hub")]);
         let other = set(&[("index.docker.io", "hub2")]);
-        assert_eq!(users("docker.io/library/nginx", &[(0, &only_hub), (1, &other)]), vec!["0:hub", "1:hub2"]);
-        assert_eq!(users("docker.io/team/app", &[(0, &only_hub)]), vec!["0:hub"]);
+        assert_eq!(
+            users("docker.io/library/nginx", &[(0, &only_hub), (1, &other)]),
+            vec!["0:hub", "1:hub2"]
+        );
+        assert_eq!(
+            users("docker.io/team/app", &[(0, &only_hub)]),
+            vec!["0:hub"]
+        );
         assert!(users("quay.io/team/app", &[(0, &only_hub)]).is_empty());
         assert!(users("localhost:5000/app", &[(0, &only_hub)]).is_empty());
     }
@@ -220,8 +248,20 @@ mod tests {
     #[test]
     fn invalid_keys_are_left_out() {
         let items = vec![
-            ("reg.io:abc".to_owned(), AuthConfig { username: "x".into(), password: SecretString::from("y") }),
-            ("reg.io".to_owned(), AuthConfig { username: "u".into(), password: SecretString::from("p") }),
+            (
+                "reg.io:abc".to_owned(),
+                AuthConfig {
+                    username: "x".into(),
+                    password: SecretString::from("y"),
+                },
+            ),
+            (
+                "reg.io".to_owned(),
+                AuthConfig {
+                    username: "u".into(),
+                    password: SecretString::from("p"),
+                },
+            ),
         ];
         let (set, invalid) = AuthSet::new(items);
         assert_eq!(set.len(), 1);

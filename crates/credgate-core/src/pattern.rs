@@ -94,8 +94,8 @@ fn validate_host(host: &str) -> Result<(), PatternError> {
     } else {
         host.rfind(':').map_or("", |i| &host[i..])
     };
-    let port_ok = port.is_empty()
-        || (port.starts_with(':') && port[1..].bytes().all(|b| b.is_ascii_digit()));
+    let port_ok =
+        port.is_empty() || (port.starts_with(':') && port[1..].bytes().all(|b| b.is_ascii_digit()));
     if !port_ok {
         return Err(PatternError::InvalidPort(port.to_owned()));
     }
@@ -121,10 +121,11 @@ fn unescape(s: &str) -> Result<String, PatternError> {
     let mut i = 0;
     while i < b.len() {
         if b[i] == b'%' {
-            let hex = b.get(i + 1..i + 3).filter(|h| h.iter().all(u8::is_ascii_hexdigit));
-            let hex = hex.ok_or_else(|| {
-                PatternError::InvalidEscape(s[i..].chars().take(3).collect())
-            })?;
+            let hex = b
+                .get(i + 1..i + 3)
+                .filter(|h| h.iter().all(u8::is_ascii_hexdigit));
+            let hex =
+                hex.ok_or_else(|| PatternError::InvalidEscape(s[i..].chars().take(3).collect()))?;
             let text = std::str::from_utf8(hex).expect("hex digits are ascii");
             out.push(u8::from_str_radix(text, 16).expect("validated hex"));
             i += 3;
@@ -304,11 +305,7 @@ pub fn glob_valid(pattern: &str) -> bool {
     let mut chars = pattern.chars().peekable();
     while let Some(c) = chars.next() {
         match c {
-            '\\' => {
-                if chars.next().is_none() {
-                    return false;
-                }
-            }
+            '\\' if chars.next().is_none() => return false,
             '[' => {
                 if chars.peek() == Some(&'^') {
                     chars.next();

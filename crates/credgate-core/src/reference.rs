@@ -60,14 +60,18 @@ impl<'a> ImageRef<'a> {
             _ => (DEFAULT_DOMAIN, 0, false),
         };
         let tail = Tail::scan(&b[rest_start..]).map_err(|e| match e {
-            ReferenceError::InvalidPath if input[rest_start..].bytes().any(|x| x.is_ascii_uppercase()) => {
+            ReferenceError::InvalidPath
+                if input[rest_start..].bytes().any(|x| x.is_ascii_uppercase()) =>
+            {
                 ReferenceError::Uppercase
             }
             e => e,
         })?;
         let path_end = rest_start + tail.path_len;
         let path = &input[rest_start..path_end];
-        let tag = tail.tag.map(|(from, to)| &input[rest_start + from..rest_start + to]);
+        let tag = tail
+            .tag
+            .map(|(from, to)| &input[rest_start + from..rest_start + to]);
         let digest = tail.digest_from.map(|from| &input[rest_start + from..]);
         let domain = if domain == LEGACY_DEFAULT_DOMAIN {
             DEFAULT_DOMAIN
@@ -145,9 +149,7 @@ pub fn is_default_registry(name: &str) -> bool {
         None => !name.is_empty(),
         Some(("", _)) => false,
         Some((first, _)) => {
-            first == DEFAULT_DOMAIN
-                || first == LEGACY_DEFAULT_DOMAIN
-                || !first.contains(['.', ':'])
+            first == DEFAULT_DOMAIN || first == LEGACY_DEFAULT_DOMAIN || !first.contains(['.', ':'])
         }
     }
 }
@@ -205,12 +207,14 @@ const S_BAD: u8 = 6;
 /// the caller), anything else is `S_BAD`.
 const NEXT: [[u8; 8]; 6] = [
     // alnum    /        .      _         -       :      @      other
-    [S_ALNUM, S_BAD, S_BAD, S_BAD, S_BAD, S_BAD, S_BAD, S_BAD],        // start
-    [S_ALNUM, S_START, S_DOT, S_UNDER, S_DASH, S_BAD, S_BAD, S_BAD],   // alnum
-    [S_ALNUM, S_BAD, S_BAD, S_BAD, S_BAD, S_BAD, S_BAD, S_BAD],        // .
-    [S_ALNUM, S_BAD, S_BAD, S_UNDER2, S_BAD, S_BAD, S_BAD, S_BAD],     // _
-    [S_ALNUM, S_BAD, S_BAD, S_BAD, S_BAD, S_BAD, S_BAD, S_BAD],        // __
-    [S_ALNUM, S_BAD, S_BAD, S_BAD, S_DASH, S_BAD, S_BAD, S_BAD],       // -
+    [S_ALNUM, S_BAD, S_BAD, S_BAD, S_BAD, S_BAD, S_BAD, S_BAD], // start
+    [
+        S_ALNUM, S_START, S_DOT, S_UNDER, S_DASH, S_BAD, S_BAD, S_BAD,
+    ], // alnum
+    [S_ALNUM, S_BAD, S_BAD, S_BAD, S_BAD, S_BAD, S_BAD, S_BAD], // .
+    [S_ALNUM, S_BAD, S_BAD, S_UNDER2, S_BAD, S_BAD, S_BAD, S_BAD], // _
+    [S_ALNUM, S_BAD, S_BAD, S_BAD, S_BAD, S_BAD, S_BAD, S_BAD], // __
+    [S_ALNUM, S_BAD, S_BAD, S_BAD, S_DASH, S_BAD, S_BAD, S_BAD], // -
 ];
 
 /// The repository path, tag and digest after the registry, validated in one forward pass.
@@ -246,13 +250,21 @@ impl Tail {
         let mut tag = None;
         if b.get(i) == Some(&b':') {
             let start = i + 1;
-            let end = b[start..].iter().position(|x| *x == b'@').map_or(b.len(), |p| start + p);
+            let end = b[start..]
+                .iter()
+                .position(|x| *x == b'@')
+                .map_or(b.len(), |p| start + p);
             validate_tag(&b[start..end])?;
             tag = Some((start, end));
             i = end;
         }
         let digest_from = (b.get(i) == Some(&b'@')).then_some(i + 1);
-        Ok(Tail { path_len, nested, tag, digest_from })
+        Ok(Tail {
+            path_len,
+            nested,
+            tag,
+            digest_from,
+        })
     }
 }
 
@@ -263,7 +275,10 @@ fn is_identifier(s: &str) -> bool {
 fn validate_domain(domain: &str) -> Result<(), ReferenceError> {
     let b = domain.as_bytes();
     let port_at = if b.first() == Some(&b'[') {
-        let end = b.iter().position(|x| *x == b']').ok_or(ReferenceError::InvalidDomain)?;
+        let end = b
+            .iter()
+            .position(|x| *x == b']')
+            .ok_or(ReferenceError::InvalidDomain)?;
         let ip = &b[1..end];
         if ip.is_empty() || !ip.iter().all(|x| x.is_ascii_hexdigit() || *x == b':') {
             return Err(ReferenceError::InvalidDomain);
@@ -278,7 +293,9 @@ fn validate_domain(domain: &str) -> Result<(), ReferenceError> {
     };
     let port = &b[port_at..];
     if !port.is_empty() {
-        let digits = port.strip_prefix(b":").ok_or(ReferenceError::InvalidDomain)?;
+        let digits = port
+            .strip_prefix(b":")
+            .ok_or(ReferenceError::InvalidDomain)?;
         if digits.is_empty() || !digits.iter().all(u8::is_ascii_digit) {
             return Err(ReferenceError::InvalidDomain);
         }
@@ -318,7 +335,9 @@ fn validate_tag(b: &[u8]) -> Result<(), ReferenceError> {
 
 /// `algorithm:hex`, with the exact lengths of the registered algorithms.
 fn validate_digest(digest: &str) -> Result<(), ReferenceError> {
-    let (alg, hex) = digest.split_once(':').ok_or(ReferenceError::InvalidDigest)?;
+    let (alg, hex) = digest
+        .split_once(':')
+        .ok_or(ReferenceError::InvalidDigest)?;
     let alg_ok = !alg.is_empty()
         && alg.split(['-', '_', '+', '.']).all(|part| {
             part.as_bytes().first().is_some_and(u8::is_ascii_alphabetic)
@@ -350,29 +369,120 @@ mod tests {
     fn normalizes_like_the_kubelet() {
         let digest_ref = format!("nginx@{D}");
         let tag_and_digest = format!("quay.io/coreos/etcd:v3@{D}");
-        let cases: Vec<(&str, &str, &str, Option<&str>, Option<&str>)> = vec![
+        type Case<'a> = (&'a str, &'a str, &'a str, Option<&'a str>, Option<&'a str>);
+        let cases: Vec<Case<'_>> = vec![
             ("nginx", "docker.io/library/nginx", "docker.io", None, None),
-            ("nginx:1.25", "docker.io/library/nginx", "docker.io", Some("1.25"), None),
-            (&digest_ref, "docker.io/library/nginx", "docker.io", None, Some(D)),
-            ("library/nginx", "docker.io/library/nginx", "docker.io", None, None),
+            (
+                "nginx:1.25",
+                "docker.io/library/nginx",
+                "docker.io",
+                Some("1.25"),
+                None,
+            ),
+            (
+                &digest_ref,
+                "docker.io/library/nginx",
+                "docker.io",
+                None,
+                Some(D),
+            ),
+            (
+                "library/nginx",
+                "docker.io/library/nginx",
+                "docker.io",
+                None,
+                None,
+            ),
             ("team/app", "docker.io/team/app", "docker.io", None, None),
-            ("docker.io/nginx", "docker.io/library/nginx", "docker.io", None, None),
-            ("index.docker.io/nginx", "docker.io/library/nginx", "docker.io", None, None),
-            ("index.docker.io/team/app:v1", "docker.io/team/app", "docker.io", Some("v1"), None),
-            ("docker.io/team/app", "docker.io/team/app", "docker.io", None, None),
+            (
+                "docker.io/nginx",
+                "docker.io/library/nginx",
+                "docker.io",
+                None,
+                None,
+            ),
+            (
+                "index.docker.io/nginx",
+                "docker.io/library/nginx",
+                "docker.io",
+                None,
+                None,
+            ),
+            (
+                "index.docker.io/team/app:v1",
+                "docker.io/team/app",
+                "docker.io",
+                Some("v1"),
+                None,
+            ),
+            (
+                "docker.io/team/app",
+                "docker.io/team/app",
+                "docker.io",
+                None,
+                None,
+            ),
             ("localhost/app", "localhost/app", "localhost", None, None),
-            ("localhost:5000/app:v1", "localhost:5000/app", "localhost:5000", Some("v1"), None),
-            ("127.0.0.1:5000/team-a/app:v1", "127.0.0.1:5000/team-a/app", "127.0.0.1:5000", Some("v1"), None),
-            ("registry.example.com/team/app-0:v1", "registry.example.com/team/app-0", "registry.example.com", Some("v1"), None),
-            ("Registry.Example.com/app", "Registry.Example.com/app", "Registry.Example.com", None, None),
+            (
+                "localhost:5000/app:v1",
+                "localhost:5000/app",
+                "localhost:5000",
+                Some("v1"),
+                None,
+            ),
+            (
+                "127.0.0.1:5000/team-a/app:v1",
+                "127.0.0.1:5000/team-a/app",
+                "127.0.0.1:5000",
+                Some("v1"),
+                None,
+            ),
+            (
+                "registry.example.com/team/app-0:v1",
+                "registry.example.com/team/app-0",
+                "registry.example.com",
+                Some("v1"),
+                None,
+            ),
+            (
+                "Registry.Example.com/app",
+                "Registry.Example.com/app",
+                "Registry.Example.com",
+                None,
+                None,
+            ),
             ("UPPERHOST/app", "UPPERHOST/app", "UPPERHOST", None, None),
             ("[::1]:5000/app", "[::1]:5000/app", "[::1]:5000", None, None),
             ("[fe80::1]/app", "[fe80::1]/app", "[fe80::1]", None, None),
-            ("localhost:5000", "docker.io/library/localhost", "docker.io", Some("5000"), None),
+            (
+                "localhost:5000",
+                "docker.io/library/localhost",
+                "docker.io",
+                Some("5000"),
+                None,
+            ),
             ("a/b/c/d/e", "docker.io/a/b/c/d/e", "docker.io", None, None),
-            ("gcr.io/a__b/c--d/e.f_g", "gcr.io/a__b/c--d/e.f_g", "gcr.io", None, None),
-            (&tag_and_digest, "quay.io/coreos/etcd", "quay.io", Some("v3"), Some(D)),
-            ("x.io/app:Tag_1.2-rc", "x.io/app", "x.io", Some("Tag_1.2-rc"), None),
+            (
+                "gcr.io/a__b/c--d/e.f_g",
+                "gcr.io/a__b/c--d/e.f_g",
+                "gcr.io",
+                None,
+                None,
+            ),
+            (
+                &tag_and_digest,
+                "quay.io/coreos/etcd",
+                "quay.io",
+                Some("v3"),
+                Some(D),
+            ),
+            (
+                "x.io/app:Tag_1.2-rc",
+                "x.io/app",
+                "x.io",
+                Some("Tag_1.2-rc"),
+                None,
+            ),
         ];
         for (input, name, registry, tag, digest) in cases {
             let r = ImageRef::parse(input).unwrap_or_else(|e| panic!("{input}: {e}"));
@@ -394,13 +504,19 @@ mod tests {
             ("Nginx", Uppercase),
             ("docker.io/Team/app", Uppercase),
             ("x.io/Team/app", Uppercase),
-            ("0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef", IdentifierLike),
+            (
+                "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
+                IdentifierLike,
+            ),
             (&long, NameTooLong),
             ("x.io/app:", InvalidTag),
             ("x.io/app:-v1", InvalidTag),
             (&long_tag, InvalidTag),
             ("x.io/app@sha256:abc", InvalidDigest),
-            ("x.io/app@sha256:0123456789ABCDEF0123456789abcdef0123456789abcdef0123456789abcdef", InvalidDigest),
+            (
+                "x.io/app@sha256:0123456789ABCDEF0123456789abcdef0123456789abcdef0123456789abcdef",
+                InvalidDigest,
+            ),
             ("x.io/app@", InvalidDigest),
             ("x.io//app", InvalidPath),
             ("x.io/app/", InvalidPath),
@@ -424,10 +540,16 @@ mod tests {
 
     #[test]
     fn canonical_names_borrow() {
-        assert!(ImageRef::parse("registry.example.com/team/app-0:v1").unwrap().is_borrowed());
-        assert!(ImageRef::parse("docker.io/library/nginx").unwrap().is_borrowed());
+        assert!(ImageRef::parse("registry.example.com/team/app-0:v1")
+            .unwrap()
+            .is_borrowed());
+        assert!(ImageRef::parse("docker.io/library/nginx")
+            .unwrap()
+            .is_borrowed());
         assert!(!ImageRef::parse("nginx").unwrap().is_borrowed());
-        assert!(!ImageRef::parse("index.docker.io/team/app").unwrap().is_borrowed());
+        assert!(!ImageRef::parse("index.docker.io/team/app")
+            .unwrap()
+            .is_borrowed());
     }
 
     #[test]

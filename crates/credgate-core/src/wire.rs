@@ -120,10 +120,11 @@ pub enum ResponseError {
 
 /// Decodes and checks a plugin's stdout against the provider's configured version.
 pub fn decode_response(stdout: &[u8], expected: WireVersion) -> Result<Response, ResponseError> {
-    let value: Value = serde_json::from_slice(stdout).map_err(|e| ResponseError::MalformedJson {
-        line: e.line(),
-        column: e.column(),
-    })?;
+    let value: Value =
+        serde_json::from_slice(stdout).map_err(|e| ResponseError::MalformedJson {
+            line: e.line(),
+            column: e.column(),
+        })?;
     let Value::Object(obj) = value else {
         return Err(ResponseError::MalformedJson { line: 1, column: 1 });
     };
@@ -230,12 +231,25 @@ mod tests {
             assert_eq!(r.auth[0].1.username, "u");
             assert_eq!(r.auth[0].1.password.expose_secret(), "p");
         }
-        let base = format!(r#""kind":"CredentialProviderResponse","apiVersion":"{V1}","cacheKeyType":"Image""#);
-        assert_eq!(ok(&format!("{{{base},\"cacheDuration\":\"0s\"}}")).cache_duration, Some(Duration::ZERO));
-        assert_eq!(ok(&format!("{{{base},\"cacheDuration\":\"5m\"}}")).cache_duration, Some(Duration::from_secs(300)));
-        assert_eq!(ok(&format!("{{{base},\"cacheDuration\":\"-5m\"}}")).cache_duration, Some(Duration::ZERO));
+        let base = format!(
+            r#""kind":"CredentialProviderResponse","apiVersion":"{V1}","cacheKeyType":"Image""#
+        );
+        assert_eq!(
+            ok(&format!("{{{base},\"cacheDuration\":\"0s\"}}")).cache_duration,
+            Some(Duration::ZERO)
+        );
+        assert_eq!(
+            ok(&format!("{{{base},\"cacheDuration\":\"5m\"}}")).cache_duration,
+            Some(Duration::from_secs(300))
+        );
+        assert_eq!(
+            ok(&format!("{{{base},\"cacheDuration\":\"-5m\"}}")).cache_duration,
+            Some(Duration::ZERO)
+        );
         assert!(ok(&format!("{{{base}}}")).auth.is_empty());
-        let empty = ok(&format!("{{{base},\"auth\":{{\"a.io\":{{}}}},\"extra\":1}}"));
+        let empty = ok(&format!(
+            "{{{base},\"auth\":{{\"a.io\":{{}}}},\"extra\":1}}"
+        ));
         assert_eq!(empty.auth[0].1.username, "");
     }
 
@@ -261,7 +275,11 @@ mod tests {
             ),
         ];
         for (json, want) in cases {
-            assert_eq!(decode_response(json.as_bytes(), WireVersion::V1).unwrap_err(), want, "{json}");
+            assert_eq!(
+                decode_response(json.as_bytes(), WireVersion::V1).unwrap_err(),
+                want,
+                "{json}"
+            );
         }
     }
 
@@ -270,9 +288,13 @@ mod tests {
         let secret = "s3cr3t-value";
         for json in [
             format!(r#"{{"kind":"{secret}"}}"#),
-            format!(r#"{{"kind":"CredentialProviderResponse","apiVersion":"{V1}","cacheKeyType":"{secret}"}}"#),
+            format!(
+                r#"{{"kind":"CredentialProviderResponse","apiVersion":"{V1}","cacheKeyType":"{secret}"}}"#
+            ),
             format!(r#"{{"auth":{{"a":{{"password":"{secret}"}}}} trailing"#),
-            format!(r#"{{"kind":"CredentialProviderResponse","apiVersion":"{V1}","cacheKeyType":"Image","cacheDuration":"{secret}"}}"#),
+            format!(
+                r#"{{"kind":"CredentialProviderResponse","apiVersion":"{V1}","cacheKeyType":"Image","cacheDuration":"{secret}"}}"#
+            ),
         ] {
             let err = decode_response(json.as_bytes(), WireVersion::V1).unwrap_err();
             assert!(!err.to_string().contains(secret));

@@ -5,15 +5,19 @@ use std::future::Future;
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 
-use criterion::{black_box, criterion_group, criterion_main, Criterion};
 use credgate_core::config::ProviderConfig;
 use credgate_engine::exec::{BoxFuture, PluginCommand, PluginRunner, RunError};
 use credgate_engine::{Engine, LookupRequest};
+use criterion::{black_box, criterion_group, criterion_main, Criterion};
 
 struct Static;
 
 impl PluginRunner for Static {
-    fn run<'a>(&'a self, _: &'a PluginCommand, _: Vec<u8>) -> BoxFuture<'a, Result<Vec<u8>, RunError>> {
+    fn run<'a>(
+        &'a self,
+        _: &'a PluginCommand,
+        _: Vec<u8>,
+    ) -> BoxFuture<'a, Result<Vec<u8>, RunError>> {
         Box::pin(async {
             Ok(br#"{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.kubelet.k8s.io/v1","cacheKeyType":"Registry","cacheDuration":"1h","auth":{"registry.example.com":{"username":"u","password":"p"}}}"#.to_vec())
         })
@@ -32,15 +36,30 @@ fn poll_once<F: Future>(fut: F) -> F::Output {
 
 fn bench(c: &mut Criterion) {
     let config = ProviderConfig::from_slice("bench.yaml", CONFIG.as_bytes()).unwrap();
-    let engine = Engine::builder().config(config).runner(Arc::new(Static)).build().unwrap();
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    let req = LookupRequest { image: "registry.example.com/team/app-0:v1", ..Default::default() };
+    let engine = Engine::builder()
+        .config(config)
+        .runner(Arc::new(Static))
+        .build()
+        .unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let req = LookupRequest {
+        image: "registry.example.com/team/app-0:v1",
+        ..Default::default()
+    };
     rt.block_on(engine.lookup(&req)).unwrap();
     c.bench_function("hit/lookup_cached", |b| {
         b.iter(|| engine.lookup_cached(black_box(&req), |c| c.len()).unwrap())
     });
     c.bench_function("hit/lookup_owned", |b| {
-        b.iter(|| poll_once(engine.lookup(black_box(&req))).unwrap().credentials.len())
+        b.iter(|| {
+            poll_once(engine.lookup(black_box(&req)))
+                .unwrap()
+                .credentials
+                .len()
+        })
     });
 }
 

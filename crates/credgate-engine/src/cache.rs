@@ -248,7 +248,9 @@ mod tests {
         let snap = c.load();
         assert!(snap.find("r.io/b", "r.io", None, now).is_some());
         assert!(snap.find("q.io/b", "q.io", None, now).is_none());
-        assert!(snap.find("r.io/b", "r.io", None, now + Duration::from_secs(60)).is_none());
+        assert!(snap
+            .find("r.io/b", "r.io", None, now + Duration::from_secs(60))
+            .is_none());
         c.insert(entry(CacheKeyType::Global, "x.io/a", now, 60), now);
         assert!(c.load().find("q.io/b", "q.io", None, now).is_some());
         let scope = Scope {
@@ -266,7 +268,10 @@ mod tests {
         let now = Instant::now();
         let c = Cache::new(3);
         for i in 0..10 {
-            c.insert(entry(CacheKeyType::Image, &format!("r.io/{i}"), now, 100 + i), now);
+            c.insert(
+                entry(CacheKeyType::Image, &format!("r.io/{i}"), now, 100 + i),
+                now,
+            );
         }
         let snap = c.load();
         assert_eq!(snap.len(), 3);

@@ -23,7 +23,10 @@ pub struct SystemClock {
 }
 
 fn coarse() -> Duration {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
     // SAFETY: clock_gettime writes one timespec into the valid, exclusively borrowed `ts`.
     unsafe {
         libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts);
@@ -32,7 +35,10 @@ fn coarse() -> Duration {
 }
 
 fn coarse_resolution() -> Duration {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
     // SAFETY: as in `coarse`.
     unsafe {
         libc::clock_getres(libc::CLOCK_MONOTONIC_COARSE, &mut ts);

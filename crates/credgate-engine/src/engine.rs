@@ -20,7 +20,9 @@ use crate::clock::{Clock, SystemClock};
 use crate::error::ProviderError;
 use crate::exec::{ExecRunner, OutputLimits, PluginCommand, PluginRunner};
 use crate::metrics::EngineMetrics;
-use crate::provider::{Ask, BackoffPolicy, Mode, Provider, ProviderParts, ProviderStatus, ServiceAccount};
+use crate::provider::{
+    Ask, BackoffPolicy, Mode, Provider, ProviderParts, ProviderStatus, ServiceAccount,
+};
 
 /// A static source: the auths of one docker config file.
 #[derive(Debug, Clone)]
@@ -182,11 +184,23 @@ impl EngineBuilder {
     /// Checks every plugin binary and builds the engine.
     pub fn build(self) -> Result<Engine, BuildError> {
         let opts = &self.options;
-        let specs = self.config.as_ref().map(|c| c.providers.clone()).unwrap_or_default();
-        if let Some(name) = opts.timeouts.keys().find(|n| !specs.iter().any(|s| &s.name == *n)) {
+        let specs = self
+            .config
+            .as_ref()
+            .map(|c| c.providers.clone())
+            .unwrap_or_default();
+        if let Some(name) = opts
+            .timeouts
+            .keys()
+            .find(|n| !specs.iter().any(|s| &s.name == *n))
+        {
             return Err(BuildError::UnknownProvider(name.clone()));
         }
-        let runner = self.runner.clone().unwrap_or_else(|| Arc::new(ExecRunner { limits: opts.limits }));
+        let runner = self.runner.clone().unwrap_or_else(|| {
+            Arc::new(ExecRunner {
+                limits: opts.limits,
+            })
+        });
         let mut providers = Vec::with_capacity(specs.len());
         for spec in specs {
             let path = opts.plugin_dir.join(&spec.name);
@@ -198,7 +212,11 @@ impl EngineBuilder {
                 path,
                 args: spec.args.clone(),
                 env: spec.env.clone(),
-                timeout: opts.timeouts.get(&spec.name).copied().unwrap_or(opts.default_timeout),
+                timeout: opts
+                    .timeouts
+                    .get(&spec.name)
+                    .copied()
+                    .unwrap_or(opts.default_timeout),
             };
             providers.push(Arc::new(Provider::new(ProviderParts {
                 metrics: self.metrics.provider(&spec.name),
@@ -293,14 +311,24 @@ impl Engine {
                 }
             };
             let scope = mode.scope().cloned();
-            let hit = p.cache.load().find(name, registry, scope.as_deref(), fresh_until).cloned();
+            let hit = p
+                .cache
+                .load()
+                .find(name, registry, scope.as_deref(), fresh_until)
+                .cloned();
             let result = match hit {
                 Some(e) => {
                     p.metrics.hits.inc();
                     Ok(e)
                 }
                 None => {
-                    let ask = Ask { image: name, registry, scope, mode: &mode, fresh_until };
+                    let ask = Ask {
+                        image: name,
+                        registry,
+                        scope,
+                        mode: &mode,
+                        fresh_until,
+                    };
                     p.get(ask).await
                 }
             };
@@ -310,17 +338,29 @@ impl Engine {
             }
         }
         let credentials = self.assemble(&target, name, &entries);
-        Ok(Lookup { image: name.to_owned(), credentials, errors })
+        Ok(Lookup {
+            image: name.to_owned(),
+            credentials,
+            errors,
+        })
     }
 
-    fn assemble(&self, target: &Target<'_>, name: &str, entries: &[(usize, Arc<Entry>)]) -> Vec<Credential> {
+    fn assemble(
+        &self,
+        target: &Target<'_>,
+        name: &str,
+        entries: &[(usize, Arc<Entry>)],
+    ) -> Vec<Credential> {
         let sources = self.sources(entries.iter().map(|(i, e)| (*i, &**e)));
         let selection = keyring::select_target(target, is_default_registry(name), &sources);
         selection
             .iter()
             .map(|(tag, auth)| {
                 let (source, expires_at) = match *tag {
-                    Tag::Static(j) => (Source::DockerConfig(self.inner.statics[j].name.clone()), None),
+                    Tag::Static(j) => (
+                        Source::DockerConfig(self.inner.statics[j].name.clone()),
+                        None,
+                    ),
                     Tag::Provider(i, k) => (
                         Source::Provider(self.inner.providers[i].spec.name.clone()),
                         entries[k].1.expires_wall,
@@ -341,8 +381,15 @@ impl Engine {
         &'a self,
         entries: impl Iterator<Item = (usize, &'a Entry)>,
     ) -> SmallVec<[(Tag, &'a AuthSet); 8]> {
-        let statics = self.inner.statics.iter().enumerate().map(|(j, s)| (Tag::Static(j), &s.auth));
-        let providers = entries.enumerate().map(|(k, (i, e))| (Tag::Provider(i, k), &e.auth));
+        let statics = self
+            .inner
+            .statics
+            .iter()
+            .enumerate()
+            .map(|(j, s)| (Tag::Static(j), &s.auth));
+        let providers = entries
+            .enumerate()
+            .map(|(k, (i, e))| (Tag::Provider(i, k), &e.auth));
         statics.chain(providers).collect()
     }
 
@@ -384,15 +431,25 @@ impl Engine {
         }
         let sources = self.sources(found.iter().copied());
         let selection = keyring::select_target(&target, is_default_registry(name), &sources);
-        let refs: SmallVec<[CredentialRef<'_>; 4]> =
-            selection.iter().map(|(tag, auth)| self.credential_ref(*tag, auth, &found)).collect();
+        let refs: SmallVec<[CredentialRef<'_>; 4]> = selection
+            .iter()
+            .map(|(tag, auth)| self.credential_ref(*tag, auth, &found))
+            .collect();
         Ok(Some(f(&refs)))
     }
 
-    fn credential_ref<'a>(&'a self, tag: Tag, auth: &'a KeyedAuth, found: &[(usize, &Entry)]) -> CredentialRef<'a> {
+    fn credential_ref<'a>(
+        &'a self,
+        tag: Tag,
+        auth: &'a KeyedAuth,
+        found: &[(usize, &Entry)],
+    ) -> CredentialRef<'a> {
         let (source, expires_at) = match tag {
             Tag::Static(j) => (self.inner.statics[j].name.as_str(), None),
-            Tag::Provider(i, k) => (self.inner.providers[i].spec.name.as_str(), found[k].1.expires_wall),
+            Tag::Provider(i, k) => (
+                self.inner.providers[i].spec.name.as_str(),
+                found[k].1.expires_wall,
+            ),
         };
         CredentialRef {
             source,
@@ -410,7 +467,11 @@ impl Engine {
 
     /// Plugin runs so far, all providers.
     pub fn total_runs(&self) -> u64 {
-        self.inner.providers.iter().map(|p| p.metrics.runs.get()).sum()
+        self.inner
+            .providers
+            .iter()
+            .map(|p| p.metrics.runs.get())
+            .sum()
     }
 
     /// The metric families, to register with a Prometheus registry.
@@ -425,6 +486,10 @@ impl Engine {
 
     /// The names of the configured providers, in config order.
     pub fn provider_names(&self) -> Vec<&str> {
-        self.inner.providers.iter().map(|p| p.spec.name.as_str()).collect()
+        self.inner
+            .providers
+            .iter()
+            .map(|p| p.spec.name.as_str())
+            .collect()
     }
 }

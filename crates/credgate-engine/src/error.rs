@@ -14,7 +14,10 @@ pub enum ProviderError {
     #[error(transparent)]
     Run(Arc<RunError>),
     #[error("plugin {plugin}: {error}")]
-    Response { plugin: String, error: ResponseError },
+    Response {
+        plugin: String,
+        error: ResponseError,
+    },
     #[error("plugin {plugin}: a response password equals the service account token, but cacheType is not Token")]
     TokenEchoed { plugin: String },
     #[error("plugin {plugin}: backing off after {failures} consecutive failures, next run allowed in {retry_in:?}")]

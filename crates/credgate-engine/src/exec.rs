@@ -176,7 +176,11 @@ async fn read_capped<R: AsyncRead + Unpin>(
     }
 }
 
-async fn exec(cmd: &PluginCommand, input: Vec<u8>, limits: OutputLimits) -> Result<Vec<u8>, RunError> {
+async fn exec(
+    cmd: &PluginCommand,
+    input: Vec<u8>,
+    limits: OutputLimits,
+) -> Result<Vec<u8>, RunError> {
     let deadline = Instant::now() + cmd.timeout;
     let mut child = Command::new(&cmd.path)
         .args(&cmd.args)
@@ -196,8 +200,18 @@ async fn exec(cmd: &PluginCommand, input: Vec<u8>, limits: OutputLimits) -> Resu
     let (stdin, stdout, stderr) = (child.stdin.take(), child.stdout.take(), child.stderr.take());
     let (mut out, mut err) = (Vec::new(), Vec::new());
     let status = {
-        let mut out_fut = pin!(read_capped(stdout.expect("piped"), &mut out, limits.stdout, false));
-        let mut err_fut = pin!(read_capped(stderr.expect("piped"), &mut err, limits.stderr, true));
+        let mut out_fut = pin!(read_capped(
+            stdout.expect("piped"),
+            &mut out,
+            limits.stdout,
+            false
+        ));
+        let mut err_fut = pin!(read_capped(
+            stderr.expect("piped"),
+            &mut err,
+            limits.stderr,
+            true
+        ));
         let mut wait_fut = pin!(async {
             if let Some(mut stdin) = stdin {
                 // A plugin may exit without reading its request: a broken pipe is its business.

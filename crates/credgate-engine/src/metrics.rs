@@ -46,7 +46,10 @@ impl Atomic<u64> for Striped {
     }
 
     fn get(&self) -> u64 {
-        self.stripes.iter().map(|s| s.0.load(Ordering::Relaxed)).sum()
+        self.stripes
+            .iter()
+            .map(|s| s.0.load(Ordering::Relaxed))
+            .sum()
     }
 }
 
@@ -93,10 +96,26 @@ impl EngineMetrics {
             "Plugin execution time",
             self.run_seconds.clone(),
         );
-        r.register("plugin_errors", "Plugin failures by reason", self.errors.clone());
-        r.register("cache_hits", "Lookups served from a provider cache", self.hits.clone());
-        r.register("cache_misses", "Lookups that needed a plugin run", self.misses.clone());
-        r.register("cache_entries", "Live entries in a provider cache", self.entries.clone());
+        r.register(
+            "plugin_errors",
+            "Plugin failures by reason",
+            self.errors.clone(),
+        );
+        r.register(
+            "cache_hits",
+            "Lookups served from a provider cache",
+            self.hits.clone(),
+        );
+        r.register(
+            "cache_misses",
+            "Lookups that needed a plugin run",
+            self.misses.clone(),
+        );
+        r.register(
+            "cache_entries",
+            "Live entries in a provider cache",
+            self.entries.clone(),
+        );
     }
 
     /// The handles of one provider.
@@ -129,7 +148,10 @@ pub struct ProviderMetrics {
 impl ProviderMetrics {
     /// Counts a failure under its reason.
     pub fn error(&self, reason: &'static str) {
-        let l: Labels = vec![("provider", self.name.clone()), ("reason", reason.to_owned())];
+        let l: Labels = vec![
+            ("provider", self.name.clone()),
+            ("reason", reason.to_owned()),
+        ];
         self.errors.get_or_create(&l).inc();
     }
 
@@ -137,7 +159,10 @@ impl ProviderMetrics {
     pub fn error_count(&self) -> u64 {
         let mut total = 0;
         for reason in crate::error::ProviderError::REASONS {
-            let l: Labels = vec![("provider", self.name.clone()), ("reason", (*reason).to_owned())];
+            let l: Labels = vec![
+                ("provider", self.name.clone()),
+                ("reason", (*reason).to_owned()),
+            ];
             total += self.errors.get(&l).map_or(0, |c| c.get());
         }
         total
@@ -153,9 +178,11 @@ mod tests {
         let c = FastCounter::default();
         std::thread::scope(|s| {
             for _ in 0..4 {
-                s.spawn(|| (0..1000).for_each(|_| {
-                    c.inc();
-                }));
+                s.spawn(|| {
+                    (0..1000).for_each(|_| {
+                        c.inc();
+                    })
+                });
             }
         });
         assert_eq!(c.get(), 4000);
@@ -172,9 +199,18 @@ mod tests {
         m.register(&mut reg);
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, &reg).unwrap();
-        assert!(out.contains("credgate_plugin_runs_total{provider=\"ecr\"} 1"), "{out}");
-        assert!(out.contains("credgate_cache_hits_total{provider=\"ecr\"} 1"), "{out}");
-        assert!(out.contains("credgate_plugin_errors_total{provider=\"ecr\",reason=\"timeout\"} 1"), "{out}");
+        assert!(
+            out.contains("credgate_plugin_runs_total{provider=\"ecr\"} 1"),
+            "{out}"
+        );
+        assert!(
+            out.contains("credgate_cache_hits_total{provider=\"ecr\"} 1"),
+            "{out}"
+        );
+        assert!(
+            out.contains("credgate_plugin_errors_total{provider=\"ecr\",reason=\"timeout\"} 1"),
+            "{out}"
+        );
         assert_eq!(p.error_count(), 1);
     }
 }

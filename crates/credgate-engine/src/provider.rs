@@ -122,7 +122,11 @@ impl Inflight {
             Some(CacheKeyType::Image) => None,
             Some(CacheKeyType::Registry) => self.pending.iter().find(same_registry),
             Some(CacheKeyType::Global) => self.pending.iter().find(same_scope),
-            None => self.pending.iter().find(same_registry).or_else(|| self.pending.iter().find(same_scope)),
+            None => self
+                .pending
+                .iter()
+                .find(same_registry)
+                .or_else(|| self.pending.iter().find(same_scope)),
         };
         found.cloned()
     }
@@ -219,14 +223,21 @@ impl Provider {
             return Ok(Mode::Plain);
         };
         let Some(sa) = sa else {
-            return Ok(if ta.require_service_account { Mode::Skip } else { Mode::Plain });
+            return Ok(if ta.require_service_account {
+                Mode::Skip
+            } else {
+                Mode::Plain
+            });
         };
         let mut annotations = BTreeMap::new();
         for key in &ta.required_annotation_keys {
-            let value = sa.annotations.get(key).ok_or_else(|| ProviderError::MissingAnnotation {
-                plugin: self.spec.name.clone(),
-                key: key.clone(),
-            })?;
+            let value =
+                sa.annotations
+                    .get(key)
+                    .ok_or_else(|| ProviderError::MissingAnnotation {
+                        plugin: self.spec.name.clone(),
+                        key: key.clone(),
+                    })?;
             annotations.insert(key.clone(), value.clone());
         }
         for key in &ta.optional_annotation_keys {
@@ -240,7 +251,10 @@ impl Provider {
             namespace: sa.namespace.clone(),
             name: sa.name.clone(),
             uid: sa.uid.clone(),
-            annotations: annotations.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            annotations: annotations
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
             token_sha256,
         };
         Ok(Mode::Scoped {
@@ -259,7 +273,12 @@ impl Provider {
             let (pending, join) = {
                 let mut inflight = lock(&self.inflight);
                 let snapshot = self.cache.load();
-                if let Some(e) = snapshot.find(ask.image, ask.registry, ask.scope.as_deref(), ask.fresh_until) {
+                if let Some(e) = snapshot.find(
+                    ask.image,
+                    ask.registry,
+                    ask.scope.as_deref(),
+                    ask.fresh_until,
+                ) {
                     self.metrics.hits.inc();
                     return Ok(e.clone());
                 }
@@ -293,7 +312,10 @@ impl Provider {
         let abandoned = || ProviderError::Abandoned {
             plugin: self.spec.name.clone(),
         };
-        let value = rx.wait_for(Option::is_some).await.map_err(|_| abandoned())?;
+        let value = rx
+            .wait_for(Option::is_some)
+            .await
+            .map_err(|_| abandoned())?;
         value.clone().ok_or_else(abandoned)?
     }
 
@@ -324,7 +346,9 @@ impl Provider {
         });
         inflight.pending.push(pending.clone());
         let (token, annotations) = match ask.mode {
-            Mode::Scoped { token, annotations, .. } => (Some(token.clone()), Some(annotations.clone())),
+            Mode::Scoped {
+                token, annotations, ..
+            } => (Some(token.clone()), Some(annotations.clone())),
             _ => (None, None),
         };
         let request = wire::Request {
@@ -340,7 +364,9 @@ impl Provider {
             let result = this.run(&job, request, token).await;
             if let Ok(entry) = &result {
                 let n = this.cache.insert(entry.clone(), this.clock.now());
-                this.metrics.entries.set(i64::try_from(n).unwrap_or(i64::MAX));
+                this.metrics
+                    .entries
+                    .set(i64::try_from(n).unwrap_or(i64::MAX));
             }
             {
                 let mut inflight = lock(&this.inflight);
@@ -360,7 +386,9 @@ impl Provider {
         self.metrics.runs.inc();
         lock(&self.state).last_run = Some(self.clock.wall());
         let output = self.runner.run(&self.command, request).await;
-        self.metrics.run_seconds.observe(started.elapsed().as_secs_f64());
+        self.metrics
+            .run_seconds
+            .observe(started.elapsed().as_secs_f64());
         let result = output
             .map_err(|e| ProviderError::Run(Arc::new(e)))
             .and_then(|stdout| self.decode(job, &stdout, token.as_ref()));
@@ -370,8 +398,12 @@ impl Provider {
 
     fn decode(&self, job: &Pending, stdout: &[u8], token: Option<&SecretString>) -> RunResult {
         let plugin = || self.spec.name.clone();
-        let response = wire::decode_response(stdout, self.spec.api_version)
-            .map_err(|error| ProviderError::Response { plugin: plugin(), error })?;
+        let response = wire::decode_response(stdout, self.spec.api_version).map_err(|error| {
+            ProviderError::Response {
+                plugin: plugin(),
+                error,
+            }
+        })?;
         let token_keyed = self
             .spec
             .token_attributes
@@ -390,7 +422,9 @@ impl Provider {
         for bad in invalid {
             tracing::warn!(plugin = %self.spec.name, key = %bad.key, error = %bad.error, "auth key of plugin response ignored");
         }
-        let ttl = response.cache_duration.unwrap_or(self.spec.default_cache_duration);
+        let ttl = response
+            .cache_duration
+            .unwrap_or(self.spec.default_cache_duration);
         let (now, wall) = (self.clock.now(), self.clock.wall());
         let cached = !ttl.is_zero();
         Ok(Arc::new(Entry {
@@ -420,7 +454,11 @@ impl Provider {
                 state.last_error = Some(e.to_string());
                 if state.consecutive_failures >= 2 {
                     let exp = (state.consecutive_failures - 2).min(16);
-                    let delay = self.backoff.base.saturating_mul(1 << exp).min(self.backoff.max);
+                    let delay = self
+                        .backoff
+                        .base
+                        .saturating_mul(1 << exp)
+                        .min(self.backoff.max);
                     state.next_allowed = Some(self.clock.now() + delay);
                 }
             }

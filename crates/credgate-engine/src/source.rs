@@ -57,7 +57,10 @@ pub fn config_files(path: &Path) -> Result<Vec<PathBuf>, LoadError> {
             source,
         })?;
         let p = entry.path();
-        let ext_ok = matches!(p.extension().and_then(|e| e.to_str()), Some("json" | "yaml" | "yml"));
+        let ext_ok = matches!(
+            p.extension().and_then(|e| e.to_str()),
+            Some("json" | "yaml" | "yml")
+        );
         if ext_ok && std::fs::metadata(&p).is_ok_and(|m| m.is_file()) {
             files.push(p);
         }
@@ -72,7 +75,10 @@ pub fn config_files(path: &Path) -> Result<Vec<PathBuf>, LoadError> {
 /// Loads and validates a provider config from a file or a directory.
 pub fn load_provider_config(path: &Path) -> Result<ProviderConfig, LoadError> {
     let files = config_files(path)?;
-    let contents = files.iter().map(|f| read(f)).collect::<Result<Vec<_>, _>>()?;
+    let contents = files
+        .iter()
+        .map(|f| read(f))
+        .collect::<Result<Vec<_>, _>>()?;
     let names: Vec<String> = files.iter().map(|f| f.display().to_string()).collect();
     let docs: Vec<Document<'_>> = names
         .iter()

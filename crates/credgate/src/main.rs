@@ -49,7 +49,10 @@ fn main() -> ExitCode {
 
 /// `outer: inner: root`, one line.
 fn chain(e: &anyhow::Error) -> String {
-    e.chain().map(ToString::to_string).collect::<Vec<_>>().join(": ")
+    e.chain()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(": ")
 }
 
 fn init_logs(verbose: u8) {
@@ -61,5 +64,8 @@ fn init_logs(verbose: u8) {
     };
     let filter = tracing_subscriber::EnvFilter::try_from_env("CREDGATE_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
 }

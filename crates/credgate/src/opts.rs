@@ -7,7 +7,11 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use credgate_core::duration::GoDuration;
 
 #[derive(Parser)]
-#[command(name = "credgate", version, about = "Registry credentials for a node, kubelet-compatible")]
+#[command(
+    name = "credgate",
+    version,
+    about = "Registry credentials for a node, kubelet-compatible"
+)]
 pub struct Cli {
     /// More log output on stderr (-v info, -vv debug, -vvv trace); CREDGATE_LOG overrides.
     #[arg(short, long, action = clap::ArgAction::Count, global = true)]
@@ -19,13 +23,19 @@ pub struct Cli {
 #[derive(Subcommand)]
 pub enum Command {
     /// Credentials for one image, in the order a puller should try them.
-    #[command(after_help = "Examples:\n  credgate get --image-credential-provider-config examples/provider-config.yaml \\\n      --image-credential-provider-bin-dir examples/plugins registry.example.com/team/app:v1\n  credgate get -o json --min-valid-for 30m 123456789012.dkr.ecr.us-east-1.amazonaws.com/app:v2")]
+    #[command(
+        after_help = "Examples:\n  credgate get --image-credential-provider-config examples/provider-config.yaml \\\n      --image-credential-provider-bin-dir examples/plugins registry.example.com/team/app:v1\n  credgate get -o json --min-valid-for 30m 123456789012.dkr.ecr.us-east-1.amazonaws.com/app:v2"
+    )]
     Get(GetArgs),
     /// Validate a provider config exactly as the agent would.
-    #[command(after_help = "Examples:\n  credgate check-config /etc/kubernetes/credential-provider-config.yaml\n  credgate check-config --image-credential-provider-bin-dir /usr/libexec/kubernetes/kubelet-plugins/credential-provider/exec /etc/kubernetes/credential-providers.d")]
+    #[command(
+        after_help = "Examples:\n  credgate check-config /etc/kubernetes/credential-provider-config.yaml\n  credgate check-config --image-credential-provider-bin-dir /usr/libexec/kubernetes/kubelet-plugins/credential-provider/exec /etc/kubernetes/credential-providers.d"
+    )]
     CheckConfig(CheckArgs),
     /// Does a matchImages/auth pattern match an image? Prints true or false.
-    #[command(after_help = "Examples:\n  credgate match '*.dkr.ecr.*.amazonaws.com' 123456789012.dkr.ecr.us-east-1.amazonaws.com/app:v1\n  credgate match docker.io nginx:1.25\n  credgate match 'registry.io:5000/team' registry.io:5000/teams/app")]
+    #[command(
+        after_help = "Examples:\n  credgate match '*.dkr.ecr.*.amazonaws.com' 123456789012.dkr.ecr.us-east-1.amazonaws.com/app:v1\n  credgate match docker.io nginx:1.25\n  credgate match 'registry.io:5000/team' registry.io:5000/teams/app"
+    )]
     Match(MatchArgs),
 }
 
@@ -92,5 +102,6 @@ pub struct MatchArgs {
 /// Parses a Go duration string that must not be negative.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let d = GoDuration::parse(s).map_err(|e| e.to_string())?;
-    d.to_std().ok_or_else(|| format!("duration {s:?} must not be negative"))
+    d.to_std()
+        .ok_or_else(|| format!("duration {s:?} must not be negative"))
 }

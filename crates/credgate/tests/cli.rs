@@ -36,8 +36,14 @@ fn readme_example_get_table() {
     let out = credgate(&args);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let stdout = text(&out.stdout);
-    assert!(stdout.contains("credgate-example-plugin") && stdout.contains("demo"), "{stdout}");
-    assert!(!stdout.contains("demo-password"), "table hides passwords: {stdout}");
+    assert!(
+        stdout.contains("credgate-example-plugin") && stdout.contains("demo"),
+        "{stdout}"
+    );
+    assert!(
+        !stdout.contains("demo-password"),
+        "table hides passwords: {stdout}"
+    );
 }
 
 #[test]
@@ -45,7 +51,15 @@ fn get_json_in_try_order() {
     let dir = tempfile::tempdir().unwrap();
     let docker = dir.path().join("config.json");
     std::fs::write(&docker, r#"{"auths":{"*.registry.example.com":{"username":"wild","password":"w"},"registry.example.com":{"username":"static","password":"s"}}}"#).unwrap();
-    let mut args = vec!["get", "-o", "json", "--min-valid-for", "5m", "--docker-config", docker.to_str().unwrap()];
+    let mut args = vec![
+        "get",
+        "-o",
+        "json",
+        "--min-valid-for",
+        "5m",
+        "--docker-config",
+        docker.to_str().unwrap(),
+    ];
     args.extend(EXAMPLE);
     args.push("registry.example.com/team/app@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef");
     let out = credgate(&args);
@@ -78,20 +92,34 @@ fn get_without_credentials_exits_1() {
 fn get_with_a_failing_plugin_warns_without_secrets() {
     let dir = tempfile::tempdir().unwrap();
     let plugin = dir.path().join("bad");
-    std::fs::write(&plugin, "#!/bin/sh\ncat >/dev/null\necho '{\"password\":\"leaked-secret\"}'\nexit 4\n").unwrap();
-    std::os::unix::fs::PermissionsExt::set_mode(&mut std::fs::metadata(&plugin).unwrap().permissions(), 0o755);
+    std::fs::write(
+        &plugin,
+        "#!/bin/sh\ncat >/dev/null\necho '{\"password\":\"leaked-secret\"}'\nexit 4\n",
+    )
+    .unwrap();
+    std::os::unix::fs::PermissionsExt::set_mode(
+        &mut std::fs::metadata(&plugin).unwrap().permissions(),
+        0o755,
+    );
     std::fs::set_permissions(&plugin, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
     let config = dir.path().join("c.yaml");
     std::fs::write(&config, "apiVersion: kubelet.config.k8s.io/v1\nkind: CredentialProviderConfig\nproviders:\n- name: bad\n  matchImages: [reg.io]\n  defaultCacheDuration: 1m\n  apiVersion: credentialprovider.kubelet.k8s.io/v1\n").unwrap();
     let out = credgate(&[
-        "get", "-vvv", "--no-docker-config",
-        "--image-credential-provider-config", config.to_str().unwrap(),
-        "--image-credential-provider-bin-dir", dir.path().to_str().unwrap(),
+        "get",
+        "-vvv",
+        "--no-docker-config",
+        "--image-credential-provider-config",
+        config.to_str().unwrap(),
+        "--image-credential-provider-bin-dir",
+        dir.path().to_str().unwrap(),
         "reg.io/app",
     ]);
     assert_eq!(out.status.code(), Some(1));
     let stderr = text(&out.stderr);
-    assert!(stderr.contains("warning: plugin bad: exited with exit status: 4"), "{stderr}");
+    assert!(
+        stderr.contains("warning: plugin bad: exited with exit status: 4"),
+        "{stderr}"
+    );
     assert!(!stderr.contains("leaked-secret") && !text(&out.stdout).contains("leaked-secret"));
 }
 
@@ -99,15 +127,31 @@ fn get_with_a_failing_plugin_warns_without_secrets() {
 fn get_with_a_bad_reference_or_config_exits_1() {
     let out = credgate(&["get", "--no-docker-config", "Bad/Image"]);
     assert_eq!(out.status.code(), Some(1));
-    assert!(text(&out.stderr).starts_with("error: lookup failed: invalid image reference"), "{}", text(&out.stderr));
-    let out = credgate(&["get", "--image-credential-provider-config", "nope.yaml", "--image-credential-provider-bin-dir", ".", "x.io/a"]);
+    assert!(
+        text(&out.stderr).starts_with("error: lookup failed: invalid image reference"),
+        "{}",
+        text(&out.stderr)
+    );
+    let out = credgate(&[
+        "get",
+        "--image-credential-provider-config",
+        "nope.yaml",
+        "--image-credential-provider-bin-dir",
+        ".",
+        "x.io/a",
+    ]);
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out.stderr).contains("nope.yaml"));
 }
 
 #[test]
 fn check_config_lists_every_problem() {
-    let out = credgate(&["check-config", "examples/provider-config.yaml", "--image-credential-provider-bin-dir", "examples/plugins"]);
+    let out = credgate(&[
+        "check-config",
+        "examples/provider-config.yaml",
+        "--image-credential-provider-bin-dir",
+        "examples/plugins",
+    ]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert!(text(&out.stdout).starts_with("ok: 1 provider(s), config sha256:"));
     let dir = tempfile::tempdir().unwrap();
@@ -117,8 +161,16 @@ fn check_config_lists_every_problem() {
     assert_eq!(out.status.code(), Some(1));
     let lines: Vec<String> = text(&out.stderr).lines().map(String::from).collect();
     assert_eq!(lines.len(), 4, "{lines:?}");
-    assert!(lines[0].ends_with("providers[0].name: provider name \"a/b\" cannot contain '/'"), "{lines:?}");
-    let missing = credgate(&["check-config", "examples/provider-config.yaml", "--image-credential-provider-bin-dir", "/nonexistent"]);
+    assert!(
+        lines[0].ends_with("providers[0].name: provider name \"a/b\" cannot contain '/'"),
+        "{lines:?}"
+    );
+    let missing = credgate(&[
+        "check-config",
+        "examples/provider-config.yaml",
+        "--image-credential-provider-bin-dir",
+        "/nonexistent",
+    ]);
     assert_eq!(missing.status.code(), Some(1));
     assert!(text(&missing.stderr).contains("does not exist"));
 }
@@ -137,14 +189,24 @@ fn check_config_warns_about_patterns_that_never_match() {
 #[test]
 fn match_exit_codes() {
     for (pattern, image, code, out) in [
-        ("*.dkr.ecr.*.amazonaws.com", "123456789012.dkr.ecr.us-east-1.amazonaws.com/app:v1", 0, "true"),
+        (
+            "*.dkr.ecr.*.amazonaws.com",
+            "123456789012.dkr.ecr.us-east-1.amazonaws.com/app:v1",
+            0,
+            "true",
+        ),
         ("docker.io", "nginx:1.25", 0, "true"),
         ("k*.io", "quay.io/x", 1, "false"),
         ("127.0.0.1:5000", "127.0.0.1:5000", 0, "true"),
         ("reg.io:abc", "reg.io/x", 2, ""),
     ] {
         let got = credgate(&["match", pattern, image]);
-        assert_eq!(got.status.code(), Some(code), "{pattern} {image}: {}", text(&got.stderr));
+        assert_eq!(
+            got.status.code(),
+            Some(code),
+            "{pattern} {image}: {}",
+            text(&got.stderr)
+        );
         assert_eq!(text(&got.stdout).trim(), out);
     }
     assert_eq!(credgate(&["match", "only-one-arg"]).status.code(), Some(2));

@@ -57,7 +57,9 @@ struct NotInThisVersion;
 
 impl<'de> Deserialize<'de> for NotInThisVersion {
     fn deserialize<D: serde::Deserializer<'de>>(_: D) -> Result<Self, D::Error> {
-        Err(serde::de::Error::custom("unknown field in this config version"))
+        Err(serde::de::Error::custom(
+            "unknown field in this config version",
+        ))
     }
 }
 

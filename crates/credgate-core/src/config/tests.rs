@@ -42,7 +42,10 @@ fn decodes_all_versions_in_yaml_and_json() {
             let p = &a.providers[0];
             assert_eq!(p.name, "ecr");
             assert_eq!(p.api_version, wire);
-            assert_eq!(p.default_cache_duration, std::time::Duration::from_secs(12 * 3600));
+            assert_eq!(
+                p.default_cache_duration,
+                std::time::Duration::from_secs(12 * 3600)
+            );
             assert_eq!(p.args, vec!["get-credentials"]);
             assert_eq!(p.env, vec![("AWS_PROFILE".to_owned(), "temp".to_owned())]);
             assert_eq!(p.match_images.len(), 2);
@@ -82,9 +85,17 @@ fn token_attributes_unknown_in_older_config_versions() {
 #[test]
 fn strict_decoding_names_the_field() {
     let cases: &[(&str, &str, &str)] = &[
-        ("  unknownField: 1\n", "providers[0].unknownField", "unknown field"),
+        (
+            "  unknownField: 1\n",
+            "providers[0].unknownField",
+            "unknown field",
+        ),
         ("  name: again\n", "providers[0].name", "duplicate field"),
-        ("  env:\n  - name: A\n    value: b\n    extra: c\n", "providers[0].env[0].extra", "unknown field"),
+        (
+            "  env:\n  - name: A\n    value: b\n    extra: c\n",
+            "providers[0].env[0].extra",
+            "unknown field",
+        ),
         ("  args: notalist\n", "providers[0].args", "invalid type"),
     ];
     for (extra, want_field, want_msg) in cases {
@@ -121,14 +132,31 @@ fn decode_errors_do_not_echo_values() {
 
 #[test]
 fn wrong_kind_and_group() {
-    let doc = yaml_provider("").replace("kind: CredentialProviderConfig", "kind: KubeletConfiguration");
-    assert!(matches!(decode_err(&doc), ConfigError::WrongKind { kind, .. } if kind == "KubeletConfiguration"));
+    let doc = yaml_provider("").replace(
+        "kind: CredentialProviderConfig",
+        "kind: KubeletConfiguration",
+    );
+    assert!(
+        matches!(decode_err(&doc), ConfigError::WrongKind { kind, .. } if kind == "KubeletConfiguration")
+    );
     let doc = yaml_provider("").replace(V1, "kubelet.k8s.io/v1");
-    assert!(matches!(decode_err(&doc), ConfigError::WrongApiVersion { .. }));
+    assert!(matches!(
+        decode_err(&doc),
+        ConfigError::WrongApiVersion { .. }
+    ));
     let doc = yaml_provider("").replace(V1, "kubelet.config.k8s.io/v2");
-    assert!(matches!(decode_err(&doc), ConfigError::WrongApiVersion { .. }));
-    assert!(matches!(decode_err("providers: []\n"), ConfigError::WrongApiVersion { .. }));
-    assert!(matches!(decode_err("{not json"), ConfigError::Decode { .. }));
+    assert!(matches!(
+        decode_err(&doc),
+        ConfigError::WrongApiVersion { .. }
+    ));
+    assert!(matches!(
+        decode_err("providers: []\n"),
+        ConfigError::WrongApiVersion { .. }
+    ));
+    assert!(matches!(
+        decode_err("{not json"),
+        ConfigError::Decode { .. }
+    ));
     assert!(matches!(decode_err("a: [\n"), ConfigError::Decode { .. }));
 }
 
@@ -290,15 +318,27 @@ fn documents_concatenate_and_names_stay_unique() {
     let a = yaml_provider("");
     let b = yaml_provider("").replace("name: p", "name: q");
     let docs = [
-        Document { name: "10-a.yaml", bytes: a.as_bytes() },
-        Document { name: "20-b.yaml", bytes: b.as_bytes() },
+        Document {
+            name: "10-a.yaml",
+            bytes: a.as_bytes(),
+        },
+        Document {
+            name: "20-b.yaml",
+            bytes: b.as_bytes(),
+        },
     ];
     let cfg = ProviderConfig::from_documents(&docs).unwrap();
     let names: Vec<&str> = cfg.providers.iter().map(|p| p.name.as_str()).collect();
     assert_eq!(names, vec!["p", "q"]);
     let docs = [
-        Document { name: "10-a.yaml", bytes: a.as_bytes() },
-        Document { name: "20-b.yaml", bytes: a.as_bytes() },
+        Document {
+            name: "10-a.yaml",
+            bytes: a.as_bytes(),
+        },
+        Document {
+            name: "20-b.yaml",
+            bytes: a.as_bytes(),
+        },
     ];
     match ProviderConfig::from_documents(&docs).unwrap_err() {
         ConfigError::Invalid(issues) => {
@@ -308,7 +348,10 @@ fn documents_concatenate_and_names_stay_unique() {
         }
         other => panic!("{other:?}"),
     }
-    assert_eq!(ProviderConfig::from_documents(&[]), Err(ConfigError::NoDocuments));
+    assert_eq!(
+        ProviderConfig::from_documents(&[]),
+        Err(ConfigError::NoDocuments)
+    );
 }
 
 #[test]
@@ -320,7 +363,11 @@ fn lints_for_patterns_that_never_match() {
     let fields: Vec<&str> = cfg.lints.iter().map(|l| l.field.as_str()).collect();
     assert_eq!(
         fields,
-        vec!["providers[0].matchImages[0]", "providers[0].matchImages[1]", "providers[0].matchImages[2]"]
+        vec![
+            "providers[0].matchImages[0]",
+            "providers[0].matchImages[1]",
+            "providers[0].matchImages[2]"
+        ]
     );
 }
 
@@ -338,7 +385,16 @@ fn qualified_names() {
     for ok in ["a", "a.b-c_d", "example.com/role", "a1/B2"] {
         assert!(is_qualified_name(ok).is_ok(), "{ok}");
     }
-    for bad in ["", "-a", "a-", "/a", "a/", "UP.com/x", &"x".repeat(64), "a b"] {
+    for bad in [
+        "",
+        "-a",
+        "a-",
+        "/a",
+        "a/",
+        "UP.com/x",
+        &"x".repeat(64),
+        "a b",
+    ] {
         assert!(is_qualified_name(bad).is_err(), "{bad}");
     }
 }

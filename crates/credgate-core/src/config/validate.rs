@@ -37,15 +37,24 @@ pub(super) fn validate(
     let total: usize = docs.iter().map(|(_, d)| d.providers.len()).sum();
     if total == 0 {
         let document = docs.last().map(|(n, _)| *n).unwrap_or_default();
-        Report { document, issues: &mut issues }
-            .add("providers", "at least 1 item in providers is required");
+        Report {
+            document,
+            issues: &mut issues,
+        }
+        .add("providers", "at least 1 item in providers is required");
     }
     for (document, decoded) in docs {
-        let mut report = Report { document, issues: &mut issues };
+        let mut report = Report {
+            document,
+            issues: &mut issues,
+        };
         for (i, raw) in decoded.providers.iter().enumerate() {
             let at = format!("providers[{i}]");
             if !seen.insert(raw.name.as_str()) {
-                report.add(format!("{at}.name"), format!("duplicate provider name {:?}", raw.name));
+                report.add(
+                    format!("{at}.name"),
+                    format!("duplicate provider name {:?}", raw.name),
+                );
             }
             if let Some(spec) = provider(&mut report, &at, raw) {
                 lints.extend(pattern_lints(document, &at, &spec));
@@ -79,7 +88,11 @@ fn provider(report: &mut Report<'_>, at: &str, raw: &RawProvider) -> Option<Prov
         default_cache_duration: duration?,
         api_version: api_version?,
         args: raw.args.clone(),
-        env: raw.env.iter().map(|e| (e.name.clone(), e.value.clone())).collect(),
+        env: raw
+            .env
+            .iter()
+            .map(|e| (e.name.clone(), e.value.clone()))
+            .collect(),
         token_attributes,
     })
 }
@@ -93,7 +106,10 @@ fn check_name(report: &mut Report<'_>, at: &str, name: &str) {
         report.add(&field, format!("provider name {name:?} cannot contain '/'"));
     }
     if name.contains(' ') {
-        report.add(&field, format!("provider name {name:?} cannot contain spaces"));
+        report.add(
+            &field,
+            format!("provider name {name:?} cannot contain spaces"),
+        );
     }
     if name == "." || name == ".." {
         report.add(&field, format!("provider name cannot be {name:?}"));
@@ -110,7 +126,10 @@ fn wire_version(report: &mut Report<'_>, at: &str, api_version: &str) -> Option<
         let supported: Vec<&str> = WireVersion::ALL.iter().map(|v| v.as_str()).collect();
         report.add(
             format!("{at}.apiVersion"),
-            format!("unsupported value {api_version:?}, supported: {}", supported.join(", ")),
+            format!(
+                "unsupported value {api_version:?}, supported: {}",
+                supported.join(", ")
+            ),
         );
     }
     v
@@ -118,7 +137,10 @@ fn wire_version(report: &mut Report<'_>, at: &str, api_version: &str) -> Option<
 
 fn match_images(report: &mut Report<'_>, at: &str, images: &[String]) -> Vec<Pattern> {
     if images.is_empty() {
-        report.add(format!("{at}.matchImages"), "at least 1 item in matchImages is required");
+        report.add(
+            format!("{at}.matchImages"),
+            "at least 1 item in matchImages is required",
+        );
     }
     let mut out = Vec::with_capacity(images.len());
     for (j, image) in images.iter().enumerate() {
@@ -165,7 +187,10 @@ fn token_attributes(
     if api_version.is_some_and(|v| v != WireVersion::V1) {
         report.add(
             at,
-            format!("tokenAttributes is only supported for {}", WireVersion::V1.as_str()),
+            format!(
+                "tokenAttributes is only supported for {}",
+                WireVersion::V1.as_str()
+            ),
         );
     }
     if raw.service_account_token_audience.is_empty() {
@@ -197,13 +222,24 @@ fn token_attributes(
             "requireServiceAccount cannot be false when requiredServiceAccountAnnotationKeys is set",
         );
     }
-    annotation_keys(report, &format!("{at}.requiredServiceAccountAnnotationKeys"), required);
-    annotation_keys(report, &format!("{at}.optionalServiceAccountAnnotationKeys"), optional);
+    annotation_keys(
+        report,
+        &format!("{at}.requiredServiceAccountAnnotationKeys"),
+        required,
+    );
+    annotation_keys(
+        report,
+        &format!("{at}.optionalServiceAccountAnnotationKeys"),
+        optional,
+    );
     let mut both: Vec<&String> = required.iter().filter(|k| optional.contains(k)).collect();
     both.sort();
     both.dedup();
     if !both.is_empty() {
-        report.add(at, format!("annotation keys {both:?} cannot be both required and optional"));
+        report.add(
+            at,
+            format!("annotation keys {both:?} cannot be both required and optional"),
+        );
     }
     Some(TokenAttributes {
         service_account_token_audience: raw.service_account_token_audience.clone(),
@@ -243,7 +279,9 @@ pub fn is_qualified_name(value: &str) -> Result<(), String> {
     if b.is_empty() || b.len() > 63 {
         return Err("name part must be non-empty and at most 63 characters".into());
     }
-    let inner_ok = b.iter().all(|c| c.is_ascii_alphanumeric() || b"-_.".contains(c));
+    let inner_ok = b
+        .iter()
+        .all(|c| c.is_ascii_alphanumeric() || b"-_.".contains(c));
     if !inner_ok || !b[0].is_ascii_alphanumeric() || !b[b.len() - 1].is_ascii_alphanumeric() {
         return Err(
             "name part must consist of alphanumeric characters, '-', '_' or '.', and must start and end with an alphanumeric character".into(),
@@ -255,10 +293,7 @@ pub fn is_qualified_name(value: &str) -> Result<(), String> {
 fn dns_label(l: &str) -> bool {
     let b = l.as_bytes();
     let ok = |c: &u8| c.is_ascii_lowercase() || c.is_ascii_digit();
-    !b.is_empty()
-        && ok(&b[0])
-        && ok(&b[b.len() - 1])
-        && b.iter().all(|c| ok(c) || *c == b'-')
+    !b.is_empty() && ok(&b[0]) && ok(&b[b.len() - 1]) && b.iter().all(|c| ok(c) || *c == b'-')
 }
 
 fn pattern_lints<'a>(
@@ -266,12 +301,15 @@ fn pattern_lints<'a>(
     at: &'a str,
     spec: &'a ProviderSpec,
 ) -> impl Iterator<Item = ConfigLint> + 'a {
-    spec.match_images.iter().enumerate().flat_map(move |(j, p)| {
-        p.lints().into_iter().map(move |lint| ConfigLint {
-            document: document.to_owned(),
-            field: format!("{at}.matchImages[{j}]"),
-            pattern: p.as_str().to_owned(),
-            lint,
+    spec.match_images
+        .iter()
+        .enumerate()
+        .flat_map(move |(j, p)| {
+            p.lints().into_iter().map(move |lint| ConfigLint {
+                document: document.to_owned(),
+                field: format!("{at}.matchImages[{j}]"),
+                pattern: p.as_str().to_owned(),
+                lint,
+            })
         })
-    })
 }

@@ -13,38 +13,143 @@ fn m(pattern: &str, image: &str) -> bool {
 fn matching_table() {
     let cases: &[(&str, &str, bool, &str)] = &[
         // globs per label
-        ("*.kubernetes.io", "prefix.kubernetes.io/app", true, "star label"),
-        ("prefix.*.io", "prefix.kubernetes.io/app", true, "star middle"),
-        ("prefix.kubernetes.*", "prefix.kubernetes.io/app", true, "star tld"),
-        ("*-good.kubernetes.io", "prefix-good.kubernetes.io/app", true, "star in label"),
-        ("*.kubernetes.io", "kubernetes.io/app", false, "fewer labels"),
-        ("*.kubernetes.io", "a.b.kubernetes.io/app", false, "more labels"),
-        ("*.*.kubernetes.io", "prefix.kubernetes.io/app", false, "two stars three labels"),
+        (
+            "*.kubernetes.io",
+            "prefix.kubernetes.io/app",
+            true,
+            "star label",
+        ),
+        (
+            "prefix.*.io",
+            "prefix.kubernetes.io/app",
+            true,
+            "star middle",
+        ),
+        (
+            "prefix.kubernetes.*",
+            "prefix.kubernetes.io/app",
+            true,
+            "star tld",
+        ),
+        (
+            "*-good.kubernetes.io",
+            "prefix-good.kubernetes.io/app",
+            true,
+            "star in label",
+        ),
+        (
+            "*.kubernetes.io",
+            "kubernetes.io/app",
+            false,
+            "fewer labels",
+        ),
+        (
+            "*.kubernetes.io",
+            "a.b.kubernetes.io/app",
+            false,
+            "more labels",
+        ),
+        (
+            "*.*.kubernetes.io",
+            "prefix.kubernetes.io/app",
+            false,
+            "two stars three labels",
+        ),
         ("k*.io", "quay.io/app", false, "glob first letter"),
-        ("q?ay.io", "quay.io/app", false, "? starts a URL query, never a glob"),
+        (
+            "q?ay.io",
+            "quay.io/app",
+            false,
+            "? starts a URL query, never a glob",
+        ),
         ("q?ay.io", "q/app", true, "? cuts the host"),
         ("q[tu]ay.io", "quay.io/app", true, "class"),
         ("q[s-t]ay.io", "quay.io/app", false, "range excludes"),
         ("q[a-z]ay.io", "quay.io/app", true, "range"),
         ("x.[a-.io", "x.a.io/app", false, "bad glob never matches"),
         ("*", "localhost/app", true, "single label star"),
-        ("*", "docker.io/library/nginx", false, "single label star vs two labels"),
-        ("*.*", "docker.io/library/nginx", true, "two stars two labels"),
-        ("*.*.*", "docker.io/library/nginx", false, "three stars two labels"),
+        (
+            "*",
+            "docker.io/library/nginx",
+            false,
+            "single label star vs two labels",
+        ),
+        (
+            "*.*",
+            "docker.io/library/nginx",
+            true,
+            "two stars two labels",
+        ),
+        (
+            "*.*.*",
+            "docker.io/library/nginx",
+            false,
+            "three stars two labels",
+        ),
         ("Quay.io", "quay.io/app", false, "case sensitive"),
         // ports
-        ("prefix.*.io:1111", "prefix.kubernetes.io:1111/app", true, "same port"),
-        ("prefix.*.io:1111", "prefix.kubernetes.io:2222/app", false, "other port"),
-        ("prefix.*.io", "prefix.kubernetes.io:1111/app", false, "port only on image"),
-        ("prefix.*.io:1111", "prefix.kubernetes.io/app", false, "port only on pattern"),
-        ("registry.io:443", "registry.io/app", false, "443 is not implied"),
-        ("127.0.0.1:5000", "127.0.0.1:5000/team-a/app", true, "ip and port"),
-        ("127.0.0.1", "127.0.0.1:5000/team-a/app", false, "ip without port"),
+        (
+            "prefix.*.io:1111",
+            "prefix.kubernetes.io:1111/app",
+            true,
+            "same port",
+        ),
+        (
+            "prefix.*.io:1111",
+            "prefix.kubernetes.io:2222/app",
+            false,
+            "other port",
+        ),
+        (
+            "prefix.*.io",
+            "prefix.kubernetes.io:1111/app",
+            false,
+            "port only on image",
+        ),
+        (
+            "prefix.*.io:1111",
+            "prefix.kubernetes.io/app",
+            false,
+            "port only on pattern",
+        ),
+        (
+            "registry.io:443",
+            "registry.io/app",
+            false,
+            "443 is not implied",
+        ),
+        (
+            "127.0.0.1:5000",
+            "127.0.0.1:5000/team-a/app",
+            true,
+            "ip and port",
+        ),
+        (
+            "127.0.0.1",
+            "127.0.0.1:5000/team-a/app",
+            false,
+            "ip without port",
+        ),
         ("[::1]:5000", "[::1]:5000/app", true, "ipv6 with port"),
         // paths
-        ("prefix.*.io:1111/foo", "prefix.kubernetes.io:1111/foo/bar", true, "path prefix"),
-        ("prefix.kubernetes.io/foo/bar", "prefix.kubernetes.io/foo", false, "longer path"),
-        ("reg.io/team", "reg.io/teams/x", true, "prefix is not segment aware"),
+        (
+            "prefix.*.io:1111/foo",
+            "prefix.kubernetes.io:1111/foo/bar",
+            true,
+            "path prefix",
+        ),
+        (
+            "prefix.kubernetes.io/foo/bar",
+            "prefix.kubernetes.io/foo",
+            false,
+            "longer path",
+        ),
+        (
+            "reg.io/team",
+            "reg.io/teams/x",
+            true,
+            "prefix is not segment aware",
+        ),
         ("reg.io/team/", "reg.io/teams/x", false, "trailing slash"),
         ("reg.io/*", "reg.io/app", false, "star in path is literal"),
         ("reg.io/", "reg.io/app", true, "slash path"),
@@ -63,7 +168,10 @@ fn matching_table() {
 fn spec_examples() {
     assert!(m("*.kubernetes.io", "prefix.kubernetes.io"));
     assert!(!m("k*.io", "quay.io"));
-    assert!(m("prefix.*.io:1111/foo", "prefix.kubernetes.io:1111/foo/bar"));
+    assert!(m(
+        "prefix.*.io:1111/foo",
+        "prefix.kubernetes.io:1111/foo/bar"
+    ));
 }
 
 #[test]
@@ -83,9 +191,20 @@ fn invalid_patterns() {
         ("reg%41.io", PatternError::InvalidEscape("reg%41.io".into())),
     ];
     for (pattern, want) in cases {
-        assert_eq!(Pattern::parse(pattern).as_ref().err(), Some(want), "{pattern}");
+        assert_eq!(
+            Pattern::parse(pattern).as_ref().err(),
+            Some(want),
+            "{pattern}"
+        );
     }
-    for ok in ["*", "reg.io:", "reg.io:5000", "*.dkr.ecr.*.amazonaws.com", "x.[a-.io", "reg.io/*"] {
+    for ok in [
+        "*",
+        "reg.io:",
+        "reg.io:5000",
+        "*.dkr.ecr.*.amazonaws.com",
+        "x.[a-.io",
+        "reg.io/*",
+    ] {
         assert!(Pattern::parse(ok).is_ok(), "{ok}");
     }
 }
@@ -132,7 +251,9 @@ fn glob_table() {
         assert!(glob_valid(p), "{p} should be valid");
         assert_eq!(glob_match(p, t), *want, "{p} vs {t}");
     }
-    for bad in ["[", "[^", "[^bc", "a[", "[]a]", "[-]", "[x-]", "[-x]", "\\", "[a-b-c]", "a[\\"] {
+    for bad in [
+        "[", "[^", "[^bc", "a[", "[]a]", "[-]", "[x-]", "[-x]", "\\", "[a-b-c]", "a[\\",
+    ] {
         assert!(!glob_valid(bad), "{bad} should be invalid");
     }
 }
@@ -156,5 +277,7 @@ fn registry_host_targets() {
     let parts = parse_schemeless("127.0.0.1:5000").unwrap();
     let target = Target::from_parts(&parts);
     assert!(Pattern::parse("127.0.0.1:5000").unwrap().matches(&target));
-    assert!(!Pattern::parse("127.0.0.1:5000/team").unwrap().matches(&target));
+    assert!(!Pattern::parse("127.0.0.1:5000/team")
+        .unwrap()
+        .matches(&target));
 }

@@ -14,7 +14,10 @@ const IMG: &str = "registry.example.com/team/app:v1";
 fn engine_with(runner: Arc<FakeRunner>, capacity: usize) -> Engine {
     Engine::builder()
         .config(config(&[("p", &["registry.example.com"], "10m", WIRE_V1)]))
-        .options(EngineOptions { cache_capacity: capacity, ..Default::default() })
+        .options(EngineOptions {
+            cache_capacity: capacity,
+            ..Default::default()
+        })
         .runner(runner)
         .clock(Arc::new(TokioClock::new()))
         .build()
@@ -23,12 +26,24 @@ fn engine_with(runner: Arc<FakeRunner>, capacity: usize) -> Engine {
 
 fn ten_minutes() -> Arc<FakeRunner> {
     FakeRunner::new(Duration::ZERO, |_, n| {
-        Ok(response(WIRE_V1, "Registry", None, &[("registry.example.com", &format!("u{n}"), "p")]))
+        Ok(response(
+            WIRE_V1,
+            "Registry",
+            None,
+            &[("registry.example.com", &format!("u{n}"), "p")],
+        ))
     })
 }
 
 async fn user(engine: &Engine, min_valid_for: Duration) -> Option<String> {
-    let got = engine.lookup(&LookupRequest { image: IMG, min_valid_for, ..Default::default() }).await.unwrap();
+    let got = engine
+        .lookup(&LookupRequest {
+            image: IMG,
+            min_valid_for,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
     got.credentials.first().map(|c| c.username.clone())
 }
 
@@ -41,7 +56,11 @@ async fn entries_live_until_expiry_then_rerun() {
     assert_eq!(user(&engine, Duration::ZERO).await.as_deref(), Some("u1"));
     assert_eq!(runner.runs(), 1);
     tokio::time::advance(Duration::from_secs(1)).await;
-    assert_eq!(user(&engine, Duration::ZERO).await.as_deref(), Some("u2"), "dead the moment expiry passed");
+    assert_eq!(
+        user(&engine, Duration::ZERO).await.as_deref(),
+        Some("u2"),
+        "dead the moment expiry passed"
+    );
     assert_eq!(runner.runs(), 2);
 }
 
@@ -51,10 +70,22 @@ async fn minimum_validity_forces_a_rerun() {
     let engine = engine_with(runner.clone(), 100);
     user(&engine, Duration::ZERO).await;
     tokio::time::advance(Duration::from_secs(300)).await;
-    assert_eq!(user(&engine, Duration::from_secs(299)).await.as_deref(), Some("u1"));
-    assert_eq!(user(&engine, Duration::from_secs(301)).await.as_deref(), Some("u2"));
+    assert_eq!(
+        user(&engine, Duration::from_secs(299)).await.as_deref(),
+        Some("u1")
+    );
+    assert_eq!(
+        user(&engine, Duration::from_secs(301)).await.as_deref(),
+        Some("u2")
+    );
     assert_eq!(runner.runs(), 2);
-    let served = engine.lookup_cached(&LookupRequest { image: IMG, ..Default::default() }, |c| c[0].username.to_owned());
+    let served = engine.lookup_cached(
+        &LookupRequest {
+            image: IMG,
+            ..Default::default()
+        },
+        |c| c[0].username.to_owned(),
+    );
     assert_eq!(served.unwrap().as_deref(), Some("u2"));
 }
 
@@ -66,7 +97,12 @@ async fn failed_rerun_keeps_the_last_known_good() {
         if flag.load(Ordering::SeqCst) {
             Err(())
         } else {
-            Ok(response(WIRE_V1, "Registry", None, &[("registry.example.com", &format!("u{n}"), "p")]))
+            Ok(response(
+                WIRE_V1,
+                "Registry",
+                None,
+                &[("registry.example.com", &format!("u{n}"), "p")],
+            ))
         }
     });
     let engine = engine_with(runner.clone(), 100);
@@ -74,24 +110,43 @@ async fn failed_rerun_keeps_the_last_known_good() {
     tokio::time::advance(Duration::from_secs(300)).await;
     failing.store(true, Ordering::SeqCst);
     let strict = engine
-        .lookup(&LookupRequest { image: IMG, min_valid_for: Duration::from_secs(400), ..Default::default() })
+        .lookup(&LookupRequest {
+            image: IMG,
+            min_valid_for: Duration::from_secs(400),
+            ..Default::default()
+        })
         .await
         .unwrap();
     assert!(strict.credentials.is_empty());
     assert_eq!(strict.errors.len(), 1);
-    assert_eq!(user(&engine, Duration::ZERO).await.as_deref(), Some("u1"), "last known good still served");
+    assert_eq!(
+        user(&engine, Duration::ZERO).await.as_deref(),
+        Some("u1"),
+        "last known good still served"
+    );
     assert_eq!(runner.runs(), 2);
 }
 
 #[tokio::test(start_paused = true)]
 async fn memory_is_bounded_under_distinct_images() {
     let runner = FakeRunner::new(Duration::ZERO, |_, _| {
-        Ok(response(WIRE_V1, "Image", Some("1h"), &[("registry.example.com", "u", "p")]))
+        Ok(response(
+            WIRE_V1,
+            "Image",
+            Some("1h"),
+            &[("registry.example.com", "u", "p")],
+        ))
     });
     let engine = engine_with(runner.clone(), 50);
     for i in 0..500 {
         let image = format!("registry.example.com/app-{i}");
-        engine.lookup(&LookupRequest { image: &image, ..Default::default() }).await.unwrap();
+        engine
+            .lookup(&LookupRequest {
+                image: &image,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
     }
     assert_eq!(runner.runs(), 500);
     assert_eq!(engine.provider_status()[0].cache_entries, 50);
@@ -101,12 +156,30 @@ async fn memory_is_bounded_under_distinct_images() {
 async fn lookup_cached_serves_hits_and_declines_misses() {
     let runner = ten_minutes();
     let engine = engine_with(runner, 100);
-    let req = LookupRequest { image: IMG, ..Default::default() };
+    let req = LookupRequest {
+        image: IMG,
+        ..Default::default()
+    };
     assert_eq!(engine.lookup_cached(&req, |c| c.len()).unwrap(), None);
     user(&engine, Duration::ZERO).await;
-    let got = engine.lookup_cached(&req, |c| (c.len(), c[0].source.to_owned(), c[0].pattern.to_owned())).unwrap();
-    assert_eq!(got, Some((1, "p".to_owned(), "registry.example.com".to_owned())));
-    assert!(engine.lookup_cached(&LookupRequest { image: "UPPER", ..Default::default() }, |_| ()).is_err());
+    let got = engine
+        .lookup_cached(&req, |c| {
+            (c.len(), c[0].source.to_owned(), c[0].pattern.to_owned())
+        })
+        .unwrap();
+    assert_eq!(
+        got,
+        Some((1, "p".to_owned(), "registry.example.com".to_owned()))
+    );
+    assert!(engine
+        .lookup_cached(
+            &LookupRequest {
+                image: "UPPER",
+                ..Default::default()
+            },
+            |_| ()
+        )
+        .is_err());
     let status = &engine.provider_status()[0];
     assert_eq!((status.cache_hits, status.cache_misses), (1, 1));
 }

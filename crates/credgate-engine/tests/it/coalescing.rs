@@ -12,14 +12,27 @@ use crate::common::*;
 
 const RUN: Duration = Duration::from_secs(1);
 
-fn fake_engine(key_type: &'static str, runner: Option<Arc<FakeRunner>>) -> (Engine, Arc<FakeRunner>) {
+fn fake_engine(
+    key_type: &'static str,
+    runner: Option<Arc<FakeRunner>>,
+) -> (Engine, Arc<FakeRunner>) {
     let runner = runner.unwrap_or_else(|| {
         FakeRunner::new(RUN, move |_, _| {
-            Ok(response(WIRE_V1, key_type, Some("1h"), &[("registry.example.com", "u", "p")]))
+            Ok(response(
+                WIRE_V1,
+                key_type,
+                Some("1h"),
+                &[("registry.example.com", "u", "p")],
+            ))
         })
     });
     let engine = Engine::builder()
-        .config(config(&[("p", &["registry.example.com", "other.example.com"], "10m", WIRE_V1)]))
+        .config(config(&[(
+            "p",
+            &["registry.example.com", "other.example.com"],
+            "10m",
+            WIRE_V1,
+        )]))
         .options(EngineOptions::default())
         .runner(runner.clone())
         .build()
@@ -37,7 +50,13 @@ async fn burst(engine: &Engine, images: Vec<String>) -> Vec<Duration> {
             tokio::spawn(async move {
                 barrier.wait().await;
                 let started = Instant::now();
-                let got = engine.lookup(&LookupRequest { image: &image, ..Default::default() }).await.unwrap();
+                let got = engine
+                    .lookup(&LookupRequest {
+                        image: &image,
+                        ..Default::default()
+                    })
+                    .await
+                    .unwrap();
                 assert!(got.errors.is_empty(), "{:?}", got.errors);
                 started.elapsed()
             })
@@ -51,7 +70,9 @@ async fn burst(engine: &Engine, images: Vec<String>) -> Vec<Duration> {
 }
 
 fn distinct(n: usize) -> Vec<String> {
-    (0..n).map(|i| format!("registry.example.com/team/app-{i}:v1")).collect()
+    (0..n)
+        .map(|i| format!("registry.example.com/team/app-{i}:v1"))
+        .collect()
 }
 
 #[tokio::test(start_paused = true)]
@@ -78,7 +99,9 @@ async fn image_keyed_burst_costs_n_runs_and_waits_at_most_two() {
     assert_eq!(runner.runs(), 100);
     assert!(waits.iter().all(|w| *w <= 2 * RUN), "{waits:?}");
     // Once the provider is known to answer per image, nobody waits on someone else's run.
-    let more: Vec<String> = (100..200).map(|i| format!("registry.example.com/team/app-{i}:v1")).collect();
+    let more: Vec<String> = (100..200)
+        .map(|i| format!("registry.example.com/team/app-{i}:v1"))
+        .collect();
     let waits = burst(&engine, more).await;
     assert_eq!(runner.runs(), 200);
     assert!(waits.iter().all(|w| *w <= RUN), "{waits:?}");
@@ -88,7 +111,11 @@ async fn image_keyed_burst_costs_n_runs_and_waits_at_most_two() {
 async fn same_image_burst_costs_one_run() {
     for key_type in ["Image", "Registry", "Global"] {
         let (engine, runner) = fake_engine(key_type, None);
-        burst(&engine, vec!["registry.example.com/team/app:v1".to_owned(); 100]).await;
+        burst(
+            &engine,
+            vec!["registry.example.com/team/app:v1".to_owned(); 100],
+        )
+        .await;
         assert_eq!(runner.runs(), 1, "{key_type}");
     }
 }
@@ -96,7 +123,12 @@ async fn same_image_burst_costs_one_run() {
 #[tokio::test(start_paused = true)]
 async fn zero_duration_answers_still_reach_every_waiter() {
     let runner = FakeRunner::new(RUN, |_, _| {
-        Ok(response(WIRE_V1, "Registry", Some("0s"), &[("registry.example.com", "u", "p")]))
+        Ok(response(
+            WIRE_V1,
+            "Registry",
+            Some("0s"),
+            &[("registry.example.com", "u", "p")],
+        ))
     });
     let (engine, runner) = fake_engine("Registry", Some(runner));
     let waits = burst(&engine, distinct(20)).await;
@@ -115,7 +147,13 @@ async fn a_failed_run_is_shared_by_its_waiters() {
             let (engine, barrier) = (engine.clone(), barrier.clone());
             tokio::spawn(async move {
                 barrier.wait().await;
-                engine.lookup(&LookupRequest { image: &image, ..Default::default() }).await.unwrap()
+                engine
+                    .lookup(&LookupRequest {
+                        image: &image,
+                        ..Default::default()
+                    })
+                    .await
+                    .unwrap()
             })
         })
         .collect();
@@ -133,14 +171,20 @@ async fn a_cancelled_caller_does_not_strand_the_others() {
         let engine = engine.clone();
         tokio::spawn(async move {
             engine
-                .lookup(&LookupRequest { image: "registry.example.com/a", ..Default::default() })
+                .lookup(&LookupRequest {
+                    image: "registry.example.com/a",
+                    ..Default::default()
+                })
                 .await
         })
     };
     tokio::task::yield_now().await;
     first.abort();
     let got = engine
-        .lookup(&LookupRequest { image: "registry.example.com/b", ..Default::default() })
+        .lookup(&LookupRequest {
+            image: "registry.example.com/b",
+            ..Default::default()
+        })
         .await
         .unwrap();
     assert_eq!(got.credentials.len(), 1);

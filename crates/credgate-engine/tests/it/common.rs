@@ -20,7 +20,9 @@ pub fn config(providers: &[(&str, &[&str], &str, &str)]) -> ProviderConfig {
 
 /// Like [`config`], with extra YAML lines appended to every provider.
 pub fn config_with(providers: &[(&str, &[&str], &str, &str)], extra: &str) -> ProviderConfig {
-    let mut yaml = String::from("apiVersion: kubelet.config.k8s.io/v1\nkind: CredentialProviderConfig\nproviders:\n");
+    let mut yaml = String::from(
+        "apiVersion: kubelet.config.k8s.io/v1\nkind: CredentialProviderConfig\nproviders:\n",
+    );
     for (name, images, ttl, wire) in providers {
         let images: Vec<String> = images.iter().map(|i| format!("{i:?}")).collect();
         yaml.push_str(&format!(
@@ -32,12 +34,19 @@ pub fn config_with(providers: &[(&str, &[&str], &str, &str)], extra: &str) -> Pr
 }
 
 /// A response body.
-pub fn response(wire: &str, key_type: &str, duration: Option<&str>, auth: &[(&str, &str, &str)]) -> String {
+pub fn response(
+    wire: &str,
+    key_type: &str,
+    duration: Option<&str>,
+    auth: &[(&str, &str, &str)],
+) -> String {
     let auth: Vec<String> = auth
         .iter()
         .map(|(k, u, p)| format!("{k:?}:{{\"username\":{u:?},\"password\":{p:?}}}"))
         .collect();
-    let duration = duration.map(|d| format!(",\"cacheDuration\":{d:?}")).unwrap_or_default();
+    let duration = duration
+        .map(|d| format!(",\"cacheDuration\":{d:?}"))
+        .unwrap_or_default();
     format!(
         "{{\"kind\":\"CredentialProviderResponse\",\"apiVersion\":{wire:?},\"cacheKeyType\":{key_type:?}{duration},\"auth\":{{{}}}}}",
         auth.join(",")
@@ -62,7 +71,11 @@ pub fn counting_plugin(dir: &Path, name: &str, body: &str) -> PathBuf {
     script(
         dir,
         name,
-        &format!("cat > '{}'\necho run >> '{}'\ncat <<'EOF'\n{body}\nEOF", req.display(), runs.display()),
+        &format!(
+            "cat > '{}'\necho run >> '{}'\ncat <<'EOF'\n{body}\nEOF",
+            req.display(),
+            runs.display()
+        ),
     )
 }
 
@@ -76,25 +89,39 @@ pub fn engine(config: ProviderConfig, dir: &Path) -> Engine {
     engine_opts(config, dir, |_| {})
 }
 
-pub fn engine_opts(config: ProviderConfig, dir: &Path, tune: impl FnOnce(&mut EngineOptions)) -> Engine {
+pub fn engine_opts(
+    config: ProviderConfig,
+    dir: &Path,
+    tune: impl FnOnce(&mut EngineOptions),
+) -> Engine {
     let mut options = EngineOptions {
         plugin_dir: dir.to_owned(),
         ..EngineOptions::default()
     };
     tune(&mut options);
-    Engine::builder().config(config).options(options).build().expect("engine builds")
+    Engine::builder()
+        .config(config)
+        .options(options)
+        .build()
+        .expect("engine builds")
 }
+
+/// How a fake runner answers: from the request and the run's number, a body or a failure.
+pub type Answer = Box<dyn Fn(&str, usize) -> Result<String, ()> + Send + Sync>;
 
 /// A fake runner: counts runs, sleeps `delay` on tokio's clock, answers from `answer`.
 pub struct FakeRunner {
     pub runs: AtomicUsize,
     pub delay: Duration,
-    pub answer: Box<dyn Fn(&str, usize) -> Result<String, ()> + Send + Sync>,
+    pub answer: Answer,
     pub requests: Mutex<Vec<String>>,
 }
 
 impl FakeRunner {
-    pub fn new(delay: Duration, answer: impl Fn(&str, usize) -> Result<String, ()> + Send + Sync + 'static) -> Arc<Self> {
+    pub fn new(
+        delay: Duration,
+        answer: impl Fn(&str, usize) -> Result<String, ()> + Send + Sync + 'static,
+    ) -> Arc<Self> {
         Arc::new(FakeRunner {
             runs: AtomicUsize::new(0),
             delay,
@@ -109,7 +136,11 @@ impl FakeRunner {
 }
 
 impl PluginRunner for FakeRunner {
-    fn run<'a>(&'a self, command: &'a PluginCommand, stdin: Vec<u8>) -> BoxFuture<'a, Result<Vec<u8>, RunError>> {
+    fn run<'a>(
+        &'a self,
+        command: &'a PluginCommand,
+        stdin: Vec<u8>,
+    ) -> BoxFuture<'a, Result<Vec<u8>, RunError>> {
         Box::pin(async move {
             let n = self.runs.fetch_add(1, Ordering::SeqCst) + 1;
             let request = String::from_utf8(stdin).unwrap();
@@ -154,7 +185,10 @@ impl LogCapture {
             .with_max_level(tracing::Level::TRACE)
             .with_writer(move || writer.clone())
             .finish();
-        LogCapture { buf, _guard: tracing::subscriber::set_default(sub) }
+        LogCapture {
+            buf,
+            _guard: tracing::subscriber::set_default(sub),
+        }
     }
 
     pub fn text(&self) -> String {

@@ -13,7 +13,10 @@ use crate::common::*;
 const IMG: &str = "registry.example.com/team/app:v1";
 
 fn req(image: &str) -> LookupRequest<'_> {
-    LookupRequest { image, ..Default::default() }
+    LookupRequest {
+        image,
+        ..Default::default()
+    }
 }
 
 fn run_error(err: &ProviderError) -> &RunError {
@@ -27,9 +30,17 @@ fn run_error(err: &ProviderError) -> &RunError {
 async fn succeeds_in_every_wire_version() {
     for wire in WireVersion::ALL {
         let dir = tempfile::tempdir().unwrap();
-        let body = response(wire.as_str(), "Registry", Some("1h"), &[("registry.example.com", "u", "p")]);
+        let body = response(
+            wire.as_str(),
+            "Registry",
+            Some("1h"),
+            &[("registry.example.com", "u", "p")],
+        );
         counting_plugin(dir.path(), "p", &body);
-        let e = engine(config(&[("p", &["registry.example.com"], "10m", wire.as_str())]), dir.path());
+        let e = engine(
+            config(&[("p", &["registry.example.com"], "10m", wire.as_str())]),
+            dir.path(),
+        );
         let got = e.lookup(&req(IMG)).await.unwrap();
         assert!(got.errors.is_empty(), "{:?}", got.errors);
         assert_eq!(got.credentials.len(), 1);
@@ -51,10 +62,23 @@ async fn image_registry_and_global_keys() {
     let cases = [("Image", 3), ("Registry", 2), ("Global", 1)];
     for (key_type, want_runs) in cases {
         let dir = tempfile::tempdir().unwrap();
-        let body = response(WIRE_V1, key_type, Some("1h"), &[("*.example.com", "u", "p"), ("*.example.org", "u", "p")]);
+        let body = response(
+            WIRE_V1,
+            key_type,
+            Some("1h"),
+            &[("*.example.com", "u", "p"), ("*.example.org", "u", "p")],
+        );
         counting_plugin(dir.path(), "p", &body);
-        let e = engine(config(&[("p", &["*.example.com", "*.example.org"], "10m", WIRE_V1)]), dir.path());
-        for image in ["a.example.com/x", "a.example.com/y", "b.example.org/z", "a.example.com/x"] {
+        let e = engine(
+            config(&[("p", &["*.example.com", "*.example.org"], "10m", WIRE_V1)]),
+            dir.path(),
+        );
+        for image in [
+            "a.example.com/x",
+            "a.example.com/y",
+            "b.example.org/z",
+            "a.example.com/x",
+        ] {
             let got = e.lookup(&req(image)).await.unwrap();
             assert_eq!(got.credentials.len(), 1, "{key_type} {image}");
         }
@@ -72,15 +96,29 @@ async fn durations_absent_zero_and_positive() {
         (None, "0s", false, None),
     ] {
         let dir = tempfile::tempdir().unwrap();
-        let body = response(WIRE_V1, "Registry", duration, &[("registry.example.com", "u", "p")]);
+        let body = response(
+            WIRE_V1,
+            "Registry",
+            duration,
+            &[("registry.example.com", "u", "p")],
+        );
         counting_plugin(dir.path(), "p", &body);
-        let e = engine(config(&[("p", &["registry.example.com"], default, WIRE_V1)]), dir.path());
+        let e = engine(
+            config(&[("p", &["registry.example.com"], default, WIRE_V1)]),
+            dir.path(),
+        );
         let before = SystemTime::now();
         let first = e.lookup(&req(IMG)).await.unwrap();
         e.lookup(&req(IMG)).await.unwrap();
         let want_runs = if cached { 1 } else { 2 };
-        assert_eq!(runs_of(dir.path(), "p"), want_runs, "{duration:?}/{default}");
-        let got = first.credentials[0].expires_at.map(|t| t.duration_since(before).unwrap().as_secs());
+        assert_eq!(
+            runs_of(dir.path(), "p"),
+            want_runs,
+            "{duration:?}/{default}"
+        );
+        let got = first.credentials[0]
+            .expires_at
+            .map(|t| t.duration_since(before).unwrap().as_secs());
         match (got, expiry) {
             (Some(g), Some(w)) => assert!(g.abs_diff(w) <= 2, "{g} vs {w}"),
             (g, w) => assert_eq!(g, w),
@@ -91,8 +129,15 @@ async fn durations_absent_zero_and_positive() {
 #[tokio::test]
 async fn empty_auth_with_duration_is_cached() {
     let dir = tempfile::tempdir().unwrap();
-    counting_plugin(dir.path(), "p", &response(WIRE_V1, "Registry", Some("1h"), &[]));
-    let e = engine(config(&[("p", &["registry.example.com"], "10m", WIRE_V1)]), dir.path());
+    counting_plugin(
+        dir.path(),
+        "p",
+        &response(WIRE_V1, "Registry", Some("1h"), &[]),
+    );
+    let e = engine(
+        config(&[("p", &["registry.example.com"], "10m", WIRE_V1)]),
+        dir.path(),
+    );
     for _ in 0..3 {
         let got = e.lookup(&req(IMG)).await.unwrap();
         assert!(got.credentials.is_empty() && got.errors.is_empty());
@@ -102,24 +147,39 @@ async fn empty_auth_with_duration_is_cached() {
 
 #[tokio::test]
 async fn bad_responses_are_errors_and_never_cached() {
-    let wrong_version = response("credentialprovider.kubelet.k8s.io/v1beta1", "Image", None, &[]);
-    let wrong_kind = response(WIRE_V1, "Image", None, &[]).replace("CredentialProviderResponse", "Nope");
+    let wrong_version = response(
+        "credentialprovider.kubelet.k8s.io/v1beta1",
+        "Image",
+        None,
+        &[],
+    );
+    let wrong_kind =
+        response(WIRE_V1, "Image", None, &[]).replace("CredentialProviderResponse", "Nope");
     let bad_key = response(WIRE_V1, "Repository", None, &[]);
     let cases = [
         (bad_key.as_str(), "cacheKeyType"),
         (wrong_version.as_str(), "apiVersion"),
         (wrong_kind.as_str(), "kind"),
-        ("{\"kind\": \"CredentialProviderResponse\", ", "not a JSON object"),
+        (
+            "{\"kind\": \"CredentialProviderResponse\", ",
+            "not a JSON object",
+        ),
         ("", "not a JSON object"),
     ];
     for (body, want) in cases {
         let dir = tempfile::tempdir().unwrap();
         counting_plugin(dir.path(), "p", body);
-        let e = engine(config(&[("p", &["registry.example.com"], "10m", WIRE_V1)]), dir.path());
+        let e = engine(
+            config(&[("p", &["registry.example.com"], "10m", WIRE_V1)]),
+            dir.path(),
+        );
         let got = e.lookup(&req(IMG)).await.unwrap();
         assert!(got.credentials.is_empty());
         let err = got.errors[0].to_string();
-        assert!(matches!(got.errors[0], ProviderError::Response { .. }), "{err}");
+        assert!(
+            matches!(got.errors[0], ProviderError::Response { .. }),
+            "{err}"
+        );
         assert!(err.contains(want) && err.contains("plugin p"), "{err}");
         e.lookup(&req(IMG)).await.unwrap();
         assert_eq!(runs_of(dir.path(), "p"), 2, "errors are not cached: {want}");
@@ -136,15 +196,24 @@ async fn failure_with_secret_on_stdout_never_leaks() {
         "p",
         &format!("cat >/dev/null\necho '{{\"auth\":{{\"x\":{{\"password\":\"{secret}\"}}}}}}'\necho 'boom: cannot reach metadata service' >&2\nexit 3"),
     );
-    let e = engine(config(&[("p", &["registry.example.com"], "10m", WIRE_V1)]), dir.path());
+    let e = engine(
+        config(&[("p", &["registry.example.com"], "10m", WIRE_V1)]),
+        dir.path(),
+    );
     let got = e.lookup(&req(IMG)).await.unwrap();
     let err = &got.errors[0];
     assert!(matches!(run_error(err), RunError::NonZeroExit { .. }));
     let text = format!("{err} {err:?} {got:?}");
-    assert!(text.contains("exit status: 3") && text.contains("boom: cannot reach"), "{text}");
+    assert!(
+        text.contains("exit status: 3") && text.contains("boom: cannot reach"),
+        "{text}"
+    );
     assert!(!text.contains(secret), "{text}");
     let status = &e.provider_status()[0];
-    assert!(status.last_error.as_ref().is_some_and(|l| !l.contains(secret)));
+    assert!(status
+        .last_error
+        .as_ref()
+        .is_some_and(|l| !l.contains(secret)));
     assert!(logs.text().contains("plugin run failed"), "{}", logs.text());
     assert!(!logs.text().contains(secret));
 }
@@ -154,25 +223,45 @@ async fn malformed_output_with_secret_never_leaks() {
     let logs = LogCapture::start();
     let dir = tempfile::tempdir().unwrap();
     let secret = "s3cr3t-in-broken-json";
-    script(dir.path(), "p", &format!("cat >/dev/null\necho '{{\"password\": \"{secret}\" oops'"));
-    let e = engine(config(&[("p", &["registry.example.com"], "10m", WIRE_V1)]), dir.path());
+    script(
+        dir.path(),
+        "p",
+        &format!("cat >/dev/null\necho '{{\"password\": \"{secret}\" oops'"),
+    );
+    let e = engine(
+        config(&[("p", &["registry.example.com"], "10m", WIRE_V1)]),
+        dir.path(),
+    );
     let got = e.lookup(&req(IMG)).await.unwrap();
     let text = format!("{} {:?}", got.errors[0], got.errors[0]);
-    assert!(!text.contains(secret) && !logs.text().contains(secret), "{text}");
+    assert!(
+        !text.contains(secret) && !logs.text().contains(secret),
+        "{text}"
+    );
 }
 
 fn pid_gone(pid: i32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
         Err(_) => true,
-        Ok(stat) => stat.rsplit(')').next().is_some_and(|rest| rest.trim_start().starts_with('Z')),
+        Ok(stat) => stat
+            .rsplit(')')
+            .next()
+            .is_some_and(|rest| rest.trim_start().starts_with('Z')),
     }
 }
 
 fn wait_gone(pid_file: &std::path::Path) {
-    let pid: i32 = std::fs::read_to_string(pid_file).unwrap().trim().parse().unwrap();
+    let pid: i32 = std::fs::read_to_string(pid_file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
     let deadline = Instant::now() + Duration::from_secs(5);
     while !pid_gone(pid) {
-        assert!(Instant::now() < deadline, "process {pid} outlived its plugin");
+        assert!(
+            Instant::now() < deadline,
+            "process {pid} outlived its plugin"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -185,11 +274,23 @@ fn short_timeout(o: &mut EngineOptions) {
 async fn hang_is_killed_at_the_timeout() {
     let dir = tempfile::tempdir().unwrap();
     let pid = dir.path().join("child.pid");
-    script(dir.path(), "p", &format!("sleep 60 &\necho $! > '{}'\nwait", pid.display()));
-    let e = engine_opts(config(&[("p", &["registry.example.com"], "10m", WIRE_V1)]), dir.path(), short_timeout);
+    script(
+        dir.path(),
+        "p",
+        &format!("sleep 60 &\necho $! > '{}'\nwait", pid.display()),
+    );
+    let e = engine_opts(
+        config(&[("p", &["registry.example.com"], "10m", WIRE_V1)]),
+        dir.path(),
+        short_timeout,
+    );
     let started = Instant::now();
     let got = e.lookup(&req(IMG)).await.unwrap();
-    assert!(matches!(run_error(&got.errors[0]), RunError::Timeout { .. }), "{}", got.errors[0]);
+    assert!(
+        matches!(run_error(&got.errors[0]), RunError::Timeout { .. }),
+        "{}",
+        got.errors[0]
+    );
     assert!(started.elapsed() < Duration::from_secs(5));
     wait_gone(&pid);
 }
@@ -198,61 +299,105 @@ async fn hang_is_killed_at_the_timeout() {
 async fn child_holding_stdout_does_not_hang_a_finished_plugin() {
     let dir = tempfile::tempdir().unwrap();
     let pid = dir.path().join("child.pid");
-    let body = response(WIRE_V1, "Registry", None, &[("registry.example.com", "u", "p")]);
+    let body = response(
+        WIRE_V1,
+        "Registry",
+        None,
+        &[("registry.example.com", "u", "p")],
+    );
     script(
         dir.path(),
         "p",
-        &format!("cat >/dev/null\nsleep 60 &\necho $! > '{}'\ncat <<'EOF'\n{body}\nEOF", pid.display()),
+        &format!(
+            "cat >/dev/null\nsleep 60 &\necho $! > '{}'\ncat <<'EOF'\n{body}\nEOF",
+            pid.display()
+        ),
     );
-    let e = engine_opts(config(&[("p", &["registry.example.com"], "10m", WIRE_V1)]), dir.path(), |o| {
-        o.default_timeout = Duration::from_secs(30)
-    });
+    let e = engine_opts(
+        config(&[("p", &["registry.example.com"], "10m", WIRE_V1)]),
+        dir.path(),
+        |o| o.default_timeout = Duration::from_secs(30),
+    );
     let started = Instant::now();
     let got = e.lookup(&req(IMG)).await.unwrap();
     assert_eq!(got.credentials.len(), 1, "{:?}", got.errors);
-    assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
     wait_gone(&pid);
 }
 
 #[tokio::test]
 async fn escaped_child_holding_stdout_is_drained_with_a_bound() {
     let dir = tempfile::tempdir().unwrap();
-    let body = response(WIRE_V1, "Registry", None, &[("registry.example.com", "u", "p")]);
+    let body = response(
+        WIRE_V1,
+        "Registry",
+        None,
+        &[("registry.example.com", "u", "p")],
+    );
     script(
         dir.path(),
         "p",
         &format!("cat >/dev/null\ncat <<'EOF'\n{body}\nEOF\nsetsid sleep 3 &\nexit 0"),
     );
-    let e = engine_opts(config(&[("p", &["registry.example.com"], "10m", WIRE_V1)]), dir.path(), |o| {
-        o.default_timeout = Duration::from_secs(30)
-    });
+    let e = engine_opts(
+        config(&[("p", &["registry.example.com"], "10m", WIRE_V1)]),
+        dir.path(),
+        |o| o.default_timeout = Duration::from_secs(30),
+    );
     let started = Instant::now();
     let got = e.lookup(&req(IMG)).await.unwrap();
     assert_eq!(got.credentials.len(), 1, "{:?}", got.errors);
-    assert!(started.elapsed() < Duration::from_millis(2500), "{:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_millis(2500),
+        "{:?}",
+        started.elapsed()
+    );
 }
 
 #[tokio::test]
 async fn output_flood_hits_the_cap() {
     let dir = tempfile::tempdir().unwrap();
     script(dir.path(), "p", "cat >/dev/null\nexec yes credgate");
-    let e = engine_opts(config(&[("p", &["registry.example.com"], "10m", WIRE_V1)]), dir.path(), |o| {
-        o.limits.stdout = 64 * 1024
-    });
+    let e = engine_opts(
+        config(&[("p", &["registry.example.com"], "10m", WIRE_V1)]),
+        dir.path(),
+        |o| o.limits.stdout = 64 * 1024,
+    );
     let got = e.lookup(&req(IMG)).await.unwrap();
-    assert!(matches!(run_error(&got.errors[0]), RunError::OutputTooLarge { cap: 65536, .. }), "{}", got.errors[0]);
+    assert!(
+        matches!(
+            run_error(&got.errors[0]),
+            RunError::OutputTooLarge { cap: 65536, .. }
+        ),
+        "{}",
+        got.errors[0]
+    );
 }
 
 #[tokio::test]
 async fn stderr_flood_is_truncated_not_fatal() {
     let dir = tempfile::tempdir().unwrap();
-    let body = response(WIRE_V1, "Registry", None, &[("registry.example.com", "u", "p")]);
+    let body = response(
+        WIRE_V1,
+        "Registry",
+        None,
+        &[("registry.example.com", "u", "p")],
+    );
     script(
         dir.path(),
         "p",
-        &format!("cat >/dev/null\nhead -c 3000000 /dev/zero | tr '\\0' e >&2\ncat <<'EOF'\n{body}\nEOF"),
+        &format!(
+            "cat >/dev/null\nhead -c 3000000 /dev/zero | tr '\\0' e >&2\ncat <<'EOF'\n{body}\nEOF"
+        ),
     );
-    let e = engine(config(&[("p", &["registry.example.com"], "10m", WIRE_V1)]), dir.path());
+    let e = engine(
+        config(&[("p", &["registry.example.com"], "10m", WIRE_V1)]),
+        dir.path(),
+    );
     let got = e.lookup(&req(IMG)).await.unwrap();
     assert_eq!(got.credentials.len(), 1, "{:?}", got.errors);
 }
@@ -260,9 +405,21 @@ async fn stderr_flood_is_truncated_not_fatal() {
 #[tokio::test]
 async fn plugin_that_ignores_stdin_still_works() {
     let dir = tempfile::tempdir().unwrap();
-    let body = response(WIRE_V1, "Registry", None, &[("registry.example.com", "u", "p")]);
-    script(dir.path(), "p", &format!("exec 0<&-\ncat <<'EOF'\n{body}\nEOF"));
-    let e = engine(config(&[("p", &["registry.example.com"], "10m", WIRE_V1)]), dir.path());
+    let body = response(
+        WIRE_V1,
+        "Registry",
+        None,
+        &[("registry.example.com", "u", "p")],
+    );
+    script(
+        dir.path(),
+        "p",
+        &format!("exec 0<&-\ncat <<'EOF'\n{body}\nEOF"),
+    );
+    let e = engine(
+        config(&[("p", &["registry.example.com"], "10m", WIRE_V1)]),
+        dir.path(),
+    );
     let got = e.lookup(&req(IMG)).await.unwrap();
     assert_eq!(got.credentials.len(), 1, "{:?}", got.errors);
 }
@@ -271,24 +428,53 @@ async fn plugin_that_ignores_stdin_still_works() {
 async fn missing_or_not_executable_binary_is_a_build_error() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(&[("p", &["registry.example.com"], "10m", WIRE_V1)]);
-    let options = EngineOptions { plugin_dir: dir.path().to_owned(), ..Default::default() };
-    let err = Engine::builder().config(cfg.clone()).options(options.clone()).build().err().unwrap();
+    let options = EngineOptions {
+        plugin_dir: dir.path().to_owned(),
+        ..Default::default()
+    };
+    let err = Engine::builder()
+        .config(cfg.clone())
+        .options(options.clone())
+        .build()
+        .err()
+        .unwrap();
     assert!(matches!(err, BuildError::PluginMissing { .. }));
-    assert!(err.to_string().contains(&dir.path().join("p").display().to_string()));
+    assert!(err
+        .to_string()
+        .contains(&dir.path().join("p").display().to_string()));
     std::fs::write(dir.path().join("p"), "#!/bin/sh\n").unwrap();
-    let err = Engine::builder().config(cfg.clone()).options(options.clone()).build().err().unwrap();
-    assert!(matches!(err, BuildError::PluginNotExecutable { .. }), "{err}");
+    let err = Engine::builder()
+        .config(cfg.clone())
+        .options(options.clone())
+        .build()
+        .err()
+        .unwrap();
+    assert!(
+        matches!(err, BuildError::PluginNotExecutable { .. }),
+        "{err}"
+    );
     std::fs::create_dir(dir.path().join("q")).unwrap();
     let cfg = config(&[("q", &["registry.example.com"], "10m", WIRE_V1)]);
-    let err = Engine::builder().config(cfg).options(options).build().err().unwrap();
-    assert!(matches!(err, BuildError::PluginNotExecutable { .. }), "{err}");
+    let err = Engine::builder()
+        .config(cfg)
+        .options(options)
+        .build()
+        .err()
+        .unwrap();
+    assert!(
+        matches!(err, BuildError::PluginNotExecutable { .. }),
+        "{err}"
+    );
 }
 
 #[tokio::test]
 async fn binary_removed_after_start_is_a_spawn_error() {
     let dir = tempfile::tempdir().unwrap();
     counting_plugin(dir.path(), "p", "{}");
-    let e = engine(config(&[("p", &["registry.example.com"], "10m", WIRE_V1)]), dir.path());
+    let e = engine(
+        config(&[("p", &["registry.example.com"], "10m", WIRE_V1)]),
+        dir.path(),
+    );
     std::fs::remove_file(dir.path().join("p")).unwrap();
     let got = e.lookup(&req(IMG)).await.unwrap();
     assert!(matches!(run_error(&got.errors[0]), RunError::Spawn { .. }));
@@ -316,14 +502,21 @@ async fn environment_is_merged_config_wins() {
     let got = engine(cfg, dir.path()).lookup(&req(IMG)).await.unwrap();
     let user = &got.credentials[0].username;
     let path = std::env::var("PATH").unwrap();
-    assert_eq!(user, &format!("/from-config+x+{path}"), "config wins, the agent's env is passed");
+    assert_eq!(
+        user,
+        &format!("/from-config+x+{path}"),
+        "config wins, the agent's env is passed"
+    );
 }
 
 #[tokio::test]
 async fn args_are_passed() {
     let dir = tempfile::tempdir().unwrap();
     echo_user_plugin(dir.path(), "$1+$2");
-    let cfg = config_with(&[("p", &["registry.example.com"], "10m", WIRE_V1)], "  args: [get-credentials, --v=2]\n");
+    let cfg = config_with(
+        &[("p", &["registry.example.com"], "10m", WIRE_V1)],
+        "  args: [get-credentials, --v=2]\n",
+    );
     let got = engine(cfg, dir.path()).lookup(&req(IMG)).await.unwrap();
     assert_eq!(got.credentials[0].username, "get-credentials+--v=2");
 }
@@ -331,16 +524,35 @@ async fn args_are_passed() {
 #[tokio::test]
 async fn repeated_failures_back_off() {
     let dir = tempfile::tempdir().unwrap();
-    script(dir.path(), "p", &format!("cat >/dev/null\necho run >> '{}'\nexit 1", dir.path().join("p.runs").display()));
-    let e = engine_opts(config(&[("p", &["registry.example.com"], "10m", WIRE_V1)]), dir.path(), |o| {
-        o.backoff.base = Duration::from_secs(3600);
-    });
+    script(
+        dir.path(),
+        "p",
+        &format!(
+            "cat >/dev/null\necho run >> '{}'\nexit 1",
+            dir.path().join("p.runs").display()
+        ),
+    );
+    let e = engine_opts(
+        config(&[("p", &["registry.example.com"], "10m", WIRE_V1)]),
+        dir.path(),
+        |o| {
+            o.backoff.base = Duration::from_secs(3600);
+        },
+    );
     for _ in 0..5 {
         e.lookup(&req(IMG)).await.unwrap();
     }
-    assert_eq!(runs_of(dir.path(), "p"), 2, "a failing plugin is not run in a tight loop");
+    assert_eq!(
+        runs_of(dir.path(), "p"),
+        2,
+        "a failing plugin is not run in a tight loop"
+    );
     let got = e.lookup(&req(IMG)).await.unwrap();
-    assert!(matches!(got.errors[0], ProviderError::Backoff { failures: 2, .. }), "{}", got.errors[0]);
+    assert!(
+        matches!(got.errors[0], ProviderError::Backoff { failures: 2, .. }),
+        "{}",
+        got.errors[0]
+    );
     let status = &e.provider_status()[0];
     assert_eq!(status.consecutive_failures, 2);
     assert!(status.last_error.is_some());

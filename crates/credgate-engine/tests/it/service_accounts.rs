@@ -10,18 +10,34 @@ use crate::common::*;
 
 const IMG: &str = "registry.example.com/team/app:v1";
 
-fn sa_engine(cache_type: &str, require: bool, echo_token: bool) -> (Engine, std::sync::Arc<FakeRunner>) {
+fn sa_engine(
+    cache_type: &str,
+    require: bool,
+    echo_token: bool,
+) -> (Engine, std::sync::Arc<FakeRunner>) {
     let runner = FakeRunner::new(Duration::ZERO, move |req, _| {
         let v: serde_json::Value = serde_json::from_str(req).unwrap();
-        let password = if echo_token { v["serviceAccountToken"].as_str().unwrap_or("p").to_owned() } else { "p".to_owned() };
-        Ok(response(WIRE_V1, "Registry", None, &[("registry.example.com", "u", &password)]))
+        let password = if echo_token {
+            v["serviceAccountToken"].as_str().unwrap_or("p").to_owned()
+        } else {
+            "p".to_owned()
+        };
+        Ok(response(
+            WIRE_V1,
+            "Registry",
+            None,
+            &[("registry.example.com", "u", &password)],
+        ))
     });
     let extra = format!(
         "  tokenAttributes:\n    serviceAccountTokenAudience: registry\n    cacheType: {cache_type}\n    requireServiceAccount: {require}\n{}    optionalServiceAccountAnnotationKeys: [example.com/opt]\n",
         if require { "    requiredServiceAccountAnnotationKeys: [example.com/role]\n" } else { "" }
     );
     let engine = Engine::builder()
-        .config(config_with(&[("p", &["registry.example.com"], "10m", WIRE_V1)], &extra))
+        .config(config_with(
+            &[("p", &["registry.example.com"], "10m", WIRE_V1)],
+            &extra,
+        ))
         .runner(runner.clone())
         .build()
         .unwrap();
@@ -44,7 +60,11 @@ fn sa(name: &str, token: &str, role: Option<&str>) -> ServiceAccount {
 
 async fn ask(engine: &Engine, account: Option<&ServiceAccount>) -> credgate_engine::Lookup {
     engine
-        .lookup(&LookupRequest { image: IMG, service_account: account, ..Default::default() })
+        .lookup(&LookupRequest {
+            image: IMG,
+            service_account: account,
+            ..Default::default()
+        })
         .await
         .unwrap()
 }
@@ -61,7 +81,9 @@ async fn required_account_missing_means_no_run() {
 async fn missing_required_annotation_means_no_run() {
     let (engine, runner) = sa_engine("ServiceAccount", true, false);
     let got = ask(&engine, Some(&sa("a", "t1", None))).await;
-    assert!(matches!(&got.errors[0], ProviderError::MissingAnnotation { key, .. } if key == "example.com/role"));
+    assert!(
+        matches!(&got.errors[0], ProviderError::MissingAnnotation { key, .. } if key == "example.com/role")
+    );
     assert_eq!(runner.runs(), 0);
 }
 
@@ -72,7 +94,10 @@ async fn request_carries_token_and_selected_annotations_only() {
     assert_eq!(got.credentials.len(), 1, "{:?}", got.errors);
     let req: serde_json::Value = serde_json::from_str(&runner.requests.lock().unwrap()[0]).unwrap();
     assert_eq!(req["serviceAccountToken"], "t1");
-    assert_eq!(req["serviceAccountAnnotations"], serde_json::json!({"example.com/role": "admin"}));
+    assert_eq!(
+        req["serviceAccountAnnotations"],
+        serde_json::json!({"example.com/role": "admin"})
+    );
 }
 
 #[tokio::test]
@@ -80,7 +105,11 @@ async fn cache_is_scoped_per_account() {
     let (engine, runner) = sa_engine("ServiceAccount", true, false);
     ask(&engine, Some(&sa("a", "t1", Some("r")))).await;
     ask(&engine, Some(&sa("a", "t2", Some("r")))).await;
-    assert_eq!(runner.runs(), 1, "ServiceAccount cacheType ignores the token");
+    assert_eq!(
+        runner.runs(),
+        1,
+        "ServiceAccount cacheType ignores the token"
+    );
     ask(&engine, Some(&sa("b", "t1", Some("r")))).await;
     assert_eq!(runner.runs(), 2);
     ask(&engine, Some(&sa("a", "t1", Some("other-role")))).await;

@@ -25,14 +25,23 @@ fn config_directory_is_read_in_sorted_order() {
     assert_eq!(names, vec!["a", "b", "c"]);
     std::fs::write(dir.path().join("40-dup.yaml"), provider_yaml("b", "d.io")).unwrap();
     let err = load_provider_config(dir.path()).unwrap_err().to_string();
-    assert!(err.contains("40-dup.yaml") && err.contains("providers[0].name"), "{err}");
+    assert!(
+        err.contains("40-dup.yaml") && err.contains("providers[0].name"),
+        "{err}"
+    );
 }
 
 #[test]
 fn empty_directory_and_missing_file_are_errors() {
     let dir = tempfile::tempdir().unwrap();
-    assert!(matches!(load_provider_config(dir.path()), Err(LoadError::EmptyDirectory(_))));
-    assert!(matches!(load_provider_config(&dir.path().join("nope.yaml")), Err(LoadError::Read { .. })));
+    assert!(matches!(
+        load_provider_config(dir.path()),
+        Err(LoadError::EmptyDirectory(_))
+    ));
+    assert!(matches!(
+        load_provider_config(&dir.path().join("nope.yaml")),
+        Err(LoadError::Read { .. })
+    ));
 }
 
 #[tokio::test]
@@ -44,13 +53,39 @@ async fn docker_config_then_providers_in_keyring_order() {
         r#"{"auths":{"*.example.com":{"auth":"ZG9ja2VyLXdpbGQ6cHc="},"https://registry.example.com/v2/":{"username":"docker","password":"pw"}}}"#,
     )
     .unwrap();
-    counting_plugin(dir.path(), "first", &response(WIRE_V1, "Registry", None, &[("registry.example.com", "first", "p")]));
+    counting_plugin(
+        dir.path(),
+        "first",
+        &response(
+            WIRE_V1,
+            "Registry",
+            None,
+            &[("registry.example.com", "first", "p")],
+        ),
+    );
     counting_plugin(
         dir.path(),
         "second",
-        &response(WIRE_V1, "Registry", None, &[("registry.example.com/team", "second-team", "p"), ("registry.example.com", "second", "p")]),
+        &response(
+            WIRE_V1,
+            "Registry",
+            None,
+            &[
+                ("registry.example.com/team", "second-team", "p"),
+                ("registry.example.com", "second", "p"),
+            ],
+        ),
     );
-    counting_plugin(dir.path(), "unrelated", &response(WIRE_V1, "Registry", None, &[("registry.example.com", "never", "p")]));
+    counting_plugin(
+        dir.path(),
+        "unrelated",
+        &response(
+            WIRE_V1,
+            "Registry",
+            None,
+            &[("registry.example.com", "never", "p")],
+        ),
+    );
     let cfg = config(&[
         ("first", &["registry.example.com"], "10m", WIRE_V1),
         ("second", &["*.example.com"], "10m", WIRE_V1),
@@ -58,15 +93,25 @@ async fn docker_config_then_providers_in_keyring_order() {
     ]);
     let engine = Engine::builder()
         .config(cfg)
-        .options(EngineOptions { plugin_dir: dir.path().to_owned(), ..Default::default() })
+        .options(EngineOptions {
+            plugin_dir: dir.path().to_owned(),
+            ..Default::default()
+        })
         .static_source(load_docker_config(&docker).unwrap())
         .build()
         .unwrap();
     let got = engine
-        .lookup(&LookupRequest { image: "registry.example.com/team/app:v1", ..Default::default() })
+        .lookup(&LookupRequest {
+            image: "registry.example.com/team/app:v1",
+            ..Default::default()
+        })
         .await
         .unwrap();
-    let order: Vec<(&str, &str)> = got.credentials.iter().map(|c| (c.source.name(), c.username.as_str())).collect();
+    let order: Vec<(&str, &str)> = got
+        .credentials
+        .iter()
+        .map(|c| (c.source.name(), c.username.as_str()))
+        .collect();
     let docker_name = docker.display().to_string();
     assert_eq!(
         order,
@@ -88,10 +133,28 @@ async fn docker_config_then_providers_in_keyring_order() {
 async fn docker_hub_fallback_from_a_docker_config() {
     let dir = tempfile::tempdir().unwrap();
     let docker = dir.path().join("config.json");
-    std::fs::write(&docker, r#"{"auths":{"https://index.docker.io/v1/":{"username":"hub","password":"pw"}}}"#).unwrap();
-    let engine = Engine::builder().static_source(load_docker_config(&docker).unwrap()).build().unwrap();
-    for (image, want) in [("nginx:1.25", 1), ("team/app", 1), ("docker.io/x/y", 1), ("quay.io/x/y", 0)] {
-        let got = engine.lookup(&LookupRequest { image, ..Default::default() }).await.unwrap();
+    std::fs::write(
+        &docker,
+        r#"{"auths":{"https://index.docker.io/v1/":{"username":"hub","password":"pw"}}}"#,
+    )
+    .unwrap();
+    let engine = Engine::builder()
+        .static_source(load_docker_config(&docker).unwrap())
+        .build()
+        .unwrap();
+    for (image, want) in [
+        ("nginx:1.25", 1),
+        ("team/app", 1),
+        ("docker.io/x/y", 1),
+        ("quay.io/x/y", 0),
+    ] {
+        let got = engine
+            .lookup(&LookupRequest {
+                image,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
         assert_eq!(got.credentials.len(), want, "{image}");
     }
 }
@@ -100,8 +163,15 @@ async fn docker_hub_fallback_from_a_docker_config() {
 fn bad_docker_config_names_the_file_not_the_secret() {
     let dir = tempfile::tempdir().unwrap();
     let docker = dir.path().join("config.json");
-    std::fs::write(&docker, r#"{"auths":{"reg.io":{"auth":"c2VjcmV0LW5vLWNvbG9u"}}}"#).unwrap();
+    std::fs::write(
+        &docker,
+        r#"{"auths":{"reg.io":{"auth":"c2VjcmV0LW5vLWNvbG9u"}}}"#,
+    )
+    .unwrap();
     let err = load_docker_config(&docker).unwrap_err().to_string();
-    assert!(err.contains("config.json") && err.contains("reg.io"), "{err}");
+    assert!(
+        err.contains("config.json") && err.contains("reg.io"),
+        "{err}"
+    );
     assert!(!err.contains("secret-no-colon"));
 }

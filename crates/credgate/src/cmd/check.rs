@@ -27,7 +27,10 @@ pub fn run(args: CheckArgs) -> Result<Outcome> {
     }
     let (count, identity) = (config.providers.len(), config.identity.clone());
     if let Some(dir) = args.image_credential_provider_bin_dir {
-        let options = EngineOptions { plugin_dir: dir, ..Default::default() };
+        let options = EngineOptions {
+            plugin_dir: dir,
+            ..Default::default()
+        };
         if let Err(e) = Engine::builder().config(config).options(options).build() {
             eprintln!("{e}");
             return Ok(Outcome::No);

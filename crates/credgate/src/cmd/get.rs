@@ -26,7 +26,10 @@ pub async fn run(args: GetArgs) -> Result<Outcome> {
         eprintln!("warning: {e}");
     }
     match args.output {
-        Output::Json => println!("{}", serde_json::to_string_pretty(&json_rows(&lookup.credentials))?),
+        Output::Json => println!(
+            "{}",
+            serde_json::to_string_pretty(&json_rows(&lookup.credentials))?
+        ),
         Output::Table => print_table(&lookup.credentials),
     }
     if lookup.credentials.is_empty() {
@@ -57,7 +60,9 @@ pub fn build_engine(args: &SourceArgs) -> Result<Engine> {
         let source = load_docker_config(&path).context("invalid docker config")?;
         builder = builder.static_source(source);
     }
-    builder.build().context("cannot start the credential engine")
+    builder
+        .build()
+        .context("cannot start the credential engine")
 }
 
 fn docker_configs(args: &SourceArgs) -> Vec<PathBuf> {
@@ -72,7 +77,11 @@ fn docker_configs(args: &SourceArgs) -> Vec<PathBuf> {
         candidates.push(PathBuf::from(home).join(".docker/config.json"));
     }
     candidates.push(PathBuf::from("/.docker/config.json"));
-    candidates.into_iter().find(|p| p.is_file()).into_iter().collect()
+    candidates
+        .into_iter()
+        .find(|p| p.is_file())
+        .into_iter()
+        .collect()
 }
 
 fn timeouts(flags: &[String]) -> Result<(Duration, HashMap<String, Duration>)> {
@@ -81,7 +90,10 @@ fn timeouts(flags: &[String]) -> Result<(Duration, HashMap<String, Duration>)> {
     for flag in flags {
         match flag.split_once('=') {
             Some((name, d)) => {
-                per.insert(name.to_owned(), parse_duration(d).map_err(anyhow::Error::msg)?);
+                per.insert(
+                    name.to_owned(),
+                    parse_duration(d).map_err(anyhow::Error::msg)?,
+                );
             }
             None => default = parse_duration(flag).map_err(anyhow::Error::msg)?,
         }
@@ -135,11 +147,23 @@ fn print_table(creds: &[Credential]) {
         .enumerate()
         .map(|(i, c)| {
             let whole_seconds = |t: SystemTime| {
-                let secs = t.duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+                let secs = t
+                    .duration_since(SystemTime::UNIX_EPOCH)
+                    .map(|d| d.as_secs())
+                    .unwrap_or(0);
                 rfc3339(SystemTime::UNIX_EPOCH + Duration::from_secs(secs))
             };
-            let expires = c.expires_at.map(whole_seconds).unwrap_or_else(|| "-".into());
-            [(i + 1).to_string(), c.source.name().to_owned(), c.pattern.clone(), c.username.clone(), expires]
+            let expires = c
+                .expires_at
+                .map(whole_seconds)
+                .unwrap_or_else(|| "-".into());
+            [
+                (i + 1).to_string(),
+                c.source.name().to_owned(),
+                c.pattern.clone(),
+                c.username.clone(),
+                expires,
+            ]
         })
         .collect();
     let header = ["#", "PROVIDER", "PATTERN", "USERNAME", "EXPIRES"].map(String::from);
@@ -150,7 +174,11 @@ fn print_table(creds: &[Credential]) {
         }
     }
     for row in std::iter::once(&header).chain(&rows) {
-        let cells: Vec<String> = row.iter().zip(widths).map(|(c, w)| format!("{c:<w$}")).collect();
+        let cells: Vec<String> = row
+            .iter()
+            .zip(widths)
+            .map(|(c, w)| format!("{c:<w$}"))
+            .collect();
         println!("{}", cells.join("  ").trim_end());
     }
 }

@@ -23,7 +23,10 @@ pub fn run(args: MatchArgs) -> Result<Outcome> {
         Err(ref_err) => match parse_schemeless(&args.image) {
             Ok(parts) => pattern.matches(&Target::from_parts(&parts)),
             Err(_) => {
-                eprintln!("error: {:?} is neither an image nor a registry host: {ref_err}", args.image);
+                eprintln!(
+                    "error: {:?} is neither an image nor a registry host: {ref_err}",
+                    args.image
+                );
                 return Ok(Outcome::Usage);
             }
         },
