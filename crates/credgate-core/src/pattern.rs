@@ -6,7 +6,7 @@
 
 use std::fmt;
 
-/// Why a pattern is not the host[:port][/path] of an https URL.
+/// Why a pattern is not the `host[:port][/path]` of an https URL.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PatternError {
     #[error("invalid control character in pattern")]

@@ -95,7 +95,7 @@ pub struct MatchArgs {
     /// A matchImages entry or auth key.
     pub pattern: String,
     /// An image reference (normalized as the kubelet does: `nginx` is docker.io/library/nginx),
-    /// or a bare registry host[:port] such as `registry.io:5000` or `localhost:5000`.
+    /// or a bare registry `host[:port]` such as `registry.io:5000` or `localhost:5000`.
     pub image: String,
 }
 
