@@ -1,6 +1,6 @@
 //! The kubelet's `CredentialProviderConfig`: strict decoding of the three config versions from
 //! YAML or JSON, validation that reports every problem at once with its field path, and the
-//! lints for patterns that can never match. Serialized shapes stay in [`raw`]; callers get the
+//! lints for patterns that can never match. Serialized shapes stay in the private `raw` module; callers get the
 //! validated domain types of this module.
 
 mod raw;

@@ -1,6 +1,6 @@
 //! credgate-core: everything credgate decides without doing IO.
 //!
-//! Image references ([`reference`]), the kubelet's pattern grammar and matching ([`pattern`]),
+//! Image references ([`mod@reference`]), the kubelet's pattern grammar and matching ([`pattern`]),
 //! Go durations ([`duration`]), the `CredentialProviderConfig` decoder and validator ([`config`]),
 //! the plugin wire format ([`wire`]), node-wide docker config files ([`dockerconfig`]) and the
 //! keyring order ([`keyring`]). Nothing here touches the file system, processes, clocks or the
