@@ -93,7 +93,12 @@ fn main() -> Result<()> {
     match args.scenario {
         Scenario::Hit => hit(&args, &rt),
         Scenario::Burst => burst(&args, &rt),
-        Scenario::Miss => miss(&args, &rt),
+        Scenario::Miss => {
+            // Sequential lookups gain nothing from worker threads; a current-thread runtime
+            // spares each run two cross-thread wake-ups, as in a single-threaded caller.
+            let local = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            miss(&args, &local)
+        }
         Scenario::Rawexec => rawexec(&args),
     }
 }
