@@ -96,7 +96,9 @@ fn main() -> Result<()> {
         Scenario::Miss => {
             // Sequential lookups gain nothing from worker threads; a current-thread runtime
             // spares each run two cross-thread wake-ups, as in a single-threaded caller.
-            let local = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            let local = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
             miss(&args, &local)
         }
         Scenario::Rawexec => rawexec(&args),

@@ -8,6 +8,23 @@
 //!
 //! IO sits behind narrow seams so tests inject fakes: [`exec::PluginRunner`] runs plugins
 //! ([`exec::ExecRunner`] spawns real executables) and [`clock::Clock`] tells time.
+//!
+//! ```no_run
+//! use credgate_engine::{Engine, EngineOptions, LookupRequest};
+//! use credgate_engine::source::load_provider_config;
+//!
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! let config = load_provider_config("examples/provider-config.yaml".as_ref())?;
+//! let engine = Engine::builder()
+//!     .config(config)
+//!     .options(EngineOptions { plugin_dir: "examples/plugins".into(), ..Default::default() })
+//!     .build()?;
+//! let found = engine.lookup(&LookupRequest { image: "registry.example.com/app:v1", ..Default::default() }).await?;
+//! for c in &found.credentials {
+//!     println!("{} {} {}", c.source.name(), c.pattern, c.username);
+//! }
+//! # Ok(()) }
+//! ```
 
 pub mod cache;
 pub mod clock;
