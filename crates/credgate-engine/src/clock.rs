@@ -22,35 +22,28 @@ pub struct SystemClock {
     base_coarse: Duration,
 }
 
-fn coarse() -> Duration {
+/// Reads `CLOCK_MONOTONIC_COARSE`, or its resolution.
+fn coarse_clock(resolution: bool) -> Duration {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
     };
-    // SAFETY: clock_gettime writes one timespec into the valid, exclusively borrowed `ts`.
+    // SAFETY: both calls write one timespec into the valid, exclusively borrowed `ts`.
     unsafe {
-        libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts);
-    }
-    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
-}
-
-fn coarse_resolution() -> Duration {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: as in `coarse`.
-    unsafe {
-        libc::clock_getres(libc::CLOCK_MONOTONIC_COARSE, &mut ts);
+        if resolution {
+            libc::clock_getres(libc::CLOCK_MONOTONIC_COARSE, &mut ts);
+        } else {
+            libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts);
+        }
     }
     Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
 }
 
 impl SystemClock {
     pub fn new() -> Self {
-        let base_coarse = coarse();
+        let base_coarse = coarse_clock(false);
         SystemClock {
-            base: Instant::now() + coarse_resolution(),
+            base: Instant::now() + coarse_clock(true),
             base_coarse,
         }
     }
@@ -64,7 +57,7 @@ impl Default for SystemClock {
 
 impl Clock for SystemClock {
     fn now(&self) -> Instant {
-        self.base + coarse().saturating_sub(self.base_coarse)
+        self.base + coarse_clock(false).saturating_sub(self.base_coarse)
     }
 
     fn wall(&self) -> SystemTime {

@@ -97,10 +97,6 @@ fn get_with_a_failing_plugin_warns_without_secrets() {
         "#!/bin/sh\ncat >/dev/null\necho '{\"password\":\"leaked-secret\"}'\nexit 4\n",
     )
     .unwrap();
-    std::os::unix::fs::PermissionsExt::set_mode(
-        &mut std::fs::metadata(&plugin).unwrap().permissions(),
-        0o755,
-    );
     std::fs::set_permissions(&plugin, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
     let config = dir.path().join("c.yaml");
     std::fs::write(&config, "apiVersion: kubelet.config.k8s.io/v1\nkind: CredentialProviderConfig\nproviders:\n- name: bad\n  matchImages: [reg.io]\n  defaultCacheDuration: 1m\n  apiVersion: credentialprovider.kubelet.k8s.io/v1\n").unwrap();

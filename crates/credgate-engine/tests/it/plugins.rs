@@ -19,6 +19,21 @@ fn req(image: &str) -> LookupRequest<'_> {
     }
 }
 
+/// A config with the one provider `p` for `registry.example.com`.
+fn one_provider() -> credgate_core::config::ProviderConfig {
+    config(&[("p", &["registry.example.com"], "10m", WIRE_V1)])
+}
+
+/// A response with one credential for `registry.example.com`.
+fn ok_body() -> String {
+    response(
+        WIRE_V1,
+        "Registry",
+        None,
+        &[("registry.example.com", "u", "p")],
+    )
+}
+
 fn run_error(err: &ProviderError) -> &RunError {
     match err {
         ProviderError::Run(e) => e,
@@ -134,10 +149,7 @@ async fn empty_auth_with_duration_is_cached() {
         "p",
         &response(WIRE_V1, "Registry", Some("1h"), &[]),
     );
-    let e = engine(
-        config(&[("p", &["registry.example.com"], "10m", WIRE_V1)]),
-        dir.path(),
-    );
+    let e = engine(one_provider(), dir.path());
     for _ in 0..3 {
         let got = e.lookup(&req(IMG)).await.unwrap();
         assert!(got.credentials.is_empty() && got.errors.is_empty());
@@ -169,10 +181,7 @@ async fn bad_responses_are_errors_and_never_cached() {
     for (body, want) in cases {
         let dir = tempfile::tempdir().unwrap();
         counting_plugin(dir.path(), "p", body);
-        let e = engine(
-            config(&[("p", &["registry.example.com"], "10m", WIRE_V1)]),
-            dir.path(),
-        );
+        let e = engine(one_provider(), dir.path());
         let got = e.lookup(&req(IMG)).await.unwrap();
         assert!(got.credentials.is_empty());
         let err = got.errors[0].to_string();
@@ -196,10 +205,7 @@ async fn failure_with_secret_on_stdout_never_leaks() {
         "p",
         &format!("cat >/dev/null\necho '{{\"auth\":{{\"x\":{{\"password\":\"{secret}\"}}}}}}'\necho 'boom: cannot reach metadata service' >&2\nexit 3"),
     );
-    let e = engine(
-        config(&[("p", &["registry.example.com"], "10m", WIRE_V1)]),
-        dir.path(),
-    );
+    let e = engine(one_provider(), dir.path());
     let got = e.lookup(&req(IMG)).await.unwrap();
     let err = &got.errors[0];
     assert!(matches!(run_error(err), RunError::NonZeroExit { .. }));
@@ -228,10 +234,7 @@ async fn malformed_output_with_secret_never_leaks() {
         "p",
         &format!("cat >/dev/null\necho '{{\"password\": \"{secret}\" oops'"),
     );
-    let e = engine(
-        config(&[("p", &["registry.example.com"], "10m", WIRE_V1)]),
-        dir.path(),
-    );
+    let e = engine(one_provider(), dir.path());
     let got = e.lookup(&req(IMG)).await.unwrap();
     let text = format!("{} {:?}", got.errors[0], got.errors[0]);
     assert!(
@@ -279,11 +282,7 @@ async fn hang_is_killed_at_the_timeout() {
         "p",
         &format!("sleep 60 &\necho $! > '{}'\nwait", pid.display()),
     );
-    let e = engine_opts(
-        config(&[("p", &["registry.example.com"], "10m", WIRE_V1)]),
-        dir.path(),
-        short_timeout,
-    );
+    let e = engine_opts(one_provider(), dir.path(), short_timeout);
     let started = Instant::now();
     let got = e.lookup(&req(IMG)).await.unwrap();
     assert!(
@@ -299,12 +298,7 @@ async fn hang_is_killed_at_the_timeout() {
 async fn child_holding_stdout_does_not_hang_a_finished_plugin() {
     let dir = tempfile::tempdir().unwrap();
     let pid = dir.path().join("child.pid");
-    let body = response(
-        WIRE_V1,
-        "Registry",
-        None,
-        &[("registry.example.com", "u", "p")],
-    );
+    let body = ok_body();
     script(
         dir.path(),
         "p",
@@ -313,11 +307,9 @@ async fn child_holding_stdout_does_not_hang_a_finished_plugin() {
             pid.display()
         ),
     );
-    let e = engine_opts(
-        config(&[("p", &["registry.example.com"], "10m", WIRE_V1)]),
-        dir.path(),
-        |o| o.default_timeout = Duration::from_secs(30),
-    );
+    let e = engine_opts(one_provider(), dir.path(), |o| {
+        o.default_timeout = Duration::from_secs(30)
+    });
     let started = Instant::now();
     let got = e.lookup(&req(IMG)).await.unwrap();
     assert_eq!(got.credentials.len(), 1, "{:?}", got.errors);
@@ -332,22 +324,15 @@ async fn child_holding_stdout_does_not_hang_a_finished_plugin() {
 #[tokio::test]
 async fn escaped_child_holding_stdout_is_drained_with_a_bound() {
     let dir = tempfile::tempdir().unwrap();
-    let body = response(
-        WIRE_V1,
-        "Registry",
-        None,
-        &[("registry.example.com", "u", "p")],
-    );
+    let body = ok_body();
     script(
         dir.path(),
         "p",
         &format!("cat >/dev/null\ncat <<'EOF'\n{body}\nEOF\nsetsid sleep 3 &\nexit 0"),
     );
-    let e = engine_opts(
-        config(&[("p", &["registry.example.com"], "10m", WIRE_V1)]),
-        dir.path(),
-        |o| o.default_timeout = Duration::from_secs(30),
-    );
+    let e = engine_opts(one_provider(), dir.path(), |o| {
+        o.default_timeout = Duration::from_secs(30)
+    });
     let started = Instant::now();
     let got = e.lookup(&req(IMG)).await.unwrap();
     assert_eq!(got.credentials.len(), 1, "{:?}", got.errors);
@@ -362,11 +347,7 @@ async fn escaped_child_holding_stdout_is_drained_with_a_bound() {
 async fn output_flood_hits_the_cap() {
     let dir = tempfile::tempdir().unwrap();
     script(dir.path(), "p", "cat >/dev/null\nexec yes credgate");
-    let e = engine_opts(
-        config(&[("p", &["registry.example.com"], "10m", WIRE_V1)]),
-        dir.path(),
-        |o| o.limits.stdout = 64 * 1024,
-    );
+    let e = engine_opts(one_provider(), dir.path(), |o| o.limits.stdout = 64 * 1024);
     let got = e.lookup(&req(IMG)).await.unwrap();
     assert!(
         matches!(
@@ -381,12 +362,7 @@ async fn output_flood_hits_the_cap() {
 #[tokio::test]
 async fn stderr_flood_is_truncated_not_fatal() {
     let dir = tempfile::tempdir().unwrap();
-    let body = response(
-        WIRE_V1,
-        "Registry",
-        None,
-        &[("registry.example.com", "u", "p")],
-    );
+    let body = ok_body();
     script(
         dir.path(),
         "p",
@@ -394,10 +370,7 @@ async fn stderr_flood_is_truncated_not_fatal() {
             "cat >/dev/null\nhead -c 3000000 /dev/zero | tr '\\0' e >&2\ncat <<'EOF'\n{body}\nEOF"
         ),
     );
-    let e = engine(
-        config(&[("p", &["registry.example.com"], "10m", WIRE_V1)]),
-        dir.path(),
-    );
+    let e = engine(one_provider(), dir.path());
     let got = e.lookup(&req(IMG)).await.unwrap();
     assert_eq!(got.credentials.len(), 1, "{:?}", got.errors);
 }
@@ -405,21 +378,13 @@ async fn stderr_flood_is_truncated_not_fatal() {
 #[tokio::test]
 async fn plugin_that_ignores_stdin_still_works() {
     let dir = tempfile::tempdir().unwrap();
-    let body = response(
-        WIRE_V1,
-        "Registry",
-        None,
-        &[("registry.example.com", "u", "p")],
-    );
+    let body = ok_body();
     script(
         dir.path(),
         "p",
         &format!("exec 0<&-\ncat <<'EOF'\n{body}\nEOF"),
     );
-    let e = engine(
-        config(&[("p", &["registry.example.com"], "10m", WIRE_V1)]),
-        dir.path(),
-    );
+    let e = engine(one_provider(), dir.path());
     let got = e.lookup(&req(IMG)).await.unwrap();
     assert_eq!(got.credentials.len(), 1, "{:?}", got.errors);
 }
@@ -427,7 +392,7 @@ async fn plugin_that_ignores_stdin_still_works() {
 #[tokio::test]
 async fn missing_or_not_executable_binary_is_a_build_error() {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = config(&[("p", &["registry.example.com"], "10m", WIRE_V1)]);
+    let cfg = one_provider();
     let options = EngineOptions {
         plugin_dir: dir.path().to_owned(),
         ..Default::default()
@@ -471,10 +436,7 @@ async fn missing_or_not_executable_binary_is_a_build_error() {
 async fn binary_removed_after_start_is_a_spawn_error() {
     let dir = tempfile::tempdir().unwrap();
     counting_plugin(dir.path(), "p", "{}");
-    let e = engine(
-        config(&[("p", &["registry.example.com"], "10m", WIRE_V1)]),
-        dir.path(),
-    );
+    let e = engine(one_provider(), dir.path());
     std::fs::remove_file(dir.path().join("p")).unwrap();
     let got = e.lookup(&req(IMG)).await.unwrap();
     assert!(matches!(run_error(&got.errors[0]), RunError::Spawn { .. }));
@@ -532,13 +494,9 @@ async fn repeated_failures_back_off() {
             dir.path().join("p.runs").display()
         ),
     );
-    let e = engine_opts(
-        config(&[("p", &["registry.example.com"], "10m", WIRE_V1)]),
-        dir.path(),
-        |o| {
-            o.backoff.base = Duration::from_secs(3600);
-        },
-    );
+    let e = engine_opts(one_provider(), dir.path(), |o| {
+        o.backoff.base = Duration::from_secs(3600);
+    });
     for _ in 0..5 {
         e.lookup(&req(IMG)).await.unwrap();
     }
