@@ -98,6 +98,16 @@ impl AuthSet {
     pub fn iter(&self) -> impl Iterator<Item = &KeyedAuth> {
         self.entries.iter()
     }
+
+    /// The credential at `index` in try-order.
+    pub fn get(&self, index: usize) -> Option<&KeyedAuth> {
+        self.entries.get(index)
+    }
+
+    /// The index of a credential borrowed from this set.
+    pub fn position(&self, auth: &KeyedAuth) -> Option<usize> {
+        self.entries.iter().position(|e| std::ptr::eq(e, auth))
+    }
 }
 
 /// The selected credentials: each with the caller's tag for its source.

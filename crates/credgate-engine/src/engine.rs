@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use credgate_core::config::ProviderConfig;
-use credgate_core::keyring::{self, AuthSet, KeyedAuth};
+use credgate_core::keyring::{self, AuthSet};
 use credgate_core::pattern::Target;
 use credgate_core::reference::{is_default_registry, ImageRef, ReferenceError};
 use secrecy::SecretString;
@@ -19,6 +19,7 @@ use crate::cache::Entry;
 use crate::clock::{Clock, SystemClock};
 use crate::error::ProviderError;
 use crate::exec::{ExecRunner, OutputLimits, PluginCommand, PluginRunner};
+use crate::memo::{Memo, Pick, PickSource, Resolved};
 use crate::metrics::EngineMetrics;
 use crate::provider::{
     Ask, BackoffPolicy, Mode, Provider, ProviderParts, ProviderStatus, ServiceAccount,
@@ -201,6 +202,7 @@ impl EngineBuilder {
                 limits: opts.limits,
             })
         });
+        let memo = Memo::new(opts.cache_capacity);
         let mut providers = Vec::with_capacity(specs.len());
         for spec in specs {
             let path = opts.plugin_dir.join(&spec.name);
@@ -226,11 +228,13 @@ impl EngineBuilder {
                 runner: runner.clone(),
                 clock: self.clock.clone(),
                 backoff: opts.backoff,
+                generation: memo.generation.clone(),
             })));
         }
         Ok(Engine {
             inner: Arc::new(Inner {
                 providers,
+                memo,
                 statics: self.statics,
                 clock: self.clock,
                 metrics: self.metrics,
@@ -256,6 +260,7 @@ fn check_binary(provider: &str, path: &Path) -> Result<(), BuildError> {
 
 struct Inner {
     providers: Vec<Arc<Provider>>,
+    memo: Memo,
     statics: Vec<StaticSource>,
     clock: Arc<dyn Clock>,
     metrics: EngineMetrics,
@@ -266,13 +271,6 @@ struct Inner {
 #[derive(Clone)]
 pub struct Engine {
     inner: Arc<Inner>,
-}
-
-/// The tag of a source in a selection.
-#[derive(Clone, Copy)]
-enum Tag {
-    Static(usize),
-    Provider(usize, usize),
 }
 
 impl Engine {
@@ -291,11 +289,15 @@ impl Engine {
     /// Credentials for an image in the order a puller should try them, running plugins for
     /// cache misses (concurrent misses share runs).
     pub async fn lookup(&self, req: &LookupRequest<'_>) -> Result<Lookup, LookupError> {
+        let generation = self.inner.memo.generation();
+        if let Some(found) = self.remembered(req, generation, |r| self.owned(r)) {
+            return Ok(found);
+        }
         let image = ImageRef::parse(req.image)?;
         let (name, registry) = (image.name(), image.registry());
         let target = Target::from_image_name(name);
         let fresh_until = self.inner.clock.now() + req.min_valid_for;
-        let mut entries: SmallVec<[(usize, Arc<Entry>); 4]> = SmallVec::new();
+        let mut entries: SmallVec<[(usize, Arc<Entry>); 2]> = SmallVec::new();
         let mut errors = Vec::new();
         for (i, p) in self.inner.providers.iter().enumerate() {
             if !p.applies(&target) {
@@ -337,60 +339,13 @@ impl Engine {
                 Err(e) => errors.push(e),
             }
         }
-        let credentials = self.assemble(&target, name, &entries);
-        Ok(Lookup {
-            image: name.to_owned(),
-            credentials,
-            errors,
-        })
-    }
-
-    fn assemble(
-        &self,
-        target: &Target<'_>,
-        name: &str,
-        entries: &[(usize, Arc<Entry>)],
-    ) -> Vec<Credential> {
-        let sources = self.sources(entries.iter().map(|(i, e)| (*i, &**e)));
-        let selection = keyring::select_target(target, is_default_registry(name), &sources);
-        selection
-            .iter()
-            .map(|(tag, auth)| {
-                let (source, expires_at) = match *tag {
-                    Tag::Static(j) => (
-                        Source::DockerConfig(self.inner.statics[j].name.clone()),
-                        None,
-                    ),
-                    Tag::Provider(i, k) => (
-                        Source::Provider(self.inner.providers[i].spec.name.clone()),
-                        entries[k].1.expires_wall,
-                    ),
-                };
-                Credential {
-                    source,
-                    pattern: auth.key().to_owned(),
-                    username: auth.auth.username.clone(),
-                    password: auth.auth.password.clone(),
-                    expires_at,
-                }
-            })
-            .collect()
-    }
-
-    fn sources<'a>(
-        &'a self,
-        entries: impl Iterator<Item = (usize, &'a Entry)>,
-    ) -> SmallVec<[(Tag, &'a AuthSet); 8]> {
-        let statics = self
-            .inner
-            .statics
-            .iter()
-            .enumerate()
-            .map(|(j, s)| (Tag::Static(j), &s.auth));
-        let providers = entries
-            .enumerate()
-            .map(|(k, (i, e))| (Tag::Provider(i, k), &e.auth));
-        statics.chain(providers).collect()
+        let resolved = self.resolve(name, &target, entries, generation);
+        if req.service_account.is_none() && errors.is_empty() {
+            self.remember(req.image, &resolved);
+        }
+        let mut found = self.owned(&resolved);
+        found.errors = errors;
+        Ok(found)
     }
 
     /// Serves a lookup from the caches alone, without allocating: `f` sees the credentials in
@@ -400,63 +355,172 @@ impl Engine {
         req: &LookupRequest<'_>,
         f: impl FnOnce(&[CredentialRef<'_>]) -> R,
     ) -> Result<Option<R>, LookupError> {
+        let generation = self.inner.memo.generation();
+        let mut f = Some(f);
+        let mut serve = |r: &Resolved| {
+            let refs: SmallVec<[CredentialRef<'_>; 4]> =
+                r.picks.iter().map(|p| self.credential_ref(r, *p)).collect();
+            (f.take().expect("served once"))(&refs)
+        };
+        if let Some(out) = self.remembered(req, generation, &mut serve) {
+            return Ok(Some(out));
+        }
         let image = ImageRef::parse(req.image)?;
         let (name, registry) = (image.name(), image.registry());
         let target = Target::from_image_name(name);
         let fresh_until = self.inner.clock.now() + req.min_valid_for;
-        let mut modes: SmallVec<[(usize, Mode); 4]> = SmallVec::new();
+        let mut entries: SmallVec<[(usize, Arc<Entry>); 2]> = SmallVec::new();
         for (i, p) in self.inner.providers.iter().enumerate() {
-            if p.applies(&target) {
-                match p.mode(req.service_account) {
-                    Ok(Mode::Skip) => {}
-                    Ok(mode) => modes.push((i, mode)),
-                    Err(_) => return Ok(None),
-                }
+            if !p.applies(&target) {
+                continue;
             }
-        }
-        let guards: SmallVec<[_; 4]> = modes
-            .iter()
-            .map(|(i, _)| self.inner.providers[*i].cache.load())
-            .collect();
-        let mut found: SmallVec<[(usize, &Entry); 4]> = SmallVec::new();
-        for ((i, mode), guard) in modes.iter().zip(&guards) {
-            let scope = mode.scope().map(|s| &**s);
-            match guard.find(name, registry, scope, fresh_until) {
-                Some(e) => found.push((*i, e)),
+            let scope = match p.mode(req.service_account) {
+                Ok(Mode::Skip) => continue,
+                Ok(mode) => mode.scope().cloned(),
+                Err(_) => return Ok(None),
+            };
+            match p
+                .cache
+                .load()
+                .find(name, registry, scope.as_deref(), fresh_until)
+            {
+                Some(e) => entries.push((i, e.clone())),
                 None => return Ok(None),
             }
         }
-        for (i, _) in &found {
+        for (i, _) in &entries {
             self.inner.providers[*i].metrics.hits.inc();
         }
-        let sources = self.sources(found.iter().copied());
-        let selection = keyring::select_target(&target, is_default_registry(name), &sources);
-        let refs: SmallVec<[CredentialRef<'_>; 4]> = selection
-            .iter()
-            .map(|(tag, auth)| self.credential_ref(*tag, auth, &found))
-            .collect();
-        Ok(Some(f(&refs)))
+        let resolved = self.resolve(name, &target, entries, generation);
+        if req.service_account.is_none() {
+            self.remember(req.image, &resolved);
+        }
+        Ok(Some(serve(&resolved)))
     }
 
-    fn credential_ref<'a>(
-        &'a self,
-        tag: Tag,
-        auth: &'a KeyedAuth,
-        found: &[(usize, &Entry)],
-    ) -> CredentialRef<'a> {
-        let (source, expires_at) = match tag {
-            Tag::Static(j) => (self.inner.statics[j].name.as_str(), None),
-            Tag::Provider(i, k) => (
-                self.inner.providers[i].spec.name.as_str(),
-                found[k].1.expires_wall,
-            ),
+    /// Serves a fresh remembered resolution of the caller's exact image string.
+    fn remembered<R>(
+        &self,
+        req: &LookupRequest<'_>,
+        generation: u64,
+        serve: impl FnOnce(&Resolved) -> R,
+    ) -> Option<R> {
+        if req.service_account.is_some() {
+            return None;
+        }
+        let fresh_until = self.inner.clock.now() + req.min_valid_for;
+        self.inner
+            .memo
+            .with(req.image, |r| {
+                if !r.fresh(generation, fresh_until) {
+                    return None;
+                }
+                for (i, _) in &r.entries {
+                    self.inner.providers[*i].metrics.hits.inc();
+                }
+                Some(serve(r))
+            })
+            .flatten()
+    }
+
+    fn remember(&self, image: &str, resolved: &Arc<Resolved>) {
+        self.inner.memo.insert(image, resolved.clone());
+    }
+
+    /// Orders the credentials of the static sources and the answering entries.
+    fn resolve(
+        &self,
+        name: &str,
+        target: &Target<'_>,
+        entries: SmallVec<[(usize, Arc<Entry>); 2]>,
+        generation: u64,
+    ) -> Arc<Resolved> {
+        let picks = {
+            let statics = self
+                .inner
+                .statics
+                .iter()
+                .enumerate()
+                .map(|(j, s)| (PickSource::Static(j), &s.auth));
+            let dynamic = entries
+                .iter()
+                .enumerate()
+                .map(|(k, (_, e))| (PickSource::Entry(k), &e.auth));
+            let sources: SmallVec<[(PickSource, &AuthSet); 8]> = statics.chain(dynamic).collect();
+            let selection = keyring::select_target(target, is_default_registry(name), &sources);
+            selection
+                .iter()
+                .map(|(source, auth)| {
+                    let set = match *source {
+                        PickSource::Static(j) => &self.inner.statics[j].auth,
+                        PickSource::Entry(k) => &entries[k].1.auth,
+                    };
+                    let index = set.position(auth).expect("selected from this set");
+                    Pick {
+                        source: *source,
+                        index,
+                    }
+                })
+                .collect()
         };
+        let valid_until = entries.iter().filter_map(|(_, e)| e.expires).min();
+        Arc::new(Resolved {
+            name: name.into(),
+            generation,
+            valid_until,
+            entries,
+            picks,
+        })
+    }
+
+    fn credential_ref<'a>(&'a self, r: &'a Resolved, pick: Pick) -> CredentialRef<'a> {
+        let (source, set, expires_at) = match pick.source {
+            PickSource::Static(j) => {
+                let s = &self.inner.statics[j];
+                (s.name.as_str(), &s.auth, None)
+            }
+            PickSource::Entry(k) => {
+                let (i, e) = &r.entries[k];
+                (
+                    self.inner.providers[*i].spec.name.as_str(),
+                    &e.auth,
+                    e.expires_wall,
+                )
+            }
+        };
+        let auth = set.get(pick.index).expect("pick within its set");
         CredentialRef {
             source,
             pattern: auth.key(),
             username: &auth.auth.username,
             password: &auth.auth.password,
             expires_at,
+        }
+    }
+
+    fn owned(&self, r: &Resolved) -> Lookup {
+        let credentials = r
+            .picks
+            .iter()
+            .map(|p| {
+                let c = self.credential_ref(r, *p);
+                let source = match p.source {
+                    PickSource::Static(_) => Source::DockerConfig(c.source.to_owned()),
+                    PickSource::Entry(_) => Source::Provider(c.source.to_owned()),
+                };
+                Credential {
+                    source,
+                    pattern: c.pattern.to_owned(),
+                    username: c.username.to_owned(),
+                    password: c.password.clone(),
+                    expires_at: c.expires_at,
+                }
+            })
+            .collect();
+        Lookup {
+            image: r.name.to_string(),
+            credentials,
+            errors: Vec::new(),
         }
     }
 

@@ -31,6 +31,7 @@ pub mod clock;
 pub mod engine;
 pub mod error;
 pub mod exec;
+pub mod memo;
 pub mod metrics;
 pub mod provider;
 pub mod source;

@@ -9,6 +9,7 @@
 //! waits longer than two runs.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -180,6 +181,7 @@ pub struct Provider {
     runner: Arc<dyn PluginRunner>,
     clock: Arc<dyn Clock>,
     backoff: BackoffPolicy,
+    generation: Arc<AtomicU64>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -195,6 +197,8 @@ pub struct ProviderParts {
     pub runner: Arc<dyn PluginRunner>,
     pub clock: Arc<dyn Clock>,
     pub backoff: BackoffPolicy,
+    /// Bumped after every cache write, so remembered resolutions are recomputed.
+    pub generation: Arc<AtomicU64>,
 }
 
 impl Provider {
@@ -209,6 +213,7 @@ impl Provider {
             runner: parts.runner,
             clock: parts.clock,
             backoff: parts.backoff,
+            generation: parts.generation,
         }
     }
 
@@ -364,6 +369,7 @@ impl Provider {
             let result = this.run(&job, request, token).await;
             if let Ok(entry) = &result {
                 let n = this.cache.insert(entry.clone(), this.clock.now());
+                this.generation.fetch_add(1, Ordering::Release);
                 this.metrics
                     .entries
                     .set(i64::try_from(n).unwrap_or(i64::MAX));
