@@ -358,7 +358,7 @@ impl Engine {
         let generation = self.inner.memo.generation();
         let mut f = Some(f);
         let mut serve = |r: &Resolved| {
-            let refs: SmallVec<[CredentialRef<'_>; 4]> =
+            let refs: SmallVec<[CredentialRef<'_>; 2]> =
                 r.picks.iter().map(|p| self.credential_ref(r, *p)).collect();
             (f.take().expect("served once"))(&refs)
         };
@@ -408,7 +408,12 @@ impl Engine {
         if req.service_account.is_some() {
             return None;
         }
-        let fresh_until = self.inner.clock.now() + req.min_valid_for;
+        let now = self.inner.clock.now();
+        let fresh_until = if req.min_valid_for.is_zero() {
+            now
+        } else {
+            now + req.min_valid_for
+        };
         self.inner
             .memo
             .with(req.image, |r| {
