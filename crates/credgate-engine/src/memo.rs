@@ -117,3 +117,42 @@ impl Memo {
         slot.store(Arc::new(next));
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn resolved(generation: u64, valid_until: Option<Instant>) -> Arc<Resolved> {
+        Arc::new(Resolved {
+            name: "r.io/a".into(),
+            generation,
+            valid_until,
+            entries: SmallVec::new(),
+            picks: SmallVec::new(),
+        })
+    }
+
+    #[test]
+    fn fresh_only_at_the_same_generation_and_before_expiry() {
+        let now = Instant::now();
+        let r = resolved(3, Some(now + Duration::from_secs(10)));
+        assert!(r.fresh(3, now));
+        assert!(!r.fresh(4, now), "a cache write invalidates");
+        assert!(!r.fresh(3, now + Duration::from_secs(10)), "dead at expiry");
+        assert!(resolved(3, None).fresh(3, now + Duration::from_secs(1 << 30)));
+    }
+
+    #[test]
+    fn shards_stay_bounded() {
+        let memo = Memo::new(SHARDS * 2);
+        for i in 0..10_000 {
+            memo.insert(&format!("r.io/app-{i}"), resolved(0, None));
+        }
+        let total: usize = memo.shards.iter().map(|s| s.load().len()).sum();
+        assert!(total <= SHARDS * 2, "{total}");
+        memo.insert("r.io/x", resolved(7, None));
+        assert_eq!(memo.with("r.io/x", |r| r.generation), Some(7));
+        assert_eq!(memo.with("r.io/absent", |r| r.generation), None);
+    }
+}
