@@ -169,11 +169,6 @@ impl fmt::Display for GoDuration {
     }
 }
 
-/// Formats a non-negative std duration the Go way.
-pub fn format_std(d: Duration) -> String {
-    GoDuration(i64::try_from(d.as_nanos()).unwrap_or(i64::MAX)).to_string()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -94,11 +94,6 @@ impl AuthSet {
         self.entries.len()
     }
 
-    /// Every credential, in try-order.
-    pub fn iter(&self) -> impl Iterator<Item = &KeyedAuth> {
-        self.entries.iter()
-    }
-
     /// The credential at `index` in try-order.
     pub fn get(&self, index: usize) -> Option<&KeyedAuth> {
         self.entries.get(index)

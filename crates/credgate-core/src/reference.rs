@@ -129,16 +129,6 @@ impl<'a> ImageRef<'a> {
     pub fn is_borrowed(&self) -> bool {
         matches!(self.name, Cow::Borrowed(_))
     }
-
-    /// An owned copy.
-    pub fn into_owned(self) -> ImageRef<'static> {
-        ImageRef {
-            name: Cow::Owned(self.name.into_owned()),
-            domain_len: self.domain_len,
-            tag: None,
-            digest: None,
-        }
-    }
 }
 
 /// Whether the image lives on the default registry, by the kubelet's rule for the Docker Hub

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use credgate_core::config::ProviderConfig;
 use credgate_core::keyring::{self, AuthSet};
@@ -296,7 +296,7 @@ impl Engine {
         let image = ImageRef::parse(req.image)?;
         let (name, registry) = (image.name(), image.registry());
         let target = Target::from_image_name(name);
-        let fresh_until = self.inner.clock.now() + req.min_valid_for;
+        let fresh_until = self.fresh_until(req.min_valid_for);
         let mut entries: SmallVec<[(usize, Arc<Entry>); 2]> = SmallVec::new();
         let mut errors = Vec::new();
         for (i, p) in self.inner.providers.iter().enumerate() {
@@ -313,12 +313,7 @@ impl Engine {
                 }
             };
             let scope = mode.scope().cloned();
-            let hit = p
-                .cache
-                .load()
-                .find(name, registry, scope.as_deref(), fresh_until)
-                .cloned();
-            let result = match hit {
+            let result = match p.cached(name, registry, scope.as_deref(), fresh_until) {
                 Some(e) => {
                     p.metrics.hits.inc();
                     Ok(e)
@@ -340,8 +335,8 @@ impl Engine {
             }
         }
         let resolved = self.resolve(name, &target, entries, generation);
-        if req.service_account.is_none() && errors.is_empty() {
-            self.remember(req.image, &resolved);
+        if errors.is_empty() {
+            self.remember(req, &resolved);
         }
         let mut found = self.owned(&resolved);
         found.errors = errors;
@@ -368,7 +363,7 @@ impl Engine {
         let image = ImageRef::parse(req.image)?;
         let (name, registry) = (image.name(), image.registry());
         let target = Target::from_image_name(name);
-        let fresh_until = self.inner.clock.now() + req.min_valid_for;
+        let fresh_until = self.fresh_until(req.min_valid_for);
         let mut entries: SmallVec<[(usize, Arc<Entry>); 2]> = SmallVec::new();
         for (i, p) in self.inner.providers.iter().enumerate() {
             if !p.applies(&target) {
@@ -379,12 +374,8 @@ impl Engine {
                 Ok(mode) => mode.scope().cloned(),
                 Err(_) => return Ok(None),
             };
-            match p
-                .cache
-                .load()
-                .find(name, registry, scope.as_deref(), fresh_until)
-            {
-                Some(e) => entries.push((i, e.clone())),
+            match p.cached(name, registry, scope.as_deref(), fresh_until) {
+                Some(e) => entries.push((i, e)),
                 None => return Ok(None),
             }
         }
@@ -392,9 +383,7 @@ impl Engine {
             self.inner.providers[*i].metrics.hits.inc();
         }
         let resolved = self.resolve(name, &target, entries, generation);
-        if req.service_account.is_none() {
-            self.remember(req.image, &resolved);
-        }
+        self.remember(req, &resolved);
         Ok(Some(serve(&resolved)))
     }
 
@@ -408,12 +397,7 @@ impl Engine {
         if req.service_account.is_some() {
             return None;
         }
-        let now = self.inner.clock.now();
-        let fresh_until = if req.min_valid_for.is_zero() {
-            now
-        } else {
-            now + req.min_valid_for
-        };
+        let fresh_until = self.fresh_until(req.min_valid_for);
         self.inner
             .memo
             .with(req.image, |r| {
@@ -428,8 +412,22 @@ impl Engine {
             .flatten()
     }
 
-    fn remember(&self, image: &str, resolved: &Arc<Resolved>) {
-        self.inner.memo.insert(image, resolved.clone());
+    /// Remembers a resolution; lookups with a service account are scoped to it and never
+    /// remembered.
+    fn remember(&self, req: &LookupRequest<'_>, resolved: &Arc<Resolved>) {
+        if req.service_account.is_none() {
+            self.inner.memo.insert(req.image, resolved.clone());
+        }
+    }
+
+    /// Until when a served credential must stay alive.
+    fn fresh_until(&self, min_valid_for: Duration) -> Instant {
+        let now = self.inner.clock.now();
+        if min_valid_for.is_zero() {
+            now
+        } else {
+            now + min_valid_for
+        }
     }
 
     /// Orders the credentials of the static sources and the answering entries.
@@ -551,14 +549,5 @@ impl Engine {
     /// `sha256:` of the provider config bytes, when a config is loaded.
     pub fn config_identity(&self) -> Option<&str> {
         self.inner.identity.as_deref()
-    }
-
-    /// The names of the configured providers, in config order.
-    pub fn provider_names(&self) -> Vec<&str> {
-        self.inner
-            .providers
-            .iter()
-            .map(|p| p.spec.name.as_str())
-            .collect()
     }
 }

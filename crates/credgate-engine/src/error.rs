@@ -64,12 +64,4 @@ impl ProviderError {
             ProviderError::Abandoned { .. } => "abandoned",
         }
     }
-
-    /// Whether the plugin ran (or tried to) and failed, as opposed to not being run.
-    pub fn is_run_failure(&self) -> bool {
-        !matches!(
-            self,
-            ProviderError::Backoff { .. } | ProviderError::MissingAnnotation { .. }
-        )
-    }
 }

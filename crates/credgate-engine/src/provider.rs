@@ -222,6 +222,20 @@ impl Provider {
         self.spec.match_images.iter().any(|p| p.matches(target))
     }
 
+    /// A live cache entry for the request, if any; lock-free.
+    pub fn cached(
+        &self,
+        image: &str,
+        registry: &str,
+        scope: Option<&Scope>,
+        fresh_until: Instant,
+    ) -> Option<Arc<Entry>> {
+        self.cache
+            .load()
+            .find(image, registry, scope, fresh_until)
+            .cloned()
+    }
+
     /// How this provider takes part given the caller's service account.
     pub fn mode(&self, sa: Option<&ServiceAccount>) -> Result<Mode, ProviderError> {
         let Some(ta) = &self.spec.token_attributes else {
