@@ -3,7 +3,8 @@
 //! Image references ([`mod@reference`]), the kubelet's pattern grammar and matching ([`pattern`]),
 //! Go durations ([`duration`]), the `CredentialProviderConfig` decoder and validator ([`config`]),
 //! the plugin wire format ([`wire`]), node-wide docker config files ([`dockerconfig`]) and the
-//! keyring order ([`keyring`]). Nothing here touches the file system, processes, clocks or the
+//! keyring order ([`keyring`]), renewal timing ([`renewal`]) and which consumers track which refs
+//! ([`tracking`]). Nothing here touches the file system, processes, clocks or the
 //! network; every function is testable from string literals.
 
 pub mod config;
@@ -12,6 +13,8 @@ pub mod duration;
 pub mod keyring;
 pub mod pattern;
 pub mod reference;
+pub mod renewal;
+pub mod tracking;
 pub mod wire;
 
 pub use secrecy::{ExposeSecret, SecretString};

@@ -49,6 +49,8 @@ pub struct Entry {
     pub expires: Option<Instant>,
     /// The same expiry on the wall clock, for reports.
     pub expires_wall: Option<SystemTime>,
+    /// When the plugin answered, monotonic (renewal computes lifetimes from it).
+    pub fetched: Instant,
     /// When the plugin answered.
     pub fetched_wall: SystemTime,
 }
@@ -236,6 +238,7 @@ mod tests {
             scope: None,
             expires: Some(now + Duration::from_secs(ttl)),
             expires_wall: None,
+            fetched: Instant::now(),
             fetched_wall: SystemTime::now(),
         })
     }

@@ -10,12 +10,12 @@ use std::time::{Duration, Instant, SystemTime};
 
 use credgate_core::config::ProviderConfig;
 use credgate_core::keyring::{self, AuthSet};
-use credgate_core::pattern::Target;
+use credgate_core::pattern::{parse_schemeless, Target};
 use credgate_core::reference::{is_default_registry, ImageRef, ReferenceError};
 use secrecy::SecretString;
 use smallvec::SmallVec;
 
-use crate::cache::Entry;
+use crate::cache::{CacheKey, Entry};
 use crate::clock::{Clock, SystemClock};
 use crate::error::ProviderError;
 use crate::exec::{ExecRunner, OutputLimits, PluginCommand, PluginRunner};
@@ -77,6 +77,8 @@ pub enum BuildError {
 pub enum LookupError {
     #[error("invalid image reference: {0}")]
     InvalidReference(#[from] ReferenceError),
+    #[error("invalid registry host {0:?}: expected host[:port] without scheme or path")]
+    InvalidHost(String),
 }
 
 /// What a caller asks.
@@ -87,6 +89,68 @@ pub struct LookupRequest<'a> {
     /// ones make the plugin run again.
     pub min_valid_for: Duration,
     pub service_account: Option<&'a ServiceAccount>,
+    /// `image` is a registry `host[:port]` (what a docker credential helper is given), not an
+    /// image: patterns match it as a host, and plugins are asked about the host itself.
+    pub registry_host: bool,
+}
+
+/// What is being looked up, parsed once.
+struct Subject<'a> {
+    image: Option<ImageRef<'a>>,
+    host: &'a str,
+}
+
+impl<'a> Subject<'a> {
+    fn parse(req: &LookupRequest<'a>) -> Result<Self, LookupError> {
+        if !req.registry_host {
+            return Ok(Subject {
+                image: Some(ImageRef::parse(req.image)?),
+                host: "",
+            });
+        }
+        let host = req.image;
+        let valid = !host.is_empty()
+            && !host.contains(['/', '@', '?', '#'])
+            && !host.bytes().any(|b| b.is_ascii_uppercase())
+            && parse_schemeless(host).is_ok_and(|p| p.authority == host && p.path.is_empty());
+        if !valid {
+            return Err(LookupError::InvalidHost(host.to_owned()));
+        }
+        Ok(Subject { image: None, host })
+    }
+
+    /// The name matched against patterns and sent to plugins.
+    fn name(&self) -> &str {
+        self.image.as_ref().map_or(self.host, |i| i.name())
+    }
+
+    fn registry(&self) -> &str {
+        self.image.as_ref().map_or(self.host, |i| i.registry())
+    }
+
+    /// Whether the Docker Hub fallback applies.
+    fn default_registry(&self) -> bool {
+        match &self.image {
+            Some(i) => is_default_registry(i.name()),
+            None => matches!(
+                self.host,
+                "docker.io" | "index.docker.io" | "registry-1.docker.io"
+            ),
+        }
+    }
+}
+
+/// Which cache entry answered a lookup, for callers that keep credentials fresh (renewal
+/// groups refs by entry and renews each entry once).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EntryInfo {
+    /// The provider's index in config order.
+    pub provider: usize,
+    pub key: CacheKey,
+    /// When the plugin answered.
+    pub fetched: Instant,
+    /// `None` when the response was not cached (`cacheDuration: 0s`).
+    pub expires: Option<Instant>,
 }
 
 /// Where a credential came from.
@@ -136,6 +200,8 @@ pub struct Lookup {
     pub credentials: Vec<Credential>,
     /// Providers that matched but gave nothing, with why.
     pub errors: Vec<ProviderError>,
+    /// The provider cache entries that answered.
+    pub entries: Vec<EntryInfo>,
 }
 
 /// Assembles an [`Engine`].
@@ -293,8 +359,8 @@ impl Engine {
         if let Some(found) = self.remembered(req, generation, |r| self.owned(r)) {
             return Ok(found);
         }
-        let image = ImageRef::parse(req.image)?;
-        let (name, registry) = (image.name(), image.registry());
+        let subject = Subject::parse(req)?;
+        let (name, registry) = (subject.name(), subject.registry());
         let target = Target::from_image_name(name);
         let fresh_until = self.fresh_until(req.min_valid_for);
         let mut entries: SmallVec<[(usize, Arc<Entry>); 2]> = SmallVec::new();
@@ -334,7 +400,7 @@ impl Engine {
                 Err(e) => errors.push(e),
             }
         }
-        let resolved = self.resolve(name, &target, entries, generation);
+        let resolved = self.resolve(name, &target, subject.default_registry(), entries, generation);
         if errors.is_empty() {
             self.remember(req, &resolved);
         }
@@ -360,8 +426,8 @@ impl Engine {
         if let Some(out) = self.remembered(req, generation, &mut serve) {
             return Ok(Some(out));
         }
-        let image = ImageRef::parse(req.image)?;
-        let (name, registry) = (image.name(), image.registry());
+        let subject = Subject::parse(req)?;
+        let (name, registry) = (subject.name(), subject.registry());
         let target = Target::from_image_name(name);
         let fresh_until = self.fresh_until(req.min_valid_for);
         let mut entries: SmallVec<[(usize, Arc<Entry>); 2]> = SmallVec::new();
@@ -382,7 +448,7 @@ impl Engine {
         for (i, _) in &entries {
             self.inner.providers[*i].metrics.hits.inc();
         }
-        let resolved = self.resolve(name, &target, entries, generation);
+        let resolved = self.resolve(name, &target, subject.default_registry(), entries, generation);
         self.remember(req, &resolved);
         Ok(Some(serve(&resolved)))
     }
@@ -394,7 +460,7 @@ impl Engine {
         generation: u64,
         serve: impl FnOnce(&Resolved) -> R,
     ) -> Option<R> {
-        if req.service_account.is_some() {
+        if req.service_account.is_some() || req.registry_host {
             return None;
         }
         let fresh_until = self.fresh_until(req.min_valid_for);
@@ -415,7 +481,7 @@ impl Engine {
     /// Remembers a resolution; lookups with a service account are scoped to it and never
     /// remembered.
     fn remember(&self, req: &LookupRequest<'_>, resolved: &Arc<Resolved>) {
-        if req.service_account.is_none() {
+        if req.service_account.is_none() && !req.registry_host {
             self.inner.memo.insert(req.image, resolved.clone());
         }
     }
@@ -435,6 +501,7 @@ impl Engine {
         &self,
         name: &str,
         target: &Target<'_>,
+        default_registry: bool,
         entries: SmallVec<[(usize, Arc<Entry>); 2]>,
         generation: u64,
     ) -> Arc<Resolved> {
@@ -450,7 +517,7 @@ impl Engine {
                 .enumerate()
                 .map(|(k, (_, e))| (PickSource::Entry(k), &e.auth));
             let sources: SmallVec<[(PickSource, &AuthSet); 8]> = statics.chain(dynamic).collect();
-            let selection = keyring::select_target(target, is_default_registry(name), &sources);
+            let selection = keyring::select_target(target, default_registry, &sources);
             selection
                 .iter()
                 .map(|(source, auth)| {
@@ -520,10 +587,21 @@ impl Engine {
                 }
             })
             .collect();
+        let entries = r
+            .entries
+            .iter()
+            .map(|(i, e)| EntryInfo {
+                provider: *i,
+                key: e.key(),
+                fetched: e.fetched,
+                expires: e.expires,
+            })
+            .collect();
         Lookup {
             image: r.name.to_string(),
             credentials,
             errors: Vec::new(),
+            entries,
         }
     }
 

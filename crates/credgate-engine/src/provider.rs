@@ -455,6 +455,7 @@ impl Provider {
             scope: job.scope.clone(),
             expires: cached.then(|| now + ttl),
             expires_wall: cached.then(|| wall + ttl),
+            fetched: now,
             fetched_wall: wall,
         }))
     }

@@ -1,0 +1,78 @@
+//! credgate's gRPC API: the `credgate.v1` messages and services generated from
+//! `proto/credgate/v1/credgate.proto`, and how clients find and reach the agent's unix socket.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! use credgate_api::v1::{credentials_client::CredentialsClient, LookupRequest};
+//! let path = credgate_api::socket_path(None);
+//! let channel = credgate_api::connect(&path).await?;
+//! let answer = CredentialsClient::new(channel)
+//!     .lookup(LookupRequest { image: "registry.example.com/team/app:v1".into(), ..Default::default() })
+//!     .await?;
+//! println!("{} credentials", answer.get_ref().credentials.len());
+//! # Ok(()) }
+//! ```
+
+use std::path::{Path, PathBuf};
+
+use hyper_util::rt::TokioIo;
+use tokio::net::UnixStream;
+use tonic::transport::{Channel, Endpoint};
+
+/// The generated `credgate.v1` package.
+pub mod v1 {
+    #![allow(missing_docs, clippy::all, clippy::pedantic)]
+    tonic::include_proto!("credgate.v1");
+}
+
+/// The environment variable clients read the socket path from.
+pub const SOCKET_ENV: &str = "CREDGATE_SOCKET";
+
+/// The API package name.
+pub const API: &str = "credgate.v1";
+
+/// Whether this process runs as root.
+pub fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// The default socket: `/run/credgate/credgate.sock` as root, `$XDG_RUNTIME_DIR/credgate.sock`
+/// otherwise (`/tmp/credgate-$UID/credgate.sock` when that variable is unset).
+pub fn default_socket_path() -> PathBuf {
+    if is_root() {
+        return PathBuf::from("/run/credgate/credgate.sock");
+    }
+    match std::env::var_os("XDG_RUNTIME_DIR").filter(|v| !v.is_empty()) {
+        Some(dir) => PathBuf::from(dir).join("credgate.sock"),
+        None => {
+            // SAFETY: getuid has no preconditions and cannot fail.
+            let uid = unsafe { libc::getuid() };
+            PathBuf::from(format!("/tmp/credgate-{uid}/credgate.sock"))
+        }
+    }
+}
+
+/// The socket a client uses: the flag when given, else `CREDGATE_SOCKET`, else the default.
+pub fn socket_path(flag: Option<&Path>) -> PathBuf {
+    if let Some(p) = flag {
+        return p.to_owned();
+    }
+    match std::env::var_os(SOCKET_ENV).filter(|v| !v.is_empty()) {
+        Some(p) => PathBuf::from(p),
+        None => default_socket_path(),
+    }
+}
+
+/// A channel to the agent on the unix socket at `path`. Connects eagerly, so an absent agent
+/// is an error here rather than at the first call.
+pub async fn connect(path: &Path) -> Result<Channel, tonic::transport::Error> {
+    let path = path.to_owned();
+    // The URI is required by the HTTP layer and never dialled; the connector below is.
+    Endpoint::from_static("http://credgate.sock")
+        .connect_with_connector(tower::service_fn(move |_| {
+            let path = path.clone();
+            async move { UnixStream::connect(path).await.map(TokioIo::new) }
+        }))
+        .await
+}
