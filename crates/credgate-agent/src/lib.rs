@@ -1,1 +1,17 @@
+//! credgate-agent: the node agent behind `credgate serve`.
+//!
+//! An [`Agent`] holds the credential engine (rebuilt whole on reload), the renewal service
+//! ([`renewal`]) and the metric registry. [`server::serve`] exposes it as the `credgate.v1` gRPC
+//! API on a unix socket bound by [`socket::bind`]; [`metrics::serve`] exposes `/metrics`.
+//! Binaries stay thin: they parse flags, build an [`AgentOptions`], and wire signals to
+//! [`Agent::reload`] and the shutdown channel.
 
+pub mod agent;
+pub mod metrics;
+pub mod renewal;
+pub mod server;
+pub mod socket;
+pub mod sources;
+
+pub use agent::{Agent, AgentOptions, Reloaded};
+pub use sources::{SourceError, Sources};

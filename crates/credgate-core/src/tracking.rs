@@ -135,7 +135,11 @@ impl Tracker {
 
     /// When the next ref becomes evictable.
     pub fn next_eviction(&self, grace: Duration) -> Option<Instant> {
-        self.refs.values().filter_map(|h| h.released).min().map(|t| t + grace)
+        self.refs
+            .values()
+            .filter_map(|h| h.released)
+            .min()
+            .map(|t| t + grace)
     }
 
     /// Whether `r` is known (held, or within its grace period).
@@ -216,7 +220,9 @@ mod tests {
         let mut t = Tracker::default();
         t.track("a", ["r1"], t0);
         t.set("a", [], t0);
-        assert!(t.evict(t0 + GRACE - Duration::from_secs(1), GRACE).is_empty());
+        assert!(t
+            .evict(t0 + GRACE - Duration::from_secs(1), GRACE)
+            .is_empty());
         assert_eq!(t.next_eviction(GRACE), Some(t0 + GRACE));
         // The registration lands within the grace period: the ref is held again.
         let c = t.track("a", ["r1"], t0 + GRACE / 2);

@@ -142,7 +142,7 @@ impl<'a> Subject<'a> {
 
 /// Which cache entry answered a lookup, for callers that keep credentials fresh (renewal
 /// groups refs by entry and renews each entry once).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct EntryInfo {
     /// The provider's index in config order.
     pub provider: usize,
@@ -400,7 +400,13 @@ impl Engine {
                 Err(e) => errors.push(e),
             }
         }
-        let resolved = self.resolve(name, &target, subject.default_registry(), entries, generation);
+        let resolved = self.resolve(
+            name,
+            &target,
+            subject.default_registry(),
+            entries,
+            generation,
+        );
         if errors.is_empty() {
             self.remember(req, &resolved);
         }
@@ -448,7 +454,13 @@ impl Engine {
         for (i, _) in &entries {
             self.inner.providers[*i].metrics.hits.inc();
         }
-        let resolved = self.resolve(name, &target, subject.default_registry(), entries, generation);
+        let resolved = self.resolve(
+            name,
+            &target,
+            subject.default_registry(),
+            entries,
+            generation,
+        );
         self.remember(req, &resolved);
         Ok(Some(serve(&resolved)))
     }

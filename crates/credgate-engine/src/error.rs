@@ -47,6 +47,24 @@ impl ProviderError {
         "abandoned",
     ];
 
+    /// The provider (plugin) that failed.
+    pub fn plugin(&self) -> &str {
+        match self {
+            ProviderError::Run(e) => match &**e {
+                RunError::Spawn { plugin, .. }
+                | RunError::Timeout { plugin, .. }
+                | RunError::NonZeroExit { plugin, .. }
+                | RunError::OutputTooLarge { plugin, .. }
+                | RunError::Io { plugin, .. } => plugin,
+            },
+            ProviderError::Response { plugin, .. }
+            | ProviderError::TokenEchoed { plugin }
+            | ProviderError::Backoff { plugin, .. }
+            | ProviderError::MissingAnnotation { plugin, .. }
+            | ProviderError::Abandoned { plugin } => plugin,
+        }
+    }
+
     /// The metric label for this failure.
     pub fn reason(&self) -> &'static str {
         match self {

@@ -72,7 +72,9 @@ pub enum RunError {
     },
     #[error("plugin {plugin}: timed out after {after:?}; its process group was killed")]
     Timeout { plugin: String, after: Duration },
-    #[error("plugin {plugin}: exited with {status}{}", stderr_suffix(.stderr))]
+    /// The stderr tail is kept for the debug log only: it is the plugin's free text and is
+    /// never part of the message, which reaches API callers.
+    #[error("plugin {plugin}: exited with {status}")]
     NonZeroExit {
         plugin: String,
         status: String,
@@ -90,14 +92,6 @@ pub enum RunError {
         #[source]
         source: io::Error,
     },
-}
-
-fn stderr_suffix(stderr: &str) -> String {
-    if stderr.is_empty() {
-        String::new()
-    } else {
-        format!("; stderr: {stderr}")
-    }
 }
 
 /// Runs a plugin with a request and returns its stdout. Engine tests inject fakes.

@@ -37,7 +37,7 @@ pub mod provider;
 pub mod source;
 
 pub use engine::{
-    BuildError, Credential, CredentialRef, Engine, EngineBuilder, EngineOptions, Lookup,
+    BuildError, Credential, CredentialRef, Engine, EngineBuilder, EngineOptions, EntryInfo, Lookup,
     LookupError, LookupRequest, Source, StaticSource,
 };
 pub use error::ProviderError;

@@ -24,7 +24,7 @@ use tokio::sync::watch;
 use crate::cache::{Cache, Entry, Scope};
 use crate::clock::Clock;
 use crate::error::ProviderError;
-use crate::exec::{PluginCommand, PluginRunner};
+use crate::exec::{PluginCommand, PluginRunner, RunError};
 use crate::metrics::ProviderMetrics;
 
 /// The result every waiter of a run receives.
@@ -471,6 +471,13 @@ impl Provider {
             Err(e) => {
                 self.metrics.error(e.reason());
                 tracing::warn!(plugin = %self.spec.name, error = %e, reason = e.reason(), "plugin run failed");
+                if let ProviderError::Run(run) = e {
+                    if let RunError::NonZeroExit { stderr, .. } = &**run {
+                        if !stderr.is_empty() {
+                            tracing::debug!(plugin = %self.spec.name, stderr = %stderr, "plugin stderr (tail)");
+                        }
+                    }
+                }
                 state.consecutive_failures += 1;
                 state.last_error = Some(e.to_string());
                 if state.consecutive_failures >= 2 {

@@ -1,0 +1,159 @@
+//! The agent's state: the engine in use (swapped whole on reload), the renewal service, and
+//! the metric registry.
+
+use std::sync::{Arc, Mutex};
+use std::time::SystemTime;
+
+use arc_swap::ArcSwap;
+use credgate_core::renewal::RenewalPolicy;
+use credgate_engine::clock::{Clock, SystemClock};
+use credgate_engine::metrics::EngineMetrics;
+use credgate_engine::Engine;
+use prometheus_client::registry::Registry;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::metrics::AgentMetrics;
+use crate::renewal::Renewer;
+use crate::sources::{SourceError, Sources};
+
+/// How to run an agent.
+#[derive(Clone, Default)]
+pub struct AgentOptions {
+    pub sources: Sources,
+    pub renewal: RenewalPolicy,
+    /// The clock; the system's when `None` (tests pass a paused one).
+    pub clock: Option<Arc<dyn Clock>>,
+}
+
+/// What a reload did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reloaded {
+    /// The provider config identity now loaded (`None` without a provider config).
+    pub identity: Option<String>,
+    pub changed: bool,
+}
+
+struct Inner {
+    sources: Sources,
+    engine: Arc<ArcSwap<Engine>>,
+    engine_metrics: EngineMetrics,
+    metrics: AgentMetrics,
+    registry: Registry,
+    renewer: Renewer,
+    clock: Arc<dyn Clock>,
+    started: SystemTime,
+    loaded: Mutex<SystemTime>,
+    reload: Mutex<()>,
+}
+
+/// A running agent's shared state. Cheap to clone.
+#[derive(Clone)]
+pub struct Agent {
+    inner: Arc<Inner>,
+}
+
+impl Agent {
+    /// Reads the sources and builds the engine. Never runs a plugin.
+    pub fn new(options: AgentOptions) -> Result<Agent, SourceError> {
+        let clock = options
+            .clock
+            .unwrap_or_else(|| Arc::new(SystemClock::new()));
+        let engine_metrics = EngineMetrics::default();
+        let engine = options
+            .sources
+            .build(Some(engine_metrics.clone()), Some(clock.clone()))?;
+        let engine = Arc::new(ArcSwap::from_pointee(engine));
+        let metrics = AgentMetrics::default();
+        let mut registry = Registry::default();
+        engine_metrics.register(&mut registry);
+        metrics.register(&mut registry);
+        let renewer = Renewer::new(
+            engine.clone(),
+            clock.clone(),
+            options.renewal,
+            metrics.clone(),
+        );
+        let now = clock.wall();
+        Ok(Agent {
+            inner: Arc::new(Inner {
+                sources: options.sources,
+                engine,
+                engine_metrics,
+                metrics,
+                registry,
+                renewer,
+                clock,
+                started: now,
+                loaded: Mutex::new(now),
+                reload: Mutex::new(()),
+            }),
+        })
+    }
+
+    /// The engine in use now.
+    pub fn engine(&self) -> Arc<Engine> {
+        self.inner.engine.load_full()
+    }
+
+    pub fn renewer(&self) -> &Renewer {
+        &self.inner.renewer
+    }
+
+    pub fn metrics(&self) -> &AgentMetrics {
+        &self.inner.metrics
+    }
+
+    /// Every metric family, the engine's included.
+    pub fn registry(&self) -> &Registry {
+        &self.inner.registry
+    }
+
+    pub fn sources(&self) -> &Sources {
+        &self.inner.sources
+    }
+
+    pub fn clock(&self) -> &Arc<dyn Clock> {
+        &self.inner.clock
+    }
+
+    pub fn started(&self) -> SystemTime {
+        self.inner.started
+    }
+
+    /// When the config in use was loaded.
+    pub fn loaded(&self) -> SystemTime {
+        *self.inner.loaded.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Re-reads every source. On error the engine in use keeps serving.
+    pub fn reload(&self) -> Result<Reloaded, SourceError> {
+        let _one_at_a_time = self.inner.reload.lock().unwrap_or_else(|p| p.into_inner());
+        let built = self.inner.sources.build(
+            Some(self.inner.engine_metrics.clone()),
+            Some(self.inner.clock.clone()),
+        );
+        let engine = match built {
+            Ok(e) => e,
+            Err(e) => {
+                self.inner.metrics.reload(false);
+                return Err(e);
+            }
+        };
+        let before = self.engine().config_identity().map(str::to_owned);
+        let identity = engine.config_identity().map(str::to_owned);
+        self.inner.engine.store(Arc::new(engine));
+        *self.inner.loaded.lock().unwrap_or_else(|p| p.into_inner()) = self.inner.clock.wall();
+        self.inner.metrics.reload(true);
+        self.inner.renewer.refresh_all();
+        Ok(Reloaded {
+            changed: before != identity,
+            identity,
+        })
+    }
+
+    /// Starts the renewal loop in the background.
+    pub fn spawn_renewal(&self, shutdown: watch::Receiver<bool>) -> JoinHandle<()> {
+        tokio::spawn(self.inner.renewer.clone().run(shutdown))
+    }
+}

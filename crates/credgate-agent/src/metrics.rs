@@ -1,0 +1,200 @@
+//! The agent's metric families and the `/metrics` endpoint (Prometheus text exposition).
+//! Labels never carry credentials or image names: refs are unbounded and their per-ref state
+//! is served by `ListTracked` instead.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use http_body_util::Full;
+use hyper::body::Bytes;
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+use tokio::net::TcpListener;
+
+type Labels = Vec<(&'static str, String)>;
+
+/// The agent's own families (the engine's are registered beside them).
+#[derive(Clone)]
+pub struct AgentMetrics {
+    pub renewals: Family<Labels, Counter>,
+    pub tracked_refs: Gauge,
+    pub watchers: Gauge,
+    pub rpcs: Family<Labels, Counter>,
+    pub rpc_seconds: Family<Labels, Histogram, fn() -> Histogram>,
+    pub reloads: Family<Labels, Counter>,
+}
+
+fn rpc_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.000_05, 2.0, 18))
+}
+
+impl Default for AgentMetrics {
+    fn default() -> Self {
+        AgentMetrics {
+            renewals: Family::default(),
+            tracked_refs: Gauge::default(),
+            watchers: Gauge::default(),
+            rpcs: Family::default(),
+            rpc_seconds: Family::new_with_constructor(rpc_histogram as fn() -> Histogram),
+            reloads: Family::default(),
+        }
+    }
+}
+
+impl AgentMetrics {
+    /// Registers every family under the `credgate_` prefix.
+    pub fn register(&self, registry: &mut Registry) {
+        let r = registry.sub_registry_with_prefix("credgate");
+        r.register(
+            "renewals",
+            "Renewals of tracked refs by result (success, failure)",
+            self.renewals.clone(),
+        );
+        r.register(
+            "tracked_refs",
+            "Refs tracked for renewal, including those in their grace period",
+            self.tracked_refs.clone(),
+        );
+        r.register("watch_streams", "Open Watch streams", self.watchers.clone());
+        r.register(
+            "rpc_requests",
+            "API calls by method and gRPC status code",
+            self.rpcs.clone(),
+        );
+        r.register(
+            "rpc_duration_seconds",
+            "API call handling time by method",
+            self.rpc_seconds.clone(),
+        );
+        r.register(
+            "config_reloads",
+            "Provider config reloads by result (success, failure)",
+            self.reloads.clone(),
+        );
+    }
+
+    /// Counts a renewal.
+    pub fn renewal(&self, success: bool) {
+        let result = if success { "success" } else { "failure" };
+        self.renewals
+            .get_or_create(&vec![("result", result.to_owned())])
+            .inc();
+    }
+
+    /// Counts a reload.
+    pub fn reload(&self, success: bool) {
+        let result = if success { "success" } else { "failure" };
+        self.reloads
+            .get_or_create(&vec![("result", result.to_owned())])
+            .inc();
+    }
+
+    /// Counts a finished call.
+    pub fn rpc(&self, method: &'static str, code: tonic::Code, seconds: f64) {
+        self.rpcs
+            .get_or_create(&vec![
+                ("method", method.to_owned()),
+                ("code", code_name(code).to_owned()),
+            ])
+            .inc();
+        self.rpc_seconds
+            .get_or_create(&vec![("method", method.to_owned())])
+            .observe(seconds);
+    }
+}
+
+/// The canonical upper-case name of a gRPC code, as grpc-go's metrics label it.
+pub fn code_name(code: tonic::Code) -> &'static str {
+    use tonic::Code::*;
+    match code {
+        Ok => "OK",
+        Cancelled => "CANCELLED",
+        Unknown => "UNKNOWN",
+        InvalidArgument => "INVALID_ARGUMENT",
+        DeadlineExceeded => "DEADLINE_EXCEEDED",
+        NotFound => "NOT_FOUND",
+        AlreadyExists => "ALREADY_EXISTS",
+        PermissionDenied => "PERMISSION_DENIED",
+        ResourceExhausted => "RESOURCE_EXHAUSTED",
+        FailedPrecondition => "FAILED_PRECONDITION",
+        Aborted => "ABORTED",
+        OutOfRange => "OUT_OF_RANGE",
+        Unimplemented => "UNIMPLEMENTED",
+        Internal => "INTERNAL",
+        Unavailable => "UNAVAILABLE",
+        DataLoss => "DATA_LOSS",
+        Unauthenticated => "UNAUTHENTICATED",
+    }
+}
+
+/// Renders a registry in the text exposition format.
+pub fn render(registry: &Registry) -> String {
+    let mut out = String::new();
+    encode(&mut out, registry).expect("writing to a String cannot fail");
+    out
+}
+
+/// Serves `GET /metrics` on `listener` until `shutdown` resolves.
+pub async fn serve(
+    listener: TcpListener,
+    registry: Arc<Registry>,
+    shutdown: impl std::future::Future<Output = ()>,
+) {
+    tokio::pin!(shutdown);
+    loop {
+        let (stream, _) = tokio::select! {
+            _ = &mut shutdown => return,
+            accepted = listener.accept() => match accepted {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!(error = %e, "metrics listener accept failed");
+                    continue;
+                }
+            },
+        };
+        let registry = registry.clone();
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
+                let registry = registry.clone();
+                async move { Ok::<_, std::convert::Infallible>(respond(&req, &registry)) }
+            });
+            let conn = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), service);
+            if let Err(e) = conn.await {
+                tracing::debug!(error = %e, "metrics connection ended");
+            }
+        });
+    }
+}
+
+fn respond<B>(req: &Request<B>, registry: &Registry) -> Response<Full<Bytes>> {
+    let (status, body, content_type) = match (req.method(), req.uri().path()) {
+        (&Method::GET, "/metrics") => (
+            StatusCode::OK,
+            render(registry),
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        ),
+        (&Method::GET, "/healthz") => (StatusCode::OK, "ok\n".to_owned(), "text/plain"),
+        _ => (
+            StatusCode::NOT_FOUND,
+            "not found: try /metrics\n".to_owned(),
+            "text/plain",
+        ),
+    };
+    Response::builder()
+        .status(status)
+        .header("content-type", content_type)
+        .body(Full::new(Bytes::from(body)))
+        .expect("static response parts are valid")
+}
+
+/// Binds the metrics listener.
+pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    TcpListener::bind(addr).await
+}

@@ -1,0 +1,490 @@
+//! Renewal: keeps the credentials of tracked refs fresh ahead of their expiry and pushes
+//! changes to watchers.
+//!
+//! Each tracked ref remembers the cache entries its last good resolution came from. It falls
+//! due when the first of them reaches its renewal time ([`RenewalPolicy::renew_at`], jittered
+//! per entry, so every ref an entry serves falls due at the same moment). A due ref is looked up
+//! again asking for validity past that entry's old expiry: the first such lookup runs the
+//! plugin, and every other ref the entry serves is answered by the renewed entry (or joins the
+//! run in flight), so an entry is renewed once however many refs share it. A failure keeps the
+//! last good credentials and retries with capped, jittered exponential backoff.
+//!
+//! Everything reads time from the injected [`Clock`] and sleeps with tokio's timer, so a test
+//! on a paused runtime moves through days of renewals in milliseconds.
+
+use std::collections::hash_map::DefaultHasher;
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant, SystemTime};
+
+use arc_swap::ArcSwap;
+use credgate_core::reference::{ImageRef, ReferenceError};
+use credgate_core::renewal::{self, RenewalPolicy};
+use credgate_core::tracking::{Change, Tracker};
+use credgate_engine::clock::Clock;
+use credgate_engine::{Credential, Engine, EntryInfo, LookupRequest};
+use secrecy::ExposeSecret;
+use tokio::sync::{watch, Notify};
+
+use crate::metrics::AgentMetrics;
+
+/// Why a tracking call was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TrackError {
+    #[error("consumer name must not be empty")]
+    NoConsumer,
+    #[error("consumer names starting with \"watch:\" are reserved for Watch streams")]
+    ReservedConsumer,
+    #[error("invalid ref {image:?}: {error}")]
+    InvalidRef {
+        image: String,
+        error: ReferenceError,
+    },
+}
+
+/// A ref's credentials as watchers see them.
+#[derive(Debug)]
+pub struct Value {
+    /// Increases by one with each change.
+    pub revision: u64,
+    /// In try-order.
+    pub credentials: Vec<Credential>,
+}
+
+/// Renewal state of one ref, for operators.
+#[derive(Debug, Clone)]
+pub struct TrackedInfo {
+    pub image: String,
+    pub consumers: Vec<String>,
+    pub last_success: Option<SystemTime>,
+    pub last_error: Option<String>,
+    pub next_attempt: Option<SystemTime>,
+    pub consecutive_failures: u32,
+    pub credentials: usize,
+    pub expires_at: Option<SystemTime>,
+}
+
+struct RefState {
+    tx: watch::Sender<Option<Arc<Value>>>,
+    /// Last known good.
+    value: Option<Arc<Value>>,
+    entries: Vec<EntryInfo>,
+    last_success: Option<SystemTime>,
+    last_error: Option<String>,
+    failures: u32,
+    /// When it falls due; `None` while a renewal is in flight.
+    next: Option<Instant>,
+}
+
+impl RefState {
+    fn new() -> Self {
+        RefState {
+            tx: watch::Sender::new(None),
+            value: None,
+            entries: Vec::new(),
+            last_success: None,
+            last_error: None,
+            failures: 0,
+            next: None,
+        }
+    }
+}
+
+#[derive(Default)]
+struct State {
+    tracker: Tracker,
+    refs: HashMap<String, RefState>,
+}
+
+struct Shared {
+    state: Mutex<State>,
+    wake: Notify,
+    engine: Arc<ArcSwap<Engine>>,
+    clock: Arc<dyn Clock>,
+    policy: RenewalPolicy,
+    metrics: AgentMetrics,
+    watch_ids: AtomicU64,
+}
+
+/// The renewal service. Cheap to clone.
+#[derive(Clone)]
+pub struct Renewer {
+    shared: Arc<Shared>,
+}
+
+/// A Watch subscription; releases the refs it tracked when dropped.
+pub struct Subscription {
+    renewer: Renewer,
+    consumer: String,
+    /// One receiver per ref.
+    pub receivers: Vec<(String, watch::Receiver<Option<Arc<Value>>>)>,
+}
+
+impl Drop for Subscription {
+    fn drop(&mut self) {
+        let now = self.renewer.shared.clock.now();
+        let mut st = self.renewer.lock();
+        st.tracker.drop_consumer(&self.consumer, now);
+        drop(st);
+        self.renewer.shared.metrics.watchers.dec();
+        self.renewer.shared.wake.notify_one();
+    }
+}
+
+fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn seed(x: &impl Hash) -> u64 {
+    let mut h = DefaultHasher::new();
+    x.hash(&mut h);
+    h.finish()
+}
+
+/// Whether two credential lists are the same for a consumer (expiry alone does not count).
+fn same(a: &[Credential], b: &[Credential]) -> bool {
+    a.len() == b.len()
+        && a.iter().zip(b).all(|(x, y)| {
+            x.source == y.source
+                && x.pattern == y.pattern
+                && x.username == y.username
+                && x.password.expose_secret() == y.password.expose_secret()
+        })
+}
+
+impl Renewer {
+    pub fn new(
+        engine: Arc<ArcSwap<Engine>>,
+        clock: Arc<dyn Clock>,
+        policy: RenewalPolicy,
+        metrics: AgentMetrics,
+    ) -> Self {
+        Renewer {
+            shared: Arc::new(Shared {
+                state: Mutex::new(State::default()),
+                wake: Notify::new(),
+                engine,
+                clock,
+                policy,
+                metrics,
+                watch_ids: AtomicU64::new(0),
+            }),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        lock(&self.shared.state)
+    }
+
+    fn validate<'a>(consumer: &str, refs: &'a [String]) -> Result<(), TrackError> {
+        if consumer.is_empty() {
+            return Err(TrackError::NoConsumer);
+        }
+        if consumer.starts_with("watch:") {
+            return Err(TrackError::ReservedConsumer);
+        }
+        Self::validate_refs(refs)
+    }
+
+    fn validate_refs(refs: &[String]) -> Result<(), TrackError> {
+        for r in refs {
+            ImageRef::parse(r).map_err(|error| TrackError::InvalidRef {
+                image: r.clone(),
+                error,
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Applies a tracking change and schedules new refs at once.
+    fn apply(&self, f: impl FnOnce(&mut Tracker, Instant) -> Change) -> Change {
+        let now = self.shared.clock.now();
+        let mut st = self.lock();
+        let change = f(&mut st.tracker, now);
+        for r in &change.new_refs {
+            let mut rs = RefState::new();
+            rs.next = Some(now);
+            st.refs.insert(r.clone(), rs);
+        }
+        self.shared
+            .metrics
+            .tracked_refs
+            .set(st.tracker.len() as i64);
+        drop(st);
+        if !change.new_refs.is_empty() || !change.removed.is_empty() {
+            self.shared.wake.notify_one();
+        }
+        change
+    }
+
+    /// Adds refs to what `consumer` holds; returns how many it holds now.
+    pub fn track(&self, consumer: &str, refs: &[String]) -> Result<usize, TrackError> {
+        Self::validate(consumer, refs)?;
+        self.apply(|t, now| t.track(consumer, refs.iter().map(String::as_str), now));
+        Ok(self.lock().tracker.held_by(consumer).count())
+    }
+
+    /// Removes refs from what `consumer` holds; returns how many it holds now.
+    pub fn untrack(&self, consumer: &str, refs: &[String]) -> Result<usize, TrackError> {
+        if consumer.is_empty() {
+            return Err(TrackError::NoConsumer);
+        }
+        self.apply(|t, now| t.untrack(consumer, refs.iter().map(String::as_str), now));
+        Ok(self.lock().tracker.held_by(consumer).count())
+    }
+
+    /// Makes `refs` all that `consumer` holds.
+    pub fn set_tracked(&self, consumer: &str, refs: &[String]) -> Result<Change, TrackError> {
+        Self::validate(consumer, refs)?;
+        Ok(self.apply(|t, now| t.set(consumer, refs.iter().map(String::as_str), now)))
+    }
+
+    /// Subscribes to refs; each is tracked by the subscription while it lives.
+    pub fn watch(&self, refs: &[String]) -> Result<Subscription, TrackError> {
+        Self::validate_refs(refs)?;
+        let id = self.shared.watch_ids.fetch_add(1, Ordering::Relaxed);
+        let consumer = format!("watch:{id}");
+        self.apply(|t, now| t.track(&consumer, refs.iter().map(String::as_str), now));
+        self.shared.metrics.watchers.inc();
+        let st = self.lock();
+        let mut receivers: Vec<(String, watch::Receiver<Option<Arc<Value>>>)> = Vec::new();
+        for r in refs {
+            if receivers.iter().any(|(x, _)| x == r) {
+                continue;
+            }
+            if let Some(rs) = st.refs.get(r) {
+                receivers.push((r.clone(), rs.tx.subscribe()));
+            }
+        }
+        drop(st);
+        Ok(Subscription {
+            renewer: self.clone(),
+            consumer,
+            receivers,
+        })
+    }
+
+    /// The last good credentials of a tracked ref.
+    pub fn last_good(&self, image: &str) -> Option<Arc<Value>> {
+        self.lock().refs.get(image).and_then(|r| r.value.clone())
+    }
+
+    /// How many refs are tracked (grace periods included).
+    pub fn len(&self) -> usize {
+        self.lock().tracker.len()
+    }
+
+    /// Whether nothing is tracked.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn wall_of(&self, t: Instant) -> SystemTime {
+        let (now, wall) = (self.shared.clock.now(), self.shared.clock.wall());
+        if t >= now {
+            wall + (t - now)
+        } else {
+            wall - (now - t)
+        }
+    }
+
+    /// Tracked refs with their state, sorted; only those `consumer` holds when given.
+    pub fn list(&self, consumer: Option<&str>) -> Vec<TrackedInfo> {
+        let st = self.lock();
+        let refs: Vec<&str> = match consumer {
+            Some(c) => st.tracker.held_by(c).collect(),
+            None => st.tracker.refs().collect(),
+        };
+        refs.into_iter()
+            .filter_map(|r| {
+                let rs = st.refs.get(r)?;
+                Some(TrackedInfo {
+                    image: r.to_owned(),
+                    consumers: st.tracker.holders(r).map(str::to_owned).collect(),
+                    last_success: rs.last_success,
+                    last_error: rs.last_error.clone(),
+                    next_attempt: rs.next.map(|t| self.wall_of(t)),
+                    consecutive_failures: rs.failures,
+                    credentials: rs.value.as_ref().map_or(0, |v| v.credentials.len()),
+                    expires_at: rs
+                        .value
+                        .as_ref()
+                        .and_then(|v| v.credentials.iter().filter_map(|c| c.expires_at).min()),
+                })
+            })
+            .collect()
+    }
+
+    /// The earliest scheduled renewal per provider index.
+    pub fn next_renewal_by_provider(&self, providers: usize) -> Vec<Option<SystemTime>> {
+        let st = self.lock();
+        let mut out: Vec<Option<Instant>> = vec![None; providers];
+        for rs in st.refs.values() {
+            let Some(next) = rs.next else { continue };
+            for e in &rs.entries {
+                if let Some(slot) = out.get_mut(e.provider) {
+                    *slot = Some(slot.map_or(next, |t| t.min(next)));
+                }
+            }
+        }
+        drop(st);
+        out.into_iter()
+            .map(|t| t.map(|t| self.wall_of(t)))
+            .collect()
+    }
+
+    /// Makes every ref due now (after a config reload).
+    pub fn refresh_all(&self) {
+        let now = self.shared.clock.now();
+        let mut st = self.lock();
+        for rs in st.refs.values_mut() {
+            if rs.next.is_some() {
+                rs.next = Some(now);
+            }
+        }
+        drop(st);
+        self.shared.wake.notify_one();
+    }
+
+    /// When a ref resolved from `entries` falls due.
+    fn schedule(&self, image: &str, entries: &[EntryInfo], now: Instant) -> Instant {
+        let p = &self.shared.policy;
+        entries
+            .iter()
+            .map(|e| p.renew_at(e.fetched, e.expires, renewal::sample(seed(e))))
+            .min()
+            .unwrap_or_else(|| p.renew_at(now, None, renewal::sample(seed(&image))))
+    }
+
+    /// The validity a renewal asks for: past the old expiry of every entry that is due, so that
+    /// exactly those are fetched again.
+    fn force_for(&self, entries: &[EntryInfo], now: Instant) -> Duration {
+        let p = &self.shared.policy;
+        entries
+            .iter()
+            .filter(|e| p.renew_at(e.fetched, e.expires, renewal::sample(seed(e))) <= now)
+            .filter_map(|e| e.expires)
+            .max()
+            .map_or(Duration::ZERO, |exp| {
+                exp.saturating_duration_since(now) + Duration::from_millis(1)
+            })
+    }
+
+    /// Runs the renewal loop until `shutdown` turns true.
+    pub async fn run(self, mut shutdown: watch::Receiver<bool>) {
+        loop {
+            if *shutdown.borrow() {
+                return;
+            }
+            let now = self.shared.clock.now();
+            let grace = self.shared.policy.grace;
+            let (due, next) = {
+                let mut st = self.lock();
+                for gone in st.tracker.evict(now, grace) {
+                    st.refs.remove(&gone);
+                    tracing::debug!(image = %gone, "evicted untracked ref");
+                }
+                self.shared
+                    .metrics
+                    .tracked_refs
+                    .set(st.tracker.len() as i64);
+                let mut next = st.tracker.next_eviction(grace);
+                let mut due = Vec::new();
+                for (r, rs) in st.refs.iter_mut() {
+                    match rs.next {
+                        Some(t) if t <= now => {
+                            rs.next = None;
+                            due.push((r.clone(), self.force_for(&rs.entries, now)));
+                        }
+                        Some(t) => next = Some(next.map_or(t, |n: Instant| n.min(t))),
+                        None => {}
+                    }
+                }
+                (due, next)
+            };
+            for (image, force) in due {
+                let this = self.clone();
+                tokio::spawn(async move { this.renew(image, force).await });
+            }
+            let sleep = async {
+                match next {
+                    Some(t) => tokio::time::sleep_until(tokio::time::Instant::from_std(t)).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                _ = sleep => {}
+                _ = self.shared.wake.notified() => {}
+                _ = shutdown.changed() => {}
+            }
+        }
+    }
+
+    async fn renew(&self, image: String, min_valid_for: Duration) {
+        let engine = self.shared.engine.load_full();
+        let request = LookupRequest {
+            image: &image,
+            min_valid_for,
+            ..Default::default()
+        };
+        let result = engine.lookup(&request).await;
+        let now = self.shared.clock.now();
+        let mut st = self.lock();
+        let Some(rs) = st.refs.get_mut(&image) else {
+            return;
+        };
+        let (credentials, entries, error) = match result {
+            Ok(l) if l.errors.is_empty() => (Some(l.credentials), l.entries, None),
+            Ok(l) => {
+                let msg = l
+                    .errors
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join("; ");
+                let partial = rs.value.is_none().then_some(l.credentials);
+                (partial, l.entries, Some(msg))
+            }
+            Err(e) => (None, Vec::new(), Some(e.to_string())),
+        };
+        if let Some(credentials) = credentials {
+            let changed = rs
+                .value
+                .as_ref()
+                .is_none_or(|v| !same(&v.credentials, &credentials));
+            if changed {
+                let value = Arc::new(Value {
+                    revision: rs.value.as_ref().map_or(1, |v| v.revision + 1),
+                    credentials,
+                });
+                rs.value = Some(value.clone());
+                rs.tx.send_replace(Some(value));
+            }
+        }
+        match error {
+            None => {
+                rs.failures = 0;
+                rs.last_error = None;
+                rs.last_success = Some(self.shared.clock.wall());
+                rs.next = Some(self.schedule(&image, &entries, now));
+                rs.entries = entries;
+                self.shared.metrics.renewal(true);
+            }
+            Some(msg) => {
+                rs.failures += 1;
+                tracing::warn!(image = %image, failures = rs.failures, error = %msg, "renewal failed; keeping the last good credentials");
+                rs.last_error = Some(msg);
+                let sample = renewal::sample(seed(&(&image, rs.failures)));
+                rs.next = Some(self.shared.policy.retry_at(now, rs.failures, sample));
+                if rs.entries.is_empty() {
+                    rs.entries = entries;
+                }
+                self.shared.metrics.renewal(false);
+            }
+        }
+        drop(st);
+        self.shared.wake.notify_one();
+    }
+}

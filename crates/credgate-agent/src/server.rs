@@ -1,0 +1,426 @@
+//! The gRPC services on the unix socket. Every error is mapped to a status code here, once;
+//! statuses carry messages built from typed errors, none of which holds a secret.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::time::{Duration, Instant, SystemTime};
+
+use credgate_api::v1::admin_server::{Admin, AdminServer};
+use credgate_api::v1::credentials_server::{Credentials, CredentialsServer};
+use credgate_api::v1::{self as pb};
+use credgate_engine::{Credential, LookupRequest, ServiceAccount, Source};
+use secrecy::{ExposeSecret, SecretString};
+use tokio::net::UnixListener;
+use tokio::sync::watch;
+use tokio_stream::wrappers::{UnixListenerStream, WatchStream};
+use tokio_stream::{Stream, StreamExt, StreamMap};
+use tonic::{Request, Response, Status};
+
+use crate::agent::Agent;
+use crate::renewal::TrackError;
+
+/// Milliseconds since the Unix epoch; 0 for `None` or times before it.
+pub fn unix_ms(t: Option<SystemTime>) -> i64 {
+    t.and_then(|t| t.duration_since(SystemTime::UNIX_EPOCH).ok())
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
+
+/// The wire form of a credential.
+pub fn credential(c: &Credential) -> pb::Credential {
+    let kind = match c.source {
+        Source::DockerConfig(_) => "docker-config",
+        Source::Provider(_) => "provider",
+    };
+    pb::Credential {
+        source_kind: kind.to_owned(),
+        source: c.source.name().to_owned(),
+        pattern: c.pattern.clone(),
+        username: c.username.clone(),
+        password: c.password.expose_secret().to_owned(),
+        expires_at_unix_ms: unix_ms(c.expires_at),
+    }
+}
+
+fn track_status(e: TrackError) -> Status {
+    Status::invalid_argument(e.to_string())
+}
+
+fn service_account(sa: pb::ServiceAccount) -> Result<ServiceAccount, Status> {
+    if sa.namespace.is_empty() || sa.name.is_empty() {
+        return Err(Status::invalid_argument(
+            "service_account needs namespace and name",
+        ));
+    }
+    Ok(ServiceAccount {
+        namespace: sa.namespace,
+        name: sa.name,
+        uid: sa.uid,
+        token: SecretString::from(sa.token),
+        annotations: sa.annotations.into_iter().collect::<BTreeMap<_, _>>(),
+    })
+}
+
+/// The services, over one agent.
+#[derive(Clone)]
+pub struct Api {
+    agent: Agent,
+    shutdown: watch::Receiver<bool>,
+}
+
+impl Api {
+    pub fn new(agent: Agent, shutdown: watch::Receiver<bool>) -> Self {
+        Api { agent, shutdown }
+    }
+
+    /// Times a call and counts it by method and code.
+    async fn observed<T>(
+        &self,
+        method: &'static str,
+        call: impl Future<Output = Result<T, Status>>,
+    ) -> Result<T, Status> {
+        let started = Instant::now();
+        let result = call.await;
+        let code = result
+            .as_ref()
+            .map_or_else(Status::code, |_| tonic::Code::Ok);
+        self.agent
+            .metrics()
+            .rpc(method, code, started.elapsed().as_secs_f64());
+        result
+    }
+
+    async fn lookup_inner(&self, req: pb::LookupRequest) -> Result<pb::LookupResponse, Status> {
+        let sa = req.service_account.map(service_account).transpose()?;
+        let mut min_valid_for = Duration::from_millis(req.min_valid_for_ms);
+        if req.valid_until_unix_ms > 0 {
+            let until = SystemTime::UNIX_EPOCH
+                + Duration::from_millis(req.valid_until_unix_ms.unsigned_abs());
+            let wanted = until
+                .duration_since(self.agent.clock().wall())
+                .unwrap_or_default();
+            min_valid_for = min_valid_for.max(wanted);
+        }
+        let engine = self.agent.engine();
+        let request = LookupRequest {
+            image: &req.image,
+            min_valid_for,
+            service_account: sa.as_ref(),
+            registry_host: req.registry_host,
+        };
+        let lookup = engine
+            .lookup(&request)
+            .await
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let failures: Vec<pb::ProviderFailure> = lookup
+            .errors
+            .iter()
+            .map(|e| pb::ProviderFailure {
+                provider: e.plugin().to_owned(),
+                reason: e.reason().to_owned(),
+                message: e.to_string(),
+            })
+            .collect();
+        let fallback = (!failures.is_empty() && sa.is_none() && !req.registry_host)
+            .then(|| self.agent.renewer().last_good(&req.image))
+            .flatten();
+        let (credentials, last_known_good) = match fallback {
+            Some(v) => (v.credentials.iter().map(credential).collect(), true),
+            None => (lookup.credentials.iter().map(credential).collect(), false),
+        };
+        Ok(pb::LookupResponse {
+            image: lookup.image,
+            credentials,
+            failures,
+            last_known_good,
+        })
+    }
+
+    fn status_inner(&self) -> pb::StatusResponse {
+        let engine = self.agent.engine();
+        let statuses = engine.provider_status();
+        let next = self
+            .agent
+            .renewer()
+            .next_renewal_by_provider(statuses.len());
+        let providers = statuses
+            .into_iter()
+            .zip(next)
+            .map(|(s, next)| pb::ProviderStatus {
+                name: s.name,
+                runs: s.runs,
+                errors: s.errors,
+                cache_entries: s.cache_entries as u64,
+                last_run_unix_ms: unix_ms(s.last_run),
+                last_success_unix_ms: unix_ms(s.last_success),
+                last_error: s.last_error.unwrap_or_default(),
+                consecutive_failures: s.consecutive_failures,
+                next_renewal_unix_ms: unix_ms(next),
+            })
+            .collect();
+        let sources = self.agent.sources();
+        pb::StatusResponse {
+            config_identity: engine.config_identity().unwrap_or_default().to_owned(),
+            config_path: sources
+                .provider_config
+                .as_ref()
+                .map(|p| p.display().to_string())
+                .unwrap_or_default(),
+            providers,
+            docker_configs: sources
+                .docker_configs
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect(),
+            tracked_refs: u32::try_from(self.agent.renewer().len()).unwrap_or(u32::MAX),
+            started_unix_ms: unix_ms(Some(self.agent.started())),
+            loaded_unix_ms: unix_ms(Some(self.agent.loaded())),
+        }
+    }
+
+    fn watch_inner(&self, req: pb::WatchRequest) -> Result<WatchEvents, Status> {
+        if req.refs.is_empty() {
+            return Err(Status::invalid_argument("watch needs at least one ref"));
+        }
+        let mut sub = self
+            .agent
+            .renewer()
+            .watch(&req.refs)
+            .map_err(track_status)?;
+        let mut streams = StreamMap::new();
+        for (image, rx) in std::mem::take(&mut sub.receivers) {
+            streams.insert(image, WatchStream::new(rx));
+        }
+        let (tx, rx) = tokio::sync::mpsc::channel(64);
+        let mut shutdown = self.shutdown.clone();
+        tokio::spawn(async move {
+            // The subscription lives as long as the stream: dropping it releases the refs.
+            let _sub = sub;
+            loop {
+                tokio::select! {
+                    item = streams.next() => {
+                        let Some((image, value)) = item else { break };
+                        let Some(value) = value else { continue };
+                        let event = pb::WatchEvent {
+                            r#ref: image,
+                            credentials: value.credentials.iter().map(credential).collect(),
+                            revision: value.revision,
+                        };
+                        if tx.send(Ok(event)).await.is_err() {
+                            break;
+                        }
+                    }
+                    _ = tx.closed() => break,
+                    _ = stopped(&mut shutdown) => break,
+                }
+            }
+        });
+        Ok(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx)))
+    }
+}
+
+async fn stopped(shutdown: &mut watch::Receiver<bool>) {
+    let _ = shutdown.wait_for(|stop| *stop).await;
+}
+
+type WatchEvents = Pin<Box<dyn Stream<Item = Result<pb::WatchEvent, Status>> + Send + 'static>>;
+
+fn count(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
+#[tonic::async_trait]
+impl Credentials for Api {
+    async fn lookup(
+        &self,
+        request: Request<pb::LookupRequest>,
+    ) -> Result<Response<pb::LookupResponse>, Status> {
+        self.observed("Lookup", self.lookup_inner(request.into_inner()))
+            .await
+            .map(Response::new)
+    }
+
+    async fn track(
+        &self,
+        request: Request<pb::TrackRequest>,
+    ) -> Result<Response<pb::TrackResponse>, Status> {
+        let req = request.into_inner();
+        self.observed("Track", async {
+            let n = self
+                .agent
+                .renewer()
+                .track(&req.consumer, &req.refs)
+                .map_err(track_status)?;
+            Ok(Response::new(pb::TrackResponse { tracked: count(n) }))
+        })
+        .await
+    }
+
+    async fn untrack(
+        &self,
+        request: Request<pb::UntrackRequest>,
+    ) -> Result<Response<pb::UntrackResponse>, Status> {
+        let req = request.into_inner();
+        self.observed("Untrack", async {
+            let n = self
+                .agent
+                .renewer()
+                .untrack(&req.consumer, &req.refs)
+                .map_err(track_status)?;
+            Ok(Response::new(pb::UntrackResponse { tracked: count(n) }))
+        })
+        .await
+    }
+
+    async fn set_tracked(
+        &self,
+        request: Request<pb::SetTrackedRequest>,
+    ) -> Result<Response<pb::SetTrackedResponse>, Status> {
+        let req = request.into_inner();
+        self.observed("SetTracked", async {
+            let change = self
+                .agent
+                .renewer()
+                .set_tracked(&req.consumer, &req.refs)
+                .map_err(track_status)?;
+            Ok(Response::new(pb::SetTrackedResponse {
+                added: count(change.added.len()),
+                removed: count(change.removed.len()),
+            }))
+        })
+        .await
+    }
+
+    async fn list_tracked(
+        &self,
+        request: Request<pb::ListTrackedRequest>,
+    ) -> Result<Response<pb::ListTrackedResponse>, Status> {
+        let req = request.into_inner();
+        self.observed("ListTracked", async {
+            let consumer = (!req.consumer.is_empty()).then_some(req.consumer.as_str());
+            let refs = self
+                .agent
+                .renewer()
+                .list(consumer)
+                .into_iter()
+                .map(|t| pb::TrackedRef {
+                    r#ref: t.image,
+                    consumers: t.consumers,
+                    last_success_unix_ms: unix_ms(t.last_success),
+                    last_error: t.last_error.unwrap_or_default(),
+                    next_attempt_unix_ms: unix_ms(t.next_attempt),
+                    consecutive_failures: t.consecutive_failures,
+                    credentials: count(t.credentials),
+                    expires_at_unix_ms: unix_ms(t.expires_at),
+                })
+                .collect();
+            Ok(Response::new(pb::ListTrackedResponse { refs }))
+        })
+        .await
+    }
+
+    type WatchStream = WatchEvents;
+
+    async fn watch(
+        &self,
+        request: Request<pb::WatchRequest>,
+    ) -> Result<Response<Self::WatchStream>, Status> {
+        let req = request.into_inner();
+        self.observed("Watch", async { self.watch_inner(req).map(Response::new) })
+            .await
+    }
+}
+
+#[tonic::async_trait]
+impl Admin for Api {
+    async fn health(
+        &self,
+        _: Request<pb::HealthRequest>,
+    ) -> Result<Response<pb::HealthResponse>, Status> {
+        self.observed("Health", async {
+            Ok(Response::new(pb::HealthResponse {
+                status: "SERVING".to_owned(),
+            }))
+        })
+        .await
+    }
+
+    async fn version(
+        &self,
+        _: Request<pb::VersionRequest>,
+    ) -> Result<Response<pb::VersionResponse>, Status> {
+        self.observed("Version", async {
+            Ok(Response::new(pb::VersionResponse {
+                version: env!("CARGO_PKG_VERSION").to_owned(),
+                api: credgate_api::API.to_owned(),
+            }))
+        })
+        .await
+    }
+
+    async fn status(
+        &self,
+        _: Request<pb::StatusRequest>,
+    ) -> Result<Response<pb::StatusResponse>, Status> {
+        self.observed("Status", async { Ok(Response::new(self.status_inner())) })
+            .await
+    }
+
+    async fn reload(
+        &self,
+        _: Request<pb::ReloadRequest>,
+    ) -> Result<Response<pb::ReloadResponse>, Status> {
+        self.observed("Reload", async {
+            let agent = self.agent.clone();
+            let reloaded = tokio::task::spawn_blocking(move || agent.reload())
+                .await
+                .map_err(|_| Status::internal("reload task failed"))?
+                .map_err(|e| {
+                    let msg = error_chain(&e);
+                    tracing::error!(error = %msg, "reload refused; the old config keeps serving");
+                    Status::failed_precondition(msg)
+                })?;
+            Ok(Response::new(pb::ReloadResponse {
+                config_identity: reloaded.identity.unwrap_or_default(),
+                changed: reloaded.changed,
+            }))
+        })
+        .await
+    }
+
+    async fn ping(
+        &self,
+        _: Request<pb::PingRequest>,
+    ) -> Result<Response<pb::PingResponse>, Status> {
+        Ok(Response::new(pb::PingResponse {}))
+    }
+}
+
+/// `outer: inner: root`, one line.
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut parts = vec![e.to_string()];
+    let mut cur = e.source();
+    while let Some(s) = cur {
+        parts.push(s.to_string());
+        cur = s.source();
+    }
+    parts.join(": ")
+}
+
+/// Serves the API on `listener` until `shutdown` turns true, then stops accepting and lets the
+/// calls in flight finish (Watch streams end).
+pub async fn serve(
+    agent: Agent,
+    listener: UnixListener,
+    shutdown: watch::Receiver<bool>,
+) -> Result<(), tonic::transport::Error> {
+    let api = Api::new(agent, shutdown.clone());
+    let mut stop = shutdown;
+    tonic::transport::Server::builder()
+        .add_service(CredentialsServer::new(api.clone()))
+        .add_service(AdminServer::new(api))
+        .serve_with_incoming_shutdown(UnixListenerStream::new(listener), async move {
+            let _ = stop.wait_for(|s| *s).await;
+        })
+        .await
+}

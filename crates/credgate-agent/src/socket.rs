@@ -1,0 +1,117 @@
+//! The agent's unix socket: created with its final permissions before anyone can connect, never
+//! taken over from a live agent, and replaced when a crashed run left it behind.
+
+use std::io;
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use tokio::net::UnixListener;
+
+/// Why the socket could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum SocketError {
+    #[error("another agent is serving on {0}")]
+    InUse(PathBuf),
+    #[error("{0} exists and is not a socket; refusing to replace it")]
+    NotASocket(PathBuf),
+    #[error("unknown group {0:?}")]
+    UnknownGroup(String),
+    #[error("cannot set up socket {path}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// Who may connect.
+#[derive(Debug, Clone, Default)]
+pub struct SocketAccess {
+    /// A group whose members may connect too (mode 0660); owner only (0600) when `None`.
+    pub group: Option<String>,
+}
+
+/// Binds the agent's socket at `path`.
+///
+/// The socket is bound under a temporary name in the same directory, given its mode and group,
+/// then renamed into place, so it never exists at `path` with looser permissions. An existing
+/// socket at `path` that accepts connections belongs to a live agent: that is an error. One that
+/// refuses them is stale and is replaced.
+pub async fn bind(path: &Path, access: &SocketAccess) -> Result<UnixListener, SocketError> {
+    let io_err = |source| SocketError::Io {
+        path: path.to_owned(),
+        source,
+    };
+    let gid = access.group.as_deref().map(group_id).transpose()?;
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        if !dir.exists() {
+            std::fs::create_dir_all(dir).map_err(io_err)?;
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))
+                .map_err(io_err)?;
+        }
+    }
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) if meta.file_type().is_socket() => {
+            if tokio::net::UnixStream::connect(path).await.is_ok() {
+                return Err(SocketError::InUse(path.to_owned()));
+            }
+            tracing::info!(path = %path.display(), "replacing a stale socket");
+        }
+        Ok(_) => return Err(SocketError::NotASocket(path.to_owned())),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io_err(e)),
+    }
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(format!(".{}.tmp", std::process::id()));
+    let tmp = PathBuf::from(tmp);
+    let _ = std::fs::remove_file(&tmp);
+    let listener = UnixListener::bind(&tmp).map_err(io_err)?;
+    let mode = if gid.is_some() { 0o660 } else { 0o600 };
+    let setup = (|| {
+        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(mode))?;
+        if let Some(gid) = gid {
+            std::os::unix::fs::chown(&tmp, None, Some(gid))?;
+        }
+        std::fs::rename(&tmp, path)
+    })();
+    if let Err(e) = setup {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(io_err(e));
+    }
+    Ok(listener)
+}
+
+/// Removes the socket at shutdown.
+pub fn remove(path: &Path) {
+    if let Err(e) = std::fs::remove_file(path) {
+        if e.kind() != io::ErrorKind::NotFound {
+            tracing::warn!(path = %path.display(), error = %e, "cannot remove socket");
+        }
+    }
+}
+
+fn group_id(name: &str) -> Result<u32, SocketError> {
+    if let Ok(gid) = name.parse::<u32>() {
+        return Ok(gid);
+    }
+    let unknown = || SocketError::UnknownGroup(name.to_owned());
+    let c_name = std::ffi::CString::new(name.as_bytes()).map_err(|_| unknown())?;
+    let mut group: libc::group = unsafe { std::mem::zeroed() };
+    let mut buf = vec![0u8; 16 * 1024];
+    let mut result: *mut libc::group = std::ptr::null_mut();
+    // SAFETY: every pointer is valid for the call: a NUL-terminated name, a group struct, a
+    // buffer with its true length and the out pointer; getgrnam_r is the thread-safe variant.
+    let rc = unsafe {
+        libc::getgrnam_r(
+            c_name.as_ptr(),
+            &mut group,
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+            &mut result,
+        )
+    };
+    if rc != 0 || result.is_null() {
+        return Err(unknown());
+    }
+    Ok(group.gr_gid)
+}
