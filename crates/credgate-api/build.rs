@@ -8,6 +8,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     tonic_prost_build::configure()
         .build_server(true)
         .build_client(true)
+        .type_attribute(".credgate.v1", "#[derive(serde::Serialize)]")
         .compile_fds(descriptors)?;
     Ok(())
 }

@@ -140,10 +140,13 @@ pub fn render(registry: &Registry) -> String {
     out
 }
 
-/// Serves `GET /metrics` on `listener` until `shutdown` resolves.
+/// Renders the current exposition text.
+pub type Render = Arc<dyn Fn() -> String + Send + Sync>;
+
+/// Serves `GET /metrics` (and `GET /healthz`) on `listener` until `shutdown` resolves.
 pub async fn serve(
     listener: TcpListener,
-    registry: Arc<Registry>,
+    render: Render,
     shutdown: impl std::future::Future<Output = ()>,
 ) {
     tokio::pin!(shutdown);
@@ -158,11 +161,11 @@ pub async fn serve(
                 }
             },
         };
-        let registry = registry.clone();
+        let render = render.clone();
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
-                let registry = registry.clone();
-                async move { Ok::<_, std::convert::Infallible>(respond(&req, &registry)) }
+                let render = render.clone();
+                async move { Ok::<_, std::convert::Infallible>(respond(&req, &*render)) }
             });
             let conn = hyper::server::conn::http1::Builder::new()
                 .serve_connection(TokioIo::new(stream), service);
@@ -173,11 +176,14 @@ pub async fn serve(
     }
 }
 
-fn respond<B>(req: &Request<B>, registry: &Registry) -> Response<Full<Bytes>> {
+fn respond<B>(
+    req: &Request<B>,
+    render: &(dyn Fn() -> String + Send + Sync),
+) -> Response<Full<Bytes>> {
     let (status, body, content_type) = match (req.method(), req.uri().path()) {
         (&Method::GET, "/metrics") => (
             StatusCode::OK,
-            render(registry),
+            render(),
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
         ),
         (&Method::GET, "/healthz") => (StatusCode::OK, "ok\n".to_owned(), "text/plain"),

@@ -9,7 +9,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
-use crate::opts::{Cli, Command};
+use crate::opts::{Cli, Command, LogFormat};
 
 /// What a subcommand concluded.
 pub enum Outcome {
@@ -23,7 +23,11 @@ pub enum Outcome {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logs(cli.verbose);
+    let (default_level, json) = match &cli.command {
+        Command::Serve(a) => ("info", a.log_format == LogFormat::Json),
+        _ => ("error", false),
+    };
+    init_logs(cli.verbose, default_level, json);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -31,6 +35,8 @@ fn main() -> ExitCode {
         .expect("tokio runtime starts");
     let result = runtime.block_on(async {
         match cli.command {
+            Command::Serve(args) => cmd::serve::run(args).await,
+            Command::Ctl(args) => cmd::ctl::run(args).await,
             Command::Get(args) => cmd::get::run(args).await,
             Command::CheckConfig(args) => cmd::check::run(args),
             Command::Match(args) => cmd::matching::run(args),
@@ -55,17 +61,22 @@ fn chain(e: &anyhow::Error) -> String {
         .join(": ")
 }
 
-fn init_logs(verbose: u8) {
+fn init_logs(verbose: u8, default_level: &str, json: bool) {
     let level = match verbose {
-        0 => "error",
+        0 => default_level,
         1 => "info",
         2 => "debug",
         _ => "trace",
     };
     let filter = tracing_subscriber::EnvFilter::try_from_env("CREDGATE_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
-    tracing_subscriber::fmt()
+    let logs = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_writer(std::io::stderr);
+    if json {
+        logs.json().init();
+    } else {
+        logs.init();
+    }
 }

@@ -22,6 +22,16 @@ pub struct Cli {
 
 #[derive(Subcommand)]
 pub enum Command {
+    /// Run the node agent: the gRPC API on a unix socket, renewal, metrics.
+    #[command(
+        after_help = "Examples:\n  credgate serve --image-credential-provider-config examples/provider-config.yaml \\\n      --image-credential-provider-bin-dir examples/plugins --socket /tmp/credgate.sock\n  credgate serve --image-credential-provider-config /etc/kubernetes/credential-provider-config.yaml \\\n      --image-credential-provider-bin-dir /usr/libexec/kubernetes/kubelet-plugins/credential-provider/exec \\\n      --metrics-addr 127.0.0.1:9464 --log-format json\n\nSignals: SIGHUP reloads the provider config (an invalid one is refused, the old one keeps\nserving); SIGTERM and SIGINT stop accepting calls, finish those in flight and exit 0."
+    )]
+    Serve(ServeArgs),
+    /// A thin client for every RPC of the agent (crictl-like).
+    #[command(
+        after_help = "Examples:\n  credgate ctl status\n  credgate ctl lookup -o json registry.example.com/team/app:v1\n  credgate ctl set-tracked nydus registry.example.com/team/app:v1 registry.example.com/team/db:v3\n  credgate ctl watch registry.example.com/team/app:v1"
+    )]
+    Ctl(CtlArgs),
     /// Credentials for one image, in the order a puller should try them.
     #[command(
         after_help = "Examples:\n  credgate get --image-credential-provider-config examples/provider-config.yaml \\\n      --image-credential-provider-bin-dir examples/plugins registry.example.com/team/app:v1\n  credgate get -o json --min-valid-for 30m 123456789012.dkr.ecr.us-east-1.amazonaws.com/app:v2"
@@ -77,8 +87,103 @@ pub struct GetArgs {
     /// Output format; table hides passwords, json shows them.
     #[arg(short, long, value_enum, default_value_t = Output::Table)]
     pub output: Output,
+    /// Ask the agent on this socket (default: CREDGATE_SOCKET, else the default socket when it
+    /// exists and no --image-credential-provider-config is given).
+    #[arg(long, value_name = "PATH")]
+    pub socket: Option<PathBuf>,
     #[command(flatten)]
     pub sources: SourceArgs,
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub sources: SourceArgs,
+    /// The API socket. Default: /run/credgate/credgate.sock as root,
+    /// $XDG_RUNTIME_DIR/credgate.sock otherwise.
+    #[arg(long, value_name = "PATH")]
+    pub socket: Option<PathBuf>,
+    /// Open the socket to this group too (mode 0660 instead of 0600).
+    #[arg(long, value_name = "GROUP")]
+    pub socket_group: Option<String>,
+    /// Embedded state. Default: /var/lib/credgate as root, $XDG_STATE_HOME/credgate otherwise.
+    #[arg(long, value_name = "DIR")]
+    pub state_dir: Option<PathBuf>,
+    /// Serve Prometheus metrics at http://ADDR/metrics (off unless given).
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_addr: Option<std::net::SocketAddr>,
+    /// Log format on stderr.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+    /// Renew tracked credentials at least this long before they expire.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration, default_value = "1m")]
+    pub renew_before: Duration,
+    /// Re-check tracked credentials without a known expiry this often.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration, default_value = "5m")]
+    pub recheck_interval: Duration,
+    /// Keep refs no consumer tracks any more for this long before forgetting them.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration, default_value = "10m")]
+    pub untracked_grace: Duration,
+}
+
+#[derive(Args)]
+pub struct CtlArgs {
+    /// The agent's socket (default: CREDGATE_SOCKET, else the default socket).
+    #[arg(long, value_name = "PATH", global = true)]
+    pub socket: Option<PathBuf>,
+    /// Output format.
+    #[arg(short, long, value_enum, default_value_t = Output::Table, global = true)]
+    pub output: Output,
+    #[command(subcommand)]
+    pub call: CtlCall,
+}
+
+#[derive(Subcommand)]
+pub enum CtlCall {
+    /// Credentials.Lookup: credentials for an image (passwords only with -o json).
+    Lookup {
+        image: String,
+        #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+        min_valid_for: Option<Duration>,
+        /// IMAGE is a registry host[:port], as a docker credential helper receives it.
+        #[arg(long)]
+        registry_host: bool,
+    },
+    /// Credentials.Track: add refs to what CONSUMER depends on.
+    Track { consumer: String, refs: Vec<String> },
+    /// Credentials.Untrack: remove refs from what CONSUMER depends on.
+    Untrack { consumer: String, refs: Vec<String> },
+    /// Credentials.SetTracked: make REFS all that CONSUMER depends on.
+    SetTracked { consumer: String, refs: Vec<String> },
+    /// Credentials.ListTracked: tracked refs and their renewal state.
+    ListTracked {
+        #[arg(long)]
+        consumer: Option<String>,
+    },
+    /// Credentials.Watch: print each change of the refs' credentials (Ctrl-C to stop).
+    Watch {
+        #[arg(required = true)]
+        refs: Vec<String>,
+        /// Stop after this many events.
+        #[arg(long)]
+        count: Option<u64>,
+    },
+    /// Admin.Health.
+    Health,
+    /// Admin.Version.
+    Version,
+    /// Admin.Status: config identity and per-provider status.
+    Status,
+    /// Admin.Reload: re-read the provider config.
+    Reload,
+    /// Admin.Ping: an empty call.
+    Ping,
 }
 
 #[derive(Args)]

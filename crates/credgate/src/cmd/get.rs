@@ -1,87 +1,156 @@
 //! `credgate get IMAGE`: the credentials a puller would try, in order, with their source,
-//! pattern and expiry, computed in-process from the kubelet's config and plugins.
+//! pattern and expiry: from the running agent when there is one, else computed in-process from
+//! the kubelet's config and plugins.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
-use anyhow::{bail, Context, Result};
-use credgate_engine::source::{load_docker_config, load_provider_config};
-use credgate_engine::{Credential, Engine, EngineOptions, LookupRequest, Source};
+use anyhow::{Context, Result};
+use credgate_agent::Sources;
+use credgate_api::v1::credentials_client::CredentialsClient;
+use credgate_api::v1::LookupRequest as WireLookup;
+use credgate_engine::{Credential, Engine, LookupRequest, Source};
 use secrecy::ExposeSecret;
 use serde::Serialize;
 
 use crate::opts::{parse_duration, GetArgs, Output, SourceArgs};
 use crate::Outcome;
 
+/// One credential as `get` and `ctl lookup` print it.
+#[derive(Serialize)]
+pub struct Row {
+    pub provider: String,
+    pub source: String,
+    pub pattern: String,
+    pub username: String,
+    pub password: String,
+    pub expires_at: Option<String>,
+}
+
+impl Row {
+    fn from_engine(c: &Credential) -> Row {
+        let kind = match c.source {
+            Source::DockerConfig(_) => "docker-config",
+            Source::Provider(_) => "provider",
+        };
+        Row {
+            provider: c.source.name().to_owned(),
+            source: kind.to_owned(),
+            pattern: c.pattern.clone(),
+            username: c.username.clone(),
+            password: c.password.expose_secret().to_owned(),
+            expires_at: c.expires_at.map(rfc3339),
+        }
+    }
+
+    pub fn from_wire(c: &credgate_api::v1::Credential) -> Row {
+        Row {
+            provider: c.source.clone(),
+            source: c.source_kind.clone(),
+            pattern: c.pattern.clone(),
+            username: c.username.clone(),
+            password: c.password.clone(),
+            expires_at: (c.expires_at_unix_ms > 0).then(|| {
+                rfc3339(
+                    SystemTime::UNIX_EPOCH
+                        + Duration::from_millis(c.expires_at_unix_ms.unsigned_abs()),
+                )
+            }),
+        }
+    }
+}
+
+/// Which agent `get` should ask, if any.
+fn agent_socket(args: &GetArgs) -> Option<PathBuf> {
+    if let Some(p) = &args.socket {
+        return Some(p.clone());
+    }
+    if std::env::var_os(credgate_api::SOCKET_ENV).is_some_and(|v| !v.is_empty()) {
+        return Some(credgate_api::socket_path(None));
+    }
+    if args.sources.image_credential_provider_config.is_some() {
+        return None;
+    }
+    let default = credgate_api::default_socket_path();
+    default.exists().then_some(default)
+}
+
 pub async fn run(args: GetArgs) -> Result<Outcome> {
-    let engine = build_engine(&args.sources)?;
-    let request = LookupRequest {
-        image: &args.image,
-        min_valid_for: args.min_valid_for.unwrap_or_default(),
-        service_account: None,
+    let min_valid_for = args.min_valid_for.unwrap_or_default();
+    let (image, rows, warnings) = match agent_socket(&args) {
+        Some(socket) => remote(&socket, &args.image, min_valid_for).await?,
+        None => {
+            let engine = build_engine(&args.sources)?;
+            let request = LookupRequest {
+                image: &args.image,
+                min_valid_for,
+                ..Default::default()
+            };
+            let lookup = engine.lookup(&request).await.context("lookup failed")?;
+            let rows = lookup.credentials.iter().map(Row::from_engine).collect();
+            let warnings = lookup.errors.iter().map(ToString::to_string).collect();
+            (lookup.image, rows, warnings)
+        }
     };
-    let lookup = engine.lookup(&request).await.context("lookup failed")?;
-    for e in &lookup.errors {
-        eprintln!("warning: {e}");
+    for w in &warnings {
+        eprintln!("warning: {w}");
     }
-    match args.output {
-        Output::Json => println!(
-            "{}",
-            serde_json::to_string_pretty(&json_rows(&lookup.credentials))?
-        ),
-        Output::Table => print_table(&lookup.credentials),
-    }
-    if lookup.credentials.is_empty() {
-        eprintln!("no credentials for {}", lookup.image);
+    print_rows(&rows, args.output)?;
+    if rows.is_empty() {
+        eprintln!("no credentials for {image}");
         return Ok(Outcome::No);
     }
     Ok(Outcome::Yes)
 }
 
-/// Builds an in-process engine from the flags.
-pub fn build_engine(args: &SourceArgs) -> Result<Engine> {
-    let mut builder = Engine::builder();
-    if let Some(path) = &args.image_credential_provider_config {
-        let config = load_provider_config(path)
-            .with_context(|| format!("invalid provider config {}", path.display()))?;
-        let Some(dir) = args.image_credential_provider_bin_dir.clone() else {
-            bail!("--image-credential-provider-bin-dir is required with --image-credential-provider-config");
-        };
-        let (default_timeout, timeouts) = timeouts(&args.plugin_timeout)?;
-        builder = builder.config(config).options(EngineOptions {
-            plugin_dir: dir,
-            default_timeout,
-            timeouts,
+async fn remote(
+    socket: &Path,
+    image: &str,
+    min_valid_for: Duration,
+) -> Result<(String, Vec<Row>, Vec<String>)> {
+    let channel = credgate_api::connect(socket)
+        .await
+        .with_context(|| format!("cannot reach the agent at {}", socket.display()))?;
+    let answer = CredentialsClient::new(channel)
+        .lookup(WireLookup {
+            image: image.to_owned(),
+            min_valid_for_ms: u64::try_from(min_valid_for.as_millis()).unwrap_or(u64::MAX),
             ..Default::default()
-        });
+        })
+        .await
+        .map_err(|s| anyhow::anyhow!("lookup failed: {}", s.message()))?
+        .into_inner();
+    let rows = answer.credentials.iter().map(Row::from_wire).collect();
+    let mut warnings: Vec<String> = answer.failures.iter().map(|f| f.message.clone()).collect();
+    if answer.last_known_good {
+        warnings.push("serving the last known good credentials of a tracked ref".into());
     }
-    for path in docker_configs(args) {
-        let source = load_docker_config(&path).context("invalid docker config")?;
-        builder = builder.static_source(source);
-    }
-    builder
-        .build()
-        .context("cannot start the credential engine")
+    Ok((answer.image, rows, warnings))
 }
 
-fn docker_configs(args: &SourceArgs) -> Vec<PathBuf> {
-    if args.no_docker_config {
-        return Vec::new();
-    }
-    if !args.docker_config.is_empty() {
-        return args.docker_config.clone();
-    }
-    let mut candidates = vec![PathBuf::from("/var/lib/kubelet/config.json")];
-    if let Some(home) = std::env::var_os("HOME") {
-        candidates.push(PathBuf::from(home).join(".docker/config.json"));
-    }
-    candidates.push(PathBuf::from("/.docker/config.json"));
-    candidates
-        .into_iter()
-        .find(|p| p.is_file())
-        .into_iter()
-        .collect()
+/// The engine's sources, from the flags.
+pub fn sources(args: &SourceArgs) -> Result<Sources> {
+    let (default_timeout, timeouts) = timeouts(&args.plugin_timeout)?;
+    let docker_configs = if args.no_docker_config {
+        Vec::new()
+    } else if !args.docker_config.is_empty() {
+        args.docker_config.clone()
+    } else {
+        Sources::default_docker_configs()
+    };
+    Ok(Sources {
+        provider_config: args.image_credential_provider_config.clone(),
+        bin_dir: args.image_credential_provider_bin_dir.clone(),
+        docker_configs,
+        default_timeout: Some(default_timeout),
+        timeouts,
+    })
+}
+
+/// Builds an in-process engine from the flags.
+pub fn build_engine(args: &SourceArgs) -> Result<Engine> {
+    Ok(sources(args)?.build(None, None)?)
 }
 
 fn timeouts(flags: &[String]) -> Result<(Duration, HashMap<String, Duration>)> {
@@ -101,82 +170,63 @@ fn timeouts(flags: &[String]) -> Result<(Duration, HashMap<String, Duration>)> {
     Ok((default, per))
 }
 
-#[derive(Serialize)]
-struct Row<'a> {
-    provider: &'a str,
-    source: &'static str,
-    pattern: &'a str,
-    username: &'a str,
-    password: &'a str,
-    expires_at: Option<String>,
-}
-
-fn source_kind(c: &Credential) -> &'static str {
-    match c.source {
-        Source::DockerConfig(_) => "docker-config",
-        Source::Provider(_) => "provider",
-    }
-}
-
-fn rfc3339(t: SystemTime) -> String {
+pub fn rfc3339(t: SystemTime) -> String {
     time::OffsetDateTime::from(t)
         .format(&time::format_description::well_known::Rfc3339)
         .unwrap_or_default()
 }
 
-fn json_rows(creds: &[Credential]) -> Vec<Row<'_>> {
-    creds
-        .iter()
-        .map(|c| Row {
-            provider: c.source.name(),
-            source: source_kind(c),
-            pattern: &c.pattern,
-            username: &c.username,
-            password: c.password.expose_secret(),
-            expires_at: c.expires_at.map(rfc3339),
-        })
-        .collect()
+/// Prints credentials: JSON with passwords, or a table without them.
+pub fn print_rows(rows: &[Row], output: Output) -> Result<()> {
+    match output {
+        Output::Json => println!("{}", serde_json::to_string_pretty(rows)?),
+        Output::Table => {
+            let cells: Vec<Vec<String>> = rows
+                .iter()
+                .enumerate()
+                .map(|(i, r)| {
+                    vec![
+                        (i + 1).to_string(),
+                        r.provider.clone(),
+                        r.pattern.clone(),
+                        r.username.clone(),
+                        r.expires_at
+                            .as_deref()
+                            .map(whole_seconds)
+                            .unwrap_or_else(|| "-".into()),
+                    ]
+                })
+                .collect();
+            print_table(&["#", "PROVIDER", "PATTERN", "USERNAME", "EXPIRES"], &cells);
+        }
+    }
+    Ok(())
 }
 
-fn print_table(creds: &[Credential]) {
-    if creds.is_empty() {
+/// `2026-11-22T10:00:00.123Z` → `2026-11-22T10:00:00Z`.
+fn whole_seconds(t: &str) -> String {
+    match (t.find('.'), t.rfind(['Z', '+'])) {
+        (Some(dot), Some(zone)) if dot < zone => format!("{}{}", &t[..dot], &t[zone..]),
+        _ => t.to_owned(),
+    }
+}
+
+/// Prints aligned columns; nothing when there are no rows.
+pub fn print_table(header: &[&str], rows: &[Vec<String>]) {
+    if rows.is_empty() {
         return;
     }
-    let rows: Vec<[String; 5]> = creds
-        .iter()
-        .enumerate()
-        .map(|(i, c)| {
-            let whole_seconds = |t: SystemTime| {
-                let secs = t
-                    .duration_since(SystemTime::UNIX_EPOCH)
-                    .map(|d| d.as_secs())
-                    .unwrap_or(0);
-                rfc3339(SystemTime::UNIX_EPOCH + Duration::from_secs(secs))
-            };
-            let expires = c
-                .expires_at
-                .map(whole_seconds)
-                .unwrap_or_else(|| "-".into());
-            [
-                (i + 1).to_string(),
-                c.source.name().to_owned(),
-                c.pattern.clone(),
-                c.username.clone(),
-                expires,
-            ]
-        })
-        .collect();
-    let header = ["#", "PROVIDER", "PATTERN", "USERNAME", "EXPIRES"].map(String::from);
-    let mut widths = [0usize; 5];
-    for row in std::iter::once(&header).chain(&rows) {
+    let header: Vec<String> = header.iter().map(|h| (*h).to_owned()).collect();
+    let mut widths = vec![0usize; header.len()];
+    for row in std::iter::once(&header).chain(rows) {
         for (w, cell) in widths.iter_mut().zip(row) {
             *w = (*w).max(cell.chars().count());
         }
     }
-    for row in std::iter::once(&header).chain(&rows) {
+    for row in std::iter::once(&header).chain(rows) {
         let cells: Vec<String> = row
             .iter()
-            .zip(widths)
+            .zip(&widths)
             .map(|(c, w)| format!("{c:<w$}"))
             .collect();
         println!("{}", cells.join("  ").trim_end());

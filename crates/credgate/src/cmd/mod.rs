@@ -1,5 +1,5 @@
-//! One module per subcommand.
-
 pub mod check;
+pub mod ctl;
 pub mod get;
 pub mod matching;
+pub mod serve;

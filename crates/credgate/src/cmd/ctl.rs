@@ -1,0 +1,317 @@
+//! `credgate ctl`: one subcommand per RPC of the agent, table output by default, the messages
+//! themselves with `-o json`.
+
+use std::time::{Duration, SystemTime};
+
+use anyhow::{Context, Result};
+use credgate_api::v1::admin_client::AdminClient;
+use credgate_api::v1::credentials_client::CredentialsClient;
+use credgate_api::v1::{self as pb};
+use serde::Serialize;
+use tokio_stream::StreamExt;
+use tonic::transport::Channel;
+
+use super::get::{print_rows, print_table, rfc3339, Row};
+use crate::opts::{CtlArgs, CtlCall, Output};
+use crate::Outcome;
+
+fn time(ms: i64) -> String {
+    if ms <= 0 {
+        return "-".into();
+    }
+    let t = rfc3339(SystemTime::UNIX_EPOCH + Duration::from_millis(ms.unsigned_abs()));
+    match t.find('.') {
+        Some(dot) => format!("{}Z", &t[..dot]),
+        None => t,
+    }
+}
+
+fn json(value: &impl Serialize) -> Result<()> {
+    println!("{}", serde_json::to_string_pretty(value)?);
+    Ok(())
+}
+
+fn status_error(s: tonic::Status) -> anyhow::Error {
+    anyhow::anyhow!(
+        "{}: {}",
+        credgate_agent::metrics::code_name(s.code()).to_lowercase(),
+        s.message()
+    )
+}
+
+pub async fn run(args: CtlArgs) -> Result<Outcome> {
+    let socket = credgate_api::socket_path(args.socket.as_deref());
+    let channel = credgate_api::connect(&socket)
+        .await
+        .with_context(|| format!("cannot reach the agent at {}", socket.display()))?;
+    call(channel, args.call, args.output).await
+}
+
+async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcome> {
+    let mut creds = CredentialsClient::new(channel.clone());
+    let mut admin = AdminClient::new(channel);
+    match call {
+        CtlCall::Lookup {
+            image,
+            min_valid_for,
+            registry_host,
+        } => {
+            let r = creds
+                .lookup(pb::LookupRequest {
+                    image,
+                    min_valid_for_ms: min_valid_for
+                        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+                    registry_host,
+                    ..Default::default()
+                })
+                .await
+                .map_err(status_error)?
+                .into_inner();
+            if out == Output::Json {
+                json(&r)?;
+            } else {
+                let rows: Vec<Row> = r.credentials.iter().map(Row::from_wire).collect();
+                print_rows(&rows, out)?;
+                for f in &r.failures {
+                    eprintln!("warning: {}", f.message);
+                }
+            }
+            return Ok(if r.credentials.is_empty() {
+                Outcome::No
+            } else {
+                Outcome::Yes
+            });
+        }
+        CtlCall::Track { consumer, refs } => {
+            let r = creds
+                .track(pb::TrackRequest { consumer, refs })
+                .await
+                .map_err(status_error)?
+                .into_inner();
+            if out == Output::Json {
+                json(&r)?;
+            } else {
+                println!("tracked: {}", r.tracked);
+            }
+        }
+        CtlCall::Untrack { consumer, refs } => {
+            let r = creds
+                .untrack(pb::UntrackRequest { consumer, refs })
+                .await
+                .map_err(status_error)?
+                .into_inner();
+            if out == Output::Json {
+                json(&r)?;
+            } else {
+                println!("tracked: {}", r.tracked);
+            }
+        }
+        CtlCall::SetTracked { consumer, refs } => {
+            let r = creds
+                .set_tracked(pb::SetTrackedRequest { consumer, refs })
+                .await
+                .map_err(status_error)?
+                .into_inner();
+            if out == Output::Json {
+                json(&r)?;
+            } else {
+                println!("added: {}, removed: {}", r.added, r.removed);
+            }
+        }
+        CtlCall::ListTracked { consumer } => {
+            let r = creds
+                .list_tracked(pb::ListTrackedRequest {
+                    consumer: consumer.unwrap_or_default(),
+                })
+                .await
+                .map_err(status_error)?
+                .into_inner();
+            if out == Output::Json {
+                json(&r)?;
+            } else {
+                let rows: Vec<Vec<String>> = r
+                    .refs
+                    .iter()
+                    .map(|t| {
+                        vec![
+                            t.r#ref.clone(),
+                            if t.consumers.is_empty() {
+                                "(grace)".into()
+                            } else {
+                                t.consumers.join(",")
+                            },
+                            t.credentials.to_string(),
+                            time(t.expires_at_unix_ms),
+                            time(t.next_attempt_unix_ms),
+                            t.consecutive_failures.to_string(),
+                            if t.last_error.is_empty() {
+                                "-".into()
+                            } else {
+                                t.last_error.clone()
+                            },
+                        ]
+                    })
+                    .collect();
+                print_table(
+                    &[
+                        "REF",
+                        "CONSUMERS",
+                        "CREDS",
+                        "EXPIRES",
+                        "NEXT RENEWAL",
+                        "FAILURES",
+                        "LAST ERROR",
+                    ],
+                    &rows,
+                );
+            }
+        }
+        CtlCall::Watch { refs, count } => {
+            let mut stream = creds
+                .watch(pb::WatchRequest { refs })
+                .await
+                .map_err(status_error)?
+                .into_inner();
+            let mut seen = 0u64;
+            while let Some(event) = stream.next().await {
+                let event = event.map_err(status_error)?;
+                if out == Output::Json {
+                    println!("{}", serde_json::to_string(&event)?);
+                } else {
+                    let users: Vec<String> = event
+                        .credentials
+                        .iter()
+                        .map(|c| format!("{}@{}", c.username, c.source))
+                        .collect();
+                    println!(
+                        "{} revision {}: {}",
+                        event.r#ref,
+                        event.revision,
+                        users.join(", ")
+                    );
+                }
+                seen += 1;
+                if count.is_some_and(|n| seen >= n) {
+                    break;
+                }
+            }
+        }
+        CtlCall::Health => {
+            let r = admin
+                .health(pb::HealthRequest {})
+                .await
+                .map_err(status_error)?
+                .into_inner();
+            if out == Output::Json {
+                json(&r)?;
+            } else {
+                println!("{}", r.status);
+            }
+        }
+        CtlCall::Version => {
+            let r = admin
+                .version(pb::VersionRequest {})
+                .await
+                .map_err(status_error)?
+                .into_inner();
+            if out == Output::Json {
+                json(&r)?;
+            } else {
+                println!("credgate {} ({})", r.version, r.api);
+            }
+        }
+        CtlCall::Status => {
+            let r = admin
+                .status(pb::StatusRequest {})
+                .await
+                .map_err(status_error)?
+                .into_inner();
+            if out == Output::Json {
+                json(&r)?;
+            } else {
+                let or_none = |s: &str| {
+                    if s.is_empty() {
+                        "none".to_owned()
+                    } else {
+                        s.to_owned()
+                    }
+                };
+                println!("config:         {}", or_none(&r.config_path));
+                println!("identity:       {}", or_none(&r.config_identity));
+                println!("docker configs: {}", or_none(&r.docker_configs.join(", ")));
+                println!("tracked refs:   {}", r.tracked_refs);
+                println!("started:        {}", time(r.started_unix_ms));
+                println!("loaded:         {}", time(r.loaded_unix_ms));
+                let rows: Vec<Vec<String>> = r
+                    .providers
+                    .iter()
+                    .map(|p| {
+                        vec![
+                            p.name.clone(),
+                            p.runs.to_string(),
+                            p.errors.to_string(),
+                            p.cache_entries.to_string(),
+                            time(p.last_run_unix_ms),
+                            time(p.next_renewal_unix_ms),
+                            if p.last_error.is_empty() {
+                                "-".into()
+                            } else {
+                                p.last_error.clone()
+                            },
+                        ]
+                    })
+                    .collect();
+                println!();
+                print_table(
+                    &[
+                        "PROVIDER",
+                        "RUNS",
+                        "ERRORS",
+                        "ENTRIES",
+                        "LAST RUN",
+                        "NEXT RENEWAL",
+                        "LAST ERROR",
+                    ],
+                    &rows,
+                );
+            }
+        }
+        CtlCall::Reload => {
+            let r = admin
+                .reload(pb::ReloadRequest {})
+                .await
+                .map_err(status_error)?
+                .into_inner();
+            if out == Output::Json {
+                json(&r)?;
+            } else {
+                let id = if r.config_identity.is_empty() {
+                    "none"
+                } else {
+                    &r.config_identity
+                };
+                println!(
+                    "reloaded: {id}{}",
+                    if r.changed {
+                        " (changed)"
+                    } else {
+                        " (unchanged)"
+                    }
+                );
+            }
+        }
+        CtlCall::Ping => {
+            let r = admin
+                .ping(pb::PingRequest {})
+                .await
+                .map_err(status_error)?
+                .into_inner();
+            if out == Output::Json {
+                json(&r)?;
+            } else {
+                println!("pong");
+            }
+        }
+    }
+    Ok(Outcome::Yes)
+}

@@ -1,0 +1,114 @@
+//! `credgate serve`: the node agent. Reads the sources (never running a plugin), binds the
+//! socket, starts renewal and metrics in the background, and serves until SIGTERM or SIGINT;
+//! SIGHUP reloads the provider config.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use credgate_agent::socket::{self, SocketAccess};
+use credgate_agent::{metrics, server, Agent, AgentOptions};
+use credgate_core::renewal::RenewalPolicy;
+use tokio::signal::unix::{signal, SignalKind};
+use tokio::sync::watch;
+
+use crate::opts::ServeArgs;
+use crate::Outcome;
+
+/// `/var/lib/credgate` as root, `$XDG_STATE_HOME/credgate` (or `~/.local/state/credgate`)
+/// otherwise.
+fn default_state_dir() -> PathBuf {
+    if credgate_api::is_root() {
+        return PathBuf::from("/var/lib/credgate");
+    }
+    if let Some(dir) = std::env::var_os("XDG_STATE_HOME").filter(|v| !v.is_empty()) {
+        return PathBuf::from(dir).join("credgate");
+    }
+    let home = std::env::var_os("HOME").unwrap_or_else(|| ".".into());
+    PathBuf::from(home).join(".local/state/credgate")
+}
+
+pub async fn run(args: ServeArgs) -> Result<Outcome> {
+    let sources = super::get::sources(&args.sources)?;
+    let renewal = RenewalPolicy {
+        margin: args.renew_before,
+        recheck: args.recheck_interval,
+        grace: args.untracked_grace,
+        ..RenewalPolicy::default()
+    };
+    let agent = Agent::new(AgentOptions {
+        sources,
+        renewal,
+        clock: None,
+    })?;
+    let state_dir = args.state_dir.clone().unwrap_or_else(default_state_dir);
+    std::fs::create_dir_all(&state_dir)
+        .with_context(|| format!("cannot create state directory {}", state_dir.display()))?;
+    let socket_path = args
+        .socket
+        .clone()
+        .unwrap_or_else(credgate_api::default_socket_path);
+    let listener = socket::bind(
+        &socket_path,
+        &SocketAccess {
+            group: args.socket_group.clone(),
+        },
+    )
+    .await?;
+
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let renewal_task = agent.spawn_renewal(stop_rx.clone());
+    if let Some(addr) = args.metrics_addr {
+        let listener = metrics::bind(addr)
+            .await
+            .with_context(|| format!("cannot listen for metrics on {addr}"))?;
+        tracing::info!(addr = %listener.local_addr()?, "serving metrics at /metrics");
+        let scraped = agent.clone();
+        let render: metrics::Render = Arc::new(move || metrics::render(scraped.registry()));
+        let mut stop = stop_rx.clone();
+        tokio::spawn(metrics::serve(listener, render, async move {
+            let _ = stop.wait_for(|s| *s).await;
+        }));
+    }
+    tokio::spawn(signals(agent.clone(), stop_tx)?);
+    tracing::info!(
+        socket = %socket_path.display(),
+        state_dir = %state_dir.display(),
+        config = agent.engine().config_identity().unwrap_or("none"),
+        "credgate agent serving"
+    );
+    let served = server::serve(agent, listener, stop_rx).await;
+    socket::remove(&socket_path);
+    renewal_task.abort();
+    served.context("the API server failed")?;
+    tracing::info!("credgate agent stopped");
+    Ok(Outcome::Yes)
+}
+
+/// SIGHUP reloads; SIGTERM and SIGINT start a graceful stop.
+fn signals(
+    agent: Agent,
+    stop: watch::Sender<bool>,
+) -> Result<impl std::future::Future<Output = ()>> {
+    let mut hup = signal(SignalKind::hangup()).context("cannot handle SIGHUP")?;
+    let mut term = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
+    let mut int = signal(SignalKind::interrupt()).context("cannot handle SIGINT")?;
+    Ok(async move {
+        loop {
+            tokio::select! {
+                _ = hup.recv() => {
+                    let agent = agent.clone();
+                    match tokio::task::spawn_blocking(move || agent.reload()).await {
+                        Ok(Ok(r)) => tracing::info!(config = r.identity.as_deref().unwrap_or("none"), changed = r.changed, "provider config reloaded"),
+                        Ok(Err(e)) => tracing::error!(error = %server::error_chain(&e), "reload refused; the old config keeps serving"),
+                        Err(_) => tracing::error!("reload task failed"),
+                    }
+                }
+                _ = term.recv() => break,
+                _ = int.recv() => break,
+            }
+        }
+        tracing::info!("stopping: no new calls, finishing those in flight");
+        let _ = stop.send(true);
+    })
+}
