@@ -30,6 +30,9 @@ use tokio::sync::{watch, Notify};
 
 use crate::metrics::AgentMetrics;
 
+/// The shortest time between two renewals of one ref.
+const MIN_INTERVAL: Duration = Duration::from_secs(1);
+
 /// Why a tracking call was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum TrackError {
@@ -468,7 +471,9 @@ impl Renewer {
                 rs.failures = 0;
                 rs.last_error = None;
                 rs.last_success = Some(self.shared.clock.wall());
-                rs.next = Some(self.schedule(&image, &entries, now));
+                // At least a second apart, whatever a plugin answers: no hot loop.
+                let next = self.schedule(&image, &entries, now).max(now + MIN_INTERVAL);
+                rs.next = Some(next);
                 rs.entries = entries;
                 self.shared.metrics.renewal(true);
             }

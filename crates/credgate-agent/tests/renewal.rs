@@ -1,0 +1,279 @@
+//! Renewal on a paused clock: days of simulated time in milliseconds. The plugin is a fake
+//! runner (this tests the renewal component; real plugins are exercised over the socket in
+//! `rpc.rs` and end to end in the CLI's tests).
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use credgate_agent::metrics::AgentMetrics;
+use credgate_agent::renewal::Renewer;
+use credgate_core::config::ProviderConfig;
+use credgate_core::renewal::RenewalPolicy;
+use credgate_engine::clock::{Clock, TokioClock};
+use credgate_engine::exec::{BoxFuture, PluginCommand, PluginRunner, RunError};
+use credgate_engine::{Engine, EngineOptions};
+use secrecy::ExposeSecret;
+use tokio::sync::watch;
+
+const MIN: Duration = Duration::from_secs(60);
+const HOUR: Duration = Duration::from_secs(3600);
+
+/// Answers like a token-issuing plugin: `token-N` for the N-th run, or the same password every
+/// time when `rotate` is off; fails while `failing` is on.
+struct TokenPlugin {
+    runs: AtomicUsize,
+    failing: AtomicBool,
+    rotate: AtomicBool,
+    key_type: &'static str,
+    ttl: &'static str,
+}
+
+impl TokenPlugin {
+    fn new(key_type: &'static str, ttl: &'static str) -> Arc<Self> {
+        Arc::new(TokenPlugin {
+            runs: AtomicUsize::new(0),
+            failing: AtomicBool::new(false),
+            rotate: AtomicBool::new(true),
+            key_type,
+            ttl,
+        })
+    }
+
+    fn runs(&self) -> usize {
+        self.runs.load(Ordering::SeqCst)
+    }
+}
+
+impl PluginRunner for TokenPlugin {
+    fn run<'a>(
+        &'a self,
+        command: &'a PluginCommand,
+        _stdin: Vec<u8>,
+    ) -> BoxFuture<'a, Result<Vec<u8>, RunError>> {
+        Box::pin(async move {
+            let n = self.runs.fetch_add(1, Ordering::SeqCst) + 1;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            if self.failing.load(Ordering::SeqCst) {
+                return Err(RunError::NonZeroExit {
+                    plugin: command.name.clone(),
+                    status: "exit status: 1".into(),
+                    stderr: String::new(),
+                });
+            }
+            let password = if self.rotate.load(Ordering::SeqCst) {
+                format!("token-{n}")
+            } else {
+                "static-token".to_owned()
+            };
+            Ok(format!(
+                r#"{{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.kubelet.k8s.io/v1","cacheKeyType":"{}","cacheDuration":"{}","auth":{{"reg.example.com":{{"username":"u","password":"{password}"}}}}}}"#,
+                self.key_type, self.ttl
+            )
+            .into_bytes())
+        })
+    }
+}
+
+struct Fixture {
+    plugin: Arc<TokenPlugin>,
+    renewer: Renewer,
+    clock: Arc<dyn Clock>,
+    _stop: watch::Sender<bool>,
+}
+
+fn policy() -> RenewalPolicy {
+    RenewalPolicy::default()
+}
+
+fn start(plugin: Arc<TokenPlugin>, policy: RenewalPolicy) -> Fixture {
+    let config = ProviderConfig::from_slice(
+        "t.yaml",
+        b"apiVersion: kubelet.config.k8s.io/v1\nkind: CredentialProviderConfig\nproviders:\n- name: tokens\n  matchImages: [reg.example.com]\n  defaultCacheDuration: 10m\n  apiVersion: credentialprovider.kubelet.k8s.io/v1\n",
+    )
+    .unwrap();
+    let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
+    let engine = Engine::builder()
+        .config(config)
+        .options(EngineOptions::default())
+        .runner(plugin.clone())
+        .clock(clock.clone())
+        .build()
+        .unwrap();
+    let renewer = Renewer::new(
+        Arc::new(ArcSwap::from_pointee(engine)),
+        clock.clone(),
+        policy,
+        AgentMetrics::default(),
+    );
+    let (stop, stop_rx) = watch::channel(false);
+    tokio::spawn(renewer.clone().run(stop_rx));
+    Fixture {
+        plugin,
+        renewer,
+        clock,
+        _stop: stop,
+    }
+}
+
+fn refs(images: &[&str]) -> Vec<String> {
+    images.iter().map(|s| (*s).to_owned()).collect()
+}
+
+fn password(f: &Fixture, image: &str) -> Option<String> {
+    f.renewer
+        .last_good(image)
+        .map(|v| v.credentials[0].password.expose_secret().to_owned())
+}
+
+#[tokio::test(start_paused = true)]
+async fn ten_minute_credential_stays_fresh_for_days() {
+    let f = start(TokenPlugin::new("Image", "10m"), policy());
+    let image = "reg.example.com/team/app:v1";
+    f.renewer.track("nydus", &refs(&[image])).unwrap();
+    let mut rx = f.renewer.watch(&refs(&[image])).unwrap().receivers.remove(0).1;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let days = 3;
+    let mut revisions = 0u64;
+    for _ in 0..(days * 24 * 60) {
+        tokio::time::sleep(MIN).await;
+        let value = f.renewer.last_good(image).expect("a credential is always there");
+        let expires = value.credentials[0].expires_at.expect("cached with a TTL");
+        // Renewed ahead of expiry: what a consumer holds always has time left.
+        assert!(
+            expires > f.clock.wall() + Duration::from_secs(30),
+            "credential about to expire at minute check"
+        );
+        if rx.has_changed().unwrap_or(false) {
+            revisions = rx.borrow_and_update().as_ref().unwrap().revision;
+        }
+    }
+    let runs = f.plugin.runs();
+    // A 10-minute credential renewed 1 to 1.2 minutes early: a run every 8.8 to 9 minutes.
+    let minutes = (days * 24 * 60) as f64;
+    assert!(
+        (minutes / 9.0 - 2.0..=minutes / 8.8 + 2.0).contains(&(runs as f64)),
+        "{runs} runs in {days} days"
+    );
+    assert_eq!(revisions as usize, runs, "every new token was pushed");
+}
+
+#[tokio::test(start_paused = true)]
+async fn failing_plugin_keeps_the_last_good_credential_and_backs_off() {
+    let f = start(TokenPlugin::new("Image", "10m"), policy());
+    let image = "reg.example.com/team/app:v1";
+    f.renewer.track("nydus", &refs(&[image])).unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(password(&f, image).as_deref(), Some("token-1"));
+
+    f.plugin.failing.store(true, Ordering::SeqCst);
+    let before = f.plugin.runs();
+    tokio::time::sleep(2 * HOUR).await;
+    let failed_runs = f.plugin.runs() - before;
+    // Retries from minute 9 back off 2 s, 4 s, ... up to 5 min: about 30 runs in 2 hours,
+    // not one per second.
+    assert!(
+        (8..=40).contains(&failed_runs),
+        "{failed_runs} runs while failing"
+    );
+    assert_eq!(password(&f, image).as_deref(), Some("token-1"), "last good kept");
+    let info = &f.renewer.list(None)[0];
+    assert!(info.consecutive_failures >= 8, "{info:?}");
+    assert!(info
+        .last_error
+        .as_deref()
+        .is_some_and(|e| e.contains("plugin tokens")));
+    let next = info.next_attempt.expect("a retry is scheduled");
+    assert!(next <= f.clock.wall() + Duration::from_secs(300));
+
+    f.plugin.failing.store(false, Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_secs(301)).await;
+    let fresh = password(&f, image).unwrap();
+    assert_ne!(fresh, "token-1");
+    let info = &f.renewer.list(None)[0];
+    assert_eq!(info.consecutive_failures, 0);
+    assert!(info.last_error.is_none());
+}
+
+#[tokio::test(start_paused = true)]
+async fn shared_refs_stay_while_any_consumer_holds_them_then_get_evicted_after_grace() {
+    let p = RenewalPolicy {
+        grace: 10 * MIN,
+        ..policy()
+    };
+    let f = start(TokenPlugin::new("Registry", "10m"), p);
+    let image = "reg.example.com/team/app:v1";
+    f.renewer.track("a", &refs(&[image])).unwrap();
+    f.renewer.track("b", &refs(&[image])).unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    f.renewer.untrack("a", &refs(&[image])).unwrap();
+    tokio::time::sleep(HOUR).await;
+    assert_eq!(f.renewer.list(None)[0].consumers, ["b"]);
+    assert!(password(&f, image).is_some());
+
+    let change = f.renewer.set_tracked("b", &[]).unwrap();
+    assert_eq!(change.removed, [image]);
+    tokio::time::sleep(9 * MIN).await;
+    assert_eq!(f.renewer.len(), 1, "kept during the grace period");
+    // Re-registered within the grace period: the last good credential is still there.
+    f.renewer.track("b", &refs(&[image])).unwrap();
+    assert!(password(&f, image).is_some());
+    f.renewer.untrack("b", &refs(&[image])).unwrap();
+    tokio::time::sleep(11 * MIN).await;
+    assert_eq!(f.renewer.len(), 0, "evicted after the grace period");
+    assert!(f.renewer.last_good(image).is_none());
+}
+
+#[tokio::test(start_paused = true)]
+async fn one_run_per_cache_entry_for_a_hundred_refs_of_one_registry() {
+    let f = start(TokenPlugin::new("Registry", "10m"), policy());
+    let images: Vec<String> = (0..100)
+        .map(|i| format!("reg.example.com/team/app-{i}:v1"))
+        .collect();
+    f.renewer.set_tracked("mirror", &images).unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(f.plugin.runs(), 1, "the first resolution of 100 refs");
+    tokio::time::sleep(24 * HOUR).await;
+    let runs = f.plugin.runs();
+    // One renewal of the shared Registry entry every ~9 minutes: about 160 a day, not 16000.
+    assert!((155..=170).contains(&runs), "{runs} runs");
+    let first = password(&f, &images[0]).unwrap();
+    for image in &images {
+        assert_eq!(password(&f, image).unwrap(), first, "{image}");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn watch_gets_the_current_value_first_then_only_changes() {
+    let plugin = TokenPlugin::new("Image", "10m");
+    plugin.rotate.store(false, Ordering::SeqCst);
+    let f = start(plugin, policy());
+    let image = "reg.example.com/team/app:v1";
+    f.renewer.track("nydus", &refs(&[image])).unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+
+    // A late subscriber sees the current value at once.
+    let mut sub = f.renewer.watch(&refs(&[image])).unwrap();
+    let mut rx = sub.receivers.remove(0).1;
+    let current = rx.borrow_and_update().clone().expect("current value");
+    assert_eq!(current.revision, 1);
+
+    // Renewals that return the same credential push nothing.
+    tokio::time::sleep(2 * HOUR).await;
+    assert!(f.plugin.runs() >= 12, "renewals happened");
+    assert!(!rx.has_changed().unwrap(), "no event without a change");
+
+    // A rotated credential is pushed once.
+    f.plugin.rotate.store(true, Ordering::SeqCst);
+    tokio::time::timeout(20 * MIN, rx.changed())
+        .await
+        .expect("change pushed")
+        .unwrap();
+    let v = rx.borrow_and_update().clone().unwrap();
+    assert_eq!(v.revision, 2);
+    assert!(v.credentials[0]
+        .password
+        .expose_secret()
+        .starts_with("token-"));
+}
