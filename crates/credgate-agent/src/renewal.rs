@@ -181,7 +181,7 @@ impl Renewer {
         lock(&self.shared.state)
     }
 
-    fn validate<'a>(consumer: &str, refs: &'a [String]) -> Result<(), TrackError> {
+    fn validate(consumer: &str, refs: &[String]) -> Result<(), TrackError> {
         if consumer.is_empty() {
             return Err(TrackError::NoConsumer);
         }

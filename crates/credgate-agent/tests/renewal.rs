@@ -132,13 +132,22 @@ async fn ten_minute_credential_stays_fresh_for_days() {
     let f = start(TokenPlugin::new("Image", "10m"), policy());
     let image = "reg.example.com/team/app:v1";
     f.renewer.track("nydus", &refs(&[image])).unwrap();
-    let mut rx = f.renewer.watch(&refs(&[image])).unwrap().receivers.remove(0).1;
+    let mut rx = f
+        .renewer
+        .watch(&refs(&[image]))
+        .unwrap()
+        .receivers
+        .remove(0)
+        .1;
     tokio::time::sleep(Duration::from_secs(1)).await;
     let days = 3;
     let mut revisions = 0u64;
     for _ in 0..(days * 24 * 60) {
         tokio::time::sleep(MIN).await;
-        let value = f.renewer.last_good(image).expect("a credential is always there");
+        let value = f
+            .renewer
+            .last_good(image)
+            .expect("a credential is always there");
         let expires = value.credentials[0].expires_at.expect("cached with a TTL");
         // Renewed ahead of expiry: what a consumer holds always has time left.
         assert!(
@@ -177,7 +186,11 @@ async fn failing_plugin_keeps_the_last_good_credential_and_backs_off() {
         (8..=40).contains(&failed_runs),
         "{failed_runs} runs while failing"
     );
-    assert_eq!(password(&f, image).as_deref(), Some("token-1"), "last good kept");
+    assert_eq!(
+        password(&f, image).as_deref(),
+        Some("token-1"),
+        "last good kept"
+    );
     let info = &f.renewer.list(None)[0];
     assert!(info.consecutive_failures >= 8, "{info:?}");
     assert!(info

@@ -1,0 +1,431 @@
+//! The API against the real server on a temporary unix socket, with real plugin executables.
+
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use credgate_agent::socket::{self, SocketAccess, SocketError};
+use credgate_agent::{server, Agent, AgentOptions, Sources};
+use credgate_api::v1::admin_client::AdminClient;
+use credgate_api::v1::credentials_client::CredentialsClient;
+use credgate_api::v1::{self as pb};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio_stream::StreamExt;
+use tonic::transport::Channel;
+
+const SECRET: &str = "s3cr3t-pa55word";
+
+fn script(dir: &Path, name: &str, body: &str) {
+    let path = dir.join(name);
+    std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+}
+
+fn answer(user: &str, password: &str, key: &str) -> String {
+    format!(
+        r#"cat >/dev/null
+echo run >> "$0.runs"
+cat <<'EOF'
+{{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.kubelet.k8s.io/v1","cacheKeyType":"{key}","cacheDuration":"10m","auth":{{"reg.example.com":{{"username":"{user}","password":"{password}"}}}}}}
+EOF"#
+    )
+}
+
+fn config(dir: &Path, providers: &[&str]) -> PathBuf {
+    let mut yaml = String::from(
+        "apiVersion: kubelet.config.k8s.io/v1\nkind: CredentialProviderConfig\nproviders:\n",
+    );
+    for p in providers {
+        yaml.push_str(&format!("- name: {p}\n  matchImages: [reg.example.com]\n  defaultCacheDuration: 10m\n  apiVersion: credentialprovider.kubelet.k8s.io/v1\n"));
+    }
+    let path = dir.join("config.yaml");
+    std::fs::write(&path, yaml).unwrap();
+    path
+}
+
+struct Server {
+    dir: tempfile::TempDir,
+    socket: PathBuf,
+    stop: watch::Sender<bool>,
+    task: JoinHandle<Result<(), tonic::transport::Error>>,
+    agent: Agent,
+}
+
+impl Server {
+    async fn start(setup: impl FnOnce(&Path) -> PathBuf) -> Server {
+        let dir = tempfile::tempdir().unwrap();
+        let config = setup(dir.path());
+        let agent = Agent::new(AgentOptions {
+            sources: Sources {
+                provider_config: Some(config),
+                bin_dir: Some(dir.path().to_owned()),
+                ..Default::default()
+            },
+            ..Default::default()
+        })
+        .unwrap();
+        let socket = dir.path().join("run/credgate.sock");
+        let listener = socket::bind(&socket, &SocketAccess::default())
+            .await
+            .unwrap();
+        let (stop, stop_rx) = watch::channel(false);
+        agent.spawn_renewal(stop_rx.clone());
+        let task = tokio::spawn(server::serve(agent.clone(), listener, stop_rx));
+        Server {
+            dir,
+            socket,
+            stop,
+            task,
+            agent,
+        }
+    }
+
+    async fn channel(&self) -> Channel {
+        credgate_api::connect(&self.socket).await.unwrap()
+    }
+
+    fn runs(&self, plugin: &str) -> usize {
+        std::fs::read_to_string(self.dir.path().join(format!("{plugin}.runs")))
+            .map(|s| s.lines().count())
+            .unwrap_or(0)
+    }
+}
+
+fn lookup(image: &str) -> pb::LookupRequest {
+    pb::LookupRequest {
+        image: image.into(),
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn lookup_serves_credentials_and_reports_failures_without_secrets() {
+    let s = Server::start(|d| {
+        script(d, "good", &answer("alice", SECRET, "Registry"));
+        script(
+            d,
+            "bad",
+            &format!(
+                "cat >/dev/null\necho '{{\"password\":\"{SECRET}\"}}'\necho '{SECRET}' >&2\nexit 3"
+            ),
+        );
+        config(d, &["bad", "good"])
+    })
+    .await;
+    let mut client = CredentialsClient::new(s.channel().await);
+    let r = client
+        .lookup(lookup("reg.example.com/team/app:v1"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.image, "reg.example.com/team/app");
+    assert_eq!(r.credentials.len(), 1);
+    let c = &r.credentials[0];
+    assert_eq!(
+        (
+            c.source.as_str(),
+            c.source_kind.as_str(),
+            c.username.as_str(),
+            c.password.as_str()
+        ),
+        ("good", "provider", "alice", SECRET)
+    );
+    assert!(c.expires_at_unix_ms > 0);
+    assert_eq!(r.failures.len(), 1);
+    assert_eq!(r.failures[0].provider, "bad");
+    assert_eq!(r.failures[0].reason, "nonzero_exit");
+    assert!(!format!("{:?}", r.failures).contains(SECRET));
+
+    // Served from cache: no second run.
+    client
+        .lookup(lookup("reg.example.com/team/other:v2"))
+        .await
+        .unwrap();
+    assert_eq!(s.runs("good"), 1);
+
+    // A registry host, as the docker credential helper asks.
+    let r = client
+        .lookup(pb::LookupRequest {
+            image: "reg.example.com".into(),
+            registry_host: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.credentials[0].username, "alice");
+
+    // Malformed input: INVALID_ARGUMENT, nothing secret in the status.
+    let e = client.lookup(lookup("Not A/Ref")).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument);
+    let e = client
+        .lookup(pb::LookupRequest {
+            image: "reg.example.com/app".into(),
+            service_account: Some(pb::ServiceAccount {
+                token: SECRET.into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument);
+    assert!(!e.message().contains(SECRET), "{}", e.message());
+    let e = client
+        .track(pb::TrackRequest {
+            consumer: String::new(),
+            refs: vec!["reg.example.com/app".into()],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument);
+
+    // Nothing secret in the metrics either.
+    let text = credgate_agent::metrics::render(s.agent.registry());
+    assert!(
+        text.contains("credgate_rpc_requests_total{method=\"Lookup\",code=\"OK\"} 3"),
+        "{text}"
+    );
+    assert!(text.contains("code=\"INVALID_ARGUMENT\""));
+    assert!(!text.contains(SECRET));
+}
+
+#[tokio::test]
+async fn socket_is_owner_only_unless_a_group_is_given() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("a.sock");
+    let _l = socket::bind(&path, &SocketAccess::default()).await.unwrap();
+    let meta = std::fs::metadata(&path).unwrap();
+    assert_eq!(meta.mode() & 0o777, 0o600);
+
+    let gid = std::fs::metadata(dir.path()).unwrap().gid();
+    let path = dir.path().join("b.sock");
+    let _l = socket::bind(
+        &path,
+        &SocketAccess {
+            group: Some(gid.to_string()),
+        },
+    )
+    .await
+    .unwrap();
+    let meta = std::fs::metadata(&path).unwrap();
+    assert_eq!((meta.mode() & 0o777, meta.gid()), (0o660, gid));
+
+    let err = socket::bind(
+        &dir.path().join("c.sock"),
+        &SocketAccess {
+            group: Some("no-such-group-credgate".into()),
+        },
+    )
+    .await
+    .unwrap_err();
+    assert!(matches!(err, SocketError::UnknownGroup(_)), "{err}");
+}
+
+#[tokio::test]
+async fn stale_socket_is_replaced_but_a_live_one_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("credgate.sock");
+    // A crashed run leaves its socket file behind.
+    drop(std::os::unix::net::UnixListener::bind(&path).unwrap());
+    assert!(path.exists());
+    let live = socket::bind(&path, &SocketAccess::default()).await.unwrap();
+
+    let err = socket::bind(&path, &SocketAccess::default())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, SocketError::InUse(_)), "{err}");
+    assert_eq!(
+        err.to_string(),
+        format!("another agent is serving on {}", path.display())
+    );
+    // The live agent still has its socket: a client reaches it.
+    let _client = tokio::net::UnixStream::connect(&path).await.unwrap();
+    let (_server_side, _) = live.accept().await.unwrap(); // the refused bind's probe
+
+    let file = dir.path().join("not-a-socket");
+    std::fs::write(&file, "data").unwrap();
+    let err = socket::bind(&file, &SocketAccess::default())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, SocketError::NotASocket(_)));
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "data");
+}
+
+#[tokio::test]
+async fn shutdown_finishes_the_call_in_flight_and_ends_watch_streams() {
+    let s = Server::start(|d| {
+        script(
+            d,
+            "slow",
+            &format!("sleep 1\n{}", answer("alice", SECRET, "Image")),
+        );
+        config(d, &["slow"])
+    })
+    .await;
+    let channel = s.channel().await;
+    let mut watcher = CredentialsClient::new(channel.clone())
+        .watch(pb::WatchRequest {
+            refs: vec!["reg.example.com/team/watched:v1".into()],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut client = CredentialsClient::new(channel);
+    let in_flight =
+        tokio::spawn(async move { client.lookup(lookup("reg.example.com/team/app:v1")).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    s.stop.send(true).unwrap();
+    let answer = in_flight
+        .await
+        .unwrap()
+        .expect("the call in flight completes");
+    assert_eq!(answer.into_inner().credentials[0].username, "alice");
+    // The watch stream ends instead of holding the shutdown forever.
+    let drained = tokio::time::timeout(Duration::from_secs(5), async {
+        while let Some(_event) = watcher.next().await {}
+    })
+    .await;
+    assert!(drained.is_ok(), "watch stream ended");
+    tokio::time::timeout(Duration::from_secs(5), s.task)
+        .await
+        .expect("server stopped")
+        .unwrap()
+        .unwrap();
+}
+
+#[tokio::test]
+async fn track_watch_and_status_over_the_socket() {
+    let s = Server::start(|d| {
+        script(d, "tokens", &answer("alice", SECRET, "Registry"));
+        config(d, &["tokens"])
+    })
+    .await;
+    let channel = s.channel().await;
+    let mut creds = CredentialsClient::new(channel.clone());
+    let refs: Vec<String> = vec![
+        "reg.example.com/team/a:v1".into(),
+        "reg.example.com/team/b:v1".into(),
+    ];
+    let r = creds
+        .set_tracked(pb::SetTrackedRequest {
+            consumer: "nydus".into(),
+            refs: refs.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!((r.added, r.removed), (2, 0));
+    let mut stream = creds
+        .watch(pb::WatchRequest { refs: refs.clone() })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut seen = Vec::new();
+    while seen.len() < 2 {
+        let e = tokio::time::timeout(Duration::from_secs(5), stream.next())
+            .await
+            .expect("current values arrive")
+            .unwrap()
+            .unwrap();
+        assert_eq!(e.credentials[0].password, SECRET);
+        seen.push(e.r#ref);
+    }
+    seen.sort();
+    assert_eq!(seen, refs);
+    assert_eq!(s.runs("tokens"), 1, "one run for two refs of one registry");
+
+    let listed = creds
+        .list_tracked(pb::ListTrackedRequest {
+            consumer: "nydus".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(listed.refs.len(), 2);
+    assert!(listed
+        .refs
+        .iter()
+        .all(|t| t.consumers.contains(&"nydus".to_owned())
+            && t.next_attempt_unix_ms > 0
+            && t.credentials == 1));
+
+    let mut admin = AdminClient::new(channel);
+    let status = admin
+        .status(pb::StatusRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(status.config_identity.starts_with("sha256:"));
+    assert_eq!(status.providers[0].name, "tokens");
+    assert_eq!(status.providers[0].runs, 1);
+    assert!(status.providers[0].next_renewal_unix_ms > 0);
+    assert_eq!(status.tracked_refs, 2);
+    let health = admin
+        .health(pb::HealthRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(health.status, "SERVING");
+    assert_eq!(
+        admin
+            .version(pb::VersionRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .api,
+        "credgate.v1"
+    );
+}
+
+#[tokio::test]
+async fn reload_refuses_a_bad_config_and_keeps_serving_the_old_one() {
+    let s = Server::start(|d| {
+        script(d, "one", &answer("alice", SECRET, "Registry"));
+        script(d, "two", &answer("bob", SECRET, "Registry"));
+        config(d, &["one"])
+    })
+    .await;
+    let channel = s.channel().await;
+    let mut admin = AdminClient::new(channel.clone());
+    let mut creds = CredentialsClient::new(channel);
+    let before = admin
+        .status(pb::StatusRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+
+    std::fs::write(s.dir.path().join("config.yaml"), "providers: [ {name: ").unwrap();
+    let e = admin.reload(pb::ReloadRequest {}).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition);
+    assert!(
+        e.message().contains("invalid provider config"),
+        "{}",
+        e.message()
+    );
+    let r = creds
+        .lookup(lookup("reg.example.com/app"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        r.credentials[0].username, "alice",
+        "old config still serves"
+    );
+
+    config(s.dir.path(), &["two"]);
+    let r = admin
+        .reload(pb::ReloadRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(r.changed);
+    assert_ne!(r.config_identity, before.config_identity);
+    let r = creds
+        .lookup(lookup("reg.example.com/app"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.credentials[0].username, "bob");
+}
