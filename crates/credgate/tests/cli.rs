@@ -13,6 +13,7 @@ fn credgate(args: &[&str]) -> Output {
         .args(args)
         .current_dir(repo())
         .env_remove("CREDGATE_LOG")
+        .env_remove("CREDGATE_SOCKET")
         .output()
         .expect("credgate runs")
 }

@@ -1,0 +1,122 @@
+//! `credgate serve` as a process: start-up on the README's example, `get` and `ctl` through the
+//! socket, SIGHUP reload (a bad config refused), SIGTERM exit 0, bad config at start exit 1.
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use support::{text, Agent};
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn example_args(config: &Path) -> Vec<String> {
+    vec![
+        "--image-credential-provider-config".into(),
+        config.display().to_string(),
+        "--image-credential-provider-bin-dir".into(),
+        repo().join("examples/plugins").display().to_string(),
+    ]
+}
+
+#[test]
+fn serves_the_example_and_reloads_on_sighup() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("providers.yaml");
+    std::fs::copy(repo().join("examples/provider-config.yaml"), &config).unwrap();
+    let args = example_args(&config);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let agent = Agent::start(dir.path(), &args);
+
+    let out = agent.credgate(&["get", "-o", "json", "registry.example.com/team/app:v1"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(rows[0]["provider"], "credgate-example-plugin");
+
+    let out = agent.credgate(&["ctl", "-o", "json", "status"]);
+    assert!(out.status.success());
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let identity = status["config_identity"].as_str().unwrap().to_owned();
+    assert!(identity.starts_with("sha256:"));
+
+    // A broken config on SIGHUP is refused; the old one keeps serving.
+    std::fs::write(
+        &config,
+        "apiVersion: kubelet.config.k8s.io/v1\nkind: Nope\n",
+    )
+    .unwrap();
+    agent.signal(libc::SIGHUP);
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    assert!(
+        agent.log_text().contains("reload refused"),
+        "{}",
+        agent.log_text()
+    );
+    let out = agent.credgate(&["get", "registry.example.com/team/app:v1"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+
+    // A valid new config is taken.
+    std::fs::write(
+        &config,
+        std::fs::read_to_string(repo().join("examples/provider-config.yaml"))
+            .unwrap()
+            .replace("registry.example.com", "other.example.com"),
+    )
+    .unwrap();
+    agent.signal(libc::SIGHUP);
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let out = agent.credgate(&["ctl", "-o", "json", "status"]);
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_ne!(status["config_identity"].as_str().unwrap(), identity);
+    let out = agent.credgate(&["get", "registry.example.com/team/app:v1"]);
+    assert_eq!(out.status.code(), Some(1), "no provider matches any more");
+
+    let socket = agent.socket.clone();
+    let status = agent.stop();
+    assert_eq!(status.code(), Some(0));
+    assert!(!socket.exists(), "socket removed on exit");
+}
+
+#[test]
+fn bad_config_at_start_exits_1_with_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("bad.yaml");
+    std::fs::write(&config, "providers: [ {name: ").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_credgate"))
+        .args(["serve", "--no-docker-config", "--socket"])
+        .arg(dir.path().join("s.sock"))
+        .arg("--image-credential-provider-config")
+        .arg(&config)
+        .arg("--image-credential-provider-bin-dir")
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    assert!(err.starts_with("error: invalid provider config"), "{err}");
+    assert!(!dir.path().join("s.sock").exists());
+}
+
+#[test]
+fn a_second_agent_on_the_same_socket_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = Agent::start(dir.path(), &[]);
+    let out = Command::new(env!("CARGO_BIN_EXE_credgate"))
+        .args(["serve", "--no-docker-config", "--socket"])
+        .arg(&agent.socket)
+        .arg("--state-dir")
+        .arg(dir.path().join("state"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr).contains("another agent is serving on"),
+        "{}",
+        text(&out.stderr)
+    );
+    // The first agent still serves.
+    let out = agent.credgate(&["ctl", "health"]);
+    assert_eq!(text(&out.stdout).trim(), "SERVING");
+}

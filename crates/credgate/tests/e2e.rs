@@ -1,0 +1,157 @@
+//! End to end with real parts: Debian's `docker-registry` on 127.0.0.1 with htpasswd auth, a
+//! test image pushed by skopeo, `credgate serve` with a plugin script that returns the
+//! registry's credentials, and real `skopeo inspect` calling `docker-credential-credgate`
+//! through an auth file's `credHelpers`.
+
+mod support;
+
+use std::path::Path;
+
+use support::{helper_get, oci_image, push, skopeo_inspect, text, write_script, Agent, Registry};
+
+const USER: &str = "alice";
+const PASSWORD: &str = "e2e-Pa55word-not-for-logs";
+
+fn plugin_runs(dir: &Path) -> usize {
+    std::fs::read_to_string(dir.join("runs"))
+        .map(|s| s.lines().count())
+        .unwrap_or(0)
+}
+
+/// A provider whose plugin answers with the password currently in `dir/password`.
+fn provider(dir: &Path, registry: &Registry) -> std::path::PathBuf {
+    let bin = dir.join("plugins");
+    std::fs::create_dir_all(&bin).unwrap();
+    let host = registry.host();
+    write_script(
+        &bin.join("registry-login"),
+        &format!(
+            r#"cat >/dev/null
+echo run >> '{runs}'
+password=$(cat '{pw}')
+printf '{{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.kubelet.k8s.io/v1","cacheKeyType":"Registry","cacheDuration":"10m","auth":{{"{host}":{{"username":"{USER}","password":"%s"}}}}}}' "$password""#,
+            runs = dir.join("runs").display(),
+            pw = dir.join("password").display(),
+        ),
+    );
+    let config = dir.join("providers.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "apiVersion: kubelet.config.k8s.io/v1\nkind: CredentialProviderConfig\nproviders:\n- name: registry-login\n  matchImages: [\"{host}\"]\n  defaultCacheDuration: 10m\n  apiVersion: credentialprovider.kubelet.k8s.io/v1\n"
+        ),
+    )
+    .unwrap();
+    config
+}
+
+#[test]
+fn skopeo_pulls_through_the_docker_credential_helper() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let registry = Registry::start(d, USER, PASSWORD);
+    oci_image(d);
+    push(d, &registry, "team-a/app", USER, PASSWORD);
+
+    std::fs::write(d.join("password"), PASSWORD).unwrap();
+    let config = provider(d, &registry);
+    let agent = Agent::start(
+        d,
+        &[
+            "--image-credential-provider-config",
+            config.to_str().unwrap(),
+            "--image-credential-provider-bin-dir",
+            d.join("plugins").to_str().unwrap(),
+        ],
+    );
+    let image = format!("{}/team-a/app:v1", registry.host());
+    let authfile = d.join("auth.json");
+    std::fs::write(
+        &authfile,
+        format!(
+            r#"{{"credHelpers": {{"{}": "credgate"}}}}"#,
+            registry.host()
+        ),
+    )
+    .unwrap();
+
+    // The right credentials: skopeo reads the manifest.
+    let out = skopeo_inspect(&authfile, &image, &agent.socket);
+    assert!(out.status.success(), "skopeo failed: {}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).contains("\"Digest\": \"sha256:"),
+        "{}",
+        text(&out.stdout)
+    );
+    assert_eq!(plugin_runs(d), 1);
+
+    // Repeated pulls within the TTL do not rerun the plugin.
+    for _ in 0..3 {
+        let out = skopeo_inspect(&authfile, &image, &agent.socket);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+    }
+    assert_eq!(plugin_runs(d), 1, "served from the agent's cache");
+
+    // The helper's own answer.
+    let out = agent.helper_get(&registry.host());
+    assert!(out.status.success());
+    let answer: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(answer["Username"], USER);
+    assert_eq!(answer["Secret"], PASSWORD);
+    assert_eq!(answer["ServerURL"], registry.host());
+
+    // The plugin now returns a wrong password; a reload starts with empty caches.
+    std::fs::write(d.join("password"), "wrong-password").unwrap();
+    let out = agent.credgate(&["ctl", "reload"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let out = skopeo_inspect(&authfile, &image, &agent.socket);
+    assert!(!out.status.success());
+    let err = text(&out.stderr).to_lowercase();
+    assert!(err.contains("unauthorized"), "{err}");
+    assert_eq!(plugin_runs(d), 2);
+
+    // No provider matches this host: the helper says so, and skopeo goes on anonymously (and
+    // is refused by the registry, which needs auth).
+    let other = format!("localhost:{}", registry.port);
+    let out = agent.helper_get(&other);
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(
+        text(&out.stdout).trim(),
+        "credentials not found in native keychain"
+    );
+    std::fs::write(
+        &authfile,
+        format!(r#"{{"credHelpers": {{"{other}": "credgate"}}}}"#),
+    )
+    .unwrap();
+    let out = skopeo_inspect(&authfile, &format!("{other}/team-a/app:v1"), &agent.socket);
+    assert!(!out.status.success());
+    let err = text(&out.stderr);
+    assert!(
+        !err.contains("credgate"),
+        "the helper's answer is not an error: {err}"
+    );
+    assert!(
+        err.to_lowercase().contains("unauthorized") || err.contains("authentication required"),
+        "{err}"
+    );
+
+    // Secrets never reach the agent's log.
+    let status = agent.stop();
+    assert!(status.success(), "agent exit: {status}");
+    let log = std::fs::read_to_string(d.join("agent.log")).unwrap();
+    assert!(!log.contains(PASSWORD), "{log}");
+}
+
+#[test]
+fn helper_without_an_agent_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("nobody-here.sock");
+    let out = helper_get(&socket, "127.0.0.1:5000");
+    assert_eq!(out.status.code(), Some(1));
+    let msg = text(&out.stdout);
+    assert!(
+        msg.starts_with("credgate: cannot reach the agent at ") && msg.contains("nobody-here.sock"),
+        "{msg}"
+    );
+}
