@@ -3,7 +3,10 @@
 //!
 //! Scenarios: `hit` (warm-cache lookups from G threads), `burst` (K concurrent cold lookups),
 //! `miss` (sequential lookups that each run the plugin), `rawexec` (the plugin spawned with no
-//! credgate code around it: the floor for `miss`).
+//! credgate code around it: the floor for `miss`), and over the agent's socket `rpc-hit` and
+//! `helper` (see [`agent`]).
+
+mod agent;
 
 use std::future::Future;
 use std::io::Write;
@@ -29,6 +32,8 @@ enum Scenario {
     Burst,
     Miss,
     Rawexec,
+    RpcHit,
+    Helper,
 }
 
 #[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
@@ -44,9 +49,9 @@ enum BurstMode {
     Both,
 }
 
-#[derive(Parser)]
-#[command(name = "credgate-bench", about = "Benchmarks of the credgate engine")]
-struct Args {
+#[derive(Parser, Clone)]
+#[command(name = "credgate-bench", about = "Benchmarks of the credgate engine and agent")]
+pub struct Args {
     scenario: Scenario,
     #[arg(long, default_value = "bench/hit.yaml")]
     image_credential_provider_config: PathBuf,
@@ -75,6 +80,12 @@ struct Args {
     plugin: Option<String>,
     #[arg(short = 'o', long, value_enum, default_value_t = Format::Text)]
     output: Format,
+    /// Concurrent clients (rpc-hit), one connection each.
+    #[arg(long, default_value_t = 8)]
+    clients: usize,
+    /// The docker credential helper binary (helper); default: beside this program.
+    #[arg(long)]
+    helper: Option<PathBuf>,
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -102,10 +113,12 @@ fn main() -> Result<()> {
             miss(&args, &local)
         }
         Scenario::Rawexec => rawexec(&args),
+        Scenario::RpcHit => agent::rpc_hit(&args),
+        Scenario::Helper => agent::helper(&args),
     }
 }
 
-fn bin_dir(args: &Args) -> Result<PathBuf> {
+pub fn bin_dir(args: &Args) -> Result<PathBuf> {
     match &args.image_credential_provider_bin_dir {
         Some(d) => Ok(d.clone()),
         None => Ok(std::env::current_exe()?
@@ -124,7 +137,7 @@ fn engine(args: &Args) -> Result<Engine> {
     Ok(Engine::builder().config(config).options(options).build()?)
 }
 
-fn emit(args: &Args, v: Value) {
+pub fn emit(args: &Args, v: Value) {
     match args.output {
         Format::Json => println!("{v}"),
         Format::Text => {
@@ -291,19 +304,23 @@ fn burst(args: &Args, rt: &tokio::runtime::Runtime) -> Result<()> {
     Ok(())
 }
 
+/// The `p` quantile (nearest rank) of `samples`, which it sorts.
+pub fn percentile(samples: &mut [Duration], p: f64) -> Duration {
+    samples.sort_unstable();
+    samples[((samples.len() as f64 * p).ceil() as usize)
+        .saturating_sub(1)
+        .min(samples.len() - 1)]
+}
+
 fn stats(args: &Args, scenario: &str, mut samples: Vec<Duration>, runs: u64) {
-    samples.sort();
     let ms = |d: Duration| (d.as_secs_f64() * 1e6).round() / 1e3;
     let mean = samples.iter().sum::<Duration>() / samples.len() as u32;
-    let pct = |p: f64| {
-        samples[((samples.len() as f64 * p).ceil() as usize)
-            .saturating_sub(1)
-            .min(samples.len() - 1)]
-    };
+    let n = samples.len();
+    let mut pct = |p: f64| percentile(&mut samples, p);
     emit(
         args,
         json!({
-            "scenario": scenario, "n": samples.len(), "runs": runs,
+            "scenario": scenario, "n": n, "runs": runs,
             "mean_ms": ms(mean), "p50_ms": ms(pct(0.50)), "p99_ms": ms(pct(0.99)),
         }),
     );

@@ -1,0 +1,232 @@
+//! Scenarios over the agent's socket: `rpc-hit` (G clients doing `Lookup` on a warm entry,
+//! beside `Ping`, the transport's floor) and `helper` (runs of `docker-credential-credgate get`
+//! against a warm agent, beside runs of the same binary doing nothing).
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{ensure, Context as _, Result};
+use credgate_agent::socket::{self, SocketAccess};
+use credgate_agent::{server, Agent, AgentOptions, Sources};
+use credgate_api::v1::admin_client::AdminClient;
+use credgate_api::v1::credentials_client::CredentialsClient;
+use credgate_api::v1::{LookupRequest, PingRequest};
+use serde_json::json;
+use tokio::sync::watch;
+
+use crate::{bin_dir, emit, percentile, Args};
+
+/// An agent served in this process, on its own runtime, on a socket in a temporary directory.
+pub struct Served {
+    pub socket: PathBuf,
+    pub agent: Agent,
+    _stop: watch::Sender<bool>,
+    _runtime: tokio::runtime::Runtime,
+    _dir: TempDir,
+}
+
+/// A directory removed on drop.
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+pub fn serve(args: &Args) -> Result<Served> {
+    let dir = std::env::temp_dir().join(format!("credgate-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let dir = TempDir(dir);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let agent = Agent::new(AgentOptions {
+        sources: Sources {
+            provider_config: Some(args.image_credential_provider_config.clone()),
+            bin_dir: Some(bin_dir(args)?),
+            ..Default::default()
+        },
+        ..Default::default()
+    })?;
+    let socket = dir.0.join("credgate.sock");
+    let (stop, stop_rx) = watch::channel(false);
+    let listener = runtime.block_on(socket::bind(&socket, &SocketAccess::default()))?;
+    runtime.spawn(server::serve(agent.clone(), listener, stop_rx));
+    Ok(Served {
+        socket,
+        agent,
+        _stop: stop,
+        _runtime: runtime,
+        _dir: dir,
+    })
+}
+
+#[derive(Clone, Copy)]
+enum Call {
+    Lookup,
+    Ping,
+}
+
+/// G client tasks, one connection each, calling for `duration`; returns (ops/s, latencies).
+fn drive(args: &Args, socket: &Path, call: Call, image: &str) -> Result<(f64, Vec<Duration>)> {
+    let clients = args.clients;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    let image = Arc::<str>::from(image);
+    rt.block_on(async {
+        let mut channels = Vec::new();
+        for _ in 0..clients {
+            channels.push(credgate_api::connect(socket).await?);
+        }
+        let deadline = Instant::now() + args.duration;
+        let mut tasks = Vec::new();
+        for channel in channels {
+            let image = image.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut creds = CredentialsClient::new(channel.clone());
+                let mut admin = AdminClient::new(channel);
+                let mut samples = Vec::with_capacity(100_000);
+                while Instant::now() < deadline {
+                    let started = Instant::now();
+                    match call {
+                        Call::Lookup => {
+                            let r = creds
+                                .lookup(LookupRequest {
+                                    image: image.to_string(),
+                                    ..Default::default()
+                                })
+                                .await?
+                                .into_inner();
+                            anyhow::ensure!(r.credentials.len() == 1, "no credential");
+                        }
+                        Call::Ping => {
+                            admin.ping(PingRequest {}).await?;
+                        }
+                    }
+                    samples.push(started.elapsed());
+                }
+                anyhow::Ok(samples)
+            }));
+        }
+        let mut all = Vec::new();
+        for t in tasks {
+            all.extend(t.await??);
+        }
+        let ops = all.len() as f64 / args.duration.as_secs_f64();
+        Ok((ops, all))
+    })
+}
+
+pub fn rpc_hit(args: &Args) -> Result<()> {
+    let served = serve(args)?;
+    // Warm the entry.
+    let (_, warm) = drive(
+        &Args {
+            duration: Duration::from_millis(200),
+            ..args.clone()
+        },
+        &served.socket,
+        Call::Lookup,
+        &args.image,
+    )?;
+    ensure!(!warm.is_empty(), "warm-up made no calls");
+    let runs_before = served.agent.engine().total_runs();
+    let mut rows = Vec::new();
+    for rep in 0..args.reps {
+        let (ping_ops, mut ping) = drive(args, &served.socket, Call::Ping, &args.image)?;
+        let (hit_ops, mut hit) = drive(args, &served.socket, Call::Lookup, &args.image)?;
+        let us = |d: Duration| (d.as_secs_f64() * 1e7).round() / 10.0;
+        let row = json!({
+            "scenario": "rpc-hit", "rep": rep, "clients": args.clients,
+            "ping_ops_per_s": ping_ops.round(), "lookup_ops_per_s": hit_ops.round(),
+            "ping_p50_us": us(percentile(&mut ping, 0.50)), "ping_p99_us": us(percentile(&mut ping, 0.99)),
+            "lookup_p50_us": us(percentile(&mut hit, 0.50)), "lookup_p99_us": us(percentile(&mut hit, 0.99)),
+            "throughput_ratio": (ping_ops / hit_ops * 1000.0).round() / 1000.0,
+        });
+        rows.push(row.clone());
+        emit(args, row);
+    }
+    let runs = served.agent.engine().total_runs() - runs_before;
+    ensure!(runs == 0, "warm lookups ran the plugin {runs} times");
+    Ok(())
+}
+
+fn helper_path(args: &Args) -> Result<PathBuf> {
+    let path = match &args.helper {
+        Some(p) => p.clone(),
+        None => std::env::current_exe()?
+            .parent()
+            .context("program has a directory")?
+            .join("docker-credential-credgate"),
+    };
+    ensure!(
+        path.is_file(),
+        "{} not found: build it first (cargo build --release --bin docker-credential-credgate) or pass --helper",
+        path.display()
+    );
+    Ok(path)
+}
+
+fn run_helper(helper: &Path, socket: &Path, verb: &str, stdin: &[u8]) -> Result<Duration> {
+    let started = Instant::now();
+    let mut child = Command::new(helper)
+        .arg(verb)
+        .env("CREDGATE_SOCKET", socket)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()?;
+    child.stdin.take().context("stdin")?.write_all(stdin)?;
+    let out = child.wait_with_output()?;
+    let took = started.elapsed();
+    ensure!(
+        out.status.success(),
+        "helper {verb} failed: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    Ok(took)
+}
+
+pub fn helper(args: &Args) -> Result<()> {
+    let helper = helper_path(args)?;
+    let served = serve(args)?;
+    let host = args
+        .image
+        .split('/')
+        .next()
+        .context("image has a registry")?
+        .to_owned();
+    let mut get = Vec::with_capacity(args.n);
+    let mut nothing = Vec::with_capacity(args.n);
+    for i in 0..10 + args.n {
+        // Interleaved, so that both see the same machine state.
+        let g = run_helper(&helper, &served.socket, "get", host.as_bytes())?;
+        let v = run_helper(&helper, &served.socket, "version", b"")?;
+        if i >= 10 {
+            get.push(g);
+            nothing.push(v);
+        }
+    }
+    let ms = |d: Duration| (d.as_secs_f64() * 1e6).round() / 1e3;
+    let mean = |s: &[Duration]| s.iter().sum::<Duration>() / s.len() as u32;
+    let (gm, nm) = (mean(&get), mean(&nothing));
+    let (g50, n50) = (percentile(&mut get, 0.5), percentile(&mut nothing, 0.5));
+    emit(
+        args,
+        json!({
+            "scenario": "helper", "n": args.n, "host": host,
+            "get_mean_ms": ms(gm), "get_p50_ms": ms(g50), "get_p99_ms": ms(percentile(&mut get, 0.99)),
+            "nothing_mean_ms": ms(nm), "nothing_p50_ms": ms(n50), "nothing_p99_ms": ms(percentile(&mut nothing, 0.99)),
+            "p50_ratio": ((g50.as_secs_f64() / n50.as_secs_f64()) * 1000.0).round() / 1000.0,
+            "plugin_runs": served.agent.engine().total_runs(),
+        }),
+    );
+    Ok(())
+}
