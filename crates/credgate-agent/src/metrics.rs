@@ -2,6 +2,7 @@
 //! Labels never carry credentials or image names: refs are unbounded and their per-ref state
 //! is served by `ListTracked` instead.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
@@ -19,6 +20,28 @@ use tokio::net::TcpListener;
 
 type Labels = Vec<(&'static str, String)>;
 
+/// Every method of the API, so that their handles exist before the first call.
+pub const METHODS: &[&str] = &[
+    "Lookup",
+    "Track",
+    "Untrack",
+    "SetTracked",
+    "ListTracked",
+    "Watch",
+    "Health",
+    "Version",
+    "Status",
+    "Reload",
+];
+
+/// Handles of one method's successful calls, taken once so the hot path neither allocates
+/// labels nor locks the family.
+#[derive(Clone)]
+struct MethodHandles {
+    ok: Counter,
+    seconds: Histogram,
+}
+
 /// The agent's own families (the engine's are registered beside them).
 #[derive(Clone)]
 pub struct AgentMetrics {
@@ -28,21 +51,46 @@ pub struct AgentMetrics {
     pub rpcs: Family<Labels, Counter>,
     pub rpc_seconds: Family<Labels, Histogram, fn() -> Histogram>,
     pub reloads: Family<Labels, Counter>,
+    methods: Arc<HashMap<&'static str, MethodHandles>>,
 }
 
 fn rpc_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.000_05, 2.0, 18))
 }
 
+fn rpc_labels(method: &str, code: Option<tonic::Code>) -> Labels {
+    let mut labels = vec![("method", method.to_owned())];
+    if let Some(code) = code {
+        labels.push(("code", code_name(code).to_owned()));
+    }
+    labels
+}
+
 impl Default for AgentMetrics {
     fn default() -> Self {
+        let rpcs: Family<Labels, Counter> = Family::default();
+        let rpc_seconds: Family<Labels, Histogram, fn() -> Histogram> =
+            Family::new_with_constructor(rpc_histogram as fn() -> Histogram);
+        let methods = METHODS
+            .iter()
+            .map(|m| {
+                let handles = MethodHandles {
+                    ok: rpcs
+                        .get_or_create(&rpc_labels(m, Some(tonic::Code::Ok)))
+                        .clone(),
+                    seconds: rpc_seconds.get_or_create(&rpc_labels(m, None)).clone(),
+                };
+                (*m, handles)
+            })
+            .collect();
         AgentMetrics {
             renewals: Family::default(),
             tracked_refs: Gauge::default(),
             watchers: Gauge::default(),
-            rpcs: Family::default(),
-            rpc_seconds: Family::new_with_constructor(rpc_histogram as fn() -> Histogram),
+            rpcs,
+            rpc_seconds,
             reloads: Family::default(),
+            methods: Arc::new(methods),
         }
     }
 }
@@ -97,15 +145,26 @@ impl AgentMetrics {
 
     /// Counts a finished call.
     pub fn rpc(&self, method: &'static str, code: tonic::Code, seconds: f64) {
-        self.rpcs
-            .get_or_create(&vec![
-                ("method", method.to_owned()),
-                ("code", code_name(code).to_owned()),
-            ])
-            .inc();
-        self.rpc_seconds
-            .get_or_create(&vec![("method", method.to_owned())])
-            .observe(seconds);
+        match self.methods.get(method) {
+            Some(h) => {
+                if code == tonic::Code::Ok {
+                    h.ok.inc();
+                } else {
+                    self.rpcs
+                        .get_or_create(&rpc_labels(method, Some(code)))
+                        .inc();
+                }
+                h.seconds.observe(seconds);
+            }
+            None => {
+                self.rpcs
+                    .get_or_create(&rpc_labels(method, Some(code)))
+                    .inc();
+                self.rpc_seconds
+                    .get_or_create(&rpc_labels(method, None))
+                    .observe(seconds);
+            }
+        }
     }
 }
 

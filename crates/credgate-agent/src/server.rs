@@ -9,7 +9,9 @@ use std::time::{Duration, Instant, SystemTime};
 use credgate_api::v1::admin_server::{Admin, AdminServer};
 use credgate_api::v1::credentials_server::{Credentials, CredentialsServer};
 use credgate_api::v1::{self as pb};
-use credgate_engine::{Credential, LookupRequest, ServiceAccount, Source};
+use credgate_engine::{
+    Credential, CredentialRef, LookupRequest, ServiceAccount, Source, SourceKind,
+};
 use secrecy::{ExposeSecret, SecretString};
 use tokio::net::UnixListener;
 use tokio::sync::watch;
@@ -37,6 +39,22 @@ pub fn credential(c: &Credential) -> pb::Credential {
         source: c.source.name().to_owned(),
         pattern: c.pattern.clone(),
         username: c.username.clone(),
+        password: c.password.expose_secret().to_owned(),
+        expires_at_unix_ms: unix_ms(c.expires_at),
+    }
+}
+
+/// The wire form of a borrowed credential.
+pub fn credential_ref(c: &CredentialRef<'_>) -> pb::Credential {
+    let kind = match c.kind {
+        SourceKind::DockerConfig => "docker-config",
+        SourceKind::Provider => "provider",
+    };
+    pb::Credential {
+        source_kind: kind.to_owned(),
+        source: c.source.to_owned(),
+        pattern: c.pattern.to_owned(),
+        username: c.username.to_owned(),
         password: c.password.expose_secret().to_owned(),
         expires_at_unix_ms: unix_ms(c.expires_at),
     }
@@ -108,6 +126,17 @@ impl Api {
             service_account: sa.as_ref(),
             registry_host: req.registry_host,
         };
+        // A warm cache answers straight into the wire message.
+        let served = engine
+            .lookup_cached_named(&request, |image, creds| pb::LookupResponse {
+                image: image.to_owned(),
+                credentials: creds.iter().map(credential_ref).collect(),
+                ..Default::default()
+            })
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        if let Some(answer) = served {
+            return Ok(answer);
+        }
         let lookup = engine
             .lookup(&request)
             .await

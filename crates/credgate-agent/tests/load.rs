@@ -85,7 +85,11 @@ async fn many_concurrent_clients_no_errors_memory_stable() {
     // The warm-up round allocates the memo and connection buffers; the second one reuses them.
     let growth = rss[1].saturating_sub(rss[0]);
     assert!(growth < 16 * 1024, "RSS grew by {growth} KiB: {rss:?}");
-    assert_eq!(agent.engine().total_runs(), 1, "one plugin run for the whole load");
+    assert_eq!(
+        agent.engine().total_runs(),
+        1,
+        "one plugin run for the whole load"
+    );
 
     stop.send(true).unwrap();
     drop(channels);

@@ -25,6 +25,8 @@ pub mod v1 {
     tonic::include_proto!("credgate.v1");
 }
 
+pub mod unary;
+
 /// The environment variable clients read the socket path from.
 pub const SOCKET_ENV: &str = "CREDGATE_SOCKET";
 

@@ -50,7 +50,10 @@ enum BurstMode {
 }
 
 #[derive(Parser, Clone)]
-#[command(name = "credgate-bench", about = "Benchmarks of the credgate engine and agent")]
+#[command(
+    name = "credgate-bench",
+    about = "Benchmarks of the credgate engine and agent"
+)]
 pub struct Args {
     scenario: Scenario,
     #[arg(long, default_value = "bench/hit.yaml")]

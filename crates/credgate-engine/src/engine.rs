@@ -185,11 +185,20 @@ pub struct Credential {
 /// A borrowed credential, for callers that must not allocate.
 #[derive(Debug, Clone, Copy)]
 pub struct CredentialRef<'a> {
+    /// A provider's name or a docker config file's path (see `kind`).
     pub source: &'a str,
+    pub kind: SourceKind,
     pub pattern: &'a str,
     pub username: &'a str,
     pub password: &'a SecretString,
     pub expires_at: Option<SystemTime>,
+}
+
+/// Which kind of source a borrowed credential came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SourceKind {
+    DockerConfig,
+    Provider,
 }
 
 /// The answer to a lookup.
@@ -422,12 +431,21 @@ impl Engine {
         req: &LookupRequest<'_>,
         f: impl FnOnce(&[CredentialRef<'_>]) -> R,
     ) -> Result<Option<R>, LookupError> {
+        self.lookup_cached_named(req, |_, refs| f(refs))
+    }
+
+    /// Like [`Engine::lookup_cached`]; `f` also sees the normalized image name.
+    pub fn lookup_cached_named<R>(
+        &self,
+        req: &LookupRequest<'_>,
+        f: impl FnOnce(&str, &[CredentialRef<'_>]) -> R,
+    ) -> Result<Option<R>, LookupError> {
         let generation = self.inner.memo.generation();
         let mut f = Some(f);
         let mut serve = |r: &Resolved| {
             let refs: SmallVec<[CredentialRef<'_>; 2]> =
                 r.picks.iter().map(|p| self.credential_ref(r, *p)).collect();
-            (f.take().expect("served once"))(&refs)
+            (f.take().expect("served once"))(&r.name, &refs)
         };
         if let Some(out) = self.remembered(req, generation, &mut serve) {
             return Ok(Some(out));
@@ -556,15 +574,16 @@ impl Engine {
     }
 
     fn credential_ref<'a>(&'a self, r: &'a Resolved, pick: Pick) -> CredentialRef<'a> {
-        let (source, set, expires_at) = match pick.source {
+        let (source, kind, set, expires_at) = match pick.source {
             PickSource::Static(j) => {
                 let s = &self.inner.statics[j];
-                (s.name.as_str(), &s.auth, None)
+                (s.name.as_str(), SourceKind::DockerConfig, &s.auth, None)
             }
             PickSource::Entry(k) => {
                 let (i, e) = &r.entries[k];
                 (
                     self.inner.providers[*i].spec.name.as_str(),
+                    SourceKind::Provider,
                     &e.auth,
                     e.expires_wall,
                 )
@@ -573,6 +592,7 @@ impl Engine {
         let auth = set.get(pick.index).expect("pick within its set");
         CredentialRef {
             source,
+            kind,
             pattern: auth.key(),
             username: &auth.auth.username,
             password: &auth.auth.password,

@@ -38,7 +38,7 @@ pub mod source;
 
 pub use engine::{
     BuildError, Credential, CredentialRef, Engine, EngineBuilder, EngineOptions, EntryInfo, Lookup,
-    LookupError, LookupRequest, Source, StaticSource,
+    LookupError, LookupRequest, Source, SourceKind, StaticSource,
 };
 pub use error::ProviderError;
 pub use provider::{BackoffPolicy, ProviderStatus, ServiceAccount};

@@ -10,10 +10,11 @@
 use std::io::{Read, Write};
 use std::process::ExitCode;
 
-use credgate_api::v1::credentials_client::CredentialsClient;
-use credgate_api::v1::LookupRequest;
+use credgate_api::unary::{self, CallError};
+use credgate_api::v1::{LookupRequest, LookupResponse};
 
 const NOT_FOUND: &str = "credentials not found in native keychain";
+const LOOKUP: &str = "/credgate.v1.Credentials/Lookup";
 
 fn main() -> ExitCode {
     let mut args = std::env::args().skip(1);
@@ -69,30 +70,27 @@ fn get() -> Result<String, String> {
         return Err("credgate: no server URL on stdin".into());
     }
     let socket = credgate_api::socket_path(None);
+    // One call on a fresh connection: a current-thread runtime with IO only, and a bare
+    // HTTP/2 exchange instead of a channel (this process lives for one answer).
     let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
+        .enable_io()
         .build()
         .map_err(|e| format!("credgate: {e}"))?;
-    let answer = runtime.block_on(async {
-        let channel = credgate_api::connect(&socket).await.map_err(|e| {
-            let cause = std::error::Error::source(&e)
-                .map(|s| format!(": {s}"))
-                .unwrap_or_default();
-            format!(
-                "credgate: cannot reach the agent at {}{cause}",
+    let request = LookupRequest {
+        image: host.clone(),
+        registry_host: true,
+        ..Default::default()
+    };
+    let answer: LookupResponse = runtime
+        .block_on(unary::call(&socket, LOOKUP, &request))
+        .map_err(|e| match e {
+            CallError::Connect(e) => format!(
+                "credgate: cannot reach the agent at {}: {e}",
                 socket.display()
-            )
+            ),
+            CallError::Status { message, .. } => format!("credgate: lookup failed: {message}"),
+            other => format!("credgate: lookup failed: {other}"),
         })?;
-        CredentialsClient::new(channel)
-            .lookup(LookupRequest {
-                image: host.clone(),
-                registry_host: true,
-                ..Default::default()
-            })
-            .await
-            .map(tonic::Response::into_inner)
-            .map_err(|s| format!("credgate: lookup failed: {}", s.message()))
-    })?;
     let Some(first) = answer.credentials.first() else {
         if answer.failures.is_empty() {
             return Err(NOT_FOUND.into());
