@@ -429,3 +429,54 @@ async fn reload_refuses_a_bad_config_and_keeps_serving_the_old_one() {
         .into_inner();
     assert_eq!(r.credentials[0].username, "bob");
 }
+
+#[tokio::test]
+async fn a_tracked_ref_is_served_its_last_good_credential_when_the_plugin_fails() {
+    let s = Server::start(|d| {
+        let body = answer("alice", SECRET, "Image").replace("10m", "1s");
+        script(
+            d,
+            "flaky",
+            &format!("if [ -e \"$0.broken\" ]; then cat >/dev/null; exit 1; fi\n{body}"),
+        );
+        config(d, &["flaky"])
+    })
+    .await;
+    let image = "reg.example.com/team/app:v1";
+    let mut creds = CredentialsClient::new(s.channel().await);
+    creds
+        .track(pb::TrackRequest {
+            consumer: "mirror".into(),
+            refs: vec![image.into()],
+        })
+        .await
+        .unwrap();
+    let mut watch = creds
+        .watch(pb::WatchRequest {
+            refs: vec![image.into()],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let first = tokio::time::timeout(Duration::from_secs(5), watch.next())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(first.credentials[0].password, SECRET);
+
+    std::fs::write(s.dir.path().join("flaky.broken"), "").unwrap();
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let r = creds.lookup(lookup(image)).await.unwrap().into_inner();
+    assert_eq!(r.failures.len(), 1, "the plugin failed just now");
+    assert!(r.last_known_good);
+    assert_eq!(r.credentials[0].password, SECRET);
+
+    // An untracked image gets no such fallback.
+    let r = creds
+        .lookup(lookup("reg.example.com/team/untracked:v1"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(r.credentials.is_empty() && !r.last_known_good);
+}

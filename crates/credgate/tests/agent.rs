@@ -120,3 +120,38 @@ fn a_second_agent_on_the_same_socket_is_refused() {
     let out = agent.credgate(&["ctl", "health"]);
     assert_eq!(text(&out.stdout).trim(), "SERVING");
 }
+
+/// Every flag the deployment files pass to `credgate serve` exists.
+#[test]
+fn deployment_files_use_real_flags() {
+    let help = Command::new(env!("CARGO_BIN_EXE_credgate"))
+        .args(["serve", "--help"])
+        .output()
+        .unwrap();
+    let help = text(&help.stdout);
+    let ctl_help = text(
+        &Command::new(env!("CARGO_BIN_EXE_credgate"))
+            .args(["ctl", "--help"])
+            .output()
+            .unwrap()
+            .stdout,
+    );
+    for file in ["deploy/credgate.service", "deploy/daemonset.yaml"] {
+        let body = std::fs::read_to_string(repo().join(file)).unwrap();
+        let serve_args = body
+            .split("serve")
+            .nth(1)
+            .unwrap_or_else(|| panic!("{file} runs credgate serve"));
+        let flags: Vec<&str> = serve_args
+            .split(|c: char| c.is_whitespace() || c == '=' || c == '"')
+            .filter(|w| w.starts_with("--") && w.len() > 2)
+            .collect();
+        assert!(flags.len() >= 5, "{file}: {flags:?}");
+        for flag in flags {
+            assert!(
+                help.contains(flag) || ctl_help.contains(flag),
+                "{file} uses {flag}, which credgate does not have"
+            );
+        }
+    }
+}
