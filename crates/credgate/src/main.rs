@@ -23,6 +23,13 @@ pub enum Outcome {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if !matches!(cli.command, Command::Serve(_)) {
+        // A CLI piped into `head` ends quietly when the pipe closes, like other Unix tools.
+        // SAFETY: restoring the default disposition of SIGPIPE before any thread starts.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
     let (default_level, json) = match &cli.command {
         Command::Serve(a) => ("info", a.log_format == LogFormat::Json),
         _ => ("error", false),
