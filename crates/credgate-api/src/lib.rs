@@ -25,6 +25,7 @@ pub mod v1 {
     tonic::include_proto!("credgate.v1");
 }
 
+mod redact;
 pub mod unary;
 
 /// The environment variable clients read the socket path from.

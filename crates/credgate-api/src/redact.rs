@@ -1,0 +1,78 @@
+//! `Debug` for the messages that carry secrets: every field but the secret, which shows as
+//! `<redacted>` (or `""` when empty, so a missing secret is still visible).
+
+use std::fmt;
+
+use crate::v1::{Credential, ServiceAccount};
+
+fn secret(s: &str) -> &'static str {
+    if s.is_empty() {
+        "\"\""
+    } else {
+        "<redacted>"
+    }
+}
+
+struct Raw(&'static str);
+
+impl fmt::Debug for Raw {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.0)
+    }
+}
+
+impl fmt::Debug for Credential {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Credential")
+            .field("source_kind", &self.source_kind)
+            .field("source", &self.source)
+            .field("pattern", &self.pattern)
+            .field("username", &self.username)
+            .field("password", &Raw(secret(&self.password)))
+            .field("expires_at_unix_ms", &self.expires_at_unix_ms)
+            .finish()
+    }
+}
+
+impl fmt::Debug for ServiceAccount {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ServiceAccount")
+            .field("namespace", &self.namespace)
+            .field("name", &self.name)
+            .field("uid", &self.uid)
+            .field("token", &Raw(secret(&self.token)))
+            .field("annotations", &self.annotations)
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::v1::{Credential, LookupRequest, LookupResponse, ServiceAccount};
+
+    #[test]
+    fn debug_never_shows_secrets() {
+        let answer = LookupResponse {
+            credentials: vec![Credential {
+                username: "alice".into(),
+                password: "hunter2-secret".into(),
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let shown = format!("{answer:?} {answer:#?}");
+        assert!(!shown.contains("hunter2-secret"), "{shown}");
+        assert!(shown.contains("alice") && shown.contains("<redacted>"));
+
+        let request = LookupRequest {
+            service_account: Some(ServiceAccount {
+                namespace: "ns".into(),
+                token: "sa-token-secret".into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let shown = format!("{request:?}");
+        assert!(!shown.contains("sa-token-secret") && shown.contains("ns"), "{shown}");
+    }
+}
