@@ -73,6 +73,9 @@ mod tests {
             ..Default::default()
         };
         let shown = format!("{request:?}");
-        assert!(!shown.contains("sa-token-secret") && shown.contains("ns"), "{shown}");
+        assert!(
+            !shown.contains("sa-token-secret") && shown.contains("ns"),
+            "{shown}"
+        );
     }
 }
