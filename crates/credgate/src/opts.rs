@@ -151,7 +151,7 @@ pub enum CtlCall {
         image: String,
         #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
         min_valid_for: Option<Duration>,
-        /// IMAGE is a registry host[:port], as a docker credential helper receives it.
+        /// IMAGE is a registry `host[:port]`, as a docker credential helper receives it.
         #[arg(long)]
         registry_host: bool,
     },
