@@ -3,13 +3,14 @@
 //! Image references ([`mod@reference`]), the kubelet's pattern grammar and matching ([`pattern`]),
 //! Go durations ([`duration`]), the `CredentialProviderConfig` decoder and validator ([`config`]),
 //! the plugin wire format ([`wire`]), node-wide docker config files ([`dockerconfig`]) and the
-//! keyring order ([`keyring`]), renewal timing ([`renewal`]) and which consumers track which refs
+//! keyring order ([`keyring`]), the image access guard's rules ([`guard`]), renewal timing ([`renewal`]) and which consumers track which refs
 //! ([`tracking`]). Nothing here touches the file system, processes, clocks or the
 //! network; every function is testable from string literals.
 
 pub mod config;
 pub mod dockerconfig;
 pub mod duration;
+pub mod guard;
 pub mod keyring;
 pub mod pattern;
 pub mod reference;
