@@ -1,0 +1,149 @@
+//! The node's secret key for credential hashes: 32 random bytes in `node.key` under the state
+//! directory (0600), created at first start. Hashes are HMAC-SHA-256 under this key, never plain
+//! hashes, so the records cannot be used to test password guesses offline or to see which
+//! tenants share a credential. Losing the key only means every record needs re-verification.
+
+use std::io::{Read, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+
+use credgate_core::guard::CredentialHash;
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+
+/// Why the key could not be read or created.
+#[derive(Debug, thiserror::Error)]
+pub enum KeyError {
+    #[error("cannot read or create the node key {path}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the node key {path} is damaged (expected 32 bytes, found {len}); remove it to start over (every record will need re-verification)")]
+    Damaged { path: PathBuf, len: usize },
+}
+
+/// The node's hashing key.
+#[derive(Clone)]
+pub struct NodeKey([u8; 32]);
+
+impl std::fmt::Debug for NodeKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("NodeKey(<redacted>)")
+    }
+}
+
+impl NodeKey {
+    /// Reads `dir/node.key`, creating it when absent.
+    pub fn load_or_create(dir: &Path) -> Result<NodeKey, KeyError> {
+        let path = dir.join("node.key");
+        let io = |source| KeyError::Io {
+            path: path.clone(),
+            source,
+        };
+        match std::fs::File::open(&path) {
+            Ok(mut f) => {
+                let mut buf = Vec::new();
+                f.read_to_end(&mut buf).map_err(io)?;
+                let key: [u8; 32] = buf.as_slice().try_into().map_err(|_| KeyError::Damaged {
+                    path: path.clone(),
+                    len: buf.len(),
+                })?;
+                Ok(NodeKey(key))
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                let mut key = [0u8; 32];
+                std::fs::File::open("/dev/urandom")
+                    .and_then(|mut r| r.read_exact(&mut key))
+                    .map_err(io)?;
+                let tmp = dir.join(format!("node.key.{}.tmp", std::process::id()));
+                let mut f = std::fs::OpenOptions::new()
+                    .write(true)
+                    .create_new(true)
+                    .mode(0o600)
+                    .open(&tmp)
+                    .map_err(io)?;
+                f.write_all(&key).and_then(|_| f.sync_all()).map_err(io)?;
+                // Never replace a key another process created meanwhile.
+                match std::fs::hard_link(&tmp, &path) {
+                    Ok(()) => {
+                        let _ = std::fs::remove_file(&tmp);
+                        if let Ok(d) = std::fs::File::open(dir) {
+                            let _ = d.sync_all();
+                        }
+                        Ok(NodeKey(key))
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                        let _ = std::fs::remove_file(&tmp);
+                        Self::load_or_create(dir)
+                    }
+                    Err(e) => {
+                        let _ = std::fs::remove_file(&tmp);
+                        Err(io(e))
+                    }
+                }
+            }
+            Err(e) => Err(io(e)),
+        }
+    }
+
+    /// A key for tests.
+    pub fn from_bytes(key: [u8; 32]) -> NodeKey {
+        NodeKey(key)
+    }
+
+    /// The keyed hash of a registry credential's content.
+    pub fn hash(&self, username: &str, password: &str) -> CredentialHash {
+        let mut mac = Hmac::<Sha256>::new_from_slice(&self.0).expect("HMAC takes any key length");
+        // Length-prefixed, so that ("ab", "c") and ("a", "bc") differ.
+        mac.update(&(username.len() as u64).to_be_bytes());
+        mac.update(username.as_bytes());
+        mac.update(&(password.len() as u64).to_be_bytes());
+        mac.update(password.as_bytes());
+        CredentialHash(mac.finalize().into_bytes().into())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::PermissionsExt;
+
+    use super::*;
+
+    #[test]
+    fn created_once_private_and_stable() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = NodeKey::load_or_create(dir.path()).unwrap();
+        let b = NodeKey::load_or_create(dir.path()).unwrap();
+        assert_eq!(a.hash("u", "p"), b.hash("u", "p"));
+        let mode = std::fs::metadata(dir.path().join("node.key"))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600);
+        assert!(!format!("{a:?}").contains(&hex::encode(a.0)));
+    }
+
+    #[test]
+    fn keyed_and_unambiguous() {
+        let k1 = NodeKey::from_bytes([1; 32]);
+        let k2 = NodeKey::from_bytes([2; 32]);
+        assert_ne!(
+            k1.hash("u", "p"),
+            k2.hash("u", "p"),
+            "another node, another hash"
+        );
+        assert_ne!(k1.hash("ab", "c"), k1.hash("a", "bc"));
+        let plain: [u8; 32] = <Sha256 as sha2::Digest>::digest(b"up").into();
+        assert_ne!(k1.hash("u", "p").0, plain);
+    }
+
+    #[test]
+    fn a_damaged_key_is_a_clear_error() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("node.key"), b"short").unwrap();
+        let e = NodeKey::load_or_create(dir.path()).unwrap_err();
+        assert!(e.to_string().contains("damaged"), "{e}");
+    }
+}

@@ -1,0 +1,685 @@
+//! Durable pull records and intents in SQLite, under the state directory.
+//!
+//! One writer thread owns the write connection. Callers send operations and wait for their
+//! acknowledgement; the writer takes every operation waiting at that moment, applies them in one
+//! transaction and commits (WAL, `synchronous=FULL`: the commit is on disk before anyone is
+//! acknowledged), then publishes the new state to memory. So concurrent recordings share one
+//! fsync (group commit), readers never see an uncommitted write, and a pull acknowledged as
+//! recorded survives a power cut. Reads are served from memory.
+//!
+//! Merges happen in the writer, against its authoritative state, so two pulls of one image with
+//! different credentials cannot lose each other's update.
+
+use std::collections::HashMap;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+use std::sync::{Arc, RwLock};
+
+use credgate_core::guard::{self, NameEntry, Presented, Record};
+use rusqlite::{params, Connection, TransactionBehavior};
+use tokio::sync::oneshot;
+
+/// The schema version this build reads and writes.
+pub const SCHEMA_VERSION: i64 = 1;
+
+/// Every migration, in order; migration `i` takes the schema from version `i` to `i + 1`.
+const MIGRATIONS: &[&str] = &["
+    CREATE TABLE records (
+        image_ref  TEXT PRIMARY KEY,
+        body       TEXT NOT NULL,
+        changed_ms INTEGER NOT NULL
+    );
+    CREATE TABLE intents (
+        image      TEXT PRIMARY KEY,
+        name       TEXT NOT NULL,
+        count      INTEGER NOT NULL,
+        created_ms INTEGER NOT NULL
+    );
+"];
+
+/// Why the store cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("cannot open the guard store {path}")]
+    Open {
+        path: PathBuf,
+        #[source]
+        source: rusqlite::Error,
+    },
+    #[error("the guard store {path} is damaged ({detail}); decisions fail safe (authenticate) until it is repaired or removed")]
+    Corrupt { path: PathBuf, detail: String },
+    #[error("the guard store {path} has schema version {found}, newer than this credgate ({SCHEMA_VERSION})")]
+    TooNew { path: PathBuf, found: i64 },
+    #[error("cannot set up the state directory {path}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("writing to the guard store failed: {0}")]
+    Write(String),
+    #[error("the guard store is closed")]
+    Closed,
+}
+
+/// A pull intent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Intent {
+    /// The normalized image name.
+    pub name: String,
+    /// Pulls in flight for this image reference.
+    pub count: i64,
+    pub created_ms: i64,
+}
+
+/// An image the runtime has, for recovery and pruning.
+#[derive(Debug, Clone, Default)]
+pub struct PresentImage {
+    pub image_ref: String,
+    /// Normalized references (`name:tag` or `name@digest`) it is known by.
+    pub references: Vec<String>,
+}
+
+/// What a prune did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Pruned {
+    pub records_deleted: usize,
+    pub intents_recovered: usize,
+    pub intents_dropped: usize,
+}
+
+/// The in-memory view, replaced piecewise after each commit.
+#[derive(Default)]
+struct Mem {
+    records: HashMap<String, Arc<Record>>,
+    /// By normalized image reference.
+    intents: HashMap<String, Intent>,
+    /// Intents per normalized name.
+    intent_names: HashMap<String, usize>,
+}
+
+impl Mem {
+    fn add_intent(&mut self, image: &str, intent: Intent) {
+        if let Some(old) = self.intents.insert(image.to_owned(), intent.clone()) {
+            self.drop_name(&old.name);
+        }
+        *self.intent_names.entry(intent.name).or_default() += 1;
+    }
+
+    fn remove_intent(&mut self, image: &str) {
+        if let Some(old) = self.intents.remove(image) {
+            self.drop_name(&old.name);
+        }
+    }
+
+    fn drop_name(&mut self, name: &str) {
+        if let Some(n) = self.intent_names.get_mut(name) {
+            *n -= 1;
+            if *n == 0 {
+                self.intent_names.remove(name);
+            }
+        }
+    }
+}
+
+/// A write.
+#[derive(Debug, Clone)]
+pub enum Op {
+    /// A pull of `image` (normalized reference) of `name` is about to start.
+    Intent {
+        image: String,
+        name: String,
+    },
+    /// The pull ended. On success the credential that worked is merged into the record of
+    /// `image_ref`; the intent is dropped either way (kept if the record cannot be written).
+    PullResult {
+        image: String,
+        name: String,
+        image_ref: String,
+        used: Option<Presented>,
+    },
+    /// A decision learned something about `name` of `image_ref`.
+    Update {
+        image_ref: String,
+        name: String,
+        entry: NameEntry,
+    },
+    Delete {
+        image_ref: String,
+    },
+    Prune {
+        present: Vec<PresentImage>,
+        before_ms: i64,
+    },
+}
+
+/// What a write did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Done {
+    Ok,
+    Deleted(bool),
+    Pruned(Pruned),
+}
+
+struct Job {
+    op: Op,
+    now_ms: i64,
+    reply: oneshot::Sender<Result<Done, StoreError>>,
+}
+
+/// The store. Cheap to clone.
+#[derive(Clone)]
+pub struct Store {
+    mem: Arc<RwLock<Mem>>,
+    tx: mpsc::Sender<Job>,
+    path: Arc<PathBuf>,
+}
+
+fn read<'a>(m: &'a RwLock<Mem>) -> std::sync::RwLockReadGuard<'a, Mem> {
+    m.read().unwrap_or_else(|p| p.into_inner())
+}
+
+fn write<'a>(m: &'a RwLock<Mem>) -> std::sync::RwLockWriteGuard<'a, Mem> {
+    m.write().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Store {
+    /// Opens (or creates) `dir/guard.db`, checks it and loads it into memory.
+    pub fn open(dir: &Path) -> Result<Store, StoreError> {
+        let io = |source| StoreError::Io {
+            path: dir.to_owned(),
+            source,
+        };
+        std::fs::create_dir_all(dir).map_err(io)?;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).map_err(io)?;
+        let path = dir.join("guard.db");
+        // Created 0600 before SQLite opens it; its -wal and -shm files take the same mode.
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .mode(0o600)
+            .open(&path)
+            .map_err(io)?;
+        let open_err = |source| StoreError::Open {
+            path: path.clone(),
+            source,
+        };
+        let corrupt = |detail: String| StoreError::Corrupt {
+            path: path.clone(),
+            detail,
+        };
+        let conn = Connection::open(&path).map_err(open_err)?;
+        let setup = || -> rusqlite::Result<(String, String)> {
+            conn.busy_timeout(std::time::Duration::from_secs(5))?;
+            let mode: String = conn.query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0))?;
+            conn.execute_batch("PRAGMA synchronous=FULL;")?;
+            let check = conn.query_row("PRAGMA quick_check", [], |r| r.get(0))?;
+            Ok((mode, check))
+        };
+        match setup() {
+            Ok((mode, check)) if mode == "wal" && check == "ok" => {}
+            Ok((mode, check)) => {
+                return Err(corrupt(format!("journal mode {mode}, check {check}")))
+            }
+            Err(e) => return Err(corrupt(e.to_string())),
+        }
+        let version: i64 = conn
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .map_err(|e| corrupt(e.to_string()))?;
+        if version > SCHEMA_VERSION {
+            return Err(StoreError::TooNew {
+                path: path.clone(),
+                found: version,
+            });
+        }
+        for (i, sql) in MIGRATIONS.iter().enumerate().skip(version as usize) {
+            let next = i as i64 + 1;
+            conn.execute_batch(&format!(
+                "BEGIN IMMEDIATE; {sql} PRAGMA user_version = {next}; COMMIT;"
+            ))
+            .map_err(|e| corrupt(format!("migration to version {next}: {e}")))?;
+        }
+        let mem = load(&conn).map_err(corrupt)?;
+        let mem = Arc::new(RwLock::new(mem));
+        let (tx, rx) = mpsc::channel::<Job>();
+        let writer_mem = mem.clone();
+        std::thread::Builder::new()
+            .name("credgate-guard-writer".into())
+            .spawn(move || writer(conn, rx, writer_mem))
+            .map_err(io)?;
+        Ok(Store {
+            mem,
+            tx,
+            path: Arc::new(path),
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The record of an image ID.
+    pub fn record(&self, image_ref: &str) -> Option<Arc<Record>> {
+        read(&self.mem).records.get(image_ref).cloned()
+    }
+
+    /// The record of an image ID and whether an intent exists for `name`, read together.
+    pub fn view(&self, image_ref: &str, name: &str) -> (Option<Arc<Record>>, bool) {
+        let m = read(&self.mem);
+        (
+            m.records.get(image_ref).cloned(),
+            m.intent_names.contains_key(name),
+        )
+    }
+
+    /// Every record, sorted by image ID.
+    pub fn records(&self) -> Vec<Arc<Record>> {
+        let mut all: Vec<Arc<Record>> = read(&self.mem).records.values().cloned().collect();
+        all.sort_by(|a, b| a.image_ref.cmp(&b.image_ref));
+        all
+    }
+
+    /// Every intent, sorted by image reference.
+    pub fn intents(&self) -> Vec<(String, Intent)> {
+        let mut all: Vec<(String, Intent)> = read(&self.mem)
+            .intents
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        all.sort_by(|a, b| a.0.cmp(&b.0));
+        all
+    }
+
+    /// (records, intents) stored.
+    pub fn counts(&self) -> (usize, usize) {
+        let m = read(&self.mem);
+        (m.records.len(), m.intents.len())
+    }
+
+    /// Applies a write durably; returns once it is committed.
+    pub async fn apply(&self, op: Op, now_ms: i64) -> Result<Done, StoreError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(Job { op, now_ms, reply })
+            .map_err(|_| StoreError::Closed)?;
+        rx.await.map_err(|_| StoreError::Closed)?
+    }
+}
+
+fn load(conn: &Connection) -> Result<Mem, String> {
+    let mut mem = Mem::default();
+    let mut stmt = conn
+        .prepare("SELECT image_ref, body FROM records")
+        .map_err(|e| e.to_string())?;
+    let rows = stmt
+        .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))
+        .map_err(|e| e.to_string())?;
+    for row in rows {
+        let (image_ref, body) = row.map_err(|e| e.to_string())?;
+        let record: Record = serde_json::from_str(&body)
+            .map_err(|e| format!("record {image_ref:?} does not decode: {e}"))?;
+        mem.records.insert(image_ref, Arc::new(record));
+    }
+    let mut stmt = conn
+        .prepare("SELECT image, name, count, created_ms FROM intents")
+        .map_err(|e| e.to_string())?;
+    let rows = stmt
+        .query_map([], |r| {
+            Ok((
+                r.get::<_, String>(0)?,
+                Intent {
+                    name: r.get(1)?,
+                    count: r.get(2)?,
+                    created_ms: r.get(3)?,
+                },
+            ))
+        })
+        .map_err(|e| e.to_string())?;
+    for row in rows {
+        let (image, intent) = row.map_err(|e| e.to_string())?;
+        mem.add_intent(&image, intent);
+    }
+    Ok(mem)
+}
+
+/// The most operations committed in one transaction.
+const MAX_BATCH: usize = 1024;
+
+fn writer(mut conn: Connection, rx: mpsc::Receiver<Job>, mem: Arc<RwLock<Mem>>) {
+    while let Ok(first) = rx.recv() {
+        let mut batch = vec![first];
+        while batch.len() < MAX_BATCH {
+            match rx.try_recv() {
+                Ok(job) => batch.push(job),
+                Err(_) => break,
+            }
+        }
+        commit(&mut conn, batch, &mem);
+    }
+}
+
+/// What one operation changes in memory once committed.
+enum Effect {
+    PutRecord(Arc<Record>),
+    DeleteRecord(String),
+    PutIntent(String, Intent),
+    DeleteIntent(String),
+}
+
+/// Applies a batch in one transaction. An operation that fails is rolled back alone (savepoint)
+/// and answered with its error; the others commit.
+fn commit(conn: &mut Connection, batch: Vec<Job>, mem: &Arc<RwLock<Mem>>) {
+    let mut tx = match conn.transaction_with_behavior(TransactionBehavior::Immediate) {
+        Ok(tx) => tx,
+        Err(e) => {
+            for job in batch {
+                let _ = job.reply.send(Err(StoreError::Write(e.to_string())));
+            }
+            return;
+        }
+    };
+    // A staged view: the writer's own reads see the batch's earlier operations.
+    let mut staged_records: HashMap<String, Option<Arc<Record>>> = HashMap::new();
+    let mut staged_intents: HashMap<String, Option<Intent>> = HashMap::new();
+    let mut results = Vec::with_capacity(batch.len());
+    let mut effects = Vec::new();
+    for job in &batch {
+        let snapshot = read(mem);
+        let ctx = Ctx {
+            mem: &snapshot,
+            records: &staged_records,
+            intents: &staged_intents,
+        };
+        let sp = tx.savepoint();
+        let outcome = match sp {
+            Ok(mut sp) => {
+                let r = apply(&mut sp, &ctx, &job.op, job.now_ms);
+                match r {
+                    Ok((done, eff)) => match sp.commit() {
+                        Ok(()) => Ok((done, eff)),
+                        Err(e) => Err(StoreError::Write(e.to_string())),
+                    },
+                    Err(e) => {
+                        let _ = sp.rollback();
+                        Err(e)
+                    }
+                }
+            }
+            Err(e) => Err(StoreError::Write(e.to_string())),
+        };
+        drop(snapshot);
+        match outcome {
+            Ok((done, eff)) => {
+                for e in &eff {
+                    match e {
+                        Effect::PutRecord(r) => {
+                            staged_records.insert(r.image_ref.clone(), Some(r.clone()));
+                        }
+                        Effect::DeleteRecord(k) => {
+                            staged_records.insert(k.clone(), None);
+                        }
+                        Effect::PutIntent(k, i) => {
+                            staged_intents.insert(k.clone(), Some(i.clone()));
+                        }
+                        Effect::DeleteIntent(k) => {
+                            staged_intents.insert(k.clone(), None);
+                        }
+                    }
+                }
+                effects.extend(eff);
+                results.push(Ok(done));
+            }
+            Err(e) => results.push(Err(e)),
+        }
+    }
+    if let Err(e) = tx.commit() {
+        for job in batch {
+            let _ = job.reply.send(Err(StoreError::Write(e.to_string())));
+        }
+        return;
+    }
+    {
+        let mut m = write(mem);
+        for e in effects {
+            match e {
+                Effect::PutRecord(r) => {
+                    m.records.insert(r.image_ref.clone(), r);
+                }
+                Effect::DeleteRecord(k) => {
+                    m.records.remove(&k);
+                }
+                Effect::PutIntent(k, i) => m.add_intent(&k, i),
+                Effect::DeleteIntent(k) => m.remove_intent(&k),
+            }
+        }
+    }
+    for (job, result) in batch.into_iter().zip(results) {
+        let _ = job.reply.send(result);
+    }
+}
+
+/// The writer's view: committed memory overlaid with this batch's staged changes.
+struct Ctx<'a> {
+    mem: &'a Mem,
+    records: &'a HashMap<String, Option<Arc<Record>>>,
+    intents: &'a HashMap<String, Option<Intent>>,
+}
+
+impl Ctx<'_> {
+    fn record(&self, image_ref: &str) -> Option<Arc<Record>> {
+        match self.records.get(image_ref) {
+            Some(staged) => staged.clone(),
+            None => self.mem.records.get(image_ref).cloned(),
+        }
+    }
+
+    fn intent(&self, image: &str) -> Option<Intent> {
+        match self.intents.get(image) {
+            Some(staged) => staged.clone(),
+            None => self.mem.intents.get(image).cloned(),
+        }
+    }
+
+    fn all_records(&self) -> Vec<Arc<Record>> {
+        let mut out: HashMap<&str, Arc<Record>> = self
+            .mem
+            .records
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.clone()))
+            .collect();
+        for (k, v) in self.records {
+            match v {
+                Some(r) => {
+                    out.insert(k, r.clone());
+                }
+                None => {
+                    out.remove(k.as_str());
+                }
+            }
+        }
+        out.into_values().collect()
+    }
+
+    fn all_intents(&self) -> Vec<(String, Intent)> {
+        let mut out: HashMap<&str, Intent> = self
+            .mem
+            .intents
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.clone()))
+            .collect();
+        for (k, v) in self.intents {
+            match v {
+                Some(i) => {
+                    out.insert(k, i.clone());
+                }
+                None => {
+                    out.remove(k.as_str());
+                }
+            }
+        }
+        out.into_iter().map(|(k, v)| (k.to_owned(), v)).collect()
+    }
+}
+
+fn put_record(db: &rusqlite::Savepoint<'_>, r: &Record) -> Result<(), StoreError> {
+    let body = serde_json::to_string(r).map_err(|e| StoreError::Write(e.to_string()))?;
+    db.execute(
+        "INSERT INTO records (image_ref, body, changed_ms) VALUES (?1, ?2, ?3)
+         ON CONFLICT(image_ref) DO UPDATE SET body = excluded.body, changed_ms = excluded.changed_ms",
+        params![r.image_ref, body, r.changed_ms],
+    )
+    .map_err(|e| StoreError::Write(e.to_string()))?;
+    Ok(())
+}
+
+fn put_intent(db: &rusqlite::Savepoint<'_>, image: &str, i: &Intent) -> Result<(), StoreError> {
+    db.execute(
+        "INSERT INTO intents (image, name, count, created_ms) VALUES (?1, ?2, ?3, ?4)
+         ON CONFLICT(image) DO UPDATE SET count = excluded.count",
+        params![image, i.name, i.count, i.created_ms],
+    )
+    .map_err(|e| StoreError::Write(e.to_string()))?;
+    Ok(())
+}
+
+fn delete_intent(db: &rusqlite::Savepoint<'_>, image: &str) -> Result<(), StoreError> {
+    db.execute("DELETE FROM intents WHERE image = ?1", params![image])
+        .map_err(|e| StoreError::Write(e.to_string()))?;
+    Ok(())
+}
+
+/// One intent fewer for `image`: the effect to publish.
+fn release_intent(
+    db: &rusqlite::Savepoint<'_>,
+    ctx: &Ctx<'_>,
+    image: &str,
+) -> Result<Option<Effect>, StoreError> {
+    let Some(mut intent) = ctx.intent(image) else {
+        return Ok(None);
+    };
+    if intent.count > 1 {
+        intent.count -= 1;
+        put_intent(db, image, &intent)?;
+        Ok(Some(Effect::PutIntent(image.to_owned(), intent)))
+    } else {
+        delete_intent(db, image)?;
+        Ok(Some(Effect::DeleteIntent(image.to_owned())))
+    }
+}
+
+fn apply(
+    db: &mut rusqlite::Savepoint<'_>,
+    ctx: &Ctx<'_>,
+    op: &Op,
+    now_ms: i64,
+) -> Result<(Done, Vec<Effect>), StoreError> {
+    let mut effects = Vec::new();
+    let done = match op {
+        Op::Intent { image, name } => {
+            let intent = match ctx.intent(image) {
+                Some(mut i) => {
+                    i.count += 1;
+                    i
+                }
+                None => Intent {
+                    name: name.clone(),
+                    count: 1,
+                    created_ms: now_ms,
+                },
+            };
+            put_intent(db, image, &intent)?;
+            effects.push(Effect::PutIntent(image.clone(), intent));
+            Done::Ok
+        }
+        Op::PullResult {
+            image,
+            name,
+            image_ref,
+            used,
+        } => {
+            if let Some(used) = used {
+                let current = ctx.record(image_ref);
+                let merged = guard::merge(current.as_deref(), image_ref, name, used, now_ms);
+                put_record(db, &merged)?;
+                effects.push(Effect::PutRecord(Arc::new(merged)));
+            }
+            effects.extend(release_intent(db, ctx, image)?);
+            Done::Ok
+        }
+        Op::Update {
+            image_ref,
+            name,
+            entry,
+        } => {
+            if let Some(current) = ctx.record(image_ref) {
+                let mut r = (*current).clone();
+                r.names.insert(name.clone(), entry.clone());
+                r.changed_ms = now_ms;
+                put_record(db, &r)?;
+                effects.push(Effect::PutRecord(Arc::new(r)));
+            }
+            Done::Ok
+        }
+        Op::Delete { image_ref } => {
+            let n = db
+                .execute(
+                    "DELETE FROM records WHERE image_ref = ?1",
+                    params![image_ref],
+                )
+                .map_err(|e| StoreError::Write(e.to_string()))?;
+            effects.push(Effect::DeleteRecord(image_ref.clone()));
+            Done::Deleted(n > 0)
+        }
+        Op::Prune { present, before_ms } => {
+            let mut pruned = Pruned::default();
+            let present_refs: HashMap<&str, &PresentImage> =
+                present.iter().map(|p| (p.image_ref.as_str(), p)).collect();
+            let by_reference: HashMap<&str, &str> = present
+                .iter()
+                .flat_map(|p| {
+                    p.references
+                        .iter()
+                        .map(move |r| (r.as_str(), p.image_ref.as_str()))
+                })
+                .collect();
+            // Leftover intents: present images become records with no credentials; absent
+            // ones older than the horizon are dropped.
+            let mut recovered: HashMap<String, Record> = HashMap::new();
+            for (image, intent) in ctx.all_intents() {
+                if let Some(image_ref) = by_reference.get(image.as_str()) {
+                    let current = recovered
+                        .get(*image_ref)
+                        .cloned()
+                        .or_else(|| ctx.record(image_ref).map(|r| (*r).clone()));
+                    let r = guard::recovered(current.as_ref(), image_ref, &intent.name, now_ms);
+                    recovered.insert((*image_ref).to_owned(), r);
+                    delete_intent(db, &image)?;
+                    effects.push(Effect::DeleteIntent(image));
+                    pruned.intents_recovered += 1;
+                } else if intent.created_ms < *before_ms {
+                    delete_intent(db, &image)?;
+                    effects.push(Effect::DeleteIntent(image));
+                    pruned.intents_dropped += 1;
+                }
+            }
+            for r in recovered.into_values() {
+                put_record(db, &r)?;
+                effects.push(Effect::PutRecord(Arc::new(r)));
+            }
+            for r in ctx.all_records() {
+                if !present_refs.contains_key(r.image_ref.as_str()) && r.changed_ms < *before_ms {
+                    db.execute(
+                        "DELETE FROM records WHERE image_ref = ?1",
+                        params![r.image_ref],
+                    )
+                    .map_err(|e| StoreError::Write(e.to_string()))?;
+                    effects.push(Effect::DeleteRecord(r.image_ref.clone()));
+                    pruned.records_deleted += 1;
+                }
+            }
+            Done::Pruned(pruned)
+        }
+    };
+    Ok((done, effects))
+}
