@@ -13,6 +13,7 @@
 use std::collections::HashMap;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, RwLock};
 
@@ -168,12 +169,20 @@ struct Job {
     reply: oneshot::Sender<Result<Done, StoreError>>,
 }
 
+/// A message to the writer.
+enum Msg {
+    Write(Job),
+    /// Finish, checkpoint and close the file, then answer.
+    Close(oneshot::Sender<()>),
+}
+
 /// The store. Cheap to clone.
 #[derive(Clone)]
 pub struct Store {
     mem: Arc<RwLock<Mem>>,
-    tx: mpsc::Sender<Job>,
+    tx: mpsc::Sender<Msg>,
     path: Arc<PathBuf>,
+    commits: Arc<AtomicU64>,
 }
 
 fn read<'a>(m: &'a RwLock<Mem>) -> std::sync::RwLockReadGuard<'a, Mem> {
@@ -242,16 +251,19 @@ impl Store {
         }
         let mem = load(&conn).map_err(corrupt)?;
         let mem = Arc::new(RwLock::new(mem));
-        let (tx, rx) = mpsc::channel::<Job>();
+        let (tx, rx) = mpsc::channel::<Msg>();
         let writer_mem = mem.clone();
+        let commits = Arc::new(AtomicU64::new(0));
+        let writer_commits = commits.clone();
         std::thread::Builder::new()
             .name("credgate-guard-writer".into())
-            .spawn(move || writer(conn, rx, writer_mem))
+            .spawn(move || writer(conn, rx, writer_mem, writer_commits))
             .map_err(io)?;
         Ok(Store {
             mem,
             tx,
             path: Arc::new(path),
+            commits,
         })
     }
 
@@ -291,6 +303,11 @@ impl Store {
         all
     }
 
+    /// Transactions committed so far (each may hold many writes).
+    pub fn commits(&self) -> u64 {
+        self.commits.load(Ordering::Relaxed)
+    }
+
     /// (records, intents) stored.
     pub fn counts(&self) -> (usize, usize) {
         let m = read(&self.mem);
@@ -301,9 +318,18 @@ impl Store {
     pub async fn apply(&self, op: Op, now_ms: i64) -> Result<Done, StoreError> {
         let (reply, rx) = oneshot::channel();
         self.tx
-            .send(Job { op, now_ms, reply })
+            .send(Msg::Write(Job { op, now_ms, reply }))
             .map_err(|_| StoreError::Closed)?;
         rx.await.map_err(|_| StoreError::Closed)?
+    }
+
+    /// Commits what is queued, checkpoints and closes the file. Later writes fail with
+    /// [`StoreError::Closed`]; reads keep answering from memory.
+    pub async fn close(&self) {
+        let (done, rx) = oneshot::channel();
+        if self.tx.send(Msg::Close(done)).is_ok() {
+            let _ = rx.await;
+        }
     }
 }
 
@@ -346,16 +372,40 @@ fn load(conn: &Connection) -> Result<Mem, String> {
 /// The most operations committed in one transaction.
 const MAX_BATCH: usize = 1024;
 
-fn writer(mut conn: Connection, rx: mpsc::Receiver<Job>, mem: Arc<RwLock<Mem>>) {
+fn writer(
+    mut conn: Connection,
+    rx: mpsc::Receiver<Msg>,
+    mem: Arc<RwLock<Mem>>,
+    commits: Arc<AtomicU64>,
+) {
+    let mut closing = None;
     while let Ok(first) = rx.recv() {
-        let mut batch = vec![first];
-        while batch.len() < MAX_BATCH {
-            match rx.try_recv() {
-                Ok(job) => batch.push(job),
-                Err(_) => break,
+        let mut batch = Vec::new();
+        let mut next = Some(first);
+        while let Some(msg) = next.take() {
+            match msg {
+                Msg::Write(job) => batch.push(job),
+                Msg::Close(done) => {
+                    closing = Some(done);
+                    break;
+                }
+            }
+            if batch.len() < MAX_BATCH {
+                next = rx.try_recv().ok();
             }
         }
-        commit(&mut conn, batch, &mem);
+        if !batch.is_empty() {
+            commit(&mut conn, batch, &mem);
+            commits.fetch_add(1, Ordering::Relaxed);
+        }
+        if closing.is_some() {
+            break;
+        }
+    }
+    let _ = conn.execute_batch("PRAGMA wal_checkpoint(TRUNCATE);");
+    drop(conn);
+    if let Some(done) = closing {
+        let _ = done.send(());
     }
 }
 

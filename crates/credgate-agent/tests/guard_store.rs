@@ -1,0 +1,235 @@
+//! The guard's SQLite store: durability across reopen, intents, recovery, pruning, group
+//! commit, damaged files.
+
+use std::os::unix::fs::PermissionsExt;
+
+use credgate_agent::guard::store::{Done, Op, PresentImage, Pruned, Store, StoreError};
+use credgate_core::guard::{Coords, CredentialHash, Presented};
+
+const NOW: i64 = 1_700_000_000_000;
+const NAME: &str = "registry.example.com/team-a/app";
+const IMAGE: &str = "registry.example.com/team-a/app:v1";
+const REF: &str = "sha256:1111";
+
+fn secret(name: &str, h: u8) -> Presented {
+    Presented::Secret {
+        coords: Coords {
+            namespace: "team-a".into(),
+            name: name.into(),
+            uid: format!("uid-{name}"),
+        },
+        hash: CredentialHash([h; 32]),
+    }
+}
+
+fn intent(image: &str) -> Op {
+    Op::Intent {
+        image: image.into(),
+        name: NAME.into(),
+    }
+}
+
+fn result(image: &str, used: Option<Presented>) -> Op {
+    Op::PullResult {
+        image: image.into(),
+        name: NAME.into(),
+        image_ref: REF.into(),
+        used,
+    }
+}
+
+#[tokio::test]
+async fn records_survive_reopen_with_private_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    {
+        let store = Store::open(&state).unwrap();
+        store.apply(intent(IMAGE), NOW).await.unwrap();
+        store
+            .apply(result(IMAGE, Some(secret("pull", 1))), NOW)
+            .await
+            .unwrap();
+        assert_eq!(store.counts(), (1, 0));
+    }
+    let store = Store::open(&state).unwrap();
+    let r = store.record(REF).expect("durable");
+    assert_eq!(r.names[NAME].secrets.len(), 1);
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&state), 0o700);
+    assert_eq!(mode(&state.join("guard.db")), 0o600);
+}
+
+#[tokio::test]
+async fn intents_are_reference_counted_and_dropped_on_failure() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path()).unwrap();
+    store.apply(intent(IMAGE), NOW).await.unwrap();
+    store.apply(intent(IMAGE), NOW).await.unwrap();
+    assert_eq!(store.intents()[0].1.count, 2);
+    assert!(
+        store.view(REF, NAME).1,
+        "an intent marks the name as pulled by the node"
+    );
+    // One pull fails: its intent goes, the other pull's stays.
+    store.apply(result(IMAGE, None), NOW).await.unwrap();
+    assert_eq!(store.intents()[0].1.count, 1);
+    assert!(store.record(REF).is_none());
+    store
+        .apply(result(IMAGE, Some(Presented::NodeWide)), NOW)
+        .await
+        .unwrap();
+    assert!(store.intents().is_empty());
+    assert!(store.record(REF).unwrap().names[NAME].node_accessible);
+}
+
+#[tokio::test]
+async fn prune_recovers_present_intents_and_drops_old_absent_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path()).unwrap();
+    // A pull that never reported (the agent died): its image is present now.
+    store.apply(intent(IMAGE), NOW).await.unwrap();
+    // A pull of an image that never arrived, long ago.
+    store
+        .apply(intent("registry.example.com/team-a/app:gone"), NOW - 10_000)
+        .await
+        .unwrap();
+    // A record of an image that was removed from the node, long ago, and a recent one.
+    store
+        .apply(
+            Op::PullResult {
+                image: "x".into(),
+                name: "registry.example.com/old".into(),
+                image_ref: "sha256:old".into(),
+                used: Some(Presented::NodeWide),
+            },
+            NOW - 10_000,
+        )
+        .await
+        .unwrap();
+    store
+        .apply(
+            Op::PullResult {
+                image: "y".into(),
+                name: "registry.example.com/new".into(),
+                image_ref: "sha256:new".into(),
+                used: Some(Presented::NodeWide),
+            },
+            NOW,
+        )
+        .await
+        .unwrap();
+    let done = store
+        .apply(
+            Op::Prune {
+                present: vec![PresentImage {
+                    image_ref: REF.into(),
+                    references: vec![IMAGE.into()],
+                }],
+                before_ms: NOW - 1_000,
+            },
+            NOW + 1,
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        done,
+        Done::Pruned(Pruned {
+            records_deleted: 1,
+            intents_recovered: 1,
+            intents_dropped: 1,
+        })
+    );
+    assert!(store.intents().is_empty());
+    let r = store.record(REF).expect("recovered");
+    let e = &r.names[NAME];
+    assert!(!e.node_accessible && e.secrets.is_empty() && e.service_accounts.is_empty());
+    assert!(store.record("sha256:old").is_none());
+    assert!(
+        store.record("sha256:new").is_some(),
+        "changed after the horizon"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_recordings_share_transactions() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path()).unwrap();
+    let before = store.commits();
+    let mut tasks = Vec::new();
+    for i in 0..256u32 {
+        let store = store.clone();
+        tasks.push(tokio::spawn(async move {
+            store
+                .apply(
+                    Op::PullResult {
+                        image: format!("i{i}"),
+                        name: NAME.into(),
+                        image_ref: format!("sha256:{i}"),
+                        used: Some(secret("pull", 1)),
+                    },
+                    NOW,
+                )
+                .await
+                .unwrap();
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert_eq!(store.counts().0, 256);
+    let commits = store.commits() - before;
+    assert!(commits < 256, "{commits} transactions for 256 recordings");
+}
+
+#[tokio::test]
+async fn damaged_files_are_clear_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("guard.db"), vec![0x5a; 8192]).unwrap();
+    let e = Store::open(dir.path()).err().expect("garbage is refused");
+    assert!(matches!(e, StoreError::Corrupt { .. }), "{e}");
+    assert!(e.to_string().contains("fail safe"), "{e}");
+
+    // A real store cut short.
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let store = Store::open(dir.path()).unwrap();
+        for i in 0..200 {
+            store
+                .apply(
+                    Op::PullResult {
+                        image: format!("i{i}"),
+                        name: NAME.into(),
+                        image_ref: format!("sha256:{i}"),
+                        used: Some(secret("pull", 1)),
+                    },
+                    NOW,
+                )
+                .await
+                .unwrap();
+        }
+        store.close().await;
+    }
+    let db = dir.path().join("guard.db");
+    let _ = std::fs::remove_file(dir.path().join("guard.db-wal"));
+    let _ = std::fs::remove_file(dir.path().join("guard.db-shm"));
+    let len = std::fs::metadata(&db).unwrap().len();
+    let f = std::fs::OpenOptions::new().write(true).open(&db).unwrap();
+    f.set_len(len / 2).unwrap();
+    drop(f);
+    match Store::open(dir.path()) {
+        Err(StoreError::Corrupt { .. }) => {}
+        Err(other) => panic!("unexpected error: {other}"),
+        Ok(store) => panic!("a truncated store opened with {:?} records", store.counts()),
+    }
+}
+
+#[tokio::test]
+async fn a_store_from_a_newer_version_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    drop(Store::open(dir.path()).unwrap());
+    let conn = rusqlite::Connection::open(dir.path().join("guard.db")).unwrap();
+    conn.execute_batch("PRAGMA user_version = 99;").unwrap();
+    drop(conn);
+    let e = Store::open(dir.path()).err().unwrap();
+    assert!(matches!(e, StoreError::TooNew { found: 99, .. }), "{e}");
+}
