@@ -10,7 +10,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build_client(true)
         .type_attribute(".credgate.v1", "#[derive(serde::Serialize)]")
         // Messages with secrets get a hand-written, redacting Debug (src/redact.rs).
-        .skip_debug([".credgate.v1.Credential", ".credgate.v1.ServiceAccount"])
+        .skip_debug([
+            ".credgate.v1.Credential",
+            ".credgate.v1.ServiceAccount",
+            ".credgate.v1.SecretCredential",
+        ])
         .compile_fds(descriptors)?;
     Ok(())
 }

@@ -13,6 +13,7 @@ use prometheus_client::registry::Registry;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use crate::guard::{Guard, GuardOptions};
 use crate::metrics::AgentMetrics;
 use crate::renewal::Renewer;
 use crate::sources::{SourceError, Sources};
@@ -24,6 +25,8 @@ pub struct AgentOptions {
     pub renewal: RenewalPolicy,
     /// The clock; the system's when `None` (tests pass a paused one).
     pub clock: Option<Arc<dyn Clock>>,
+    /// The image access guard; off when `None` (its RPCs then fail with FAILED_PRECONDITION).
+    pub guard: Option<GuardOptions>,
 }
 
 /// What a reload did.
@@ -41,6 +44,7 @@ struct Inner {
     metrics: AgentMetrics,
     registry: Registry,
     renewer: Renewer,
+    guard: Option<Guard>,
     clock: Arc<dyn Clock>,
     started: SystemTime,
     loaded: Mutex<SystemTime>,
@@ -74,6 +78,7 @@ impl Agent {
             options.renewal,
             metrics.clone(),
         );
+        let guard = options.guard.map(|g| Guard::open(g, metrics.clone()));
         let now = clock.wall();
         Ok(Agent {
             inner: Arc::new(Inner {
@@ -83,6 +88,7 @@ impl Agent {
                 metrics,
                 registry,
                 renewer,
+                guard,
                 clock,
                 started: now,
                 loaded: Mutex::new(now),
@@ -98,6 +104,11 @@ impl Agent {
 
     pub fn renewer(&self) -> &Renewer {
         &self.inner.renewer
+    }
+
+    /// The image access guard, when enabled.
+    pub fn guard(&self) -> Option<&Guard> {
+        self.inner.guard.as_ref()
     }
 
     pub fn metrics(&self) -> &AgentMetrics {

@@ -32,6 +32,14 @@ pub const METHODS: &[&str] = &[
     "Version",
     "Status",
     "Reload",
+    "CheckAccess",
+    "RecordPullIntent",
+    "RecordPullResult",
+    "Verify",
+    "Prune",
+    "ListRecords",
+    "GetRecord",
+    "DeleteRecord",
 ];
 
 /// Handles of one method's successful calls, taken once so the hot path neither allocates
@@ -51,6 +59,10 @@ pub struct AgentMetrics {
     pub rpcs: Family<Labels, Counter>,
     pub rpc_seconds: Family<Labels, Histogram, fn() -> Histogram>,
     pub reloads: Family<Labels, Counter>,
+    pub guard_decisions: Family<Labels, Counter>,
+    pub guard_records: Gauge,
+    pub guard_intents: Gauge,
+    pub verifications: Family<Labels, Counter>,
     methods: Arc<HashMap<&'static str, MethodHandles>>,
 }
 
@@ -90,6 +102,10 @@ impl Default for AgentMetrics {
             rpcs,
             rpc_seconds,
             reloads: Family::default(),
+            guard_decisions: Family::default(),
+            guard_records: Gauge::default(),
+            guard_intents: Gauge::default(),
+            verifications: Family::default(),
             methods: Arc::new(methods),
         }
     }
@@ -121,6 +137,26 @@ impl AgentMetrics {
             self.rpc_seconds.clone(),
         );
         r.register(
+            "guard_decisions",
+            "Image access decisions by result (allow, must_authenticate, refuse, pull)",
+            self.guard_decisions.clone(),
+        );
+        r.register(
+            "guard_records",
+            "Pull records stored",
+            self.guard_records.clone(),
+        );
+        r.register(
+            "guard_intents",
+            "Pull intents stored",
+            self.guard_intents.clone(),
+        );
+        r.register(
+            "guard_verifications",
+            "Verifications against registries by result",
+            self.verifications.clone(),
+        );
+        r.register(
             "config_reloads",
             "Provider config reloads by result (success, failure)",
             self.reloads.clone(),
@@ -131,6 +167,20 @@ impl AgentMetrics {
     pub fn renewal(&self, success: bool) {
         let result = if success { "success" } else { "failure" };
         self.renewals
+            .get_or_create(&vec![("result", result.to_owned())])
+            .inc();
+    }
+
+    /// Counts a guard decision.
+    pub fn guard_decision(&self, result: &'static str) {
+        self.guard_decisions
+            .get_or_create(&vec![("result", result.to_owned())])
+            .inc();
+    }
+
+    /// Counts a verification.
+    pub fn verification(&self, result: &'static str) {
+        self.verifications
             .get_or_create(&vec![("result", result.to_owned())])
             .inc();
     }

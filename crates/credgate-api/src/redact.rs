@@ -3,7 +3,7 @@
 
 use std::fmt;
 
-use crate::v1::{Credential, ServiceAccount};
+use crate::v1::{Credential, SecretCredential, ServiceAccount};
 
 fn secret(s: &str) -> &'static str {
     if s.is_empty() {
@@ -42,6 +42,16 @@ impl fmt::Debug for ServiceAccount {
             .field("uid", &self.uid)
             .field("token", &Raw(secret(&self.token)))
             .field("annotations", &self.annotations)
+            .finish()
+    }
+}
+
+impl fmt::Debug for SecretCredential {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SecretCredential")
+            .field("secret", &self.secret)
+            .field("username", &self.username)
+            .field("password", &Raw(secret(&self.password)))
             .finish()
     }
 }

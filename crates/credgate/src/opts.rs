@@ -130,6 +130,52 @@ pub struct ServeArgs {
     /// Keep refs no consumer tracks any more for this long before forgetting them.
     #[arg(long, value_name = "DURATION", value_parser = parse_duration, default_value = "10m")]
     pub untracked_grace: Duration,
+    /// When a consumer must authenticate before using an image already on the node (kubelet
+    /// flag): NeverVerify, NeverVerifyPreloadedImages, NeverVerifyAllowlistedImages,
+    /// AlwaysVerify.
+    #[arg(
+        long,
+        value_name = "POLICY",
+        default_value = "NeverVerifyPreloadedImages"
+    )]
+    pub image_pull_credentials_verification_policy: String,
+    /// Images exempt under NeverVerifyAllowlistedImages (kubelet flag): names without tag or
+    /// digest, or prefixes ending in `/*`; comma-separated, repeatable.
+    #[arg(long, value_name = "LIST", value_delimiter = ',')]
+    pub preloaded_images_verification_allowlist: Vec<String>,
+    /// A secret that last pulled an image longer ago than this no longer allows it without
+    /// re-authentication (off unless given).
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub pull_record_max_age: Option<Duration>,
+    /// Reach this registry (`host[:port]`) over plain HTTP when verifying (loopback registries
+    /// always are); repeatable.
+    #[arg(long, value_name = "HOST")]
+    pub insecure_registry: Vec<String>,
+    /// Timeout of each request to a registry when verifying.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration, default_value = "10s")]
+    pub registry_timeout: Duration,
+}
+
+/// Credentials a consumer presents (`ctl check-access`, `verify`, `record-result`).
+#[derive(Args, Clone, Default)]
+pub struct CredentialArgs {
+    /// A pull secret: `NAMESPACE/NAME[/UID]=USERNAME:PASSWORD` (repeatable; for testing: the
+    /// password is visible to other users of the machine in the process list).
+    #[arg(long, value_name = "SECRET")]
+    pub secret: Vec<String>,
+    /// A service account: `NAMESPACE/NAME/UID` (repeatable).
+    #[arg(long, value_name = "SA")]
+    pub service_account: Vec<String>,
+    /// Anonymous or node-wide credentials.
+    #[arg(long)]
+    pub node_wide: bool,
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum PullPolicyArg {
+    Always,
+    IfNotPresent,
+    Never,
 }
 
 #[derive(Args)]
@@ -174,6 +220,59 @@ pub enum CtlCall {
         #[arg(long)]
         count: Option<u64>,
     },
+    /// ImageAccess.CheckAccess: may these credentials use the image on the node?
+    CheckAccess {
+        image: String,
+        /// The runtime's image ID of the local copy.
+        #[arg(long, value_name = "ID")]
+        image_ref: Option<String>,
+        /// The image is not on the node.
+        #[arg(long)]
+        absent: bool,
+        #[arg(long, value_enum, default_value_t = PullPolicyArg::IfNotPresent)]
+        pull_policy: PullPolicyArg,
+        #[command(flatten)]
+        credentials: CredentialArgs,
+    },
+    /// ImageAccess.RecordPullIntent: a pull of IMAGE is about to start.
+    RecordIntent { image: String },
+    /// ImageAccess.RecordPullResult: a pull of IMAGE ended.
+    RecordResult {
+        image: String,
+        #[arg(long, value_name = "ID")]
+        image_ref: Option<String>,
+        /// The pull failed.
+        #[arg(long)]
+        failed: bool,
+        #[command(flatten)]
+        credentials: CredentialArgs,
+    },
+    /// ImageAccess.Verify: ask the registry with each credential in order.
+    Verify {
+        image: String,
+        #[arg(long, value_name = "ID")]
+        image_ref: String,
+        /// The manifest digest held locally.
+        #[arg(long, value_name = "DIGEST")]
+        expected_digest: Option<String>,
+        #[command(flatten)]
+        credentials: CredentialArgs,
+    },
+    /// ImageAccess.Prune: recover intents of present images, drop state of absent ones.
+    Prune {
+        /// A present image: `IMAGE_ID=REFERENCE[,REFERENCE...]` (repeatable).
+        #[arg(long, value_name = "PRESENT")]
+        present: Vec<String>,
+        /// Only state unchanged for this long is dropped.
+        #[arg(long, value_name = "DURATION", value_parser = parse_duration, default_value = "0s")]
+        older_than: Duration,
+    },
+    /// ImageAccess.ListRecords: every pull record and intent.
+    ListRecords,
+    /// ImageAccess.GetRecord.
+    GetRecord { image_ref: String },
+    /// ImageAccess.DeleteRecord.
+    DeleteRecord { image_ref: String },
     /// Admin.Health.
     Health,
     /// Admin.Version.

@@ -1,5 +1,470 @@
 //! The image access guard at run time: durable records ([`store`]), the node's hashing key
-//! ([`keys`]), and the service that decides and records ([`Guard`]).
+//! ([`keys`]), verification against the registry ([`registry`]), and [`Guard`], which decides
+//! and records.
+//!
+//! The guard never refuses to start: a store or key that cannot be opened is logged and every
+//! decision that depends on them fails safe (must authenticate), so a damaged file cannot put
+//! the agent into a crash loop, nor let a tenant in.
 
 pub mod keys;
+pub mod registry;
 pub mod store;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use credgate_core::guard::{
+    self, AllowReason, Allowlist, AuthReason, Check, Coords, Policy, Presented, StoreView, Verdict,
+};
+use credgate_core::reference::{ImageRef, ReferenceError};
+use secrecy::{ExposeSecret, SecretString};
+
+use crate::metrics::AgentMetrics;
+use keys::NodeKey;
+use store::{Done, Op, PresentImage, Pruned, Store, StoreError};
+
+/// How the guard behaves.
+#[derive(Debug, Clone, Default)]
+pub struct GuardOptions {
+    pub policy: Policy,
+    pub allowlist: Allowlist,
+    /// A secret match older than this no longer allows without re-authentication.
+    pub max_age: Option<Duration>,
+    /// Where `guard.db` and `node.key` live.
+    pub state_dir: PathBuf,
+    pub registry: registry::RegistryOptions,
+}
+
+/// A workload's pull policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PullPolicy {
+    Always,
+    #[default]
+    IfNotPresent,
+    Never,
+}
+
+/// A credential as a caller describes it. Secrets are hashed when needed and then dropped.
+#[derive(Clone)]
+pub enum CredentialIn {
+    Secret {
+        coords: Coords,
+        username: String,
+        password: SecretString,
+    },
+    ServiceAccount(Coords),
+    NodeWide,
+}
+
+impl std::fmt::Debug for CredentialIn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CredentialIn::Secret {
+                coords, username, ..
+            } => f
+                .debug_struct("Secret")
+                .field("coords", coords)
+                .field("username", username)
+                .field("password", &"<redacted>")
+                .finish(),
+            CredentialIn::ServiceAccount(c) => f.debug_tuple("ServiceAccount").field(c).finish(),
+            CredentialIn::NodeWide => f.write_str("NodeWide"),
+        }
+    }
+}
+
+/// The guard's answer to `CheckAccess`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Answer {
+    Pull,
+    Allow,
+    MustAuthenticate,
+    Refuse,
+}
+
+impl Answer {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Answer::Pull => "pull",
+            Answer::Allow => "allow",
+            Answer::MustAuthenticate => "must_authenticate",
+            Answer::Refuse => "refuse",
+        }
+    }
+}
+
+/// An answer with its reason.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CheckAnswer {
+    pub answer: Answer,
+    pub reason: &'static str,
+    pub message: String,
+}
+
+/// Why a guard call was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum GuardError {
+    #[error("invalid image {image:?}: {error}")]
+    InvalidImage {
+        image: String,
+        error: ReferenceError,
+    },
+    #[error("{0} is required")]
+    Missing(&'static str),
+    #[error("the guard's records are unavailable: {0}")]
+    Unavailable(Arc<StoreError>),
+    #[error("the guard's records could not be written: {0}")]
+    Write(#[from] StoreError),
+}
+
+/// What a pull reference normalizes to: the image name and the full reference
+/// (`name:tag`, `name@digest`; `:latest` when the workload named neither).
+pub fn normalize(image: &str) -> Result<(String, String), GuardError> {
+    let r = ImageRef::parse(image).map_err(|error| GuardError::InvalidImage {
+        image: image.to_owned(),
+        error,
+    })?;
+    let name = r.name().to_owned();
+    let reference = match (r.tag(), r.digest()) {
+        (_, Some(d)) => format!("{name}@{d}"),
+        (Some(t), None) => format!("{name}:{t}"),
+        (None, None) => format!("{name}:latest"),
+    };
+    Ok((name, reference))
+}
+
+/// Milliseconds since the Unix epoch.
+pub fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
+
+/// The guard.
+#[derive(Clone)]
+pub struct Guard {
+    store: Result<Store, Arc<StoreError>>,
+    key: Option<NodeKey>,
+    options: Arc<GuardOptions>,
+    metrics: AgentMetrics,
+    verifier: registry::Verifier,
+}
+
+impl Guard {
+    /// Opens the store and the key under the state directory. Never fails: problems are logged
+    /// and make decisions fail safe.
+    pub fn open(options: GuardOptions, metrics: AgentMetrics) -> Guard {
+        let store = Store::open(&options.state_dir).map_err(|e| {
+            tracing::error!(error = %crate::server::error_chain(&e), "guard store unavailable; every present image requires authentication");
+            Arc::new(e)
+        });
+        let key = match keys::NodeKey::load_or_create(&options.state_dir) {
+            Ok(k) => Some(k),
+            Err(e) => {
+                tracing::error!(error = %crate::server::error_chain(&e), "node key unavailable; secrets cannot match records");
+                None
+            }
+        };
+        let verifier = registry::Verifier::new(options.registry.clone());
+        let guard = Guard {
+            store,
+            key,
+            options: Arc::new(options),
+            metrics,
+            verifier,
+        };
+        guard.update_gauges();
+        guard
+    }
+
+    pub fn options(&self) -> &GuardOptions {
+        &self.options
+    }
+
+    /// The store, or why it is unavailable.
+    pub fn store(&self) -> Result<&Store, GuardError> {
+        self.store
+            .as_ref()
+            .map_err(|e| GuardError::Unavailable(e.clone()))
+    }
+
+    fn update_gauges(&self) {
+        if let Ok(s) = &self.store {
+            let (records, intents) = s.counts();
+            self.metrics.guard_records.set(records as i64);
+            self.metrics.guard_intents.set(intents as i64);
+        }
+    }
+
+    fn presented(&self, credentials: &[CredentialIn]) -> Vec<Presented> {
+        credentials
+            .iter()
+            .filter_map(|c| match c {
+                CredentialIn::Secret {
+                    coords,
+                    username,
+                    password,
+                } => self.key.as_ref().map(|k| Presented::Secret {
+                    coords: coords.clone(),
+                    hash: k.hash(username, password.expose_secret()),
+                }),
+                CredentialIn::ServiceAccount(sa) => Some(Presented::ServiceAccount(sa.clone())),
+                CredentialIn::NodeWide => Some(Presented::NodeWide),
+            })
+            .collect()
+    }
+
+    /// Must this consumer authenticate before using the image?
+    pub fn check(
+        &self,
+        image: &str,
+        image_ref: &str,
+        present: bool,
+        pull_policy: PullPolicy,
+        credentials: &[CredentialIn],
+    ) -> Result<CheckAnswer, GuardError> {
+        let (name, _) = normalize(image)?;
+        let answer = self.decide(&name, image, image_ref, present, pull_policy, credentials);
+        self.metrics.guard_decision(answer.answer.as_str());
+        Ok(answer)
+    }
+
+    fn decide(
+        &self,
+        name: &str,
+        image: &str,
+        image_ref: &str,
+        present: bool,
+        pull_policy: PullPolicy,
+        credentials: &[CredentialIn],
+    ) -> CheckAnswer {
+        let refuse = || CheckAnswer {
+            answer: Answer::Refuse,
+            reason: "not_available",
+            message: format!(
+                "image {image} is not available to this workload with pull policy Never"
+            ),
+        };
+        if pull_policy == PullPolicy::Always {
+            return CheckAnswer {
+                answer: Answer::Pull,
+                reason: "pull_policy_always",
+                message: "pull policy Always: the pull authenticates".into(),
+            };
+        }
+        let (record, intent) = match &self.store {
+            Ok(s) => s.view(image_ref, name),
+            Err(_) => (None, false),
+        };
+        let view = match &self.store {
+            Ok(_) => StoreView::Readable {
+                record: record.as_deref(),
+                intent,
+            },
+            Err(_) => StoreView::Unreadable,
+        };
+        let check = Check {
+            name,
+            present,
+            policy: self.options.policy,
+            allowlist: &self.options.allowlist,
+            max_age_ms: self
+                .options
+                .max_age
+                .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX)),
+            now_ms: now_ms(),
+        };
+        let decision = guard::decide(&check, view, || self.presented(credentials));
+        if let (Some(entry), Ok(store)) = (decision.update, &self.store) {
+            // What the decision learned (new coordinates of a known secret, a rotation) is
+            // written in the background; the answer does not wait for it.
+            let store = store.clone();
+            let op = Op::Update {
+                image_ref: image_ref.to_owned(),
+                name: name.to_owned(),
+                entry,
+            };
+            let now = check.now_ms;
+            tokio::spawn(async move {
+                if let Err(e) = store.apply(op, now).await {
+                    tracing::warn!(error = %e, "cannot store what a decision learned");
+                }
+            });
+        }
+        match decision.verdict {
+            Verdict::Pull if pull_policy == PullPolicy::Never => refuse(),
+            Verdict::Pull => CheckAnswer {
+                answer: Answer::Pull,
+                reason: "not_present",
+                message: "the image is not on the node: pull it".into(),
+            },
+            Verdict::Allow(r) => CheckAnswer {
+                answer: Answer::Allow,
+                reason: r.as_str(),
+                message: allow_message(r).into(),
+            },
+            Verdict::Authenticate(_) if pull_policy == PullPolicy::Never => refuse(),
+            Verdict::Authenticate(r) => CheckAnswer {
+                answer: Answer::MustAuthenticate,
+                reason: r.as_str(),
+                message: auth_message(r).into(),
+            },
+        }
+    }
+
+    /// A pull of `image` is about to start.
+    pub async fn record_intent(&self, image: &str) -> Result<(), GuardError> {
+        let (name, reference) = normalize(image)?;
+        self.store()?
+            .apply(
+                Op::Intent {
+                    image: reference,
+                    name,
+                },
+                now_ms(),
+            )
+            .await?;
+        self.update_gauges();
+        Ok(())
+    }
+
+    /// A pull of `image` ended; on success `used` is recorded for `image_ref`.
+    pub async fn record_result(
+        &self,
+        image: &str,
+        image_ref: &str,
+        success: bool,
+        used: Option<&CredentialIn>,
+    ) -> Result<(), GuardError> {
+        let (name, reference) = normalize(image)?;
+        let used = if success {
+            if image_ref.is_empty() {
+                return Err(GuardError::Missing("image_ref of a successful pull"));
+            }
+            let used = used.ok_or(GuardError::Missing("the credential of a successful pull"))?;
+            match self.presented(std::slice::from_ref(used)).pop() {
+                Some(p) => Some(p),
+                // Without the node key a secret cannot be recorded; the intent stays, so the
+                // image keeps requiring authentication.
+                None => return Err(GuardError::Missing("the node key")),
+            }
+        } else {
+            None
+        };
+        self.store()?
+            .apply(
+                Op::PullResult {
+                    image: reference,
+                    name,
+                    image_ref: image_ref.to_owned(),
+                    used,
+                },
+                now_ms(),
+            )
+            .await?;
+        self.update_gauges();
+        Ok(())
+    }
+
+    /// Verifies credentials against the registry; the first accepted one is recorded.
+    pub async fn verify(
+        &self,
+        image: &str,
+        image_ref: &str,
+        expected_digest: Option<&str>,
+        credentials: &[CredentialIn],
+    ) -> Result<registry::Verified, GuardError> {
+        let parsed = ImageRef::parse(image).map_err(|error| GuardError::InvalidImage {
+            image: image.to_owned(),
+            error,
+        })?;
+        if image_ref.is_empty() {
+            return Err(GuardError::Missing("image_ref"));
+        }
+        let reference = parsed
+            .digest()
+            .map(str::to_owned)
+            .or_else(|| parsed.tag().map(str::to_owned))
+            .unwrap_or_else(|| "latest".to_owned());
+        let target = registry::Target {
+            registry: parsed.registry().to_owned(),
+            repository: parsed.path().to_owned(),
+            reference,
+        };
+        let verified = self
+            .verifier
+            .verify(&target, expected_digest, credentials)
+            .await;
+        self.metrics.verification(verified.reason);
+        if let Some(i) = verified.accepted {
+            self.record_result(image, image_ref, true, Some(&credentials[i]))
+                .await?;
+        }
+        Ok(verified)
+    }
+
+    pub async fn prune(
+        &self,
+        present: Vec<PresentImage>,
+        before_ms: i64,
+    ) -> Result<Pruned, GuardError> {
+        let present = present
+            .into_iter()
+            .map(|p| PresentImage {
+                references: p
+                    .references
+                    .iter()
+                    .filter_map(|r| normalize(r).ok().map(|(_, full)| full))
+                    .collect(),
+                image_ref: p.image_ref,
+            })
+            .collect();
+        let done = self
+            .store()?
+            .apply(Op::Prune { present, before_ms }, now_ms())
+            .await?;
+        self.update_gauges();
+        match done {
+            Done::Pruned(p) => Ok(p),
+            _ => Ok(Pruned::default()),
+        }
+    }
+
+    pub async fn delete(&self, image_ref: &str) -> Result<bool, GuardError> {
+        let done = self
+            .store()?
+            .apply(
+                Op::Delete {
+                    image_ref: image_ref.to_owned(),
+                },
+                now_ms(),
+            )
+            .await?;
+        self.update_gauges();
+        Ok(matches!(done, Done::Deleted(true)))
+    }
+}
+
+fn allow_message(r: AllowReason) -> &'static str {
+    match r {
+        AllowReason::PolicyNeverVerify => "the policy is NeverVerify",
+        AllowReason::Preloaded => "the node did not pull this image name itself (preloaded)",
+        AllowReason::Allowlisted => "the image is on the verification allowlist",
+        AllowReason::NodeAccessible => "pulled anonymously or with node-wide credentials",
+        AllowReason::SecretMatch => "a presented secret pulled this image",
+        AllowReason::SecretRotated => "a presented secret (rotated since) pulled this image",
+        AllowReason::ServiceAccountMatch => "the presented service account pulled this image",
+    }
+}
+
+fn auth_message(r: AuthReason) -> &'static str {
+    match r {
+        AuthReason::StoreUnreadable => "the pull records cannot be read",
+        AuthReason::NoRecord => "no record of a pull of this image",
+        AuthReason::NoEntryForName => "no record of a pull under this name",
+        AuthReason::NoCredentialsRecorded => "the record holds no credentials",
+        AuthReason::NoMatchingCredential => "no presented credential pulled this image",
+        AuthReason::SecretTooOld => "the matching secret was last confirmed too long ago",
+    }
+}

@@ -15,7 +15,7 @@ use super::get::{print_rows, print_table, rfc3339, Row};
 use crate::opts::{CtlArgs, CtlCall, Output};
 use crate::Outcome;
 
-fn time(ms: i64) -> String {
+pub fn time(ms: i64) -> String {
     if ms <= 0 {
         return "-".into();
     }
@@ -26,12 +26,12 @@ fn time(ms: i64) -> String {
     }
 }
 
-fn json(value: &impl Serialize) -> Result<()> {
+pub fn json(value: &impl Serialize) -> Result<()> {
     println!("{}", serde_json::to_string_pretty(value)?);
     Ok(())
 }
 
-fn status_error(s: tonic::Status) -> anyhow::Error {
+pub fn status_error(s: tonic::Status) -> anyhow::Error {
     anyhow::anyhow!(
         "{}: {}",
         credgate_agent::metrics::code_name(s.code()).to_lowercase(),
@@ -48,6 +48,19 @@ pub async fn run(args: CtlArgs) -> Result<Outcome> {
 }
 
 async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcome> {
+    if matches!(
+        call,
+        CtlCall::CheckAccess { .. }
+            | CtlCall::RecordIntent { .. }
+            | CtlCall::RecordResult { .. }
+            | CtlCall::Verify { .. }
+            | CtlCall::Prune { .. }
+            | CtlCall::ListRecords
+            | CtlCall::GetRecord { .. }
+            | CtlCall::DeleteRecord { .. }
+    ) {
+        return super::ctl_guard::call(channel, call, out).await;
+    }
     let mut creds = CredentialsClient::new(channel.clone());
     let mut admin = AdminClient::new(channel);
     match call {
@@ -300,6 +313,14 @@ async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcome> {
                 );
             }
         }
+        CtlCall::CheckAccess { .. }
+        | CtlCall::RecordIntent { .. }
+        | CtlCall::RecordResult { .. }
+        | CtlCall::Verify { .. }
+        | CtlCall::Prune { .. }
+        | CtlCall::ListRecords
+        | CtlCall::GetRecord { .. }
+        | CtlCall::DeleteRecord { .. } => unreachable!("routed above"),
         CtlCall::Ping => {
             let r = admin
                 .ping(pb::PingRequest {})

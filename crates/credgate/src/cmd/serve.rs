@@ -7,7 +7,12 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use credgate_agent::socket::{self, SocketAccess};
+use std::os::unix::fs::PermissionsExt;
+
+use credgate_agent::guard::registry::RegistryOptions;
+use credgate_agent::guard::GuardOptions;
 use credgate_agent::{metrics, server, Agent, AgentOptions};
+use credgate_core::guard::{Allowlist, Policy};
 use credgate_core::renewal::RenewalPolicy;
 use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::watch;
@@ -36,14 +41,42 @@ pub async fn run(args: ServeArgs) -> Result<Outcome> {
         grace: args.untracked_grace,
         ..RenewalPolicy::default()
     };
-    let agent = Agent::new(AgentOptions {
-        sources,
-        renewal,
-        clock: None,
+    let policy: Policy = args
+        .image_pull_credentials_verification_policy
+        .parse()
+        .context("invalid --image-pull-credentials-verification-policy")?;
+    let allowlist = Allowlist::parse(
+        args.preloaded_images_verification_allowlist
+            .iter()
+            .map(String::as_str),
+    )
+    .map_err(|errors| {
+        let list: Vec<String> = errors.iter().map(ToString::to_string).collect();
+        anyhow::anyhow!(
+            "invalid --preloaded-images-verification-allowlist: {}",
+            list.join("; ")
+        )
     })?;
     let state_dir = args.state_dir.clone().unwrap_or_else(default_state_dir);
     std::fs::create_dir_all(&state_dir)
         .with_context(|| format!("cannot create state directory {}", state_dir.display()))?;
+    std::fs::set_permissions(&state_dir, std::fs::Permissions::from_mode(0o700))
+        .with_context(|| format!("cannot restrict state directory {}", state_dir.display()))?;
+    let agent = Agent::new(AgentOptions {
+        sources,
+        renewal,
+        clock: None,
+        guard: Some(GuardOptions {
+            policy,
+            allowlist,
+            max_age: args.pull_record_max_age,
+            state_dir: state_dir.clone(),
+            registry: RegistryOptions {
+                timeout: args.registry_timeout,
+                insecure: args.insecure_registry.clone(),
+            },
+        }),
+    })?;
     let socket_path = args
         .socket
         .clone()
@@ -75,6 +108,7 @@ pub async fn run(args: ServeArgs) -> Result<Outcome> {
         socket = %socket_path.display(),
         state_dir = %state_dir.display(),
         config = agent.engine().config_identity().unwrap_or("none"),
+        policy = %policy,
         "credgate agent serving"
     );
     let served = server::serve(agent, listener, stop_rx).await;

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use credgate_api::v1::admin_server::{Admin, AdminServer};
 use credgate_api::v1::credentials_server::{Credentials, CredentialsServer};
+use credgate_api::v1::image_access_server::ImageAccessServer;
 use credgate_api::v1::{self as pb};
 use credgate_engine::{
     Credential, CredentialRef, LookupRequest, ServiceAccount, Source, SourceKind,
@@ -18,6 +19,10 @@ use tokio::sync::watch;
 use tokio_stream::wrappers::{UnixListenerStream, WatchStream};
 use tokio_stream::{Stream, StreamExt, StreamMap};
 use tonic::{Request, Response, Status};
+
+mod image_access;
+
+pub use image_access::record as wire_record;
 
 use crate::agent::Agent;
 use crate::renewal::TrackError;
@@ -447,7 +452,8 @@ pub async fn serve(
     let mut stop = shutdown;
     tonic::transport::Server::builder()
         .add_service(CredentialsServer::new(api.clone()))
-        .add_service(AdminServer::new(api))
+        .add_service(AdminServer::new(api.clone()))
+        .add_service(ImageAccessServer::new(api))
         .serve_with_incoming_shutdown(UnixListenerStream::new(listener), async move {
             let _ = stop.wait_for(|s| *s).await;
         })

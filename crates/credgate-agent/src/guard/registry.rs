@@ -1,0 +1,391 @@
+//! Verification against the registry: `HEAD` of the image's manifest with the OCI and Docker
+//! manifest types, following the registry's `Basic` or `Bearer` challenge, once per candidate
+//! credential in order. Bounded by a timeout per request; a registry that cannot be reached
+//! stops the attempt (deny, nothing recorded).
+
+use std::time::Duration;
+
+use reqwest::header::{HeaderMap, ACCEPT, WWW_AUTHENTICATE};
+use reqwest::StatusCode;
+use secrecy::ExposeSecret;
+
+use super::CredentialIn;
+
+/// The manifest types a verifier accepts, as a pull does.
+pub const MANIFEST_ACCEPT: &str = "application/vnd.oci.image.manifest.v1+json, application/vnd.oci.image.index.v1+json, application/vnd.docker.distribution.manifest.v2+json, application/vnd.docker.distribution.manifest.list.v2+json";
+
+/// How to reach registries.
+#[derive(Debug, Clone)]
+pub struct RegistryOptions {
+    /// Per request.
+    pub timeout: Duration,
+    /// Registries reached over plain HTTP (`host[:port]`); loopback hosts always are.
+    pub insecure: Vec<String>,
+}
+
+impl Default for RegistryOptions {
+    fn default() -> Self {
+        RegistryOptions {
+            timeout: Duration::from_secs(10),
+            insecure: Vec::new(),
+        }
+    }
+}
+
+/// What to verify.
+#[derive(Debug, Clone)]
+pub struct Target {
+    /// `host[:port]` as in the image name (`docker.io` for Docker Hub).
+    pub registry: String,
+    pub repository: String,
+    /// A tag or a digest.
+    pub reference: String,
+}
+
+/// The outcome.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Verified {
+    /// Index of the accepted credential.
+    pub accepted: Option<usize>,
+    /// `verified`, `unauthorized`, `digest_mismatch`, `not_found`, `refused`, `unreachable`,
+    /// `no_credentials`.
+    pub reason: &'static str,
+    pub message: String,
+    pub digest: Option<String>,
+}
+
+enum Attempt {
+    Ok(String),
+    Unauthorized,
+    NotFound,
+    Refused(StatusCode),
+    Unreachable(String),
+}
+
+/// Verifies credentials against registries.
+#[derive(Clone)]
+pub struct Verifier {
+    client: reqwest::Client,
+    options: RegistryOptions,
+}
+
+fn is_loopback(host: &str) -> bool {
+    let h = host
+        .rsplit_once(':')
+        .filter(|(_, port)| port.chars().all(|c| c.is_ascii_digit()))
+        .map_or(host, |(h, _)| h);
+    let h = h.trim_start_matches('[').trim_end_matches(']');
+    h == "localhost"
+        || h.parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+/// `Bearer realm="...",service="...",scope="..."` → scheme and parameters.
+pub fn parse_challenge(header: &str) -> (String, Vec<(String, String)>) {
+    let header = header.trim();
+    let (scheme, rest) = header.split_once(' ').unwrap_or((header, ""));
+    let mut params = Vec::new();
+    let mut rest = rest.trim();
+    while !rest.is_empty() {
+        let Some((key, after)) = rest.split_once('=') else {
+            break;
+        };
+        let key = key.trim().to_ascii_lowercase();
+        let after = after.trim_start();
+        let (value, remaining) = if let Some(q) = after.strip_prefix('"') {
+            let mut value = String::new();
+            let mut chars = q.char_indices();
+            let mut end = q.len();
+            while let Some((i, c)) = chars.next() {
+                match c {
+                    '\\' => {
+                        if let Some((_, n)) = chars.next() {
+                            value.push(n);
+                        }
+                    }
+                    '"' => {
+                        end = i + 1;
+                        break;
+                    }
+                    c => value.push(c),
+                }
+            }
+            (value, &q[end.min(q.len())..])
+        } else {
+            let end = after.find(',').unwrap_or(after.len());
+            (after[..end].trim().to_owned(), &after[end..])
+        };
+        params.push((key, value));
+        rest = remaining.trim_start().trim_start_matches(',').trim_start();
+    }
+    (scheme.to_ascii_lowercase(), params)
+}
+
+impl Verifier {
+    pub fn new(options: RegistryOptions) -> Self {
+        let client = reqwest::Client::builder()
+            .timeout(options.timeout)
+            .connect_timeout(options.timeout)
+            .redirect(reqwest::redirect::Policy::limited(5))
+            .build()
+            .expect("a TLS client with built-in roots builds");
+        Verifier { client, options }
+    }
+
+    fn base(&self, registry: &str) -> String {
+        let host = match registry {
+            "docker.io" | "index.docker.io" => "registry-1.docker.io",
+            other => other,
+        };
+        let plain = is_loopback(host) || self.options.insecure.iter().any(|h| h == host);
+        format!("{}://{host}", if plain { "http" } else { "https" })
+    }
+
+    /// Tries each credential in order; the first accepted (with the expected digest) wins.
+    pub async fn verify(
+        &self,
+        target: &Target,
+        expected_digest: Option<&str>,
+        credentials: &[CredentialIn],
+    ) -> Verified {
+        let url = format!(
+            "{}/v2/{}/manifests/{}",
+            self.base(&target.registry),
+            target.repository,
+            target.reference
+        );
+        let mut last: Option<Verified> = None;
+        for (i, c) in credentials.iter().enumerate() {
+            let basic = match c {
+                CredentialIn::Secret {
+                    username, password, ..
+                } => Some((username.as_str(), password.expose_secret())),
+                CredentialIn::NodeWide => None,
+                CredentialIn::ServiceAccount(_) => continue,
+            };
+            let deny = |reason, message: String| Verified {
+                accepted: None,
+                reason,
+                message,
+                digest: None,
+            };
+            match self.attempt(&url, target, basic).await {
+                Attempt::Ok(digest) => {
+                    if let Some(want) = expected_digest.filter(|w| !w.is_empty()) {
+                        if want != digest {
+                            last = Some(Verified {
+                                digest: Some(digest.clone()),
+                                ..deny(
+                                    "digest_mismatch",
+                                    format!("the registry serves {digest} for this reference, not {want}"),
+                                )
+                            });
+                            continue;
+                        }
+                    }
+                    return Verified {
+                        accepted: Some(i),
+                        reason: "verified",
+                        message: format!("credential {i} accepted by {}", target.registry),
+                        digest: Some(digest),
+                    };
+                }
+                Attempt::Unauthorized => {
+                    last = Some(deny(
+                        "unauthorized",
+                        format!("{} refused the credentials", target.registry),
+                    ));
+                }
+                Attempt::NotFound => {
+                    last = Some(deny(
+                        "not_found",
+                        format!(
+                            "{} has no manifest {}:{} for these credentials",
+                            target.registry, target.repository, target.reference
+                        ),
+                    ));
+                }
+                Attempt::Refused(status) => {
+                    last = Some(deny(
+                        "refused",
+                        format!("{} answered {status}", target.registry),
+                    ));
+                }
+                Attempt::Unreachable(why) => {
+                    return deny(
+                        "unreachable",
+                        format!("cannot reach {}: {why}", target.registry),
+                    );
+                }
+            }
+        }
+        last.unwrap_or(Verified {
+            accepted: None,
+            reason: "no_credentials",
+            message: "no credential that can be verified against a registry was given".into(),
+            digest: None,
+        })
+    }
+
+    async fn attempt(&self, url: &str, target: &Target, basic: Option<(&str, &str)>) -> Attempt {
+        let head = |auth: Option<String>| {
+            let mut req = self.client.head(url).header(ACCEPT, MANIFEST_ACCEPT);
+            if let Some(a) = auth {
+                req = req.header(reqwest::header::AUTHORIZATION, a);
+            }
+            req.send()
+        };
+        let first = match head(None).await {
+            Ok(r) => r,
+            Err(e) => return Attempt::Unreachable(describe(&e)),
+        };
+        let response = if first.status() == StatusCode::UNAUTHORIZED {
+            let challenge = first
+                .headers()
+                .get(WWW_AUTHENTICATE)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("")
+                .to_owned();
+            let (scheme, params) = parse_challenge(&challenge);
+            let auth = match scheme.as_str() {
+                "basic" => match basic {
+                    Some((u, p)) => basic_header(u, p),
+                    None => return Attempt::Unauthorized,
+                },
+                "bearer" => match self.token(&params, target, basic).await {
+                    Ok(Some(token)) => format!("Bearer {token}"),
+                    Ok(None) => return Attempt::Unauthorized,
+                    Err(why) => return Attempt::Unreachable(why),
+                },
+                _ => return Attempt::Unauthorized,
+            };
+            match head(Some(auth)).await {
+                Ok(r) => r,
+                Err(e) => return Attempt::Unreachable(describe(&e)),
+            }
+        } else {
+            first
+        };
+        match response.status() {
+            s if s.is_success() => match digest(response.headers()) {
+                Some(d) => Attempt::Ok(d),
+                None => Attempt::Refused(s),
+            },
+            StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN => Attempt::Unauthorized,
+            StatusCode::NOT_FOUND => Attempt::NotFound,
+            s => Attempt::Refused(s),
+        }
+    }
+
+    /// A bearer token from the challenge's realm; `None` when the realm refuses.
+    async fn token(
+        &self,
+        params: &[(String, String)],
+        target: &Target,
+        basic: Option<(&str, &str)>,
+    ) -> Result<Option<String>, String> {
+        let get = |k: &str| {
+            params
+                .iter()
+                .find(|(key, _)| key == k)
+                .map(|(_, v)| v.as_str())
+        };
+        let Some(realm) = get("realm") else {
+            return Ok(None);
+        };
+        let scope = get("scope")
+            .map(str::to_owned)
+            .unwrap_or_else(|| format!("repository:{}:pull", target.repository));
+        let mut query: Vec<(&str, &str)> = vec![("scope", scope.as_str())];
+        if let Some(service) = get("service") {
+            query.push(("service", service));
+        }
+        let mut req = self.client.get(realm).query(&query);
+        if let Some((u, p)) = basic {
+            req = req.header(reqwest::header::AUTHORIZATION, basic_header(u, p));
+        }
+        let response = req.send().await.map_err(|e| describe(&e))?;
+        if !response.status().is_success() {
+            return Ok(None);
+        }
+        #[derive(serde::Deserialize)]
+        struct Token {
+            token: Option<String>,
+            access_token: Option<String>,
+        }
+        let bytes = response.bytes().await.map_err(|e| describe(&e))?;
+        let body: Token =
+            serde_json::from_slice(&bytes).map_err(|_| "malformed token response".to_owned())?;
+        Ok(body.token.or(body.access_token))
+    }
+}
+
+fn basic_header(user: &str, password: &str) -> String {
+    use base64::Engine as _;
+    format!(
+        "Basic {}",
+        base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"))
+    )
+}
+
+fn digest(headers: &HeaderMap) -> Option<String> {
+    headers
+        .get("docker-content-digest")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
+}
+
+/// A transport error without its URL's query (which could carry a scope) or any header.
+fn describe(e: &reqwest::Error) -> String {
+    if e.is_timeout() {
+        "timed out".into()
+    } else if e.is_connect() {
+        "connection failed".into()
+    } else if e.is_decode() {
+        "malformed token response".into()
+    } else {
+        "request failed".into()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn challenges_parse() {
+        let (s, p) = parse_challenge(
+            r#"Bearer realm="http://127.0.0.1:5001/token",service="registry,test",scope="repository:team-a/app:pull""#,
+        );
+        assert_eq!(s, "bearer");
+        assert_eq!(
+            p,
+            [
+                ("realm".into(), "http://127.0.0.1:5001/token".into()),
+                ("service".into(), "registry,test".into()),
+                ("scope".into(), "repository:team-a/app:pull".into()),
+            ]
+        );
+        let (s, p) = parse_challenge(r#"Basic realm="credgate-test""#);
+        assert_eq!((s.as_str(), p.len()), ("basic", 1));
+        let (s, p) = parse_challenge("Basic");
+        assert_eq!((s.as_str(), p.len()), ("basic", 0));
+    }
+
+    #[test]
+    fn loopback_registries_use_plain_http() {
+        let v = Verifier::new(RegistryOptions {
+            insecure: vec!["mirror.internal:5000".into()],
+            ..Default::default()
+        });
+        assert_eq!(v.base("127.0.0.1:5000"), "http://127.0.0.1:5000");
+        assert_eq!(v.base("localhost:5000"), "http://localhost:5000");
+        assert_eq!(v.base("[::1]:5000"), "http://[::1]:5000");
+        assert_eq!(
+            v.base("mirror.internal:5000"),
+            "http://mirror.internal:5000"
+        );
+        assert_eq!(v.base("quay.io"), "https://quay.io");
+        assert_eq!(v.base("docker.io"), "https://registry-1.docker.io");
+    }
+}

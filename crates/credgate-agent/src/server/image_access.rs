@@ -1,0 +1,290 @@
+//! The `ImageAccess` service: the guard's decisions, recordings and verification.
+
+use credgate_api::v1::image_access_server::ImageAccess;
+use credgate_api::v1::{self as pb};
+use credgate_core::guard::{Coords, Record};
+use secrecy::SecretString;
+use tonic::{Request, Response, Status};
+
+use super::Api;
+use crate::guard::store::PresentImage;
+use crate::guard::{Answer, CredentialIn, Guard, GuardError, PullPolicy};
+
+fn guard_status(e: GuardError) -> Status {
+    match e {
+        GuardError::InvalidImage { .. } | GuardError::Missing(_) => {
+            Status::invalid_argument(e.to_string())
+        }
+        GuardError::Unavailable(_) => Status::failed_precondition(e.to_string()),
+        GuardError::Write(_) => Status::unavailable(e.to_string()),
+    }
+}
+
+fn coords(o: Option<pb::ObjectRef>, what: &str) -> Result<Coords, Status> {
+    let o = o.ok_or_else(|| Status::invalid_argument(format!("{what} needs its object")))?;
+    if o.namespace.is_empty() || o.name.is_empty() {
+        return Err(Status::invalid_argument(format!(
+            "{what} needs namespace and name"
+        )));
+    }
+    Ok(Coords {
+        namespace: o.namespace,
+        name: o.name,
+        uid: o.uid,
+    })
+}
+
+fn credential(c: pb::PullCredential) -> Result<CredentialIn, Status> {
+    use pb::pull_credential::Kind;
+    match c.kind {
+        Some(Kind::Secret(s)) => Ok(CredentialIn::Secret {
+            coords: coords(s.secret, "a secret credential")?,
+            username: s.username,
+            password: SecretString::from(s.password),
+        }),
+        Some(Kind::ServiceAccount(sa)) => Ok(CredentialIn::ServiceAccount(coords(
+            Some(sa),
+            "a service account",
+        )?)),
+        Some(Kind::NodeWide(_)) => Ok(CredentialIn::NodeWide),
+        None => Err(Status::invalid_argument(
+            "a credential must be a secret, a service account or node_wide",
+        )),
+    }
+}
+
+fn credentials(list: Vec<pb::PullCredential>) -> Result<Vec<CredentialIn>, Status> {
+    list.into_iter().map(credential).collect()
+}
+
+fn object(c: &Coords) -> pb::ObjectRef {
+    pb::ObjectRef {
+        namespace: c.namespace.clone(),
+        name: c.name.clone(),
+        uid: c.uid.clone(),
+    }
+}
+
+/// The wire form of a record; hashes stay in the agent.
+pub fn record(r: &Record) -> pb::PullRecord {
+    pb::PullRecord {
+        image_ref: r.image_ref.clone(),
+        names: r
+            .names
+            .iter()
+            .map(|(name, e)| pb::NameRecord {
+                name: name.clone(),
+                node_accessible: e.node_accessible,
+                secrets: e
+                    .secrets
+                    .iter()
+                    .map(|s| pb::RecordedSecret {
+                        secret: Some(object(&s.coords)),
+                        recorded_unix_ms: s.recorded_ms,
+                    })
+                    .collect(),
+                service_accounts: e.service_accounts.iter().map(object).collect(),
+                changed_unix_ms: e.changed_ms,
+            })
+            .collect(),
+        changed_unix_ms: r.changed_ms,
+    }
+}
+
+fn decision(a: Answer) -> i32 {
+    let d = match a {
+        Answer::Allow => pb::Decision::Allow,
+        Answer::MustAuthenticate => pb::Decision::MustAuthenticate,
+        Answer::Refuse => pb::Decision::Refuse,
+        Answer::Pull => pb::Decision::Pull,
+    };
+    d as i32
+}
+
+impl Api {
+    fn guard(&self) -> Result<&Guard, Status> {
+        self.agent.guard().ok_or_else(|| {
+            Status::failed_precondition("the image access guard is not enabled on this agent")
+        })
+    }
+}
+
+#[tonic::async_trait]
+impl ImageAccess for Api {
+    async fn check_access(
+        &self,
+        request: Request<pb::CheckAccessRequest>,
+    ) -> Result<Response<pb::CheckAccessResponse>, Status> {
+        let req = request.into_inner();
+        self.observed("CheckAccess", async {
+            let guard = self.guard()?;
+            let policy = match pb::PullPolicy::try_from(req.pull_policy) {
+                Ok(pb::PullPolicy::Always) => PullPolicy::Always,
+                Ok(pb::PullPolicy::Never) => PullPolicy::Never,
+                Ok(_) => PullPolicy::IfNotPresent,
+                Err(_) => return Err(Status::invalid_argument("unknown pull_policy")),
+            };
+            if req.present && req.image_ref.is_empty() {
+                return Err(Status::invalid_argument(
+                    "a present image needs its image_ref",
+                ));
+            }
+            let creds = credentials(req.credentials)?;
+            let a = guard
+                .check(&req.image, &req.image_ref, req.present, policy, &creds)
+                .map_err(guard_status)?;
+            Ok(Response::new(pb::CheckAccessResponse {
+                decision: decision(a.answer),
+                reason: a.reason.to_owned(),
+                message: a.message,
+            }))
+        })
+        .await
+    }
+
+    async fn record_pull_intent(
+        &self,
+        request: Request<pb::RecordPullIntentRequest>,
+    ) -> Result<Response<pb::RecordPullIntentResponse>, Status> {
+        let req = request.into_inner();
+        self.observed("RecordPullIntent", async {
+            self.guard()?
+                .record_intent(&req.image)
+                .await
+                .map_err(guard_status)?;
+            Ok(Response::new(pb::RecordPullIntentResponse {}))
+        })
+        .await
+    }
+
+    async fn record_pull_result(
+        &self,
+        request: Request<pb::RecordPullResultRequest>,
+    ) -> Result<Response<pb::RecordPullResultResponse>, Status> {
+        let req = request.into_inner();
+        self.observed("RecordPullResult", async {
+            let used = req.credential.map(credential).transpose()?;
+            self.guard()?
+                .record_result(&req.image, &req.image_ref, req.success, used.as_ref())
+                .await
+                .map_err(guard_status)?;
+            Ok(Response::new(pb::RecordPullResultResponse {}))
+        })
+        .await
+    }
+
+    async fn verify(
+        &self,
+        request: Request<pb::VerifyRequest>,
+    ) -> Result<Response<pb::VerifyResponse>, Status> {
+        let req = request.into_inner();
+        self.observed("Verify", async {
+            let creds = credentials(req.credentials)?;
+            let expected =
+                (!req.expected_digest.is_empty()).then_some(req.expected_digest.as_str());
+            let v = self
+                .guard()?
+                .verify(&req.image, &req.image_ref, expected, &creds)
+                .await
+                .map_err(guard_status)?;
+            let decision = if v.accepted.is_some() {
+                pb::Decision::Allow
+            } else {
+                pb::Decision::MustAuthenticate
+            };
+            Ok(Response::new(pb::VerifyResponse {
+                decision: decision as i32,
+                reason: v.reason.to_owned(),
+                message: v.message,
+                credential_index: v.accepted.map_or(-1, |i| i32::try_from(i).unwrap_or(-1)),
+                digest: v.digest.unwrap_or_default(),
+            }))
+        })
+        .await
+    }
+
+    async fn prune(
+        &self,
+        request: Request<pb::PruneRequest>,
+    ) -> Result<Response<pb::PruneResponse>, Status> {
+        let req = request.into_inner();
+        self.observed("Prune", async {
+            let present = req
+                .present
+                .into_iter()
+                .map(|p| PresentImage {
+                    image_ref: p.image_ref,
+                    references: p.references,
+                })
+                .collect();
+            let p = self
+                .guard()?
+                .prune(present, req.before_unix_ms)
+                .await
+                .map_err(guard_status)?;
+            let n = |x: usize| u32::try_from(x).unwrap_or(u32::MAX);
+            Ok(Response::new(pb::PruneResponse {
+                records_deleted: n(p.records_deleted),
+                intents_recovered: n(p.intents_recovered),
+                intents_dropped: n(p.intents_dropped),
+            }))
+        })
+        .await
+    }
+
+    async fn list_records(
+        &self,
+        _: Request<pb::ListRecordsRequest>,
+    ) -> Result<Response<pb::ListRecordsResponse>, Status> {
+        self.observed("ListRecords", async {
+            let store = self.guard()?.store().map_err(guard_status)?;
+            Ok(Response::new(pb::ListRecordsResponse {
+                records: store.records().iter().map(|r| record(r)).collect(),
+                intents: store
+                    .intents()
+                    .into_iter()
+                    .map(|(image, i)| pb::PullIntent {
+                        image,
+                        name: i.name,
+                        count: i.count,
+                        created_unix_ms: i.created_ms,
+                    })
+                    .collect(),
+            }))
+        })
+        .await
+    }
+
+    async fn get_record(
+        &self,
+        request: Request<pb::GetRecordRequest>,
+    ) -> Result<Response<pb::GetRecordResponse>, Status> {
+        let req = request.into_inner();
+        self.observed("GetRecord", async {
+            let store = self.guard()?.store().map_err(guard_status)?;
+            let r = store
+                .record(&req.image_ref)
+                .ok_or_else(|| Status::not_found(format!("no record of {}", req.image_ref)))?;
+            Ok(Response::new(pb::GetRecordResponse {
+                record: Some(record(&r)),
+            }))
+        })
+        .await
+    }
+
+    async fn delete_record(
+        &self,
+        request: Request<pb::DeleteRecordRequest>,
+    ) -> Result<Response<pb::DeleteRecordResponse>, Status> {
+        let req = request.into_inner();
+        self.observed("DeleteRecord", async {
+            let deleted = self
+                .guard()?
+                .delete(&req.image_ref)
+                .await
+                .map_err(guard_status)?;
+            Ok(Response::new(pb::DeleteRecordResponse { deleted }))
+        })
+        .await
+    }
+}

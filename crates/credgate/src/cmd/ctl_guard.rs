@@ -1,0 +1,318 @@
+//! `credgate ctl` commands of the `ImageAccess` service.
+
+use std::time::{Duration, SystemTime};
+
+use anyhow::{bail, Result};
+use credgate_api::v1::image_access_client::ImageAccessClient;
+use credgate_api::v1::pull_credential::Kind;
+use credgate_api::v1::{self as pb};
+use tonic::transport::Channel;
+
+use super::ctl::{json, status_error, time};
+use super::get::print_table;
+use crate::opts::{CredentialArgs, CtlCall, Output, PullPolicyArg};
+use crate::Outcome;
+
+fn object(s: &str, what: &str) -> Result<pb::ObjectRef> {
+    let parts: Vec<&str> = s.split('/').collect();
+    match parts.as_slice() {
+        [ns, name] | [ns, name, ""] => Ok(pb::ObjectRef {
+            namespace: (*ns).into(),
+            name: (*name).into(),
+            uid: String::new(),
+        }),
+        [ns, name, uid] => Ok(pb::ObjectRef {
+            namespace: (*ns).into(),
+            name: (*name).into(),
+            uid: (*uid).into(),
+        }),
+        _ => bail!("{what} {s:?}: expected NAMESPACE/NAME[/UID]"),
+    }
+}
+
+/// The credentials of the flags: secrets, then service accounts, then node-wide.
+pub fn credentials(args: &CredentialArgs) -> Result<Vec<pb::PullCredential>> {
+    let mut out = Vec::new();
+    for s in &args.secret {
+        let Some((who, cred)) = s.split_once('=') else {
+            bail!("--secret: expected NAMESPACE/NAME[/UID]=USERNAME:PASSWORD");
+        };
+        let Some((username, password)) = cred.split_once(':') else {
+            bail!("--secret: expected NAMESPACE/NAME[/UID]=USERNAME:PASSWORD");
+        };
+        out.push(pb::PullCredential {
+            kind: Some(Kind::Secret(pb::SecretCredential {
+                secret: Some(object(who, "--secret")?),
+                username: username.into(),
+                password: password.into(),
+            })),
+        });
+    }
+    for sa in &args.service_account {
+        out.push(pb::PullCredential {
+            kind: Some(Kind::ServiceAccount(object(sa, "--service-account")?)),
+        });
+    }
+    if args.node_wide {
+        out.push(pb::PullCredential {
+            kind: Some(Kind::NodeWide(pb::NodeWide {})),
+        });
+    }
+    Ok(out)
+}
+
+fn decision_name(d: i32) -> &'static str {
+    match pb::Decision::try_from(d) {
+        Ok(pb::Decision::Allow) => "ALLOW",
+        Ok(pb::Decision::MustAuthenticate) => "MUST_AUTHENTICATE",
+        Ok(pb::Decision::Refuse) => "REFUSE",
+        Ok(pb::Decision::Pull) => "PULL",
+        _ => "UNSPECIFIED",
+    }
+}
+
+fn print_record(r: &pb::PullRecord) {
+    let rows: Vec<Vec<String>> = r
+        .names
+        .iter()
+        .map(|n| {
+            let mut who: Vec<String> = n
+                .secrets
+                .iter()
+                .filter_map(|s| s.secret.as_ref())
+                .map(|o| format!("secret {}/{}", o.namespace, o.name))
+                .collect();
+            who.extend(
+                n.service_accounts
+                    .iter()
+                    .map(|o| format!("sa {}/{}", o.namespace, o.name)),
+            );
+            if n.node_accessible {
+                who.push("node-wide".into());
+            }
+            vec![
+                r.image_ref.clone(),
+                n.name.clone(),
+                if who.is_empty() {
+                    "(none)".into()
+                } else {
+                    who.join(", ")
+                },
+                time(n.changed_unix_ms),
+            ]
+        })
+        .collect();
+    print_table(&["IMAGE ID", "NAME", "PULLED BY", "CHANGED"], &rows);
+}
+
+pub async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcome> {
+    let mut guard = ImageAccessClient::new(channel);
+    match call {
+        CtlCall::CheckAccess {
+            image,
+            image_ref,
+            absent,
+            pull_policy,
+            credentials: creds,
+        } => {
+            let policy = match pull_policy {
+                PullPolicyArg::Always => pb::PullPolicy::Always,
+                PullPolicyArg::IfNotPresent => pb::PullPolicy::IfNotPresent,
+                PullPolicyArg::Never => pb::PullPolicy::Never,
+            };
+            let r = guard
+                .check_access(pb::CheckAccessRequest {
+                    image,
+                    image_ref: image_ref.unwrap_or_default(),
+                    present: !absent,
+                    pull_policy: policy as i32,
+                    credentials: credentials(&creds)?,
+                })
+                .await
+                .map_err(status_error)?
+                .into_inner();
+            if out == Output::Json {
+                json(&r)?;
+            } else {
+                println!(
+                    "{} ({}): {}",
+                    decision_name(r.decision),
+                    r.reason,
+                    r.message
+                );
+            }
+            let allowed = matches!(
+                pb::Decision::try_from(r.decision),
+                Ok(pb::Decision::Allow | pb::Decision::Pull)
+            );
+            return Ok(if allowed { Outcome::Yes } else { Outcome::No });
+        }
+        CtlCall::RecordIntent { image } => {
+            guard
+                .record_pull_intent(pb::RecordPullIntentRequest { image })
+                .await
+                .map_err(status_error)?;
+            if out == Output::Json {
+                json(&serde_json::json!({}))?;
+            } else {
+                println!("intent recorded");
+            }
+        }
+        CtlCall::RecordResult {
+            image,
+            image_ref,
+            failed,
+            credentials: creds,
+        } => {
+            let mut list = credentials(&creds)?;
+            if list.len() > 1 {
+                bail!("a pull used one credential: give one --secret, --service-account or --node-wide");
+            }
+            guard
+                .record_pull_result(pb::RecordPullResultRequest {
+                    image,
+                    image_ref: image_ref.unwrap_or_default(),
+                    success: !failed,
+                    credential: list.pop(),
+                })
+                .await
+                .map_err(status_error)?;
+            if out == Output::Json {
+                json(&serde_json::json!({}))?;
+            } else {
+                println!(
+                    "{}",
+                    if failed {
+                        "failed pull recorded"
+                    } else {
+                        "pull recorded"
+                    }
+                );
+            }
+        }
+        CtlCall::Verify {
+            image,
+            image_ref,
+            expected_digest,
+            credentials: creds,
+        } => {
+            let r = guard
+                .verify(pb::VerifyRequest {
+                    image,
+                    image_ref,
+                    expected_digest: expected_digest.unwrap_or_default(),
+                    credentials: credentials(&creds)?,
+                })
+                .await
+                .map_err(status_error)?
+                .into_inner();
+            if out == Output::Json {
+                json(&r)?;
+            } else {
+                println!(
+                    "{} ({}): {}",
+                    decision_name(r.decision),
+                    r.reason,
+                    r.message
+                );
+            }
+            return Ok(if r.credential_index >= 0 {
+                Outcome::Yes
+            } else {
+                Outcome::No
+            });
+        }
+        CtlCall::Prune {
+            present,
+            older_than,
+        } => {
+            let mut images = Vec::new();
+            for p in &present {
+                let Some((id, refs)) = p.split_once('=') else {
+                    bail!("--present {p:?}: expected IMAGE_ID=REFERENCE[,REFERENCE...]");
+                };
+                images.push(pb::PresentImage {
+                    image_ref: id.into(),
+                    references: refs.split(',').map(str::to_owned).collect(),
+                });
+            }
+            let before = SystemTime::now()
+                .checked_sub(older_than)
+                .unwrap_or(SystemTime::UNIX_EPOCH)
+                .duration_since(SystemTime::UNIX_EPOCH)
+                .unwrap_or(Duration::ZERO);
+            let r = guard
+                .prune(pb::PruneRequest {
+                    present: images,
+                    before_unix_ms: i64::try_from(before.as_millis()).unwrap_or(i64::MAX),
+                })
+                .await
+                .map_err(status_error)?
+                .into_inner();
+            if out == Output::Json {
+                json(&r)?;
+            } else {
+                println!(
+                    "records deleted: {}, intents recovered: {}, intents dropped: {}",
+                    r.records_deleted, r.intents_recovered, r.intents_dropped
+                );
+            }
+        }
+        CtlCall::ListRecords => {
+            let r = guard
+                .list_records(pb::ListRecordsRequest {})
+                .await
+                .map_err(status_error)?
+                .into_inner();
+            if out == Output::Json {
+                json(&r)?;
+            } else {
+                for rec in &r.records {
+                    print_record(rec);
+                }
+                for i in &r.intents {
+                    println!(
+                        "intent: {} (x{}) since {}",
+                        i.image,
+                        i.count,
+                        time(i.created_unix_ms)
+                    );
+                }
+            }
+        }
+        CtlCall::GetRecord { image_ref } => {
+            let r = guard
+                .get_record(pb::GetRecordRequest { image_ref })
+                .await
+                .map_err(status_error)?
+                .into_inner();
+            if out == Output::Json {
+                json(&r)?;
+            } else if let Some(rec) = &r.record {
+                print_record(rec);
+            }
+        }
+        CtlCall::DeleteRecord { image_ref } => {
+            let r = guard
+                .delete_record(pb::DeleteRecordRequest { image_ref })
+                .await
+                .map_err(status_error)?
+                .into_inner();
+            if out == Output::Json {
+                json(&r)?;
+            } else {
+                println!(
+                    "{}",
+                    if r.deleted {
+                        "deleted"
+                    } else {
+                        "no such record"
+                    }
+                );
+            }
+            return Ok(if r.deleted { Outcome::Yes } else { Outcome::No });
+        }
+        _ => unreachable!("only ImageAccess calls are routed here"),
+    }
+    Ok(Outcome::Yes)
+}
