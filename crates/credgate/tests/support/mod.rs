@@ -4,6 +4,8 @@
 
 #![allow(dead_code)]
 
+pub mod token;
+
 use std::io::{BufRead, BufReader};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -176,6 +178,25 @@ pub fn require(tool: &str) {
 }
 
 impl Registry {
+    /// Starts a registry in `dir` that trusts the tokens of `tokens`.
+    pub fn start_with_tokens(dir: &Path, tokens: &token::TokenServer) -> Registry {
+        require("docker-registry");
+        let config = dir.join("registry.yml");
+        std::fs::write(
+            &config,
+            format!(
+                "version: 0.1\nlog:\n  level: info\n  accesslog:\n    disabled: true\nstorage:\n  filesystem:\n    rootdirectory: {}\nhttp:\n  addr: 127.0.0.1:0\nauth:\n  token:\n    realm: {}\n    service: {}\n    issuer: {}\n    rootcertbundle: {}\n",
+                dir.join("data").display(),
+                tokens.realm(),
+                token::SERVICE,
+                token::ISSUER,
+                tokens.cert.display()
+            ),
+        )
+        .unwrap();
+        Self::spawn(&config)
+    }
+
     /// Starts a registry in `dir` whose only user is `user`:`password`.
     pub fn start(dir: &Path, user: &str, password: &str) -> Registry {
         require("docker-registry");
@@ -199,9 +220,13 @@ impl Registry {
             ),
         )
         .unwrap();
+        Self::spawn(&config)
+    }
+
+    fn spawn(config: &Path) -> Registry {
         let mut child = Command::new("docker-registry")
             .arg("serve")
-            .arg(&config)
+            .arg(config)
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
@@ -230,10 +255,19 @@ impl Registry {
     pub fn host(&self) -> String {
         format!("127.0.0.1:{}", self.port)
     }
+
+    /// Stops the registry now (SIGTERM, waited for).
+    pub fn stop(&mut self) {
+        signal(&self.child, libc::SIGTERM);
+        let _ = wait_for_exit(&mut self.child, Duration::from_secs(5));
+    }
 }
 
 impl Drop for Registry {
     fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_some() {
+            return;
+        }
         signal(&self.child, libc::SIGTERM);
         if wait_for_exit(&mut self.child, Duration::from_secs(5)).is_none() {
             let _ = self.child.kill();
