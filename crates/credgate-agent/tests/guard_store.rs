@@ -50,6 +50,7 @@ async fn records_survive_reopen_with_private_files() {
             .await
             .unwrap();
         assert_eq!(store.counts(), (1, 0));
+        store.close().await;
     }
     let store = Store::open(&state).unwrap();
     let r = store.record(REF).expect("durable");
@@ -226,7 +227,7 @@ async fn damaged_files_are_clear_errors() {
 #[tokio::test]
 async fn a_store_from_a_newer_version_is_refused() {
     let dir = tempfile::tempdir().unwrap();
-    drop(Store::open(dir.path()).unwrap());
+    Store::open(dir.path()).unwrap().close().await;
     let conn = rusqlite::Connection::open(dir.path().join("guard.db")).unwrap();
     conn.execute_batch("PRAGMA user_version = 99;").unwrap();
     drop(conn);

@@ -7,6 +7,7 @@
 //! `helper` (see [`agent`]).
 
 mod agent;
+mod guard;
 
 use std::future::Future;
 use std::io::Write;
@@ -34,6 +35,11 @@ enum Scenario {
     Rawexec,
     RpcHit,
     Helper,
+    GuardCheck,
+    GuardRecord,
+    GuardOpen,
+    #[value(hide = true)]
+    GuardPopulate,
 }
 
 #[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
@@ -89,6 +95,12 @@ pub struct Args {
     /// The docker credential helper binary (helper); default: beside this program.
     #[arg(long)]
     helper: Option<PathBuf>,
+    /// Records in the guard's store (guard-check, guard-open).
+    #[arg(long, default_value_t = 100_000)]
+    records: usize,
+    /// The state directory to fill (guard-populate, internal).
+    #[arg(long, hide = true)]
+    state_dir: Option<PathBuf>,
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -118,6 +130,10 @@ fn main() -> Result<()> {
         Scenario::Rawexec => rawexec(&args),
         Scenario::RpcHit => agent::rpc_hit(&args),
         Scenario::Helper => agent::helper(&args),
+        Scenario::GuardCheck => guard::check(&args),
+        Scenario::GuardRecord => guard::record(&args),
+        Scenario::GuardOpen => guard::open(&args),
+        Scenario::GuardPopulate => guard::populate_cmd(&args),
     }
 }
 

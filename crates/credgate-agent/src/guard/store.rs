@@ -222,7 +222,9 @@ impl Store {
         let setup = || -> rusqlite::Result<(String, String)> {
             conn.busy_timeout(std::time::Duration::from_secs(5))?;
             let mode: String = conn.query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0))?;
-            conn.execute_batch("PRAGMA synchronous=FULL;")?;
+            // One process owns the file: exclusive locking spares a lock round trip per
+            // transaction.
+            conn.execute_batch("PRAGMA synchronous=FULL; PRAGMA locking_mode=EXCLUSIVE;")?;
             let check = conn.query_row("PRAGMA quick_check", [], |r| r.get(0))?;
             Ok((mode, check))
         };
@@ -417,96 +419,87 @@ enum Effect {
     DeleteIntent(String),
 }
 
-/// Applies a batch in one transaction. An operation that fails is rolled back alone (savepoint)
-/// and answered with its error; the others commit.
+/// Applies a batch in one transaction and answers every job. When an operation fails, the
+/// transaction is rolled back and each job is retried in a transaction of its own, so one bad
+/// operation fails alone.
 fn commit(conn: &mut Connection, batch: Vec<Job>, mem: &Arc<RwLock<Mem>>) {
-    let mut tx = match conn.transaction_with_behavior(TransactionBehavior::Immediate) {
-        Ok(tx) => tx,
+    match run(conn, &batch, mem) {
+        Ok(results) => {
+            for (job, result) in batch.into_iter().zip(results) {
+                let _ = job.reply.send(Ok(result));
+            }
+        }
+        Err(_) if batch.len() > 1 => {
+            for job in batch {
+                commit(conn, vec![job], mem);
+            }
+        }
         Err(e) => {
             for job in batch {
                 let _ = job.reply.send(Err(StoreError::Write(e.to_string())));
             }
-            return;
         }
-    };
+    }
+}
+
+/// One transaction for `batch`; once it is committed the effects are published to memory.
+fn run(
+    conn: &mut Connection,
+    batch: &[Job],
+    mem: &Arc<RwLock<Mem>>,
+) -> Result<Vec<Done>, StoreError> {
+    let tx = conn
+        .transaction_with_behavior(TransactionBehavior::Immediate)
+        .map_err(|e| StoreError::Write(e.to_string()))?;
     // A staged view: the writer's own reads see the batch's earlier operations.
     let mut staged_records: HashMap<String, Option<Arc<Record>>> = HashMap::new();
     let mut staged_intents: HashMap<String, Option<Intent>> = HashMap::new();
     let mut results = Vec::with_capacity(batch.len());
     let mut effects = Vec::new();
-    for job in &batch {
-        let snapshot = read(mem);
-        let ctx = Ctx {
-            mem: &snapshot,
-            records: &staged_records,
-            intents: &staged_intents,
-        };
-        let sp = tx.savepoint();
-        let outcome = match sp {
-            Ok(mut sp) => {
-                let r = apply(&mut sp, &ctx, &job.op, job.now_ms);
-                match r {
-                    Ok((done, eff)) => match sp.commit() {
-                        Ok(()) => Ok((done, eff)),
-                        Err(e) => Err(StoreError::Write(e.to_string())),
-                    },
-                    Err(e) => {
-                        let _ = sp.rollback();
-                        Err(e)
-                    }
-                }
-            }
-            Err(e) => Err(StoreError::Write(e.to_string())),
-        };
-        drop(snapshot);
-        match outcome {
-            Ok((done, eff)) => {
-                for e in &eff {
-                    match e {
-                        Effect::PutRecord(r) => {
-                            staged_records.insert(r.image_ref.clone(), Some(r.clone()));
-                        }
-                        Effect::DeleteRecord(k) => {
-                            staged_records.insert(k.clone(), None);
-                        }
-                        Effect::PutIntent(k, i) => {
-                            staged_intents.insert(k.clone(), Some(i.clone()));
-                        }
-                        Effect::DeleteIntent(k) => {
-                            staged_intents.insert(k.clone(), None);
-                        }
-                    }
-                }
-                effects.extend(eff);
-                results.push(Ok(done));
-            }
-            Err(e) => results.push(Err(e)),
-        }
-    }
-    if let Err(e) = tx.commit() {
-        for job in batch {
-            let _ = job.reply.send(Err(StoreError::Write(e.to_string())));
-        }
-        return;
-    }
     {
-        let mut m = write(mem);
-        for e in effects {
-            match e {
-                Effect::PutRecord(r) => {
-                    m.records.insert(r.image_ref.clone(), r);
+        let snapshot = read(mem);
+        for job in batch {
+            let ctx = Ctx {
+                mem: &snapshot,
+                records: &staged_records,
+                intents: &staged_intents,
+            };
+            let (done, eff) = apply(&tx, &ctx, &job.op, job.now_ms)?;
+            for e in &eff {
+                match e {
+                    Effect::PutRecord(r) => {
+                        staged_records.insert(r.image_ref.clone(), Some(r.clone()));
+                    }
+                    Effect::DeleteRecord(k) => {
+                        staged_records.insert(k.clone(), None);
+                    }
+                    Effect::PutIntent(k, i) => {
+                        staged_intents.insert(k.clone(), Some(i.clone()));
+                    }
+                    Effect::DeleteIntent(k) => {
+                        staged_intents.insert(k.clone(), None);
+                    }
                 }
-                Effect::DeleteRecord(k) => {
-                    m.records.remove(&k);
-                }
-                Effect::PutIntent(k, i) => m.add_intent(&k, i),
-                Effect::DeleteIntent(k) => m.remove_intent(&k),
             }
+            effects.extend(eff);
+            results.push(done);
         }
     }
-    for (job, result) in batch.into_iter().zip(results) {
-        let _ = job.reply.send(result);
+    tx.commit().map_err(|e| StoreError::Write(e.to_string()))?;
+    let mut m = write(mem);
+    for e in effects {
+        match e {
+            Effect::PutRecord(r) => {
+                m.records.insert(r.image_ref.clone(), r);
+            }
+            Effect::DeleteRecord(k) => {
+                m.records.remove(&k);
+            }
+            Effect::PutIntent(k, i) => m.add_intent(&k, i),
+            Effect::DeleteIntent(k) => m.remove_intent(&k),
+        }
     }
+    Ok(results)
 }
 
 /// The writer's view: committed memory overlaid with this batch's staged changes.
@@ -572,36 +565,37 @@ impl Ctx<'_> {
     }
 }
 
-fn put_record(db: &rusqlite::Savepoint<'_>, r: &Record) -> Result<(), StoreError> {
+fn put_record(db: &Connection, r: &Record) -> Result<(), StoreError> {
     let body = serde_json::to_string(r).map_err(|e| StoreError::Write(e.to_string()))?;
-    db.execute(
+    db.prepare_cached(
         "INSERT INTO records (image_ref, body, changed_ms) VALUES (?1, ?2, ?3)
          ON CONFLICT(image_ref) DO UPDATE SET body = excluded.body, changed_ms = excluded.changed_ms",
-        params![r.image_ref, body, r.changed_ms],
     )
+    .and_then(|mut st| st.execute(params![r.image_ref, body, r.changed_ms]))
     .map_err(|e| StoreError::Write(e.to_string()))?;
     Ok(())
 }
 
-fn put_intent(db: &rusqlite::Savepoint<'_>, image: &str, i: &Intent) -> Result<(), StoreError> {
-    db.execute(
+fn put_intent(db: &Connection, image: &str, i: &Intent) -> Result<(), StoreError> {
+    db.prepare_cached(
         "INSERT INTO intents (image, name, count, created_ms) VALUES (?1, ?2, ?3, ?4)
          ON CONFLICT(image) DO UPDATE SET count = excluded.count",
-        params![image, i.name, i.count, i.created_ms],
     )
+    .and_then(|mut st| st.execute(params![image, i.name, i.count, i.created_ms]))
     .map_err(|e| StoreError::Write(e.to_string()))?;
     Ok(())
 }
 
-fn delete_intent(db: &rusqlite::Savepoint<'_>, image: &str) -> Result<(), StoreError> {
-    db.execute("DELETE FROM intents WHERE image = ?1", params![image])
+fn delete_intent(db: &Connection, image: &str) -> Result<(), StoreError> {
+    db.prepare_cached("DELETE FROM intents WHERE image = ?1")
+        .and_then(|mut st| st.execute(params![image]))
         .map_err(|e| StoreError::Write(e.to_string()))?;
     Ok(())
 }
 
 /// One intent fewer for `image`: the effect to publish.
 fn release_intent(
-    db: &rusqlite::Savepoint<'_>,
+    db: &Connection,
     ctx: &Ctx<'_>,
     image: &str,
 ) -> Result<Option<Effect>, StoreError> {
@@ -619,7 +613,7 @@ fn release_intent(
 }
 
 fn apply(
-    db: &mut rusqlite::Savepoint<'_>,
+    db: &Connection,
     ctx: &Ctx<'_>,
     op: &Op,
     now_ms: i64,
