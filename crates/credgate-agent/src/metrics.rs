@@ -64,7 +64,11 @@ pub struct AgentMetrics {
     pub guard_intents: Gauge,
     pub verifications: Family<Labels, Counter>,
     methods: Arc<HashMap<&'static str, MethodHandles>>,
+    decisions: Arc<HashMap<&'static str, Counter>>,
 }
+
+/// Every result of a guard decision.
+pub const DECISIONS: &[&str] = &["allow", "must_authenticate", "refuse", "pull"];
 
 fn rpc_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.000_05, 2.0, 18))
@@ -95,6 +99,16 @@ impl Default for AgentMetrics {
                 (*m, handles)
             })
             .collect();
+        let guard_decisions: Family<Labels, Counter> = Family::default();
+        let decisions = DECISIONS
+            .iter()
+            .map(|d| {
+                let c = guard_decisions
+                    .get_or_create(&vec![("result", (*d).to_owned())])
+                    .clone();
+                (*d, c)
+            })
+            .collect();
         AgentMetrics {
             renewals: Family::default(),
             tracked_refs: Gauge::default(),
@@ -102,11 +116,12 @@ impl Default for AgentMetrics {
             rpcs,
             rpc_seconds,
             reloads: Family::default(),
-            guard_decisions: Family::default(),
+            guard_decisions,
             guard_records: Gauge::default(),
             guard_intents: Gauge::default(),
             verifications: Family::default(),
             methods: Arc::new(methods),
+            decisions: Arc::new(decisions),
         }
     }
 }
@@ -173,9 +188,16 @@ impl AgentMetrics {
 
     /// Counts a guard decision.
     pub fn guard_decision(&self, result: &'static str) {
-        self.guard_decisions
-            .get_or_create(&vec![("result", result.to_owned())])
-            .inc();
+        match self.decisions.get(result) {
+            Some(c) => {
+                c.inc();
+            }
+            None => {
+                self.guard_decisions
+                    .get_or_create(&vec![("result", result.to_owned())])
+                    .inc();
+            }
+        }
     }
 
     /// Counts a verification.

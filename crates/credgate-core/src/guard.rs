@@ -209,12 +209,85 @@ pub struct NameEntry {
     pub changed_ms: i64,
 }
 
+/// Name entries of a record, by normalized image name. A record has one name or a few, so a
+/// sorted vector (one allocation) stands in for a map; serialized as a JSON object.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NameMap(Vec<(String, NameEntry)>);
+
+impl NameMap {
+    fn position(&self, name: &str) -> Result<usize, usize> {
+        self.0.binary_search_by(|(n, _)| n.as_str().cmp(name))
+    }
+
+    pub fn get(&self, name: &str) -> Option<&NameEntry> {
+        self.position(name).ok().map(|i| &self.0[i].1)
+    }
+
+    pub fn contains_key(&self, name: &str) -> bool {
+        self.position(name).is_ok()
+    }
+
+    /// Inserts or replaces.
+    pub fn insert(&mut self, name: String, entry: NameEntry) {
+        match self.position(&name) {
+            Ok(i) => self.0[i].1 = entry,
+            Err(i) => self.0.insert(i, (name, entry)),
+        }
+    }
+
+    /// The entry of `name`, created empty when absent.
+    pub fn get_or_default(&mut self, name: &str) -> &mut NameEntry {
+        let i = match self.position(name) {
+            Ok(i) => i,
+            Err(i) => {
+                self.0.insert(i, (name.to_owned(), NameEntry::default()));
+                i
+            }
+        };
+        &mut self.0[i].1
+    }
+
+    /// In name order.
+    pub fn iter(&self) -> impl Iterator<Item = (&String, &NameEntry)> {
+        self.0.iter().map(|(n, e)| (n, e))
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl std::ops::Index<&str> for NameMap {
+    type Output = NameEntry;
+
+    fn index(&self, name: &str) -> &NameEntry {
+        self.get(name).expect("no entry for this name")
+    }
+}
+
+impl Serialize for NameMap {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_map(self.0.iter().map(|(k, v)| (k, v)))
+    }
+}
+
+impl<'de> Deserialize<'de> for NameMap {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let map = BTreeMap::<String, NameEntry>::deserialize(d)?;
+        Ok(NameMap(map.into_iter().collect()))
+    }
+}
+
 /// The pull record of one image content (the runtime's image ID).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Record {
     pub image_ref: String,
     /// By normalized image name.
-    pub names: BTreeMap<String, NameEntry>,
+    pub names: NameMap,
     pub changed_ms: i64,
 }
 
@@ -454,7 +527,7 @@ pub fn merge(
         image_ref: image_ref.to_owned(),
         ..Default::default()
     });
-    let entry = r.names.entry(name.to_owned()).or_default();
+    let entry = r.names.get_or_default(name);
     match used {
         Presented::NodeWide => {
             entry.node_accessible = true;

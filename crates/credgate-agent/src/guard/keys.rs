@@ -24,9 +24,11 @@ pub enum KeyError {
     Damaged { path: PathBuf, len: usize },
 }
 
-/// The node's hashing key.
+/// The node's hashing key, kept as an HMAC already keyed (cloning it skips the key schedule).
 #[derive(Clone)]
-pub struct NodeKey([u8; 32]);
+pub struct NodeKey {
+    mac: Hmac<Sha256>,
+}
 
 impl std::fmt::Debug for NodeKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -50,7 +52,7 @@ impl NodeKey {
                     path: path.clone(),
                     len: buf.len(),
                 })?;
-                Ok(NodeKey(key))
+                Ok(NodeKey::from_bytes(key))
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 let mut key = [0u8; 32];
@@ -72,7 +74,7 @@ impl NodeKey {
                         if let Ok(d) = std::fs::File::open(dir) {
                             let _ = d.sync_all();
                         }
-                        Ok(NodeKey(key))
+                        Ok(NodeKey::from_bytes(key))
                     }
                     Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
                         let _ = std::fs::remove_file(&tmp);
@@ -90,12 +92,14 @@ impl NodeKey {
 
     /// A key for tests.
     pub fn from_bytes(key: [u8; 32]) -> NodeKey {
-        NodeKey(key)
+        NodeKey {
+            mac: Hmac::<Sha256>::new_from_slice(&key).expect("HMAC takes any key length"),
+        }
     }
 
     /// The keyed hash of a registry credential's content.
     pub fn hash(&self, username: &str, password: &str) -> CredentialHash {
-        let mut mac = Hmac::<Sha256>::new_from_slice(&self.0).expect("HMAC takes any key length");
+        let mut mac = self.mac.clone();
         // Length-prefixed, so that ("ab", "c") and ("a", "bc") differ.
         mac.update(&(username.len() as u64).to_be_bytes());
         mac.update(username.as_bytes());
@@ -122,7 +126,8 @@ mod tests {
             .permissions()
             .mode();
         assert_eq!(mode & 0o777, 0o600);
-        assert!(!format!("{a:?}").contains(&hex::encode(a.0)));
+        let raw = std::fs::read(dir.path().join("node.key")).unwrap();
+        assert!(!format!("{a:?}").contains(&hex::encode(&raw)));
     }
 
     #[test]

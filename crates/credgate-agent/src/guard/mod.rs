@@ -224,8 +224,18 @@ impl Guard {
         pull_policy: PullPolicy,
         credentials: &[CredentialIn],
     ) -> Result<CheckAnswer, GuardError> {
-        let (name, _) = normalize(image)?;
-        let answer = self.decide(&name, image, image_ref, present, pull_policy, credentials);
+        let parsed = ImageRef::parse(image).map_err(|error| GuardError::InvalidImage {
+            image: image.to_owned(),
+            error,
+        })?;
+        let answer = self.decide(
+            parsed.name(),
+            image,
+            image_ref,
+            present,
+            pull_policy,
+            credentials,
+        );
         self.metrics.guard_decision(answer.answer.as_str());
         Ok(answer)
     }

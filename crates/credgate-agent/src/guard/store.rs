@@ -91,13 +91,15 @@ pub struct Pruned {
 }
 
 /// The in-memory view, replaced piecewise after each commit.
+type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+
 #[derive(Default)]
 struct Mem {
-    records: HashMap<String, Arc<Record>>,
+    records: FastMap<String, Arc<Record>>,
     /// By normalized image reference.
-    intents: HashMap<String, Intent>,
+    intents: FastMap<String, Intent>,
     /// Intents per normalized name.
-    intent_names: HashMap<String, usize>,
+    intent_names: FastMap<String, usize>,
 }
 
 impl Mem {

@@ -23,7 +23,7 @@ fn secret(ns: &str, name: &str, h: u8) -> Presented {
 }
 
 fn record_with(name: &str, entry: NameEntry) -> Record {
-    let mut names = BTreeMap::new();
+    let mut names = NameMap::default();
     names.insert(name.to_owned(), entry);
     Record {
         image_ref: "sha256:abc".into(),
