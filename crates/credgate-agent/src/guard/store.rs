@@ -93,9 +93,59 @@ pub struct Pruned {
 /// The in-memory view, replaced piecewise after each commit.
 type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 
+/// Records by image ID, keyed by the record's own `image_ref` (not a copy of it): a third
+/// less memory per record than a map from `String`.
+#[derive(Default)]
+struct RecordTable {
+    table: hashbrown::HashTable<Arc<Record>>,
+    hasher: foldhash::fast::RandomState,
+}
+
+impl RecordTable {
+    fn hash(&self, key: &str) -> u64 {
+        std::hash::BuildHasher::hash_one(&self.hasher, key)
+    }
+
+    fn get(&self, key: &str) -> Option<&Arc<Record>> {
+        self.table.find(self.hash(key), |r| r.image_ref == key)
+    }
+
+    fn insert(&mut self, record: Arc<Record>) {
+        let hash = self.hash(&record.image_ref);
+        let hasher = &self.hasher;
+        match self.table.entry(
+            hash,
+            |r| r.image_ref == record.image_ref,
+            |r| std::hash::BuildHasher::hash_one(hasher, r.image_ref.as_str()),
+        ) {
+            hashbrown::hash_table::Entry::Occupied(mut e) => *e.get_mut() = record,
+            hashbrown::hash_table::Entry::Vacant(e) => {
+                e.insert(record);
+            }
+        }
+    }
+
+    fn remove(&mut self, key: &str) {
+        if let Ok(e) = self
+            .table
+            .find_entry(self.hash(key), |r| r.image_ref == key)
+        {
+            e.remove();
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.table.len()
+    }
+
+    fn values(&self) -> impl Iterator<Item = &Arc<Record>> {
+        self.table.iter()
+    }
+}
+
 #[derive(Default)]
 struct Mem {
-    records: FastMap<String, Arc<Record>>,
+    records: RecordTable,
     /// By normalized image reference.
     intents: FastMap<String, Intent>,
     /// Intents per normalized name.
@@ -349,7 +399,10 @@ fn load(conn: &Connection) -> Result<Mem, String> {
         let (image_ref, body) = row.map_err(|e| e.to_string())?;
         let record: Record = serde_json::from_str(&body)
             .map_err(|e| format!("record {image_ref:?} does not decode: {e}"))?;
-        mem.records.insert(image_ref, Arc::new(record));
+        if record.image_ref != image_ref {
+            return Err(format!("record {image_ref:?} holds {:?}", record.image_ref));
+        }
+        mem.records.insert(Arc::new(record));
     }
     let mut stmt = conn
         .prepare("SELECT image, name, count, created_ms FROM intents")
@@ -492,7 +545,7 @@ fn run(
     for e in effects {
         match e {
             Effect::PutRecord(r) => {
-                m.records.insert(r.image_ref.clone(), r);
+                m.records.insert(r);
             }
             Effect::DeleteRecord(k) => {
                 m.records.remove(&k);
@@ -530,8 +583,8 @@ impl Ctx<'_> {
         let mut out: HashMap<&str, Arc<Record>> = self
             .mem
             .records
-            .iter()
-            .map(|(k, v)| (k.as_str(), v.clone()))
+            .values()
+            .map(|v| (v.image_ref.as_str(), v.clone()))
             .collect();
         for (k, v) in self.records {
             match v {
