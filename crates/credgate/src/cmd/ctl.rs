@@ -26,6 +26,16 @@ pub fn time(ms: i64) -> String {
     }
 }
 
+/// Prints a response: the message as JSON with `-o json`, else `text` of it.
+pub fn show<T: Serialize>(out: Output, value: &T, text: impl FnOnce(&T) -> String) -> Result<()> {
+    if out == Output::Json {
+        json(value)
+    } else {
+        println!("{}", text(value));
+        Ok(())
+    }
+}
+
 pub fn json(value: &impl Serialize) -> Result<()> {
     println!("{}", serde_json::to_string_pretty(value)?);
     Ok(())
@@ -101,11 +111,7 @@ async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcome> {
                 .await
                 .map_err(status_error)?
                 .into_inner();
-            if out == Output::Json {
-                json(&r)?;
-            } else {
-                println!("tracked: {}", r.tracked);
-            }
+            show(out, &r, |r| format!("tracked: {}", r.tracked))?;
         }
         CtlCall::Untrack { consumer, refs } => {
             let r = creds
@@ -113,11 +119,7 @@ async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcome> {
                 .await
                 .map_err(status_error)?
                 .into_inner();
-            if out == Output::Json {
-                json(&r)?;
-            } else {
-                println!("tracked: {}", r.tracked);
-            }
+            show(out, &r, |r| format!("tracked: {}", r.tracked))?;
         }
         CtlCall::SetTracked { consumer, refs } => {
             let r = creds
@@ -125,11 +127,9 @@ async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcome> {
                 .await
                 .map_err(status_error)?
                 .into_inner();
-            if out == Output::Json {
-                json(&r)?;
-            } else {
-                println!("added: {}, removed: {}", r.added, r.removed);
-            }
+            show(out, &r, |r| {
+                format!("added: {}, removed: {}", r.added, r.removed)
+            })?;
         }
         CtlCall::ListTracked { consumer } => {
             let r = creds
@@ -215,11 +215,7 @@ async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcome> {
                 .await
                 .map_err(status_error)?
                 .into_inner();
-            if out == Output::Json {
-                json(&r)?;
-            } else {
-                println!("{}", r.status);
-            }
+            show(out, &r, |r| r.status.clone())?;
         }
         CtlCall::Version => {
             let r = admin
@@ -227,11 +223,7 @@ async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcome> {
                 .await
                 .map_err(status_error)?
                 .into_inner();
-            if out == Output::Json {
-                json(&r)?;
-            } else {
-                println!("credgate {} ({})", r.version, r.api);
-            }
+            show(out, &r, |r| format!("credgate {} ({})", r.version, r.api))?;
         }
         CtlCall::Status => {
             let r = admin
@@ -327,11 +319,7 @@ async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcome> {
                 .await
                 .map_err(status_error)?
                 .into_inner();
-            if out == Output::Json {
-                json(&r)?;
-            } else {
-                println!("pong");
-            }
+            show(out, &r, |_| "pong".to_owned())?;
         }
     }
     Ok(Outcome::Yes)

@@ -8,7 +8,7 @@ use credgate_api::v1::pull_credential::Kind;
 use credgate_api::v1::{self as pb};
 use tonic::transport::Channel;
 
-use super::ctl::{json, status_error, time};
+use super::ctl::{json, show, status_error, time};
 use super::get::print_table;
 use crate::opts::{CredentialArgs, CtlCall, Output, PullPolicyArg};
 use crate::Outcome;
@@ -131,16 +131,14 @@ pub async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcom
                 .await
                 .map_err(status_error)?
                 .into_inner();
-            if out == Output::Json {
-                json(&r)?;
-            } else {
-                println!(
+            show(out, &r, |r| {
+                format!(
                     "{} ({}): {}",
                     decision_name(r.decision),
                     r.reason,
                     r.message
-                );
-            }
+                )
+            })?;
             let allowed = matches!(
                 pb::Decision::try_from(r.decision),
                 Ok(pb::Decision::Allow | pb::Decision::Pull)
@@ -206,16 +204,14 @@ pub async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcom
                 .await
                 .map_err(status_error)?
                 .into_inner();
-            if out == Output::Json {
-                json(&r)?;
-            } else {
-                println!(
+            show(out, &r, |r| {
+                format!(
                     "{} ({}): {}",
                     decision_name(r.decision),
                     r.reason,
                     r.message
-                );
-            }
+                )
+            })?;
             return Ok(if r.credential_index >= 0 {
                 Outcome::Yes
             } else {
@@ -249,14 +245,12 @@ pub async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcom
                 .await
                 .map_err(status_error)?
                 .into_inner();
-            if out == Output::Json {
-                json(&r)?;
-            } else {
-                println!(
+            show(out, &r, |r| {
+                format!(
                     "records deleted: {}, intents recovered: {}, intents dropped: {}",
                     r.records_deleted, r.intents_recovered, r.intents_dropped
-                );
-            }
+                )
+            })?;
         }
         CtlCall::ListRecords => {
             let r = guard
@@ -298,18 +292,14 @@ pub async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcom
                 .await
                 .map_err(status_error)?
                 .into_inner();
-            if out == Output::Json {
-                json(&r)?;
-            } else {
-                println!(
-                    "{}",
-                    if r.deleted {
-                        "deleted"
-                    } else {
-                        "no such record"
-                    }
-                );
-            }
+            show(out, &r, |r| {
+                let text = if r.deleted {
+                    "deleted"
+                } else {
+                    "no such record"
+                };
+                text.to_owned()
+            })?;
             return Ok(if r.deleted { Outcome::Yes } else { Outcome::No });
         }
         _ => unreachable!("only ImageAccess calls are routed here"),
