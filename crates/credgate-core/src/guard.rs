@@ -392,12 +392,70 @@ pub struct Check<'a> {
     pub now_ms: i64,
 }
 
-/// A decision, and the name entry to store when the decision learned something (a known
-/// secret under new coordinates, a rotated secret).
+/// What a decision learned about a name's secrets, to be applied to the record as it is when
+/// written (not as it was when decided: two decisions learning at once must not undo each
+/// other).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Learned {
+    /// Known content under new coordinates (a copy of the secret in another namespace).
+    NewCoordinates {
+        coords: Coords,
+        hash: CredentialHash,
+        /// The recorded time of the content it matched.
+        recorded_ms: i64,
+    },
+    /// The same secret object with new content.
+    Rotated {
+        coords: Coords,
+        hash: CredentialHash,
+    },
+}
+
+/// Applies what a decision learned to `name` of `record`; `None` when it changes nothing (the
+/// name is gone, became node accessible, the list is full, or it is already known).
+pub fn learn(record: &Record, name: &str, learned: &Learned, now_ms: i64) -> Option<Record> {
+    let mut r = record.clone();
+    let entry = r.names.get(name)?;
+    if entry.node_accessible {
+        return None;
+    }
+    let mut entry = entry.clone();
+    match learned {
+        Learned::NewCoordinates {
+            coords,
+            hash,
+            recorded_ms,
+        } => {
+            if entry.secrets.iter().any(|s| &s.coords == coords)
+                || entry.secrets.len() >= MAX_SECRETS_PER_NAME
+            {
+                return None;
+            }
+            entry.secrets.push(SecretRecord {
+                coords: coords.clone(),
+                hash: *hash,
+                recorded_ms: *recorded_ms,
+            });
+        }
+        Learned::Rotated { coords, hash } => {
+            let s = entry.secrets.iter_mut().find(|s| &s.coords == coords)?;
+            if s.hash == *hash {
+                return None;
+            }
+            s.hash = *hash;
+        }
+    }
+    entry.changed_ms = now_ms;
+    r.names.insert(name.to_owned(), entry);
+    r.changed_ms = now_ms;
+    Some(r)
+}
+
+/// A decision, and what it learned (to be stored with [`learn`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Decision {
     pub verdict: Verdict,
-    pub update: Option<NameEntry>,
+    pub update: Option<Learned>,
 }
 
 impl Decision {
@@ -463,18 +521,15 @@ pub fn decide(
                         too_old = true;
                         continue;
                     }
-                    let mut update = None;
                     let new_coords = !entry.secrets.iter().any(|s| s.coords == coords);
-                    if new_coords && entry.secrets.len() < MAX_SECRETS_PER_NAME {
-                        let mut e = entry.clone();
-                        e.secrets.push(SecretRecord {
-                            coords,
-                            hash,
-                            recorded_ms: known.recorded_ms,
+                    let update =
+                        (new_coords && entry.secrets.len() < MAX_SECRETS_PER_NAME).then(|| {
+                            Learned::NewCoordinates {
+                                coords,
+                                hash,
+                                recorded_ms: known.recorded_ms,
+                            }
                         });
-                        e.changed_ms = check.now_ms;
-                        update = Some(e);
-                    }
                     return Decision {
                         verdict: Allow(AllowReason::SecretMatch),
                         update,
@@ -486,12 +541,9 @@ pub fn decide(
                         too_old = true;
                         continue;
                     }
-                    let mut e = entry.clone();
-                    e.secrets[i].hash = hash;
-                    e.changed_ms = check.now_ms;
                     return Decision {
                         verdict: Allow(AllowReason::SecretRotated),
-                        update: Some(e),
+                        update: Some(Learned::Rotated { coords, hash }),
                     };
                 }
             }

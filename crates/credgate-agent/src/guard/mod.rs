@@ -286,14 +286,14 @@ impl Guard {
             now_ms: now_ms(),
         };
         let decision = guard::decide(&check, view, || self.presented(credentials));
-        if let (Some(entry), Ok(store)) = (decision.update, &self.store) {
+        if let (Some(learned), Ok(store)) = (decision.update, &self.store) {
             // What the decision learned (new coordinates of a known secret, a rotation) is
             // written in the background; the answer does not wait for it.
             let store = store.clone();
-            let op = Op::Update {
+            let op = Op::Learn {
                 image_ref: image_ref.to_owned(),
                 name: name.to_owned(),
-                entry,
+                learned,
             };
             let now = check.now_ms;
             tokio::spawn(async move {

@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, RwLock};
 
-use credgate_core::guard::{self, NameEntry, Presented, Record};
+use credgate_core::guard::{self, Learned, Presented, Record};
 use rusqlite::{params, Connection, TransactionBehavior};
 use tokio::sync::oneshot;
 
@@ -192,11 +192,12 @@ pub enum Op {
         image_ref: String,
         used: Option<Presented>,
     },
-    /// A decision learned something about `name` of `image_ref`.
-    Update {
+    /// A decision learned something about `name` of `image_ref`; applied to the record as it
+    /// is when written.
+    Learn {
         image_ref: String,
         name: String,
-        entry: NameEntry,
+        learned: Learned,
     },
     Delete {
         image_ref: String,
@@ -706,15 +707,15 @@ fn apply(
             effects.extend(release_intent(db, ctx, image)?);
             Done::Ok
         }
-        Op::Update {
+        Op::Learn {
             image_ref,
             name,
-            entry,
+            learned,
         } => {
-            if let Some(current) = ctx.record(image_ref) {
-                let mut r = (*current).clone();
-                r.names.insert(name.clone(), entry.clone());
-                r.changed_ms = now_ms;
+            let updated = ctx
+                .record(image_ref)
+                .and_then(|current| guard::learn(&current, name, learned, now_ms));
+            if let Some(r) = updated {
                 put_record(db, &r)?;
                 effects.push(Effect::PutRecord(Arc::new(r)));
             }

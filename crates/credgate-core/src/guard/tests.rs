@@ -221,9 +221,21 @@ fn step9_secret_matches_by_hash_and_learns_new_coordinates() {
     // new coordinates are remembered.
     let d = decide_with(entry.clone(), vec![secret("b", "copy", 1)], None);
     assert_eq!(d.verdict, Verdict::Allow(AllowReason::SecretMatch));
-    let update = d.update.unwrap();
-    assert_eq!(update.secrets.len(), 2);
-    assert_eq!(update.secrets[1].coords, coords("b", "copy"));
+    let learned = d.update.unwrap();
+    let record = record_with(NAME, secrets_entry(&[("a", "pull", 1, NOW - 10)]));
+    let updated = learn(&record, NAME, &learned, NOW).unwrap();
+    let e = &updated.names[NAME];
+    assert_eq!(e.secrets.len(), 2);
+    assert_eq!(e.secrets[1].coords, coords("b", "copy"));
+    assert_eq!(
+        e.secrets[1].recorded_ms,
+        NOW - 10,
+        "as old as the content it matched"
+    );
+    assert!(
+        learn(&updated, NAME, &learned, NOW).is_none(),
+        "learned once"
+    );
     // The same secret again: allowed, nothing to write.
     let d = decide_with(entry, vec![secret("a", "pull", 1)], None);
     assert_eq!(d.verdict, Verdict::Allow(AllowReason::SecretMatch));
@@ -235,7 +247,9 @@ fn step9_rotated_secret_allows_and_updates_the_hash() {
     let entry = secrets_entry(&[("a", "pull", 1, NOW - 10)]);
     let d = decide_with(entry, vec![secret("a", "pull", 2)], None);
     assert_eq!(d.verdict, Verdict::Allow(AllowReason::SecretRotated));
-    assert_eq!(d.update.unwrap().secrets[0].hash, hash(2));
+    let record = record_with(NAME, secrets_entry(&[("a", "pull", 1, NOW - 10)]));
+    let updated = learn(&record, NAME, &d.update.unwrap(), NOW).unwrap();
+    assert_eq!(updated.names[NAME].secrets[0].hash, hash(2));
 }
 
 #[test]
@@ -447,4 +461,27 @@ fn records_round_trip_through_json_with_hex_hashes() {
     let back: Record = serde_json::from_str(&json).unwrap();
     assert_eq!(back, r);
     assert!(!format!("{:?}", hash(0xab)).contains(&"ab".repeat(8)));
+}
+
+#[test]
+fn two_things_learned_at_once_both_stick() {
+    // Decided on the same snapshot, written one after the other: the second must not undo the
+    // first (each is applied to the record as it is when written).
+    let record = record_with(NAME, secrets_entry(&[("a", "pull", 1, NOW - 10)]));
+    let copy = decide_with(
+        record.names[NAME].clone(),
+        vec![secret("b", "copy", 1)],
+        None,
+    );
+    let rotation = decide_with(
+        record.names[NAME].clone(),
+        vec![secret("a", "pull", 2)],
+        None,
+    );
+    let r = learn(&record, NAME, &copy.update.unwrap(), NOW).unwrap();
+    let r = learn(&r, NAME, &rotation.update.unwrap(), NOW + 1).unwrap();
+    let e = &r.names[NAME];
+    assert_eq!(e.secrets.len(), 2);
+    assert_eq!(e.secrets[0].hash, hash(2));
+    assert_eq!(e.secrets[1].coords, coords("b", "copy"));
 }
