@@ -522,14 +522,12 @@ pub fn decide(
                         continue;
                     }
                     let new_coords = !entry.secrets.iter().any(|s| s.coords == coords);
-                    let update =
-                        (new_coords && entry.secrets.len() < MAX_SECRETS_PER_NAME).then(|| {
-                            Learned::NewCoordinates {
-                                coords,
-                                hash,
-                                recorded_ms: known.recorded_ms,
-                            }
-                        });
+                    let room = entry.secrets.len() < MAX_SECRETS_PER_NAME;
+                    let update = (new_coords && room).then_some(Learned::NewCoordinates {
+                        coords,
+                        hash,
+                        recorded_ms: known.recorded_ms,
+                    });
                     return Decision {
                         verdict: Allow(AllowReason::SecretMatch),
                         update,
