@@ -18,7 +18,7 @@ fn secret(name: &str, h: u8) -> Presented {
             name: name.into(),
             uid: format!("uid-{name}"),
         },
-        hash: CredentialHash([h; 32]),
+        hash: CredentialHash::new(1, [h; 32]),
     }
 }
 

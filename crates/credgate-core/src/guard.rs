@@ -154,28 +154,52 @@ impl Allowlist {
 }
 
 /// A keyed hash of a credential's content (HMAC-SHA-256 with the node's key), never the
-/// credential itself. Serialized as hex.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct CredentialHash(#[serde(with = "hex_bytes")] pub [u8; 32]);
+/// credential itself, tagged with the id of the key that made it: hashes made under another key
+/// (a lost and recreated key) never match, and their secrets cannot be taken for rotated.
+/// Serialized as `k<key id>:<hex>`.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct CredentialHash {
+    pub key: u32,
+    pub mac: [u8; 32],
+}
 
-impl fmt::Debug for CredentialHash {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "CredentialHash({}..)", hex::encode(&self.0[..4]))
+impl CredentialHash {
+    pub fn new(key: u32, mac: [u8; 32]) -> Self {
+        CredentialHash { key, mac }
     }
 }
 
-mod hex_bytes {
-    use serde::{Deserialize, Deserializer, Serializer};
-
-    pub fn serialize<S: Serializer>(b: &[u8; 32], s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&hex::encode(b))
+impl fmt::Debug for CredentialHash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "CredentialHash(k{:08x}:{}..)",
+            self.key,
+            hex::encode(&self.mac[..4])
+        )
     }
+}
 
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<[u8; 32], D::Error> {
+impl Serialize for CredentialHash {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&format!("k{:08x}:{}", self.key, hex::encode(self.mac)))
+    }
+}
+
+impl<'de> Deserialize<'de> for CredentialHash {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use serde::de::Error;
         let s = String::deserialize(d)?;
-        let v = hex::decode(&s).map_err(serde::de::Error::custom)?;
-        v.try_into()
-            .map_err(|_| serde::de::Error::custom("a credential hash has 32 bytes"))
+        let (key, mac) = s
+            .strip_prefix('k')
+            .and_then(|rest| rest.split_once(':'))
+            .ok_or_else(|| D::Error::custom("a credential hash is k<key id>:<hex>"))?;
+        let key = u32::from_str_radix(key, 16).map_err(D::Error::custom)?;
+        let mac = hex::decode(mac).map_err(D::Error::custom)?;
+        let mac = mac
+            .try_into()
+            .map_err(|_| D::Error::custom("a credential hash has 32 bytes"))?;
+        Ok(CredentialHash { key, mac })
     }
 }
 
@@ -534,7 +558,11 @@ pub fn decide(
                     };
                 }
                 if let Some(i) = entry.secrets.iter().position(|s| s.coords == coords) {
-                    // The same secret object with new content: rotated in place.
+                    // The same secret object with new content: rotated in place. A record
+                    // hashed under another node key cannot tell a rotation from a guess.
+                    if entry.secrets[i].hash.key != hash.key {
+                        continue;
+                    }
                     if !fresh(&entry.secrets[i]) {
                         too_old = true;
                         continue;

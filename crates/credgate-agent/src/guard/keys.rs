@@ -28,6 +28,7 @@ pub enum KeyError {
 #[derive(Clone)]
 pub struct NodeKey {
     mac: Hmac<Sha256>,
+    id: u32,
 }
 
 impl std::fmt::Debug for NodeKey {
@@ -92,9 +93,18 @@ impl NodeKey {
 
     /// A key for tests.
     pub fn from_bytes(key: [u8; 32]) -> NodeKey {
-        NodeKey {
-            mac: Hmac::<Sha256>::new_from_slice(&key).expect("HMAC takes any key length"),
-        }
+        let mac = Hmac::<Sha256>::new_from_slice(&key).expect("HMAC takes any key length");
+        // The key's public id: a MAC of a fixed label, so it reveals nothing of the key.
+        let mut label = mac.clone();
+        label.update(b"credgate node key id");
+        let tag = label.finalize().into_bytes();
+        let id = u32::from_be_bytes([tag[0], tag[1], tag[2], tag[3]]);
+        NodeKey { mac, id }
+    }
+
+    /// The key's id, stored with every hash it makes.
+    pub fn id(&self) -> u32 {
+        self.id
     }
 
     /// The keyed hash of a registry credential's content.
@@ -105,7 +115,7 @@ impl NodeKey {
         mac.update(username.as_bytes());
         mac.update(&(password.len() as u64).to_be_bytes());
         mac.update(password.as_bytes());
-        CredentialHash(mac.finalize().into_bytes().into())
+        CredentialHash::new(self.id, mac.finalize().into_bytes().into())
     }
 }
 
@@ -141,7 +151,9 @@ mod tests {
         );
         assert_ne!(k1.hash("ab", "c"), k1.hash("a", "bc"));
         let plain: [u8; 32] = <Sha256 as sha2::Digest>::digest(b"up").into();
-        assert_ne!(k1.hash("u", "p").0, plain);
+        assert_ne!(k1.hash("u", "p").mac, plain);
+        assert_ne!(k1.id(), k2.id());
+        assert_eq!(k1.hash("u", "p").key, k1.id());
     }
 
     #[test]

@@ -12,7 +12,7 @@ fn coords(ns: &str, name: &str) -> Coords {
 }
 
 fn hash(b: u8) -> CredentialHash {
-    CredentialHash([b; 32])
+    CredentialHash::new(7, [b; 32])
 }
 
 fn secret(ns: &str, name: &str, h: u8) -> Presented {
@@ -457,7 +457,7 @@ fn the_hundred_secret_limit() {
 fn records_round_trip_through_json_with_hex_hashes() {
     let r = merge(None, "sha256:abc", NAME, &secret("a", "pull", 0xab), NOW);
     let json = serde_json::to_string(&r).unwrap();
-    assert!(json.contains(&"ab".repeat(32)));
+    assert!(json.contains(&format!("k00000007:{}", "ab".repeat(32))));
     let back: Record = serde_json::from_str(&json).unwrap();
     assert_eq!(back, r);
     assert!(!format!("{:?}", hash(0xab)).contains(&"ab".repeat(8)));
@@ -484,4 +484,22 @@ fn two_things_learned_at_once_both_stick() {
     assert_eq!(e.secrets.len(), 2);
     assert_eq!(e.secrets[0].hash, hash(2));
     assert_eq!(e.secrets[1].coords, coords("b", "copy"));
+}
+
+#[test]
+fn hashes_under_another_node_key_neither_match_nor_rotate() {
+    // The node key was lost and recreated: the records' hashes were made under key 7.
+    let entry = secrets_entry(&[("a", "pull", 1, NOW - 10)]);
+    let other_key = |b| Presented::Secret {
+        coords: coords("a", "pull"),
+        hash: CredentialHash::new(8, [b; 32]),
+    };
+    for b in [1, 2] {
+        let d = decide_with(entry.clone(), vec![other_key(b)], None);
+        assert_eq!(
+            d.verdict,
+            Verdict::Authenticate(AuthReason::NoMatchingCredential)
+        );
+        assert!(d.update.is_none());
+    }
 }

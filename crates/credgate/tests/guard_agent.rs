@@ -1,6 +1,8 @@
-//! Crash safety of the guard's records: the agent is killed (SIGKILL) at random moments while
-//! many pulls are being recorded; after a restart every pull acknowledged before the kill is
-//! there. A damaged database gives a clear error and fail-safe answers, never a crash loop.
+//! The guard in a running agent: crash safety (the agent is killed with SIGKILL at random
+//! moments while many pulls are being recorded; after a restart every pull acknowledged before
+//! the kill is there), a damaged database (a clear error and fail-safe answers, never a crash
+//! loop), a lost node key, intent recovery, the maximum age, pull policy Never, and the
+//! allowlist refused at start.
 
 mod support;
 
@@ -159,12 +161,17 @@ async fn a_damaged_store_fails_safe_without_a_crash_loop() {
 }
 
 fn secret(user: &str, password: &str) -> Option<pb::PullCredential> {
+    secret_of("team-a", user, password)
+}
+
+/// A secret of namespace `ns` (one secret object per namespace).
+fn secret_of(ns: &str, user: &str, password: &str) -> Option<pb::PullCredential> {
     Some(pb::PullCredential {
         kind: Some(Kind::Secret(pb::SecretCredential {
             secret: Some(pb::ObjectRef {
-                namespace: "team-a".into(),
+                namespace: ns.into(),
                 name: "pull".into(),
-                uid: "u1".into(),
+                uid: format!("uid-{ns}"),
             }),
             username: user.into(),
             password: password.into(),
@@ -318,4 +325,105 @@ fn invalid_allowlist_entries_are_refused_at_start() {
         "{err}"
     );
     assert!(!err.contains("\"registry.k8s.io/pause\""), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn losing_the_node_key_means_reverification_not_access() {
+    let dir = tempfile::tempdir().unwrap();
+    let image = "registry.example.com/team-a/app:v1";
+    {
+        let agent = Agent::start(
+            dir.path(),
+            &[
+                "--image-pull-credentials-verification-policy",
+                "AlwaysVerify",
+            ],
+        );
+        let channel = credgate_api::connect(&agent.socket).await.unwrap();
+        let mut client = ImageAccessClient::new(channel);
+        client
+            .record_pull_result(pb::RecordPullResultRequest {
+                image: image.into(),
+                image_ref: "sha256:a".into(),
+                success: true,
+                credential: secret("alice", "pw"),
+            })
+            .await
+            .unwrap();
+        let r = check(&mut client, image, "sha256:a", secret("alice", "pw")).await;
+        assert_eq!(r.reason, "secret_match");
+        assert!(agent.stop().success());
+    }
+    std::fs::remove_file(dir.path().join("state/node.key")).unwrap();
+    let agent = Agent::start(
+        dir.path(),
+        &[
+            "--image-pull-credentials-verification-policy",
+            "AlwaysVerify",
+        ],
+    );
+    let channel = credgate_api::connect(&agent.socket).await.unwrap();
+    let mut client = ImageAccessClient::new(channel);
+    let r = check(&mut client, image, "sha256:a", secret("alice", "pw")).await;
+    assert_eq!(
+        (r.decision, r.reason.as_str()),
+        (
+            pb::Decision::MustAuthenticate as i32,
+            "no_matching_credential"
+        )
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pull_policy_never_does_not_reveal_whether_the_image_exists() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = Agent::start(
+        dir.path(),
+        &[
+            "--image-pull-credentials-verification-policy",
+            "AlwaysVerify",
+        ],
+    );
+    let channel = credgate_api::connect(&agent.socket).await.unwrap();
+    let mut client = ImageAccessClient::new(channel);
+    let image = "registry.example.com/team-a/app:v1";
+    client
+        .record_pull_result(pb::RecordPullResultRequest {
+            image: image.into(),
+            image_ref: "sha256:a".into(),
+            success: true,
+            credential: secret("alice", "pw"),
+        })
+        .await
+        .unwrap();
+    let ask = |present: bool| pb::CheckAccessRequest {
+        image: image.into(),
+        image_ref: if present {
+            "sha256:a".into()
+        } else {
+            String::new()
+        },
+        present,
+        pull_policy: pb::PullPolicy::Never as i32,
+        credentials: secret_of("team-b", "bob", "other").into_iter().collect(),
+    };
+    let there = client.check_access(ask(true)).await.unwrap().into_inner();
+    let absent = client.check_access(ask(false)).await.unwrap().into_inner();
+    assert_eq!(there.decision, pb::Decision::Refuse as i32);
+    assert_eq!(
+        (there.decision, &there.reason, &there.message),
+        (absent.decision, &absent.reason, &absent.message)
+    );
+    // The owner is allowed, and Always means pull.
+    let mut owner = ask(true);
+    owner.credentials = secret("alice", "pw").into_iter().collect();
+    let r = client
+        .check_access(owner.clone())
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.decision, pb::Decision::Allow as i32);
+    owner.pull_policy = pb::PullPolicy::Always as i32;
+    let r = client.check_access(owner).await.unwrap().into_inner();
+    assert_eq!(r.decision, pb::Decision::Pull as i32);
 }
