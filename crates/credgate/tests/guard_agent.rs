@@ -179,6 +179,19 @@ fn secret_of(ns: &str, user: &str, password: &str) -> Option<pb::PullCredential>
     })
 }
 
+/// Alice's pull of `image` (as `sha256:a`) with her secret succeeded.
+async fn record_alice(client: &mut ImageAccessClient<tonic::transport::Channel>, image: &str) {
+    client
+        .record_pull_result(pb::RecordPullResultRequest {
+            image: image.into(),
+            image_ref: "sha256:a".into(),
+            success: true,
+            credential: secret("alice", "pw"),
+        })
+        .await
+        .unwrap();
+}
+
 async fn check(
     client: &mut ImageAccessClient<tonic::transport::Channel>,
     image: &str,
@@ -267,15 +280,7 @@ async fn a_secret_match_expires_after_the_maximum_age() {
     let channel = credgate_api::connect(&agent.socket).await.unwrap();
     let mut client = ImageAccessClient::new(channel);
     let image = "registry.example.com/team-a/app:v1";
-    client
-        .record_pull_result(pb::RecordPullResultRequest {
-            image: image.into(),
-            image_ref: "sha256:a".into(),
-            success: true,
-            credential: secret("alice", "pw"),
-        })
-        .await
-        .unwrap();
+    record_alice(&mut client, image).await;
     let r = check(&mut client, image, "sha256:a", secret("alice", "pw")).await;
     assert_eq!(r.reason, "secret_match");
     tokio::time::sleep(Duration::from_millis(1300)).await;
@@ -285,15 +290,7 @@ async fn a_secret_match_expires_after_the_maximum_age() {
         (pb::Decision::MustAuthenticate as i32, "secret_too_old")
     );
     // A new successful pull confirms the secret again.
-    client
-        .record_pull_result(pb::RecordPullResultRequest {
-            image: image.into(),
-            image_ref: "sha256:a".into(),
-            success: true,
-            credential: secret("alice", "pw"),
-        })
-        .await
-        .unwrap();
+    record_alice(&mut client, image).await;
     let r = check(&mut client, image, "sha256:a", secret("alice", "pw")).await;
     assert_eq!(r.reason, "secret_match");
 }
@@ -341,15 +338,7 @@ async fn losing_the_node_key_means_reverification_not_access() {
         );
         let channel = credgate_api::connect(&agent.socket).await.unwrap();
         let mut client = ImageAccessClient::new(channel);
-        client
-            .record_pull_result(pb::RecordPullResultRequest {
-                image: image.into(),
-                image_ref: "sha256:a".into(),
-                success: true,
-                credential: secret("alice", "pw"),
-            })
-            .await
-            .unwrap();
+        record_alice(&mut client, image).await;
         let r = check(&mut client, image, "sha256:a", secret("alice", "pw")).await;
         assert_eq!(r.reason, "secret_match");
         assert!(agent.stop().success());
@@ -387,15 +376,7 @@ async fn pull_policy_never_does_not_reveal_whether_the_image_exists() {
     let channel = credgate_api::connect(&agent.socket).await.unwrap();
     let mut client = ImageAccessClient::new(channel);
     let image = "registry.example.com/team-a/app:v1";
-    client
-        .record_pull_result(pb::RecordPullResultRequest {
-            image: image.into(),
-            image_ref: "sha256:a".into(),
-            success: true,
-            credential: secret("alice", "pw"),
-        })
-        .await
-        .unwrap();
+    record_alice(&mut client, image).await;
     let ask = |present: bool| pb::CheckAccessRequest {
         image: image.into(),
         image_ref: if present {
