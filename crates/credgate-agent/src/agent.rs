@@ -78,7 +78,9 @@ impl Agent {
             options.renewal,
             metrics.clone(),
         );
-        let guard = options.guard.map(|g| Guard::open(g, metrics.clone()));
+        let guard = options
+            .guard
+            .map(|g| Guard::open(g, metrics.clone()).with_engine(engine.clone()));
         let now = clock.wall();
         Ok(Agent {
             inner: Arc::new(Inner {

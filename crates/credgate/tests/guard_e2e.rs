@@ -255,3 +255,61 @@ async fn tenant_b_cannot_use_tenant_a_private_image() {
         assert!(!log.contains(s), "{log}");
     }
 }
+
+/// Node-wide credentials are the node's own: `Verify` with `node_wide` tries what the agent's
+/// providers give for the image (here a plugin with the node's registry login), then anonymous.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_wide_verification_uses_the_nodes_providers() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let tokens = TokenServer::start(
+        d,
+        &[(ADMIN.0, ADMIN.1, &["*"]), ("node", "node-pw", &["team-a/app"])],
+    );
+    let registry = Registry::start_with_tokens(d, &tokens);
+    oci_image(d);
+    push(d, &registry, "team-a/app", ADMIN.0, ADMIN.1);
+    let digest = digest_of(&registry, "team-a/app");
+    let bin = d.join("plugins");
+    std::fs::create_dir_all(&bin).unwrap();
+    support::write_script(
+        &bin.join("node-login"),
+        &format!(
+            r#"cat >/dev/null
+printf '{{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.kubelet.k8s.io/v1","cacheKeyType":"Registry","cacheDuration":"10m","auth":{{"{host}":{{"username":"node","password":"node-pw"}}}}}}'"#,
+            host = registry.host()
+        ),
+    );
+    let config = d.join("providers.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "apiVersion: kubelet.config.k8s.io/v1\nkind: CredentialProviderConfig\nproviders:\n- name: node-login\n  matchImages: [\"{}\"]\n  defaultCacheDuration: 10m\n  apiVersion: credentialprovider.kubelet.k8s.io/v1\n",
+            registry.host()
+        ),
+    )
+    .unwrap();
+    let agent = Agent::start(
+        d,
+        &[
+            "--image-pull-credentials-verification-policy",
+            "AlwaysVerify",
+            "--image-credential-provider-config",
+            config.to_str().unwrap(),
+            "--image-credential-provider-bin-dir",
+            bin.to_str().unwrap(),
+        ],
+    );
+    let channel = credgate_api::connect(&agent.socket).await.unwrap();
+    let mut t = Tenants {
+        client: ImageAccessClient::new(channel),
+        image: format!("{}/team-a/app:v1", registry.host()),
+        image_ref: digest.clone(),
+    };
+    assert_eq!(t.check(vec![]).await.0, pb::Decision::MustAuthenticate);
+    let v = t.verify(vec![anonymous()], &digest).await;
+    assert_eq!((v.reason.as_str(), v.credential_index), ("verified", 0), "{}", v.message);
+    // Recorded as node accessible: any consumer may use it now.
+    let (decision, reason) = t.check(vec![]).await;
+    assert_eq!((decision, reason.as_str()), (pb::Decision::Allow, "node_accessible"));
+}

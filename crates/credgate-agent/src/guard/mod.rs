@@ -14,10 +14,12 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use arc_swap::ArcSwap;
 use credgate_core::guard::{
     self, AllowReason, Allowlist, AuthReason, Check, Coords, Policy, Presented, StoreView, Verdict,
 };
 use credgate_core::reference::{ImageRef, ReferenceError};
+use credgate_engine::{Engine, LookupRequest};
 use secrecy::{ExposeSecret, SecretString};
 
 use crate::metrics::AgentMetrics;
@@ -149,6 +151,8 @@ pub struct Guard {
     options: Arc<GuardOptions>,
     metrics: AgentMetrics,
     verifier: registry::Verifier,
+    /// The agent's credential engine: what "node-wide credentials" are when verifying.
+    engine: Option<Arc<ArcSwap<Engine>>>,
 }
 
 impl Guard {
@@ -173,9 +177,37 @@ impl Guard {
             options: Arc::new(options),
             metrics,
             verifier,
+            engine: None,
         };
         guard.update_gauges();
         guard
+    }
+
+    /// Verification tries the engine's credentials for a node-wide credential.
+    pub fn with_engine(mut self, engine: Arc<ArcSwap<Engine>>) -> Guard {
+        self.engine = Some(engine);
+        self
+    }
+
+    /// The node's own credentials for `image`, in try-order (static sources and providers,
+    /// without a service account).
+    async fn node_credentials(&self, image: &str) -> Vec<(String, SecretString)> {
+        let Some(engine) = &self.engine else {
+            return Vec::new();
+        };
+        let engine = engine.load_full();
+        let request = LookupRequest {
+            image,
+            ..Default::default()
+        };
+        match engine.lookup(&request).await {
+            Ok(found) => found
+                .credentials
+                .into_iter()
+                .map(|c| (c.username, c.password))
+                .collect(),
+            Err(_) => Vec::new(),
+        }
     }
 
     pub fn options(&self) -> &GuardOptions {
@@ -402,9 +434,17 @@ impl Guard {
             repository: parsed.path().to_owned(),
             reference,
         };
+        let node_wide = if credentials
+            .iter()
+            .any(|c| matches!(c, CredentialIn::NodeWide))
+        {
+            self.node_credentials(image).await
+        } else {
+            Vec::new()
+        };
         let verified = self
             .verifier
-            .verify(&target, expected_digest, credentials)
+            .verify(&target, expected_digest, credentials, &node_wide)
             .await;
         self.metrics.verification(verified.reason);
         if let Some(i) = verified.accepted {

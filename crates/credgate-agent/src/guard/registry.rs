@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use reqwest::header::{HeaderMap, ACCEPT, WWW_AUTHENTICATE};
 use reqwest::StatusCode;
-use secrecy::ExposeSecret;
+use secrecy::{ExposeSecret, SecretString};
 
 use super::CredentialIn;
 
@@ -141,12 +141,15 @@ impl Verifier {
         format!("{}://{host}", if plain { "http" } else { "https" })
     }
 
-    /// Tries each credential in order; the first accepted (with the expected digest) wins.
+    /// Tries each credential in order; the first accepted (with the expected digest) wins. A
+    /// node-wide credential stands for `node_wide` (the node's own credentials for the image,
+    /// in try-order) and then anonymous access.
     pub async fn verify(
         &self,
         target: &Target,
         expected_digest: Option<&str>,
         credentials: &[CredentialIn],
+        node_wide: &[(String, SecretString)],
     ) -> Verified {
         let url = format!(
             "{}/v2/{}/manifests/{}",
@@ -156,11 +159,16 @@ impl Verifier {
         );
         let mut last: Option<Verified> = None;
         for (i, c) in credentials.iter().enumerate() {
-            let basic = match c {
+            // Node-wide: the node's own credentials for the image, then anonymous access.
+            let candidates: Vec<Option<(&str, &str)>> = match c {
                 CredentialIn::Secret {
                     username, password, ..
-                } => Some((username.as_str(), password.expose_secret())),
-                CredentialIn::NodeWide => None,
+                } => vec![Some((username.as_str(), password.expose_secret()))],
+                CredentialIn::NodeWide => node_wide
+                    .iter()
+                    .map(|(u, p)| Some((u.as_str(), p.expose_secret())))
+                    .chain(std::iter::once(None))
+                    .collect(),
                 CredentialIn::ServiceAccount(_) => continue,
             };
             let deny = |reason, message: String| Verified {
@@ -169,53 +177,55 @@ impl Verifier {
                 message,
                 digest: None,
             };
-            match self.attempt(&url, target, basic).await {
-                Attempt::Ok(digest) => {
-                    if let Some(want) = expected_digest.filter(|w| !w.is_empty()) {
-                        if want != digest {
-                            last = Some(Verified {
-                                digest: Some(digest.clone()),
-                                ..deny(
-                                    "digest_mismatch",
-                                    format!("the registry serves {digest} for this reference, not {want}"),
-                                )
-                            });
-                            continue;
+            for basic in candidates {
+                match self.attempt(&url, target, basic).await {
+                    Attempt::Ok(digest) => {
+                        if let Some(want) = expected_digest.filter(|w| !w.is_empty()) {
+                            if want != digest {
+                                last = Some(Verified {
+                                    digest: Some(digest.clone()),
+                                    ..deny(
+                                        "digest_mismatch",
+                                        format!("the registry serves {digest} for this reference, not {want}"),
+                                    )
+                                });
+                                continue;
+                            }
                         }
+                        return Verified {
+                            accepted: Some(i),
+                            reason: "verified",
+                            message: format!("credential {i} accepted by {}", target.registry),
+                            digest: Some(digest),
+                        };
                     }
-                    return Verified {
-                        accepted: Some(i),
-                        reason: "verified",
-                        message: format!("credential {i} accepted by {}", target.registry),
-                        digest: Some(digest),
-                    };
-                }
-                Attempt::Unauthorized => {
-                    last = Some(deny(
-                        "unauthorized",
-                        format!("{} refused the credentials", target.registry),
-                    ));
-                }
-                Attempt::NotFound => {
-                    last = Some(deny(
-                        "not_found",
-                        format!(
-                            "{} has no manifest {}:{} for these credentials",
-                            target.registry, target.repository, target.reference
-                        ),
-                    ));
-                }
-                Attempt::Refused(status) => {
-                    last = Some(deny(
-                        "refused",
-                        format!("{} answered {status}", target.registry),
-                    ));
-                }
-                Attempt::Unreachable(why) => {
-                    return deny(
-                        "unreachable",
-                        format!("cannot reach {}: {why}", target.registry),
-                    );
+                    Attempt::Unauthorized => {
+                        last = Some(deny(
+                            "unauthorized",
+                            format!("{} refused the credentials", target.registry),
+                        ));
+                    }
+                    Attempt::NotFound => {
+                        last = Some(deny(
+                            "not_found",
+                            format!(
+                                "{} has no manifest {}:{} for these credentials",
+                                target.registry, target.repository, target.reference
+                            ),
+                        ));
+                    }
+                    Attempt::Refused(status) => {
+                        last = Some(deny(
+                            "refused",
+                            format!("{} answered {status}", target.registry),
+                        ));
+                    }
+                    Attempt::Unreachable(why) => {
+                        return deny(
+                            "unreachable",
+                            format!("cannot reach {}: {why}", target.registry),
+                        );
+                    }
                 }
             }
         }
