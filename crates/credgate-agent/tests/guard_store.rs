@@ -234,3 +234,62 @@ async fn a_store_from_a_newer_version_is_refused() {
     let e = Store::open(dir.path()).err().unwrap();
     assert!(matches!(e, StoreError::TooNew { found: 99, .. }), "{e}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_that_cannot_be_written_keeps_its_intent_and_fails_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    Store::open(dir.path()).unwrap().close().await;
+    // Inject a write failure for one image ID.
+    let conn = rusqlite::Connection::open(dir.path().join("guard.db")).unwrap();
+    conn.execute_batch(
+        "CREATE TRIGGER injected BEFORE INSERT ON records WHEN NEW.image_ref = 'sha256:fail'
+         BEGIN SELECT RAISE(ABORT, 'injected failure'); END;",
+    )
+    .unwrap();
+    drop(conn);
+    let store = Store::open(dir.path()).unwrap();
+    let bad = "registry.example.com/team-a/bad:v1";
+    store.apply(intent(bad), NOW).await.unwrap();
+    // The failing write and good ones, concurrently: they may share a batch.
+    let mut tasks = Vec::new();
+    for i in 0..32 {
+        let store = store.clone();
+        tasks.push(tokio::spawn(async move {
+            store
+                .apply(
+                    Op::PullResult {
+                        image: format!("ok-{i}"),
+                        name: NAME.into(),
+                        image_ref: format!("sha256:ok{i}"),
+                        used: Some(Presented::NodeWide),
+                    },
+                    NOW,
+                )
+                .await
+        }));
+    }
+    let failed = store
+        .apply(
+            Op::PullResult {
+                image: bad.into(),
+                name: NAME.into(),
+                image_ref: "sha256:fail".into(),
+                used: Some(secret("pull", 1)),
+            },
+            NOW,
+        )
+        .await;
+    assert!(matches!(failed, Err(StoreError::Write(_))), "{failed:?}");
+    for t in tasks {
+        t.await.unwrap().expect("the other writes commit");
+    }
+    assert_eq!(store.counts().0, 32);
+    assert!(store.record("sha256:fail").is_none());
+    let intents = store.intents();
+    assert_eq!(
+        intents.len(),
+        1,
+        "the intent stays: the image keeps requiring authentication"
+    );
+    assert_eq!(intents[0].0, bad);
+}

@@ -264,7 +264,10 @@ async fn node_wide_verification_uses_the_nodes_providers() {
     let d = dir.path();
     let tokens = TokenServer::start(
         d,
-        &[(ADMIN.0, ADMIN.1, &["*"]), ("node", "node-pw", &["team-a/app"])],
+        &[
+            (ADMIN.0, ADMIN.1, &["*"]),
+            ("node", "node-pw", &["team-a/app"]),
+        ],
     );
     let registry = Registry::start_with_tokens(d, &tokens);
     oci_image(d);
@@ -308,8 +311,16 @@ printf '{{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.k
     };
     assert_eq!(t.check(vec![]).await.0, pb::Decision::MustAuthenticate);
     let v = t.verify(vec![anonymous()], &digest).await;
-    assert_eq!((v.reason.as_str(), v.credential_index), ("verified", 0), "{}", v.message);
+    assert_eq!(
+        (v.reason.as_str(), v.credential_index),
+        ("verified", 0),
+        "{}",
+        v.message
+    );
     // Recorded as node accessible: any consumer may use it now.
     let (decision, reason) = t.check(vec![]).await;
-    assert_eq!((decision, reason.as_str()), (pb::Decision::Allow, "node_accessible"));
+    assert_eq!(
+        (decision, reason.as_str()),
+        (pb::Decision::Allow, "node_accessible")
+    );
 }
