@@ -242,7 +242,7 @@ async fn a_record_that_cannot_be_written_keeps_its_intent_and_fails_alone() {
     // Inject a write failure for one image ID.
     let conn = rusqlite::Connection::open(dir.path().join("guard.db")).unwrap();
     conn.execute_batch(
-        "CREATE TRIGGER injected BEFORE INSERT ON records WHEN NEW.image_ref = 'sha256:fail'
+        "CREATE TRIGGER injected BEFORE INSERT ON record_log WHEN NEW.image_ref = 'sha256:fail'
          BEGIN SELECT RAISE(ABORT, 'injected failure'); END;",
     )
     .unwrap();
@@ -292,4 +292,82 @@ async fn a_record_that_cannot_be_written_keeps_its_intent_and_fails_alone() {
         "the intent stays: the image keeps requiring authentication"
     );
     assert_eq!(intents[0].0, bad);
+}
+
+#[tokio::test]
+async fn a_version_1_store_is_migrated() {
+    let dir = tempfile::tempdir().unwrap();
+    let conn = rusqlite::Connection::open(dir.path().join("guard.db")).unwrap();
+    let body = r#"{"image_ref":"sha256:old","names":{"registry.example.com/app":{"node_accessible":true,"changed_ms":1}},"changed_ms":1}"#;
+    conn.execute_batch(&format!(
+        "CREATE TABLE records (image_ref TEXT PRIMARY KEY, body TEXT NOT NULL, changed_ms INTEGER NOT NULL);
+         CREATE TABLE intents (image TEXT PRIMARY KEY, name TEXT NOT NULL, count INTEGER NOT NULL, created_ms INTEGER NOT NULL);
+         INSERT INTO records VALUES ('sha256:old', '{body}', 1);
+         PRAGMA user_version = 1;"
+    ))
+    .unwrap();
+    drop(conn);
+    let store = Store::open(dir.path()).unwrap();
+    let r = store.record("sha256:old").expect("carried over");
+    assert!(r.names["registry.example.com/app"].node_accessible);
+    store.close().await;
+    let conn = rusqlite::Connection::open(dir.path().join("guard.db")).unwrap();
+    let version: i64 = conn
+        .query_row("PRAGMA user_version", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(version, credgate_agent::guard::store::SCHEMA_VERSION);
+}
+
+#[tokio::test]
+async fn deletes_and_rewrites_survive_reopen_and_compaction() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let store = Store::open(dir.path()).unwrap();
+        // Many rewrites of a few records: the log outgrows them and is compacted.
+        for round in 0..600 {
+            for i in 0..4 {
+                store
+                    .apply(
+                        Op::PullResult {
+                            image: format!("i{i}"),
+                            name: NAME.into(),
+                            image_ref: format!("sha256:{i}"),
+                            used: Some(secret(&format!("s{round}"), (round % 200) as u8)),
+                        },
+                        NOW + round,
+                    )
+                    .await
+                    .unwrap();
+            }
+        }
+        let done = store
+            .apply(
+                Op::Delete {
+                    image_ref: "sha256:3".into(),
+                },
+                NOW,
+            )
+            .await
+            .unwrap();
+        assert_eq!(done, Done::Deleted(true));
+        store.close().await;
+    }
+    let conn = rusqlite::Connection::open(dir.path().join("guard.db")).unwrap();
+    let rows: i64 = conn
+        .query_row("SELECT COUNT(*) FROM record_log", [], |r| r.get(0))
+        .unwrap();
+    assert!(
+        rows < 2_000,
+        "the log was compacted: {rows} rows for 2,400 writes"
+    );
+    drop(conn);
+    let store = Store::open(dir.path()).unwrap();
+    assert_eq!(store.counts().0, 3);
+    assert!(store.record("sha256:3").is_none());
+    let r = store.record("sha256:0").unwrap();
+    assert_eq!(
+        r.names[NAME].secrets.len(),
+        100,
+        "the last 100 secrets, as written"
+    );
 }

@@ -22,10 +22,11 @@ use rusqlite::{params, Connection, TransactionBehavior};
 use tokio::sync::oneshot;
 
 /// The schema version this build reads and writes.
-pub const SCHEMA_VERSION: i64 = 1;
+pub const SCHEMA_VERSION: i64 = 2;
 
 /// Every migration, in order; migration `i` takes the schema from version `i` to `i + 1`.
-const MIGRATIONS: &[&str] = &["
+const MIGRATIONS: &[&str] = &[
+    "
     CREATE TABLE records (
         image_ref  TEXT PRIMARY KEY,
         body       TEXT NOT NULL,
@@ -37,7 +38,20 @@ const MIGRATIONS: &[&str] = &["
         count      INTEGER NOT NULL,
         created_ms INTEGER NOT NULL
     );
-"];
+",
+    "
+    -- Version 2: records are an append-only log (last row of an image ID wins, a NULL body
+    -- deletes), so a batch of recordings appends a few pages instead of touching one B-tree
+    -- leaf per image. The log is compacted when it outgrows the live records.
+    CREATE TABLE record_log (
+        seq       INTEGER PRIMARY KEY,
+        image_ref TEXT NOT NULL,
+        body      TEXT
+    );
+    INSERT INTO record_log (image_ref, body) SELECT image_ref, body FROM records;
+    DROP TABLE records;
+",
+];
 
 /// Why the store cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -304,7 +318,7 @@ impl Store {
             ))
             .map_err(|e| corrupt(format!("migration to version {next}: {e}")))?;
         }
-        let mem = load(&conn).map_err(corrupt)?;
+        let (mem, log_rows) = load(&conn).map_err(corrupt)?;
         let mem = Arc::new(RwLock::new(mem));
         let (tx, rx) = mpsc::channel::<Msg>();
         let writer_mem = mem.clone();
@@ -312,7 +326,7 @@ impl Store {
         let writer_commits = commits.clone();
         std::thread::Builder::new()
             .name("credgate-guard-writer".into())
-            .spawn(move || writer(conn, rx, writer_mem, writer_commits))
+            .spawn(move || writer(conn, rx, writer_mem, writer_commits, log_rows))
             .map_err(io)?;
         Ok(Store {
             mem,
@@ -388,16 +402,25 @@ impl Store {
     }
 }
 
-fn load(conn: &Connection) -> Result<Mem, String> {
+/// Reads the state; also returns the length of the record log.
+fn load(conn: &Connection) -> Result<(Mem, usize), String> {
     let mut mem = Mem::default();
+    let mut log_rows = 0usize;
     let mut stmt = conn
-        .prepare("SELECT image_ref, body FROM records")
+        .prepare("SELECT image_ref, body FROM record_log ORDER BY seq")
         .map_err(|e| e.to_string())?;
     let rows = stmt
-        .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))
+        .query_map([], |r| {
+            Ok((r.get::<_, String>(0)?, r.get::<_, Option<String>>(1)?))
+        })
         .map_err(|e| e.to_string())?;
     for row in rows {
         let (image_ref, body) = row.map_err(|e| e.to_string())?;
+        log_rows += 1;
+        let Some(body) = body else {
+            mem.records.remove(&image_ref);
+            continue;
+        };
         let record: Record = serde_json::from_str(&body)
             .map_err(|e| format!("record {image_ref:?} does not decode: {e}"))?;
         if record.image_ref != image_ref {
@@ -424,7 +447,28 @@ fn load(conn: &Connection) -> Result<Mem, String> {
         let (image, intent) = row.map_err(|e| e.to_string())?;
         mem.add_intent(&image, intent);
     }
-    Ok(mem)
+    Ok((mem, log_rows))
+}
+
+/// Whether a log of `rows` rows holding `live` records should be rewritten.
+fn needs_compaction(rows: usize, live: usize) -> bool {
+    rows > 2 * live + 1024
+}
+
+/// Rewrites the record log with one row per live record, in one transaction.
+fn compact(conn: &mut Connection, mem: &Mem) -> rusqlite::Result<usize> {
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    tx.execute("DELETE FROM record_log", [])?;
+    {
+        let mut insert = tx.prepare("INSERT INTO record_log (image_ref, body) VALUES (?1, ?2)")?;
+        for r in mem.records.values() {
+            let body = serde_json::to_string(&**r)
+                .map_err(|e| rusqlite::Error::ToSqlConversionFailure(Box::new(e)))?;
+            insert.execute(params![r.image_ref, body])?;
+        }
+    }
+    tx.commit()?;
+    Ok(mem.records.len())
 }
 
 /// The most operations committed in one transaction.
@@ -435,6 +479,7 @@ fn writer(
     rx: mpsc::Receiver<Msg>,
     mem: Arc<RwLock<Mem>>,
     commits: Arc<AtomicU64>,
+    mut log_rows: usize,
 ) {
     let mut closing = None;
     while let Ok(first) = rx.recv() {
@@ -453,8 +498,15 @@ fn writer(
             }
         }
         if !batch.is_empty() {
-            commit(&mut conn, batch, &mem);
+            log_rows += commit(&mut conn, batch, &mem);
             commits.fetch_add(1, Ordering::Relaxed);
+            let m = read(&mem);
+            if needs_compaction(log_rows, m.records.len()) {
+                match compact(&mut conn, &m) {
+                    Ok(rows) => log_rows = rows,
+                    Err(e) => tracing::warn!(error = %e, "cannot compact the guard's record log"),
+                }
+            }
         }
         if closing.is_some() {
             break;
@@ -478,32 +530,34 @@ enum Effect {
 /// Applies a batch in one transaction and answers every job. When an operation fails, the
 /// transaction is rolled back and each job is retried in a transaction of its own, so one bad
 /// operation fails alone.
-fn commit(conn: &mut Connection, batch: Vec<Job>, mem: &Arc<RwLock<Mem>>) {
+fn commit(conn: &mut Connection, batch: Vec<Job>, mem: &Arc<RwLock<Mem>>) -> usize {
     match run(conn, &batch, mem) {
-        Ok(results) => {
+        Ok((results, appended)) => {
             for (job, result) in batch.into_iter().zip(results) {
                 let _ = job.reply.send(Ok(result));
             }
+            appended
         }
-        Err(_) if batch.len() > 1 => {
-            for job in batch {
-                commit(conn, vec![job], mem);
-            }
-        }
+        Err(_) if batch.len() > 1 => batch
+            .into_iter()
+            .map(|job| commit(conn, vec![job], mem))
+            .sum(),
         Err(e) => {
             for job in batch {
                 let _ = job.reply.send(Err(StoreError::Write(e.to_string())));
             }
+            0
         }
     }
 }
 
 /// One transaction for `batch`; once it is committed the effects are published to memory.
+/// Returns the answers and how many rows the record log grew by.
 fn run(
     conn: &mut Connection,
     batch: &[Job],
     mem: &Arc<RwLock<Mem>>,
-) -> Result<Vec<Done>, StoreError> {
+) -> Result<(Vec<Done>, usize), StoreError> {
     let tx = conn
         .transaction_with_behavior(TransactionBehavior::Immediate)
         .map_err(|e| StoreError::Write(e.to_string()))?;
@@ -542,6 +596,10 @@ fn run(
         }
     }
     tx.commit().map_err(|e| StoreError::Write(e.to_string()))?;
+    let appended = effects
+        .iter()
+        .filter(|e| matches!(e, Effect::PutRecord(_) | Effect::DeleteRecord(_)))
+        .count();
     let mut m = write(mem);
     for e in effects {
         match e {
@@ -555,7 +613,7 @@ fn run(
             Effect::DeleteIntent(k) => m.remove_intent(&k),
         }
     }
-    Ok(results)
+    Ok((results, appended))
 }
 
 /// The writer's view: committed memory overlaid with this batch's staged changes.
@@ -623,12 +681,16 @@ impl Ctx<'_> {
 
 fn put_record(db: &Connection, r: &Record) -> Result<(), StoreError> {
     let body = serde_json::to_string(r).map_err(|e| StoreError::Write(e.to_string()))?;
-    db.prepare_cached(
-        "INSERT INTO records (image_ref, body, changed_ms) VALUES (?1, ?2, ?3)
-         ON CONFLICT(image_ref) DO UPDATE SET body = excluded.body, changed_ms = excluded.changed_ms",
-    )
-    .and_then(|mut st| st.execute(params![r.image_ref, body, r.changed_ms]))
-    .map_err(|e| StoreError::Write(e.to_string()))?;
+    db.prepare_cached("INSERT INTO record_log (image_ref, body) VALUES (?1, ?2)")
+        .and_then(|mut st| st.execute(params![r.image_ref, body]))
+        .map_err(|e| StoreError::Write(e.to_string()))?;
+    Ok(())
+}
+
+fn delete_record(db: &Connection, image_ref: &str) -> Result<(), StoreError> {
+    db.prepare_cached("INSERT INTO record_log (image_ref, body) VALUES (?1, NULL)")
+        .and_then(|mut st| st.execute(params![image_ref]))
+        .map_err(|e| StoreError::Write(e.to_string()))?;
     Ok(())
 }
 
@@ -722,14 +784,12 @@ fn apply(
             Done::Ok
         }
         Op::Delete { image_ref } => {
-            let n = db
-                .execute(
-                    "DELETE FROM records WHERE image_ref = ?1",
-                    params![image_ref],
-                )
-                .map_err(|e| StoreError::Write(e.to_string()))?;
-            effects.push(Effect::DeleteRecord(image_ref.clone()));
-            Done::Deleted(n > 0)
+            let existed = ctx.record(image_ref).is_some();
+            if existed {
+                delete_record(db, image_ref)?;
+                effects.push(Effect::DeleteRecord(image_ref.clone()));
+            }
+            Done::Deleted(existed)
         }
         Op::Prune { present, before_ms } => {
             let mut pruned = Pruned::default();
@@ -769,11 +829,7 @@ fn apply(
             }
             for r in ctx.all_records() {
                 if !present_refs.contains_key(r.image_ref.as_str()) && r.changed_ms < *before_ms {
-                    db.execute(
-                        "DELETE FROM records WHERE image_ref = ?1",
-                        params![r.image_ref],
-                    )
-                    .map_err(|e| StoreError::Write(e.to_string()))?;
+                    delete_record(db, &r.image_ref)?;
                     effects.push(Effect::DeleteRecord(r.image_ref.clone()));
                     pruned.records_deleted += 1;
                 }
