@@ -79,7 +79,9 @@ impl Agent {
             .args(["--state-dir", dir.join("state").to_str().unwrap()])
             .arg("--no-docker-config")
             .args(args)
-            .env_remove("CREDGATE_LOG")
+            // Every line at every level, so that the tests' "no secret in the log" checks cover
+            // trace output of credgate and of every library it uses.
+            .env("CREDGATE_LOG", "trace")
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
             .spawn()
