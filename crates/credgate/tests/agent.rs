@@ -40,6 +40,16 @@ fn serves_the_example_and_reloads_on_sighup() {
     let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let identity = status["config_identity"].as_str().unwrap().to_owned();
     assert!(identity.starts_with("sha256:"));
+    // Every call is logged with the caller's credentials from the socket (SO_PEERCRED).
+    // SAFETY: getuid/getgid have no preconditions.
+    let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
+    let log = agent.log_text();
+    assert!(
+        log.lines().any(|l| l.contains("api call")
+            && l.contains("method=\"Status\"")
+            && l.contains(&format!("uid={uid} gid={gid} pid="))),
+        "{log}"
+    );
 
     // A broken config on SIGHUP is refused; the old one keeps serving.
     std::fs::write(

@@ -6,7 +6,7 @@ use credgate_core::guard::{Coords, Record};
 use secrecy::SecretString;
 use tonic::{Request, Response, Status};
 
-use super::Api;
+use super::{peer, Api};
 use crate::guard::store::PresentImage;
 use crate::guard::{Answer, CredentialIn, Guard, GuardError, PullPolicy};
 
@@ -115,8 +115,9 @@ impl ImageAccess for Api {
         &self,
         request: Request<pb::CheckAccessRequest>,
     ) -> Result<Response<pb::CheckAccessResponse>, Status> {
+        let peer = peer(&request);
         let req = request.into_inner();
-        self.observed("CheckAccess", async {
+        self.observed(peer, "CheckAccess", async {
             let guard = self.guard()?;
             let policy = match pb::PullPolicy::try_from(req.pull_policy) {
                 Ok(pb::PullPolicy::Always) => PullPolicy::Always,
@@ -146,8 +147,9 @@ impl ImageAccess for Api {
         &self,
         request: Request<pb::RecordPullIntentRequest>,
     ) -> Result<Response<pb::RecordPullIntentResponse>, Status> {
+        let peer = peer(&request);
         let req = request.into_inner();
-        self.observed("RecordPullIntent", async {
+        self.observed(peer, "RecordPullIntent", async {
             self.guard()?
                 .record_intent(&req.image)
                 .await
@@ -161,8 +163,9 @@ impl ImageAccess for Api {
         &self,
         request: Request<pb::RecordPullResultRequest>,
     ) -> Result<Response<pb::RecordPullResultResponse>, Status> {
+        let peer = peer(&request);
         let req = request.into_inner();
-        self.observed("RecordPullResult", async {
+        self.observed(peer, "RecordPullResult", async {
             let used = req.credential.map(credential).transpose()?;
             self.guard()?
                 .record_result(&req.image, &req.image_ref, req.success, used.as_ref())
@@ -177,8 +180,9 @@ impl ImageAccess for Api {
         &self,
         request: Request<pb::VerifyRequest>,
     ) -> Result<Response<pb::VerifyResponse>, Status> {
+        let peer = peer(&request);
         let req = request.into_inner();
-        self.observed("Verify", async {
+        self.observed(peer, "Verify", async {
             let creds = credentials(req.credentials)?;
             let expected =
                 (!req.expected_digest.is_empty()).then_some(req.expected_digest.as_str());
@@ -207,8 +211,9 @@ impl ImageAccess for Api {
         &self,
         request: Request<pb::PruneRequest>,
     ) -> Result<Response<pb::PruneResponse>, Status> {
+        let peer = peer(&request);
         let req = request.into_inner();
-        self.observed("Prune", async {
+        self.observed(peer, "Prune", async {
             let present = req
                 .present
                 .into_iter()
@@ -234,9 +239,9 @@ impl ImageAccess for Api {
 
     async fn list_records(
         &self,
-        _: Request<pb::ListRecordsRequest>,
+        request: Request<pb::ListRecordsRequest>,
     ) -> Result<Response<pb::ListRecordsResponse>, Status> {
-        self.observed("ListRecords", async {
+        self.observed(peer(&request), "ListRecords", async {
             let store = self.guard()?.store().map_err(guard_status)?;
             Ok(Response::new(pb::ListRecordsResponse {
                 records: store.records().iter().map(|r| record(r)).collect(),
@@ -259,8 +264,9 @@ impl ImageAccess for Api {
         &self,
         request: Request<pb::GetRecordRequest>,
     ) -> Result<Response<pb::GetRecordResponse>, Status> {
+        let peer = peer(&request);
         let req = request.into_inner();
-        self.observed("GetRecord", async {
+        self.observed(peer, "GetRecord", async {
             let store = self.guard()?.store().map_err(guard_status)?;
             let r = store
                 .record(&req.image_ref)
@@ -276,8 +282,9 @@ impl ImageAccess for Api {
         &self,
         request: Request<pb::DeleteRecordRequest>,
     ) -> Result<Response<pb::DeleteRecordResponse>, Status> {
+        let peer = peer(&request);
         let req = request.into_inner();
-        self.observed("DeleteRecord", async {
+        self.observed(peer, "DeleteRecord", async {
             let deleted = self
                 .guard()?
                 .delete(&req.image_ref)

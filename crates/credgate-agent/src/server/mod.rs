@@ -84,6 +84,30 @@ fn service_account(sa: pb::ServiceAccount) -> Result<ServiceAccount, Status> {
     })
 }
 
+/// Who is calling: the peer's credentials of the unix socket (SO_PEERCRED).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Peer {
+    pub uid: Option<u32>,
+    pub gid: Option<u32>,
+    pub pid: Option<i32>,
+}
+
+/// The caller of a request, as the kernel reports it for the socket.
+pub fn peer<T>(request: &Request<T>) -> Peer {
+    let cred = request
+        .extensions()
+        .get::<tonic::transport::server::UdsConnectInfo>()
+        .and_then(|info| info.peer_cred);
+    match cred {
+        Some(c) => Peer {
+            uid: Some(c.uid()),
+            gid: Some(c.gid()),
+            pid: c.pid(),
+        },
+        None => Peer::default(),
+    }
+}
+
 /// The services, over one agent.
 #[derive(Clone)]
 pub struct Api {
@@ -96,9 +120,10 @@ impl Api {
         Api { agent, shutdown }
     }
 
-    /// Times a call and counts it by method and code.
+    /// Times a call, counts it by method and code, and logs who made it (debug level).
     async fn observed<T>(
         &self,
+        peer: Peer,
         method: &'static str,
         call: impl Future<Output = Result<T, Status>>,
     ) -> Result<T, Status> {
@@ -107,9 +132,19 @@ impl Api {
         let code = result
             .as_ref()
             .map_or_else(Status::code, |_| tonic::Code::Ok);
+        let elapsed = started.elapsed();
         self.agent
             .metrics()
-            .rpc(method, code, started.elapsed().as_secs_f64());
+            .rpc(method, code, elapsed.as_secs_f64());
+        tracing::debug!(
+            method,
+            code = crate::metrics::code_name(code),
+            uid = peer.uid,
+            gid = peer.gid,
+            pid = peer.pid,
+            micros = u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX),
+            "api call"
+        );
         result
     }
 
@@ -269,17 +304,22 @@ impl Credentials for Api {
         &self,
         request: Request<pb::LookupRequest>,
     ) -> Result<Response<pb::LookupResponse>, Status> {
-        self.observed("Lookup", self.lookup_inner(request.into_inner()))
-            .await
-            .map(Response::new)
+        self.observed(
+            peer(&request),
+            "Lookup",
+            self.lookup_inner(request.into_inner()),
+        )
+        .await
+        .map(Response::new)
     }
 
     async fn track(
         &self,
         request: Request<pb::TrackRequest>,
     ) -> Result<Response<pb::TrackResponse>, Status> {
+        let peer = peer(&request);
         let req = request.into_inner();
-        self.observed("Track", async {
+        self.observed(peer, "Track", async {
             let n = self
                 .agent
                 .renewer()
@@ -294,8 +334,9 @@ impl Credentials for Api {
         &self,
         request: Request<pb::UntrackRequest>,
     ) -> Result<Response<pb::UntrackResponse>, Status> {
+        let peer = peer(&request);
         let req = request.into_inner();
-        self.observed("Untrack", async {
+        self.observed(peer, "Untrack", async {
             let n = self
                 .agent
                 .renewer()
@@ -310,8 +351,9 @@ impl Credentials for Api {
         &self,
         request: Request<pb::SetTrackedRequest>,
     ) -> Result<Response<pb::SetTrackedResponse>, Status> {
+        let peer = peer(&request);
         let req = request.into_inner();
-        self.observed("SetTracked", async {
+        self.observed(peer, "SetTracked", async {
             let change = self
                 .agent
                 .renewer()
@@ -329,8 +371,9 @@ impl Credentials for Api {
         &self,
         request: Request<pb::ListTrackedRequest>,
     ) -> Result<Response<pb::ListTrackedResponse>, Status> {
+        let peer = peer(&request);
         let req = request.into_inner();
-        self.observed("ListTracked", async {
+        self.observed(peer, "ListTracked", async {
             let consumer = (!req.consumer.is_empty()).then_some(req.consumer.as_str());
             let refs = self
                 .agent
@@ -359,9 +402,12 @@ impl Credentials for Api {
         &self,
         request: Request<pb::WatchRequest>,
     ) -> Result<Response<Self::WatchStream>, Status> {
+        let peer = peer(&request);
         let req = request.into_inner();
-        self.observed("Watch", async { self.watch_inner(req).map(Response::new) })
-            .await
+        self.observed(peer, "Watch", async {
+            self.watch_inner(req).map(Response::new)
+        })
+        .await
     }
 }
 
@@ -369,9 +415,9 @@ impl Credentials for Api {
 impl Admin for Api {
     async fn health(
         &self,
-        _: Request<pb::HealthRequest>,
+        request: Request<pb::HealthRequest>,
     ) -> Result<Response<pb::HealthResponse>, Status> {
-        self.observed("Health", async {
+        self.observed(peer(&request), "Health", async {
             Ok(Response::new(pb::HealthResponse {
                 status: "SERVING".to_owned(),
             }))
@@ -381,9 +427,9 @@ impl Admin for Api {
 
     async fn version(
         &self,
-        _: Request<pb::VersionRequest>,
+        request: Request<pb::VersionRequest>,
     ) -> Result<Response<pb::VersionResponse>, Status> {
-        self.observed("Version", async {
+        self.observed(peer(&request), "Version", async {
             Ok(Response::new(pb::VersionResponse {
                 version: env!("CARGO_PKG_VERSION").to_owned(),
                 api: credgate_api::API.to_owned(),
@@ -394,17 +440,19 @@ impl Admin for Api {
 
     async fn status(
         &self,
-        _: Request<pb::StatusRequest>,
+        request: Request<pb::StatusRequest>,
     ) -> Result<Response<pb::StatusResponse>, Status> {
-        self.observed("Status", async { Ok(Response::new(self.status_inner())) })
-            .await
+        self.observed(peer(&request), "Status", async {
+            Ok(Response::new(self.status_inner()))
+        })
+        .await
     }
 
     async fn reload(
         &self,
-        _: Request<pb::ReloadRequest>,
+        request: Request<pb::ReloadRequest>,
     ) -> Result<Response<pb::ReloadResponse>, Status> {
-        self.observed("Reload", async {
+        self.observed(peer(&request), "Reload", async {
             let agent = self.agent.clone();
             let reloaded = tokio::task::spawn_blocking(move || agent.reload())
                 .await
