@@ -46,6 +46,10 @@ pub struct EngineOptions {
     /// Entries per provider cache.
     pub cache_capacity: usize,
     pub backoff: BackoffPolicy,
+    /// Plugin runs of one provider in flight at once; more wait for a slot.
+    pub max_runs_per_provider: usize,
+    /// Plugin runs of all providers in flight at once.
+    pub max_runs: usize,
 }
 
 impl Default for EngineOptions {
@@ -57,6 +61,10 @@ impl Default for EngineOptions {
             limits: OutputLimits::default(),
             cache_capacity: 4096,
             backoff: BackoffPolicy::default(),
+            // High enough that a burst of 100 distinct images behind an `Image`-keyed plugin
+            // still waits at most two runs; low enough that no burst forks without limit.
+            max_runs_per_provider: 128,
+            max_runs: 512,
         }
     }
 }
@@ -278,6 +286,7 @@ impl EngineBuilder {
             })
         });
         let memo = Memo::new(opts.cache_capacity);
+        let global_slots = Arc::new(tokio::sync::Semaphore::new(opts.max_runs.max(1)));
         let mut providers = Vec::with_capacity(specs.len());
         for spec in specs {
             let path = opts.plugin_dir.join(&spec.name);
@@ -304,6 +313,8 @@ impl EngineBuilder {
                 clock: self.clock.clone(),
                 backoff: opts.backoff,
                 generation: memo.generation.clone(),
+                max_runs: opts.max_runs_per_provider,
+                global_slots: global_slots.clone(),
             })));
         }
         Ok(Engine {

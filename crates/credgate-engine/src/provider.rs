@@ -19,7 +19,7 @@ use credgate_core::pattern::Target;
 use credgate_core::wire::{self, CacheKeyType};
 use secrecy::{ExposeSecret, SecretString};
 use sha2::{Digest, Sha256};
-use tokio::sync::watch;
+use tokio::sync::{watch, Semaphore};
 
 use crate::cache::{Cache, Entry, Scope};
 use crate::clock::Clock;
@@ -182,6 +182,10 @@ pub struct Provider {
     clock: Arc<dyn Clock>,
     backoff: BackoffPolicy,
     generation: Arc<AtomicU64>,
+    /// Runs of this provider at once.
+    slots: Arc<Semaphore>,
+    /// Runs of all providers at once.
+    global_slots: Arc<Semaphore>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -199,6 +203,10 @@ pub struct ProviderParts {
     pub backoff: BackoffPolicy,
     /// Bumped after every cache write, so remembered resolutions are recomputed.
     pub generation: Arc<AtomicU64>,
+    /// How many runs of this provider may be in flight at once.
+    pub max_runs: usize,
+    /// Shared by every provider of an engine: runs in flight in all.
+    pub global_slots: Arc<Semaphore>,
 }
 
 impl Provider {
@@ -214,6 +222,8 @@ impl Provider {
             clock: parts.clock,
             backoff: parts.backoff,
             generation: parts.generation,
+            slots: Arc::new(Semaphore::new(parts.max_runs.max(1))),
+            global_slots: parts.global_slots,
         }
     }
 
@@ -402,6 +412,11 @@ impl Provider {
 
     #[tracing::instrument(name = "plugin_run", skip_all, fields(plugin = %self.spec.name, image = %job.image))]
     async fn run(&self, job: &Pending, request: Vec<u8>, token: Option<SecretString>) -> RunResult {
+        // Bounded concurrency: a burst of distinct images behind an `Image`-keyed plugin, or
+        // many providers at once, cannot fork without limit. Waiting for a slot is not part
+        // of the plugin's timeout.
+        let _slot = self.slots.acquire().await;
+        let _global = self.global_slots.acquire().await;
         let started = Instant::now();
         self.metrics.runs.inc();
         lock(&self.state).last_run = Some(self.clock.wall());

@@ -190,3 +190,71 @@ async fn a_cancelled_caller_does_not_strand_the_others() {
     assert_eq!(got.credentials.len(), 1);
     assert_eq!(runner.runs(), 1);
 }
+
+/// A runner that records how many runs were in flight at once.
+struct Gauged {
+    inner: Arc<FakeRunner>,
+    now: std::sync::atomic::AtomicUsize,
+    max: std::sync::atomic::AtomicUsize,
+}
+
+impl credgate_engine::exec::PluginRunner for Gauged {
+    fn run<'a>(
+        &'a self,
+        command: &'a credgate_engine::exec::PluginCommand,
+        stdin: Vec<u8>,
+    ) -> credgate_engine::exec::BoxFuture<'a, Result<Vec<u8>, credgate_engine::exec::RunError>>
+    {
+        use std::sync::atomic::Ordering::SeqCst;
+        Box::pin(async move {
+            let n = self.now.fetch_add(1, SeqCst) + 1;
+            self.max.fetch_max(n, SeqCst);
+            let out = self.inner.run(command, stdin).await;
+            self.now.fetch_sub(1, SeqCst);
+            out
+        })
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn plugin_runs_in_flight_are_bounded_per_provider_and_in_total() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let answer = |_: &str, _| {
+        Ok(response(
+            WIRE_V1,
+            "Image",
+            Some("1h"),
+            &[("registry.example.com", "u", "p")],
+        ))
+    };
+    let gauged = Arc::new(Gauged {
+        inner: FakeRunner::new(RUN, answer),
+        now: Default::default(),
+        max: Default::default(),
+    });
+    let engine = Engine::builder()
+        .config(config(&[
+            ("a", &["registry.example.com"], "10m", WIRE_V1),
+            ("b", &["registry.example.com"], "10m", WIRE_V1),
+        ]))
+        .options(EngineOptions {
+            max_runs_per_provider: 4,
+            max_runs: 6,
+            ..EngineOptions::default()
+        })
+        .runner(gauged.clone())
+        .build()
+        .unwrap();
+    let started = Instant::now();
+    let waits = burst(&engine, distinct(20)).await;
+    // 20 images x 2 providers = 40 runs, at most 6 at a time (4 per provider).
+    assert_eq!(gauged.inner.runs(), 40);
+    assert!(
+        gauged.max.load(SeqCst) <= 6,
+        "max {}",
+        gauged.max.load(SeqCst)
+    );
+    assert!(gauged.max.load(SeqCst) >= 4);
+    assert!(waits.iter().all(|w| *w <= started.elapsed()));
+    assert!(started.elapsed() >= RUN * 40 / 6);
+}
