@@ -3,7 +3,6 @@
 //! is served by `ListTracked` instead.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
 use std::sync::Arc;
 
 use http_body_util::Full;
@@ -74,6 +73,13 @@ fn rpc_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.000_05, 2.0, 18))
 }
 
+/// The counter of `family` labelled `result="<result>"` (a handle sharing its value).
+fn by_result(family: &Family<Labels, Counter>, result: &str) -> Counter {
+    family
+        .get_or_create(&vec![("result", result.to_owned())])
+        .clone()
+}
+
 fn rpc_labels(method: &str, code: Option<tonic::Code>) -> Labels {
     let mut labels = vec![("method", method.to_owned())];
     if let Some(code) = code {
@@ -102,12 +108,7 @@ impl Default for AgentMetrics {
         let guard_decisions: Family<Labels, Counter> = Family::default();
         let decisions = DECISIONS
             .iter()
-            .map(|d| {
-                let c = guard_decisions
-                    .get_or_create(&vec![("result", (*d).to_owned())])
-                    .clone();
-                (*d, c)
-            })
+            .map(|d| (*d, by_result(&guard_decisions, d)))
             .collect();
         AgentMetrics {
             renewals: Family::default(),
@@ -180,10 +181,7 @@ impl AgentMetrics {
 
     /// Counts a renewal.
     pub fn renewal(&self, success: bool) {
-        let result = if success { "success" } else { "failure" };
-        self.renewals
-            .get_or_create(&vec![("result", result.to_owned())])
-            .inc();
+        by_result(&self.renewals, if success { "success" } else { "failure" }).inc();
     }
 
     /// Counts a guard decision.
@@ -193,26 +191,19 @@ impl AgentMetrics {
                 c.inc();
             }
             None => {
-                self.guard_decisions
-                    .get_or_create(&vec![("result", result.to_owned())])
-                    .inc();
+                by_result(&self.guard_decisions, result).inc();
             }
         }
     }
 
     /// Counts a verification.
     pub fn verification(&self, result: &'static str) {
-        self.verifications
-            .get_or_create(&vec![("result", result.to_owned())])
-            .inc();
+        by_result(&self.verifications, result).inc();
     }
 
     /// Counts a reload.
     pub fn reload(&self, success: bool) {
-        let result = if success { "success" } else { "failure" };
-        self.reloads
-            .get_or_create(&vec![("result", result.to_owned())])
-            .inc();
+        by_result(&self.reloads, if success { "success" } else { "failure" }).inc();
     }
 
     /// Counts a finished call.
@@ -329,9 +320,4 @@ fn respond<B>(
         .header("content-type", content_type)
         .body(Full::new(Bytes::from(body)))
         .expect("static response parts are valid")
-}
-
-/// Binds the metrics listener.
-pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
-    TcpListener::bind(addr).await
 }

@@ -176,6 +176,13 @@ impl Source {
             Source::DockerConfig(n) | Source::Provider(n) => n,
         }
     }
+
+    pub fn kind(&self) -> SourceKind {
+        match self {
+            Source::DockerConfig(_) => SourceKind::DockerConfig,
+            Source::Provider(_) => SourceKind::Provider,
+        }
+    }
 }
 
 /// One credential, in try-order.
@@ -207,6 +214,30 @@ pub struct CredentialRef<'a> {
 pub enum SourceKind {
     DockerConfig,
     Provider,
+}
+
+impl SourceKind {
+    /// The label reports and the API use: `docker-config` or `provider`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SourceKind::DockerConfig => "docker-config",
+            SourceKind::Provider => "provider",
+        }
+    }
+}
+
+impl Credential {
+    /// The credential borrowed, as [`Engine::lookup_cached`] serves it.
+    pub fn as_ref(&self) -> CredentialRef<'_> {
+        CredentialRef {
+            source: self.source.name(),
+            kind: self.source.kind(),
+            pattern: &self.pattern,
+            username: &self.username,
+            password: &self.password,
+            expires_at: self.expires_at,
+        }
+    }
 }
 
 /// The answer to a lookup.

@@ -248,7 +248,6 @@ enum Msg {
 pub struct Store {
     mem: Arc<RwLock<Mem>>,
     tx: mpsc::Sender<Msg>,
-    path: Arc<PathBuf>,
     commits: Arc<AtomicU64>,
 }
 
@@ -328,16 +327,7 @@ impl Store {
             .name("credgate-guard-writer".into())
             .spawn(move || writer(conn, rx, writer_mem, writer_commits, log_rows))
             .map_err(io)?;
-        Ok(Store {
-            mem,
-            tx,
-            path: Arc::new(path),
-            commits,
-        })
-    }
-
-    pub fn path(&self) -> &Path {
-        &self.path
+        Ok(Store { mem, tx, commits })
     }
 
     /// The record of an image ID.
@@ -639,44 +629,36 @@ impl Ctx<'_> {
     }
 
     fn all_records(&self) -> Vec<Arc<Record>> {
-        let mut out: HashMap<&str, Arc<Record>> = self
-            .mem
-            .records
-            .values()
-            .map(|v| (v.image_ref.as_str(), v.clone()))
-            .collect();
-        for (k, v) in self.records {
-            match v {
-                Some(r) => {
-                    out.insert(k, r.clone());
-                }
-                None => {
-                    out.remove(k.as_str());
-                }
-            }
-        }
-        out.into_values().collect()
+        let committed = self.mem.records.values().map(|r| (r.image_ref.as_str(), r));
+        overlay(committed, self.records).into_values().collect()
     }
 
     fn all_intents(&self) -> Vec<(String, Intent)> {
-        let mut out: HashMap<&str, Intent> = self
-            .mem
-            .intents
-            .iter()
-            .map(|(k, v)| (k.as_str(), v.clone()))
-            .collect();
-        for (k, v) in self.intents {
-            match v {
-                Some(i) => {
-                    out.insert(k, i.clone());
-                }
-                None => {
-                    out.remove(k.as_str());
-                }
+        let committed = self.mem.intents.iter().map(|(k, v)| (k.as_str(), v));
+        overlay(committed, self.intents)
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v))
+            .collect()
+    }
+}
+
+/// Committed values with a batch's staged changes on top (`None` staged: removed).
+fn overlay<'a, V: Clone + 'a>(
+    committed: impl Iterator<Item = (&'a str, &'a V)>,
+    staged: &'a HashMap<String, Option<V>>,
+) -> HashMap<&'a str, V> {
+    let mut out: HashMap<&str, V> = committed.map(|(k, v)| (k, v.clone())).collect();
+    for (k, v) in staged {
+        match v {
+            Some(v) => {
+                out.insert(k, v.clone());
+            }
+            None => {
+                out.remove(k.as_str());
             }
         }
-        out.into_iter().map(|(k, v)| (k.to_owned(), v)).collect()
     }
+    out
 }
 
 fn put_record(db: &Connection, r: &Record) -> Result<(), StoreError> {

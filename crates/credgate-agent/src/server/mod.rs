@@ -10,9 +10,7 @@ use credgate_api::v1::admin_server::{Admin, AdminServer};
 use credgate_api::v1::credentials_server::{Credentials, CredentialsServer};
 use credgate_api::v1::image_access_server::ImageAccessServer;
 use credgate_api::v1::{self as pb};
-use credgate_engine::{
-    Credential, CredentialRef, LookupRequest, ServiceAccount, Source, SourceKind,
-};
+use credgate_engine::{Credential, CredentialRef, LookupRequest, ServiceAccount};
 use secrecy::{ExposeSecret, SecretString};
 use tokio::net::UnixListener;
 use tokio::sync::watch;
@@ -35,28 +33,13 @@ pub fn unix_ms(t: Option<SystemTime>) -> i64 {
 
 /// The wire form of a credential.
 pub fn credential(c: &Credential) -> pb::Credential {
-    let kind = match c.source {
-        Source::DockerConfig(_) => "docker-config",
-        Source::Provider(_) => "provider",
-    };
-    pb::Credential {
-        source_kind: kind.to_owned(),
-        source: c.source.name().to_owned(),
-        pattern: c.pattern.clone(),
-        username: c.username.clone(),
-        password: c.password.expose_secret().to_owned(),
-        expires_at_unix_ms: unix_ms(c.expires_at),
-    }
+    credential_ref(&c.as_ref())
 }
 
 /// The wire form of a borrowed credential.
 pub fn credential_ref(c: &CredentialRef<'_>) -> pb::Credential {
-    let kind = match c.kind {
-        SourceKind::DockerConfig => "docker-config",
-        SourceKind::Provider => "provider",
-    };
     pb::Credential {
-        source_kind: kind.to_owned(),
+        source_kind: c.kind.as_str().to_owned(),
         source: c.source.to_owned(),
         pattern: c.pattern.to_owned(),
         username: c.username.to_owned(),

@@ -1,8 +1,6 @@
 //! `credgate ctl`: one subcommand per RPC of the agent, table output by default, the messages
 //! themselves with `-o json`.
 
-use std::time::{Duration, SystemTime};
-
 use anyhow::{Context, Result};
 use credgate_api::v1::admin_client::AdminClient;
 use credgate_api::v1::credentials_client::CredentialsClient;
@@ -11,20 +9,9 @@ use serde::Serialize;
 use tokio_stream::StreamExt;
 use tonic::transport::Channel;
 
-use super::get::{print_rows, print_table, rfc3339, Row};
+use super::get::{print_rows, print_table, time_ms, Row};
 use crate::opts::{CtlArgs, CtlCall, Output};
 use crate::Outcome;
-
-pub fn time(ms: i64) -> String {
-    if ms <= 0 {
-        return "-".into();
-    }
-    let t = rfc3339(SystemTime::UNIX_EPOCH + Duration::from_millis(ms.unsigned_abs()));
-    match t.find('.') {
-        Some(dot) => format!("{}Z", &t[..dot]),
-        None => t,
-    }
-}
 
 /// Prints a response: the message as JSON with `-o json`, else `text` of it.
 pub fn show<T: Serialize>(out: Output, value: &T, text: impl FnOnce(&T) -> String) -> Result<()> {
@@ -154,8 +141,8 @@ async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcome> {
                                 t.consumers.join(",")
                             },
                             t.credentials.to_string(),
-                            time(t.expires_at_unix_ms),
-                            time(t.next_attempt_unix_ms),
+                            time_ms(t.expires_at_unix_ms),
+                            time_ms(t.next_attempt_unix_ms),
                             t.consecutive_failures.to_string(),
                             if t.last_error.is_empty() {
                                 "-".into()
@@ -245,8 +232,8 @@ async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcome> {
                 println!("identity:       {}", or_none(&r.config_identity));
                 println!("docker configs: {}", or_none(&r.docker_configs.join(", ")));
                 println!("tracked refs:   {}", r.tracked_refs);
-                println!("started:        {}", time(r.started_unix_ms));
-                println!("loaded:         {}", time(r.loaded_unix_ms));
+                println!("started:        {}", time_ms(r.started_unix_ms));
+                println!("loaded:         {}", time_ms(r.loaded_unix_ms));
                 let rows: Vec<Vec<String>> = r
                     .providers
                     .iter()
@@ -256,8 +243,8 @@ async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcome> {
                             p.runs.to_string(),
                             p.errors.to_string(),
                             p.cache_entries.to_string(),
-                            time(p.last_run_unix_ms),
-                            time(p.next_renewal_unix_ms),
+                            time_ms(p.last_run_unix_ms),
+                            time_ms(p.next_renewal_unix_ms),
                             if p.last_error.is_empty() {
                                 "-".into()
                             } else {

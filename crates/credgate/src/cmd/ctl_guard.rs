@@ -8,8 +8,8 @@ use credgate_api::v1::pull_credential::Kind;
 use credgate_api::v1::{self as pb};
 use tonic::transport::Channel;
 
-use super::ctl::{json, show, status_error, time};
-use super::get::print_table;
+use super::ctl::{json, show, status_error};
+use super::get::{print_table, time_ms};
 use crate::opts::{CredentialArgs, CtlCall, Output, PullPolicyArg};
 use crate::Outcome;
 
@@ -98,7 +98,7 @@ fn print_record(r: &pb::PullRecord) {
                 } else {
                     who.join(", ")
                 },
-                time(n.changed_unix_ms),
+                time_ms(n.changed_unix_ms),
             ]
         })
         .collect();
@@ -269,7 +269,7 @@ pub async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcom
                         "intent: {} (x{}) since {}",
                         i.image,
                         i.count,
-                        time(i.created_unix_ms)
+                        time_ms(i.created_unix_ms)
                     );
                 }
             }

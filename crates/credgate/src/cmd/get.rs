@@ -10,7 +10,7 @@ use anyhow::{Context, Result};
 use credgate_agent::Sources;
 use credgate_api::v1::credentials_client::CredentialsClient;
 use credgate_api::v1::LookupRequest as WireLookup;
-use credgate_engine::{Credential, Engine, LookupRequest, Source};
+use credgate_engine::{Credential, Engine, LookupRequest};
 use secrecy::ExposeSecret;
 use serde::Serialize;
 
@@ -30,13 +30,9 @@ pub struct Row {
 
 impl Row {
     fn from_engine(c: &Credential) -> Row {
-        let kind = match c.source {
-            Source::DockerConfig(_) => "docker-config",
-            Source::Provider(_) => "provider",
-        };
         Row {
             provider: c.source.name().to_owned(),
-            source: kind.to_owned(),
+            source: c.source.kind().as_str().to_owned(),
             pattern: c.pattern.clone(),
             username: c.username.clone(),
             password: c.password.expose_secret().to_owned(),
@@ -201,6 +197,16 @@ pub fn print_rows(rows: &[Row], output: Output) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// A Unix-ms instant of the API, to whole seconds (`-` when unset).
+pub fn time_ms(ms: i64) -> String {
+    if ms <= 0 {
+        return "-".into();
+    }
+    whole_seconds(&rfc3339(
+        SystemTime::UNIX_EPOCH + Duration::from_millis(ms.unsigned_abs()),
+    ))
 }
 
 /// `2026-11-22T10:00:00.123Z` → `2026-11-22T10:00:00Z`.

@@ -92,7 +92,7 @@ pub async fn run(args: ServeArgs) -> Result<Outcome> {
     let (stop_tx, stop_rx) = watch::channel(false);
     let renewal_task = agent.spawn_renewal(stop_rx.clone());
     if let Some(addr) = args.metrics_addr {
-        let listener = metrics::bind(addr)
+        let listener = tokio::net::TcpListener::bind(addr)
             .await
             .with_context(|| format!("cannot listen for metrics on {addr}"))?;
         tracing::info!(addr = %listener.local_addr()?, "serving metrics at /metrics");
