@@ -12,6 +12,8 @@ use std::process::ExitCode;
 
 use credgate_api::unary::{self, CallError};
 use credgate_api::v1::{LookupRequest, LookupResponse};
+use credgate_core::helper;
+use zeroize::{Zeroize, Zeroizing};
 
 const NOT_FOUND: &str = "credentials not found in native keychain";
 const LOOKUP: &str = "/credgate.v1.Credentials/Lookup";
@@ -25,11 +27,11 @@ fn main() -> ExitCode {
             let _ = std::io::stdin().read_to_end(&mut Vec::new());
             Err("credgate: the credential store is read-only; credentials come from the node's providers".into())
         }
-        "list" => Ok("{}".into()),
-        "version" | "--version" | "-v" => Ok(format!(
+        "list" => Ok(Zeroizing::new("{}".into())),
+        "version" | "--version" | "-v" => Ok(Zeroizing::new(format!(
             "docker-credential-credgate {}",
             env!("CARGO_PKG_VERSION")
-        )),
+        ))),
         _ => {
             eprintln!("usage: docker-credential-credgate get|store|erase|list|version\n\nA docker credential helper backed by the credgate agent (CREDGATE_SOCKET or the default socket).");
             return ExitCode::from(2);
@@ -39,7 +41,7 @@ fn main() -> ExitCode {
     let mut out = std::io::stdout().lock();
     match result {
         Ok(text) => {
-            let _ = writeln!(out, "{text}");
+            let _ = writeln!(out, "{}", *text);
             ExitCode::SUCCESS
         }
         Err(text) => {
@@ -49,26 +51,15 @@ fn main() -> ExitCode {
     }
 }
 
-/// `https://index.docker.io/v1/` → `index.docker.io`; `127.0.0.1:5000` unchanged.
-fn registry_host(input: &str) -> &str {
-    let s = input.trim();
-    let s = s
-        .strip_prefix("https://")
-        .or_else(|| s.strip_prefix("http://"))
-        .unwrap_or(s);
-    s.split('/').next().unwrap_or_default()
-}
-
-fn get() -> Result<String, String> {
-    let mut input = String::new();
+fn get() -> Result<Zeroizing<String>, String> {
+    // Read one byte past the limit, so that an oversized input is refused, not cut.
+    let mut input = Vec::new();
     std::io::stdin()
-        .read_to_string(&mut input)
+        .take(helper::MAX_INPUT as u64 + 1)
+        .read_to_end(&mut input)
         .map_err(|e| format!("credgate: cannot read the server URL: {e}"))?;
-    let server_url = input.trim().to_owned();
-    let host = registry_host(&server_url).to_owned();
-    if host.is_empty() {
-        return Err("credgate: no server URL on stdin".into());
-    }
+    let parsed = helper::parse_get(&input).map_err(|e| format!("credgate: {e}"))?;
+    let (server_url, host) = (parsed.url.to_owned(), parsed.host.to_owned());
     let socket = credgate_api::socket_path(None);
     // One call on a fresh connection: a current-thread runtime with IO only, and a bare
     // HTTP/2 exchange instead of a channel (this process lives for one answer).
@@ -81,7 +72,7 @@ fn get() -> Result<String, String> {
         registry_host: true,
         ..Default::default()
     };
-    let answer: LookupResponse = runtime
+    let mut answer: LookupResponse = runtime
         .block_on(unary::call(&socket, LOOKUP, &request))
         .map_err(|e| match e {
             CallError::Connect(e) => format!(
@@ -101,29 +92,14 @@ fn get() -> Result<String, String> {
             why.join("; ")
         ));
     };
-    Ok(serde_json::json!({
+    let text = serde_json::json!({
         "ServerURL": server_url,
         "Username": first.username,
         "Secret": first.password,
     })
-    .to_string())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::registry_host;
-
-    #[test]
-    fn server_urls_become_hosts() {
-        assert_eq!(registry_host("127.0.0.1:5000"), "127.0.0.1:5000");
-        assert_eq!(
-            registry_host("https://index.docker.io/v1/"),
-            "index.docker.io"
-        );
-        assert_eq!(
-            registry_host(" registry.example.com\n"),
-            "registry.example.com"
-        );
-        assert_eq!(registry_host("http://localhost:5000/v2/"), "localhost:5000");
+    .to_string();
+    for c in &mut answer.credentials {
+        c.password.zeroize();
     }
+    Ok(Zeroizing::new(text))
 }

@@ -155,3 +155,30 @@ fn helper_without_an_agent_is_a_clear_error() {
         "{msg}"
     );
 }
+
+#[test]
+fn helper_refuses_bad_input_before_calling_the_agent() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("nobody-here.sock");
+    let cases: [(&[u8], &str); 4] = [
+        (b"\n", "credgate: no server URL on stdin"),
+        (
+            b"\xff\xfe",
+            "credgate: the server URL on stdin is not UTF-8",
+        ),
+        (
+            b"reg.example:port",
+            "credgate: the server URL on stdin is not a registry host",
+        ),
+        (
+            &[b'a'; 100_000],
+            "credgate: the server URL on stdin is longer than 8192 bytes",
+        ),
+    ];
+    for (input, want) in cases {
+        let out = helper_get(&socket, input);
+        assert_eq!(out.status.code(), Some(1));
+        let msg = text(&out.stdout);
+        assert!(msg.starts_with(want), "{msg}");
+    }
+}

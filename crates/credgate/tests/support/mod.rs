@@ -142,7 +142,7 @@ impl Drop for Agent {
     }
 }
 
-pub fn helper_get(socket: &Path, host: &str) -> Output {
+pub fn helper_get(socket: &Path, input: impl AsRef<[u8]>) -> Output {
     use std::io::Write;
     let mut child = Command::new(env!("CARGO_BIN_EXE_docker-credential-credgate"))
         .arg("get")
@@ -152,12 +152,8 @@ pub fn helper_get(socket: &Path, host: &str) -> Output {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(host.as_bytes())
-        .unwrap();
+    // The helper may stop reading an oversized input: a broken pipe here is its answer.
+    let _ = child.stdin.take().unwrap().write_all(input.as_ref());
     child.wait_with_output().unwrap()
 }
 

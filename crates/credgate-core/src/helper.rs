@@ -1,0 +1,91 @@
+//! The input of a docker credential helper's `get`: a server URL on stdin, which clients send
+//! as a bare `host[:port]` (skopeo, podman) or as a URL (`https://index.docker.io/v1/`).
+
+use crate::pattern::{parse_schemeless, PatternError};
+
+/// The most `get` reads from stdin; a server URL is a few dozen bytes.
+pub const MAX_INPUT: usize = 8 * 1024;
+
+/// Why the input of `get` is not a server URL.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HelperInputError {
+    #[error("no server URL on stdin")]
+    Empty,
+    #[error("the server URL on stdin is longer than {MAX_INPUT} bytes")]
+    TooLong,
+    #[error("the server URL on stdin is not UTF-8")]
+    NotUtf8,
+    #[error("the server URL on stdin is not a registry host: {0}")]
+    Invalid(PatternError),
+}
+
+/// A parsed `get` request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ServerUrl<'a> {
+    /// The input, trimmed: echoed back as `ServerURL`.
+    pub url: &'a str,
+    /// The registry `host[:port]` to look credentials up for.
+    pub host: &'a str,
+}
+
+/// Parses the stdin of `get`: `https://index.docker.io/v1/` → host `index.docker.io`,
+/// `127.0.0.1:5000` unchanged.
+pub fn parse_get(input: &[u8]) -> Result<ServerUrl<'_>, HelperInputError> {
+    if input.len() > MAX_INPUT {
+        return Err(HelperInputError::TooLong);
+    }
+    let url = std::str::from_utf8(input)
+        .map_err(|_| HelperInputError::NotUtf8)?
+        .trim();
+    let rest = url
+        .strip_prefix("https://")
+        .or_else(|| url.strip_prefix("http://"))
+        .unwrap_or(url);
+    let host = rest.split('/').next().unwrap_or_default();
+    if host.is_empty() {
+        return Err(HelperInputError::Empty);
+    }
+    parse_schemeless(host).map_err(HelperInputError::Invalid)?;
+    Ok(ServerUrl { url, host })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn host(s: &str) -> Result<&str, HelperInputError> {
+        parse_get(s.as_bytes()).map(|u| u.host)
+    }
+
+    #[test]
+    fn server_urls_become_hosts() {
+        assert_eq!(host("127.0.0.1:5000\n"), Ok("127.0.0.1:5000"));
+        assert_eq!(host("https://index.docker.io/v1/"), Ok("index.docker.io"));
+        assert_eq!(host("http://reg.example:8080/x"), Ok("reg.example:8080"));
+        assert_eq!(host("  quay.io  "), Ok("quay.io"));
+        assert_eq!(
+            parse_get(b" https://quay.io/ \n").unwrap().url,
+            "https://quay.io/"
+        );
+    }
+
+    #[test]
+    fn bad_input_is_a_clear_error() {
+        assert_eq!(host(""), Err(HelperInputError::Empty));
+        assert_eq!(host("\n"), Err(HelperInputError::Empty));
+        assert_eq!(host("https://"), Err(HelperInputError::Empty));
+        assert_eq!(parse_get(b"\xff\xfe"), Err(HelperInputError::NotUtf8));
+        assert_eq!(
+            parse_get(&vec![b'a'; MAX_INPUT + 1]),
+            Err(HelperInputError::TooLong)
+        );
+        assert!(matches!(
+            host("reg\u{7f}.example"),
+            Err(HelperInputError::Invalid(_))
+        ));
+        assert!(matches!(
+            host("reg.example:port"),
+            Err(HelperInputError::Invalid(_))
+        ));
+    }
+}

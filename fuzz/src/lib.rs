@@ -1,0 +1,2 @@
+//! credgate's fuzz targets; what each checks is in `checks.rs`.
+pub mod checks;
