@@ -1,6 +1,7 @@
 //! Running plugin executables: one request on stdin, capped stdout and stderr, a timeout that
 //! kills the plugin's whole process group, and a bounded drain when a child of the plugin keeps
-//! its pipes open after the plugin exited.
+//! its pipes open after the plugin exited. Processes that left the group are killed by the
+//! [`sweep`](crate::sweep)er.
 
 use std::future::Future;
 use std::io;
@@ -12,6 +13,8 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::process::Command;
 use tokio::time::{sleep_until, Instant};
+
+use crate::sweep;
 
 /// A boxed future, for object-safe traits.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -119,12 +122,16 @@ impl PluginRunner for ExecRunner {
     }
 }
 
-/// Kills a process group when dropped, so no exit path leaves the plugin's children behind.
-struct GroupKill(Option<i32>);
+/// Kills a process group when dropped, so no exit path leaves the plugin's children behind,
+/// and hands the run's marker to the sweeper for those that left the group.
+struct GroupKill {
+    pgid: Option<i32>,
+    marker: Option<String>,
+}
 
 impl GroupKill {
     fn kill(&mut self) {
-        if let Some(pgid) = self.0.take() {
+        if let Some(pgid) = self.pgid.take() {
             // SAFETY: kill(2) with a negative pid signals the process group we created for the
             // plugin (process_group(0) makes its pgid equal its pid); it touches no memory.
             unsafe {
@@ -137,6 +144,9 @@ impl GroupKill {
 impl Drop for GroupKill {
     fn drop(&mut self) {
         self.kill();
+        if let Some(marker) = self.marker.take() {
+            sweep::finished(marker);
+        }
     }
 }
 
@@ -176,9 +186,11 @@ async fn exec(
     limits: OutputLimits,
 ) -> Result<Vec<u8>, RunError> {
     let deadline = Instant::now() + cmd.timeout;
+    let marker = sweep::marker();
     let mut child = Command::new(&cmd.path)
         .args(&cmd.args)
         .envs(cmd.env.iter().map(|(k, v)| (k, v)))
+        .env(sweep::MARKER_ENV, &marker)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -190,7 +202,10 @@ async fn exec(
             path: cmd.path.clone(),
             source,
         })?;
-    let mut group = GroupKill(child.id().and_then(|id| i32::try_from(id).ok()));
+    let mut group = GroupKill {
+        pgid: child.id().and_then(|id| i32::try_from(id).ok()),
+        marker: Some(marker),
+    };
     let (stdin, stdout, stderr) = (child.stdin.take(), child.stdout.take(), child.stderr.take());
     let (mut out, mut err) = (Vec::new(), Vec::new());
     let status = {

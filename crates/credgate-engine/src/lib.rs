@@ -35,6 +35,7 @@ pub mod memo;
 pub mod metrics;
 pub mod provider;
 pub mod source;
+pub mod sweep;
 
 pub use engine::{
     BuildError, Credential, CredentialRef, Engine, EngineBuilder, EngineOptions, EntryInfo, Lookup,

@@ -4,6 +4,7 @@
 mod cache;
 mod coalescing;
 mod common;
+mod hostile;
 mod plugins;
 mod service_accounts;
 mod sources;

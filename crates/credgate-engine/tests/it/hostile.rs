@@ -1,0 +1,265 @@
+//! Hostile plugins at scale: real scripts that hang, flood, close stdin, stall mid-JSON, leave
+//! children behind (in their group and escaped with setsid) or exit unread, all looked up at
+//! once, round after round. Counted from /proc: plugin processes in flight stay within the
+//! bound, nothing a plugin started outlives the test, descriptors and memory return to where
+//! they were.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use credgate_engine::exec::{OutputLimits, RunError};
+use credgate_engine::provider::BackoffPolicy;
+use credgate_engine::sweep::MARKER_ENV;
+use credgate_engine::{LookupRequest, ProviderError};
+
+use crate::common::*;
+
+const OK: &str = "ok";
+
+/// (provider, script body, what every lookup must end in)
+fn kinds(body: &str) -> Vec<(&'static str, String, &'static str)> {
+    vec![
+        ("hang", "sleep 60 &\nwait".into(), "timeout"),
+        ("flood", "cat >/dev/null\nexec yes credgate".into(), "too_large"),
+        (
+            "closes-stdin",
+            format!("exec 0<&-\nsleep 0.1\ncat <<'EOF'\n{body}\nEOF"),
+            OK,
+        ),
+        (
+            "half-json",
+            "cat >/dev/null\nprintf '{\"kind\":\"CredentialProviderResponse\",\"auth\":{'\nsleep 60"
+                .into(),
+            "timeout",
+        ),
+        (
+            "escapee",
+            format!("cat >/dev/null\nsetsid sleep 60 </dev/null >/dev/null 2>&1 &\nsleep 0.2\ncat <<'EOF'\n{body}\nEOF"),
+            OK,
+        ),
+        (
+            "escapee-holding-stdout",
+            format!("cat >/dev/null\ncat <<'EOF'\n{body}\nEOF\nsetsid sleep 60 &\nsleep 0.2\nexit 0"),
+            OK,
+        ),
+        ("exits-unread", "exit 3".into(), "exit"),
+        ("good", format!("cat >/dev/null\ncat <<'EOF'\n{body}\nEOF"), OK),
+        // Slow but fine, with `Image` keys: once the key type is known, distinct images run
+        // side by side, up to the per-provider and total bounds.
+        ("slow-a", format!("cat >/dev/null\nsleep 1\ncat <<'EOF'\n{body}\nEOF"), OK),
+        ("slow-b", format!("cat >/dev/null\nsleep 1\ncat <<'EOF'\n{body}\nEOF"), OK),
+    ]
+}
+
+fn outcome(result: &credgate_engine::Lookup) -> &'static str {
+    if !result.credentials.is_empty() {
+        return OK;
+    }
+    let Some(err) = result.errors.first() else {
+        return "nothing";
+    };
+    let ProviderError::Run(run) = err else {
+        panic!("unexpected error: {err}");
+    };
+    match **run {
+        RunError::Timeout { .. } => "timeout",
+        RunError::OutputTooLarge { .. } => "too_large",
+        RunError::NonZeroExit { .. } => "exit",
+        _ => panic!("unexpected error: {err}"),
+    }
+}
+
+/// What /proc says about this test process and the plugins it started.
+#[derive(Debug, Default, Clone, Copy)]
+struct Census {
+    /// Direct children: plugin processes in flight.
+    children: usize,
+    /// Every process carrying this process's run marker (plugins, their children, escapees).
+    marked: usize,
+    fds: usize,
+    rss_kb: usize,
+}
+
+fn census() -> Census {
+    let me = std::process::id();
+    let prefix = format!("{MARKER_ENV}={me}-");
+    let mut c = Census::default();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        if pid == me {
+            continue;
+        }
+        if let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+            // The fields after the parenthesized command name: state, ppid, ...
+            let after = stat.rsplit_once(')').map_or("", |(_, a)| a);
+            let state = after.split_whitespace().next();
+            let ppid = after.split_whitespace().nth(1);
+            if ppid == Some(&me.to_string()) && state != Some("Z") {
+                c.children += 1;
+            }
+            if state == Some("Z") {
+                continue;
+            }
+        }
+        if let Ok(env) = std::fs::read(format!("/proc/{pid}/environ")) {
+            if env
+                .split(|b| *b == 0)
+                .any(|v| v.starts_with(prefix.as_bytes()))
+            {
+                c.marked += 1;
+            }
+        }
+    }
+    c.fds = std::fs::read_dir("/proc/self/fd").unwrap().count();
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    c.rss_kb = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0);
+    c
+}
+
+fn settle(limit: Duration) -> Census {
+    let until = Instant::now() + limit;
+    loop {
+        let c = census();
+        if (c.marked == 0 && c.children == 0) || Instant::now() > until {
+            return c;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+const PER_PROVIDER: usize = 6;
+const IN_TOTAL: usize = 10;
+const LOOKUPS_PER_KIND: usize = 18;
+const TIMEOUT: Duration = Duration::from_secs(2);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_plugins_under_load_leave_nothing_behind() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut providers = Vec::new();
+    let mut expected = HashMap::new();
+    let mut names = Vec::new();
+    for (name, _, want) in kinds("") {
+        names.push((name, format!("{name}.example")));
+        expected.insert(name, want);
+    }
+    let entries: Vec<(&str, Vec<&str>)> = names
+        .iter()
+        .map(|(n, host)| (*n, vec![host.as_str()]))
+        .collect();
+    for (name, hosts) in &entries {
+        providers.push((*name, hosts.as_slice(), "10m", WIRE_V1));
+    }
+    for (name, host) in &names {
+        let body = response(WIRE_V1, "Image", None, &[(host, "u", "p")]);
+        let (_, script_body, _) = kinds(&body)
+            .into_iter()
+            .find(|(n, _, _)| n == name)
+            .unwrap();
+        script(dir.path(), name, &script_body);
+    }
+    let engine = Arc::new(engine_opts(config(&providers), dir.path(), |o| {
+        o.default_timeout = TIMEOUT;
+        o.max_runs_per_provider = PER_PROVIDER;
+        o.max_runs = IN_TOTAL;
+        o.backoff = BackoffPolicy {
+            base: Duration::ZERO,
+            max: Duration::ZERO,
+        };
+        o.limits = OutputLimits {
+            drain_grace: Duration::from_millis(300),
+            ..OutputLimits::default()
+        };
+    }));
+
+    // Sample /proc while the rounds run.
+    let stop = Arc::new(AtomicBool::new(false));
+    let peak_children = Arc::new(AtomicUsize::new(0));
+    let sampler = {
+        let (stop, peak) = (stop.clone(), peak_children.clone());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                peak.fetch_max(census().children, Ordering::Relaxed);
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        })
+    };
+
+    let mut baseline = None;
+    let started = Instant::now();
+    for round in 0..3 {
+        let round_started = Instant::now();
+        let mut tasks = Vec::new();
+        for (name, host) in &names {
+            for i in 0..LOOKUPS_PER_KIND {
+                let engine = engine.clone();
+                let image = format!("{host}/r{round}/app{i}:v1");
+                let name = *name;
+                tasks.push(tokio::spawn(async move {
+                    let req = LookupRequest {
+                        image: &image,
+                        ..Default::default()
+                    };
+                    let got = engine.lookup(&req).await.unwrap();
+                    (name, outcome(&got))
+                }));
+            }
+        }
+        for t in tasks {
+            let (name, got) = t.await.unwrap();
+            assert_eq!(got, expected[name], "{name} in round {round}");
+        }
+        // Hanging kinds need ceil(18 / 6) = 3 waves of the 2 s timeout; a hang past the
+        // timeout would show as a round far longer than that.
+        let took = round_started.elapsed();
+        eprintln!("round {round}: {took:?}");
+        assert!(
+            took < Duration::from_secs(20),
+            "round {round} took {took:?}"
+        );
+        let after = settle(Duration::from_secs(10));
+        assert_eq!(
+            after.marked, 0,
+            "processes left behind after round {round}: {after:?}"
+        );
+        assert_eq!(after.children, 0, "{after:?}");
+        if round == 0 {
+            baseline = Some(after);
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    sampler.join().unwrap();
+    let end = census();
+    let baseline = baseline.unwrap();
+    let peak = peak_children.load(Ordering::Relaxed);
+    eprintln!(
+        "{} lookups in {:?}; peak plugin processes {peak} (bound {IN_TOTAL}); baseline {baseline:?}; end {end:?}; sweeper killed {}",
+        3 * LOOKUPS_PER_KIND * names.len(),
+        started.elapsed(),
+        credgate_engine::sweep::killed()
+    );
+    assert!(
+        peak <= IN_TOTAL,
+        "{peak} plugins ran at once, over the bound of {IN_TOTAL}"
+    );
+    assert!(peak >= IN_TOTAL - 2, "the load reached the bound: {peak}");
+    assert!(
+        credgate_engine::sweep::killed() >= 2 * LOOKUPS_PER_KIND as u64,
+        "escapees were killed by the sweeper"
+    );
+    assert!(
+        end.fds <= baseline.fds + 4,
+        "descriptors leaked: {baseline:?} -> {end:?}"
+    );
+    assert!(
+        end.rss_kb <= baseline.rss_kb + 32 * 1024,
+        "memory grew: {baseline:?} -> {end:?}"
+    );
+}
