@@ -4,15 +4,17 @@
 //!
 //! The guard never refuses to start: a store or key that cannot be opened is logged and every
 //! decision that depends on them fails safe (must authenticate), so a damaged file cannot put
-//! the agent into a crash loop, nor let a tenant in.
+//! the agent into a crash loop, nor let a tenant in. Opening is retried, at most every
+//! [`REOPEN_INTERVAL`], when the store or key is next needed, so a state directory that was
+//! read-only or full at start is used as soon as it is writable again.
 
 pub mod keys;
 pub mod registry;
 pub mod store;
 
 use std::path::PathBuf;
-use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant, SystemTime};
 
 use arc_swap::ArcSwap;
 use credgate_core::guard::{
@@ -114,10 +116,18 @@ pub enum GuardError {
     },
     #[error("{0} is required")]
     Missing(&'static str),
-    #[error("the guard's records are unavailable: {0}")]
+    /// Carries the whole cause (`read-only file system`, `database or disk is full`): it is
+    /// what an operator needs to act, and never holds a secret.
+    #[error("the guard's records are unavailable: {}", crate::server::error_chain(&**.0))]
     Unavailable(Arc<StoreError>),
-    #[error("the guard's records could not be written: {0}")]
-    Write(#[from] StoreError),
+    #[error("the guard's records could not be written: {}", crate::server::error_chain(.0))]
+    Write(StoreError),
+}
+
+impl From<StoreError> for GuardError {
+    fn from(e: StoreError) -> Self {
+        GuardError::Write(e)
+    }
 }
 
 /// What a pull reference normalizes to: the image name and the full reference
@@ -146,8 +156,8 @@ pub fn now_ms() -> i64 {
 /// The guard.
 #[derive(Clone)]
 pub struct Guard {
-    store: Result<Store, Arc<StoreError>>,
-    key: Option<NodeKey>,
+    store: Arc<Retrying<Store, StoreError>>,
+    key: Arc<Retrying<NodeKey, keys::KeyError>>,
     options: Arc<GuardOptions>,
     metrics: AgentMetrics,
     verifier: registry::Verifier,
@@ -159,17 +169,16 @@ impl Guard {
     /// Opens the store and the key under the state directory. Never fails: problems are logged
     /// and make decisions fail safe.
     pub fn open(options: GuardOptions, metrics: AgentMetrics) -> Guard {
-        let store = Store::open(&options.state_dir).map_err(|e| {
-            tracing::error!(error = %crate::server::error_chain(&e), "guard store unavailable; every present image requires authentication");
-            Arc::new(e)
-        });
-        let key = match keys::NodeKey::load_or_create(&options.state_dir) {
-            Ok(k) => Some(k),
-            Err(e) => {
-                tracing::error!(error = %crate::server::error_chain(&e), "node key unavailable; secrets cannot match records");
-                None
-            }
-        };
+        let dir = options.state_dir.clone();
+        let store = Arc::new(Retrying::new(
+            "guard store unavailable; every present image requires authentication",
+            move || Store::open(&dir),
+        ));
+        let dir = options.state_dir.clone();
+        let key = Arc::new(Retrying::new(
+            "node key unavailable; secrets cannot match records",
+            move || keys::NodeKey::load_or_create(&dir),
+        ));
         let verifier = registry::Verifier::new(options.registry.clone());
         let guard = Guard {
             store,
@@ -216,13 +225,11 @@ impl Guard {
 
     /// The store, or why it is unavailable.
     pub fn store(&self) -> Result<&Store, GuardError> {
-        self.store
-            .as_ref()
-            .map_err(|e| GuardError::Unavailable(e.clone()))
+        self.store.get().map_err(GuardError::Unavailable)
     }
 
     fn update_gauges(&self) {
-        if let Ok(s) = &self.store {
+        if let Ok(s) = self.store.get() {
             let (records, intents) = s.counts();
             self.metrics.guard_records.set(records as i64);
             self.metrics.guard_intents.set(intents as i64);
@@ -237,7 +244,7 @@ impl Guard {
                     coords,
                     username,
                     password,
-                } => self.key.as_ref().map(|k| Presented::Secret {
+                } => self.key.get().ok().map(|k| Presented::Secret {
                     coords: coords.clone(),
                     hash: k.hash(username, password.expose_secret()),
                 }),
@@ -295,11 +302,12 @@ impl Guard {
                 message: "pull policy Always: the pull authenticates".into(),
             };
         }
-        let (record, intent) = match &self.store {
+        let store = self.store.get();
+        let (record, intent) = match &store {
             Ok(s) => s.view(image_ref, name),
             Err(_) => (None, false),
         };
-        let view = match &self.store {
+        let view = match &store {
             Ok(_) => StoreView::Readable {
                 record: record.as_deref(),
                 intent,
@@ -318,7 +326,7 @@ impl Guard {
             now_ms: now_ms(),
         };
         let decision = guard::decide(&check, view, || self.presented(credentials));
-        if let (Some(learned), Ok(store)) = (decision.update, &self.store) {
+        if let (Some(learned), Ok(store)) = (decision.update, store) {
             // What the decision learned (new coordinates of a known secret, a rotation) is
             // written in the background; the answer does not wait for it.
             let store = store.clone();
@@ -516,5 +524,69 @@ fn auth_message(r: AuthReason) -> &'static str {
         AuthReason::NoCredentialsRecorded => "the record holds no credentials",
         AuthReason::NoMatchingCredential => "no presented credential pulled this image",
         AuthReason::SecretTooOld => "the matching secret was last confirmed too long ago",
+    }
+}
+
+/// How often a store or key that could not be opened is tried again, when next needed.
+pub const REOPEN_INTERVAL: Duration = Duration::from_secs(2);
+
+type Opener<T, E> = Box<dyn Fn() -> Result<T, E> + Send + Sync>;
+
+/// Something opened once; while opening fails, the last error is kept and opening is retried
+/// when it is next needed, at most every [`REOPEN_INTERVAL`].
+struct Retrying<T, E> {
+    value: OnceLock<T>,
+    /// The last failure and when it happened; `None` once opened.
+    failure: Mutex<Option<(Arc<E>, Instant)>>,
+    what: &'static str,
+    open: Opener<T, E>,
+}
+
+impl<T, E: std::error::Error + 'static> Retrying<T, E> {
+    fn new(what: &'static str, open: impl Fn() -> Result<T, E> + Send + Sync + 'static) -> Self {
+        let value = OnceLock::new();
+        let failure = match open() {
+            Ok(v) => {
+                let _ = value.set(v);
+                None
+            }
+            Err(e) => {
+                tracing::error!(error = %crate::server::error_chain(&e), "{what}");
+                Some((Arc::new(e), Instant::now()))
+            }
+        };
+        Retrying {
+            value,
+            failure: Mutex::new(failure),
+            what,
+            open: Box::new(open),
+        }
+    }
+
+    fn get(&self) -> Result<&T, Arc<E>> {
+        if let Some(v) = self.value.get() {
+            return Ok(v);
+        }
+        let mut failure = self.failure.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((e, at)) = failure.as_ref() {
+            if at.elapsed() < REOPEN_INTERVAL {
+                return Err(e.clone());
+            }
+        }
+        if let Some(v) = self.value.get() {
+            return Ok(v);
+        }
+        match (self.open)() {
+            Ok(v) => {
+                tracing::info!("{}: opened after all", self.what);
+                *failure = None;
+                Ok(self.value.get_or_init(|| v))
+            }
+            Err(e) => {
+                let e = Arc::new(e);
+                *failure = Some((e.clone(), Instant::now()));
+                Err(e)
+            }
+        }
     }
 }
