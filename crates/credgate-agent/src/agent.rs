@@ -27,6 +27,81 @@ pub struct AgentOptions {
     pub clock: Option<Arc<dyn Clock>>,
     /// The image access guard; off when `None` (its RPCs then fail with FAILED_PRECONDITION).
     pub guard: Option<GuardOptions>,
+    /// Which callers may use each API service.
+    pub callers: CallerAllowlist,
+    /// How long a Watch event may wait for a client that does not read before the client is
+    /// dropped; [`WATCH_SEND_TIMEOUT`](crate::server::WATCH_SEND_TIMEOUT) when `None`.
+    pub watch_send_timeout: Option<std::time::Duration>,
+}
+
+/// The API's services, for per-service caller allowlists.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Service {
+    Credentials,
+    Admin,
+    ImageAccess,
+}
+
+impl Service {
+    pub const ALL: [Service; 3] = [Service::Credentials, Service::Admin, Service::ImageAccess];
+
+    /// The name used on the command line.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Service::Credentials => "credentials",
+            Service::Admin => "admin",
+            Service::ImageAccess => "image-access",
+        }
+    }
+}
+
+/// Which uids (from the socket's peer credentials) may call each service. A service with no
+/// entry is open to everyone who can open the socket; the agent's own uid is always allowed.
+#[derive(Debug, Clone, Default)]
+pub struct CallerAllowlist {
+    uids: std::collections::HashMap<Service, Vec<u32>>,
+}
+
+impl CallerAllowlist {
+    /// Allows `uids` to call `service` (added to any earlier entry).
+    pub fn allow(&mut self, service: Service, uids: impl IntoIterator<Item = u32>) {
+        self.uids.entry(service).or_default().extend(uids);
+    }
+
+    /// Parses `SERVICE=UID[,UID...]`, as `--allow-uids` takes it.
+    pub fn parse_entry(s: &str) -> Result<(Service, Vec<u32>), String> {
+        let (service, uids) = s
+            .split_once('=')
+            .ok_or_else(|| format!("{s:?}: expected SERVICE=UID[,UID...]"))?;
+        let service = Service::ALL
+            .into_iter()
+            .find(|x| x.as_str() == service)
+            .ok_or_else(|| {
+                format!("{service:?}: not a service (credentials, admin, image-access)")
+            })?;
+        let uids = uids
+            .split(',')
+            .map(|u| {
+                u.trim()
+                    .parse::<u32>()
+                    .map_err(|_| format!("{u:?}: not a numeric uid"))
+            })
+            .collect::<Result<Vec<u32>, String>>()?;
+        Ok((service, uids))
+    }
+
+    /// Whether `uid` may call `service`; an unknown caller may only call open services.
+    pub fn allows(&self, service: Service, uid: Option<u32>) -> bool {
+        match self.uids.get(&service) {
+            None => true,
+            Some(list) => uid.is_some_and(|u| u == own_uid() || list.contains(&u)),
+        }
+    }
+}
+
+fn own_uid() -> u32 {
+    // SAFETY: geteuid(2) has no preconditions.
+    unsafe { libc::geteuid() }
 }
 
 /// What a reload did.
@@ -46,6 +121,8 @@ struct Inner {
     renewer: Renewer,
     guard: Option<Guard>,
     clock: Arc<dyn Clock>,
+    callers: CallerAllowlist,
+    watch_send_timeout: std::time::Duration,
     started: SystemTime,
     loaded: Mutex<SystemTime>,
     reload: Mutex<()>,
@@ -95,6 +172,10 @@ impl Agent {
                 started: now,
                 loaded: Mutex::new(now),
                 reload: Mutex::new(()),
+                callers: options.callers,
+                watch_send_timeout: options
+                    .watch_send_timeout
+                    .unwrap_or(crate::server::WATCH_SEND_TIMEOUT),
             }),
         })
     }
@@ -115,6 +196,15 @@ impl Agent {
 
     pub fn metrics(&self) -> &AgentMetrics {
         &self.inner.metrics
+    }
+
+    /// Which callers may use each service.
+    pub fn callers(&self) -> &CallerAllowlist {
+        &self.inner.callers
+    }
+
+    pub fn watch_send_timeout(&self) -> std::time::Duration {
+        self.inner.watch_send_timeout
     }
 
     /// Every metric family, the engine's included.

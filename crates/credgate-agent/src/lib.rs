@@ -14,5 +14,5 @@ pub mod server;
 pub mod socket;
 pub mod sources;
 
-pub use agent::{Agent, AgentOptions, Reloaded};
+pub use agent::{Agent, AgentOptions, CallerAllowlist, Reloaded, Service};
 pub use sources::{SourceError, Sources};

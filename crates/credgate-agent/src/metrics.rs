@@ -55,6 +55,8 @@ pub struct AgentMetrics {
     pub renewals: Family<Labels, Counter>,
     pub tracked_refs: Gauge,
     pub watchers: Gauge,
+    /// Watch streams ended because their client did not read.
+    pub watchers_dropped: Counter,
     pub rpcs: Family<Labels, Counter>,
     pub rpc_seconds: Family<Labels, Histogram, fn() -> Histogram>,
     pub reloads: Family<Labels, Counter>,
@@ -114,6 +116,7 @@ impl Default for AgentMetrics {
             renewals: Family::default(),
             tracked_refs: Gauge::default(),
             watchers: Gauge::default(),
+            watchers_dropped: Counter::default(),
             rpcs,
             rpc_seconds,
             reloads: Family::default(),
@@ -142,6 +145,11 @@ impl AgentMetrics {
             self.tracked_refs.clone(),
         );
         r.register("watch_streams", "Open Watch streams", self.watchers.clone());
+        r.register(
+            "watch_streams_dropped",
+            "Watch streams ended because their client did not read them",
+            self.watchers_dropped.clone(),
+        );
         r.register(
             "rpc_requests",
             "API calls by method and gRPC status code",

@@ -54,17 +54,25 @@ struct Server {
 
 impl Server {
     async fn start(setup: impl FnOnce(&Path) -> PathBuf) -> Server {
+        Server::start_with(setup, |_| {}).await
+    }
+
+    async fn start_with(
+        setup: impl FnOnce(&Path) -> PathBuf,
+        tune: impl FnOnce(&mut AgentOptions),
+    ) -> Server {
         let dir = tempfile::tempdir().unwrap();
         let config = setup(dir.path());
-        let agent = Agent::new(AgentOptions {
+        let mut options = AgentOptions {
             sources: Sources {
                 provider_config: Some(config),
                 bin_dir: Some(dir.path().to_owned()),
                 ..Default::default()
             },
             ..Default::default()
-        })
-        .unwrap();
+        };
+        tune(&mut options);
+        let agent = Agent::new(options).unwrap();
         let socket = dir.path().join("run/credgate.sock");
         let listener = socket::bind(&socket, &SocketAccess::default())
             .await
@@ -479,4 +487,76 @@ async fn a_tracked_ref_is_served_its_last_good_credential_when_the_plugin_fails(
         .unwrap()
         .into_inner();
     assert!(r.credentials.is_empty() && !r.last_known_good);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_client_that_never_reads_is_dropped_and_others_carry_on() {
+    // Every run answers a new 3 KB password valid for 2 s: renewal changes each of the 20
+    // refs about once a second, so a client that does not read falls behind fast.
+    let s = Server::start_with(
+        |d| {
+            script(
+                d,
+                "big",
+                r#"cat >/dev/null
+n=$(date +%s%N)
+pw=$(head -c 3000 /dev/zero | tr '\0' x)$n
+printf '{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.kubelet.k8s.io/v1","cacheKeyType":"Image","cacheDuration":"2s","auth":{"reg.example.com":{"username":"u","password":"%s"}}}' "$pw""#,
+            );
+            config(d, &["big"])
+        },
+        |o| o.watch_send_timeout = Some(Duration::from_secs(1)),
+    )
+    .await;
+    let refs: Vec<String> = (0..20)
+        .map(|i| format!("reg.example.com/team/app{i}:v1"))
+        .collect();
+    // The stuck client: a 1 KiB stream window, and it never reads.
+    let stuck_channel = credgate_api::connect_with(
+        &s.socket,
+        tonic::transport::Endpoint::from_static("http://credgate.sock")
+            .initial_stream_window_size(Some(1024)),
+    )
+    .await
+    .unwrap();
+    let _stuck = CredentialsClient::new(stuck_channel)
+        .watch(pb::WatchRequest { refs: refs.clone() })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut good = CredentialsClient::new(s.channel().await)
+        .watch(pb::WatchRequest { refs: refs.clone() })
+        .await
+        .unwrap()
+        .into_inner();
+    let metrics = s.agent.metrics().clone();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let mut events = 0;
+    while metrics.watchers_dropped.get() == 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the stuck client was never dropped"
+        );
+        let e = tokio::time::timeout(Duration::from_secs(5), good.next())
+            .await
+            .expect("the reading client keeps getting events")
+            .unwrap()
+            .unwrap();
+        assert_eq!(e.credentials.len(), 1);
+        events += 1;
+    }
+    assert_eq!(metrics.watchers.get(), 1, "only the reading client is left");
+    // The reading client is unaffected: changes keep coming.
+    let mut after = 0;
+    while after < 20 {
+        let e = tokio::time::timeout(Duration::from_secs(5), good.next())
+            .await
+            .expect("events after the drop")
+            .unwrap()
+            .unwrap();
+        assert!(e.credentials[0].password.len() > 3000);
+        after += 1;
+    }
+    assert_eq!(metrics.watchers_dropped.get(), 1);
+    assert!(events >= 20, "{events}");
 }

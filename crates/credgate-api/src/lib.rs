@@ -70,9 +70,17 @@ pub fn socket_path(flag: Option<&Path>) -> PathBuf {
 /// A channel to the agent on the unix socket at `path`. Connects eagerly, so an absent agent
 /// is an error here rather than at the first call.
 pub async fn connect(path: &Path) -> Result<Channel, tonic::transport::Error> {
+    // The URI is required by the HTTP layer and never dialled; the connector is.
+    connect_with(path, Endpoint::from_static("http://credgate.sock")).await
+}
+
+/// Like [`connect`], with the caller's endpoint settings (windows, timeouts).
+pub async fn connect_with(
+    path: &Path,
+    endpoint: Endpoint,
+) -> Result<Channel, tonic::transport::Error> {
     let path = path.to_owned();
-    // The URI is required by the HTTP layer and never dialled; the connector below is.
-    Endpoint::from_static("http://credgate.sock")
+    endpoint
         .connect_with_connector(tower::service_fn(move |_| {
             let path = path.clone();
             async move { UnixStream::connect(path).await.map(TokioIo::new) }

@@ -42,7 +42,7 @@ fn main() -> ExitCode {
         .expect("tokio runtime starts");
     let result = runtime.block_on(async {
         match cli.command {
-            Command::Serve(args) => cmd::serve::run(args).await,
+            Command::Serve(args) => cmd::serve::run(*args).await,
             Command::Ctl(args) => cmd::ctl::run(args).await,
             Command::Get(args) => cmd::get::run(args).await,
             Command::CheckConfig(args) => cmd::check::run(args),

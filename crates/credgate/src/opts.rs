@@ -26,7 +26,7 @@ pub enum Command {
     #[command(
         after_help = "Examples:\n  credgate serve --image-credential-provider-config examples/provider-config.yaml \\\n      --image-credential-provider-bin-dir examples/plugins --socket /tmp/credgate.sock\n  credgate serve --image-credential-provider-config /etc/kubernetes/credential-provider-config.yaml \\\n      --image-credential-provider-bin-dir /usr/libexec/kubernetes/kubelet-plugins/credential-provider/exec \\\n      --metrics-addr 127.0.0.1:9464 --log-format json\n\nSignals: SIGHUP reloads the provider config (an invalid one is refused, the old one keeps\nserving); SIGTERM and SIGINT stop accepting calls, finish those in flight and exit 0."
     )]
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// A thin client for every RPC of the agent (crictl-like).
     #[command(
         after_help = "Examples:\n  credgate ctl status\n  credgate ctl lookup -o json registry.example.com/team/app:v1\n  credgate ctl set-tracked nydus registry.example.com/team/app:v1 registry.example.com/team/db:v3\n  credgate ctl watch registry.example.com/team/app:v1"
@@ -154,6 +154,14 @@ pub struct ServeArgs {
     /// Timeout of each request to a registry when verifying.
     #[arg(long, value_name = "DURATION", value_parser = parse_duration, default_value = "10s")]
     pub registry_timeout: Duration,
+    /// Only these uids (and the agent's own) may call SERVICE (credentials, admin or
+    /// image-access), checked against the socket's peer credentials; repeatable. Services
+    /// without an entry are open to whoever can open the socket.
+    #[arg(long, value_name = "SERVICE=UID[,UID...]", value_parser = parse_allow_uids)]
+    pub allow_uids: Vec<(credgate_agent::Service, Vec<u32>)>,
+    /// A Watch client that has not read its stream for this long is dropped.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration, default_value = "30s")]
+    pub watch_send_timeout: Duration,
 }
 
 /// Credentials a consumer presents (`ctl check-access`, `verify`, `record-result`).
@@ -301,6 +309,10 @@ pub struct MatchArgs {
     /// An image reference (normalized as the kubelet does: `nginx` is docker.io/library/nginx),
     /// or a bare registry `host[:port]` such as `registry.io:5000` or `localhost:5000`.
     pub image: String,
+}
+
+fn parse_allow_uids(s: &str) -> Result<(credgate_agent::Service, Vec<u32>), String> {
+    credgate_agent::CallerAllowlist::parse_entry(s)
 }
 
 /// Parses a Go duration string that must not be negative.

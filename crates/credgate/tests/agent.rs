@@ -165,3 +165,68 @@ fn deployment_files_use_real_flags() {
         }
     }
 }
+
+/// `--allow-uids`: callers are told apart by the socket's peer credentials. Needs root to call
+/// as other uids (CI runs as root); elsewhere it says so and returns.
+#[test]
+fn per_service_uid_allowlists_refuse_other_callers() {
+    use std::os::unix::fs::PermissionsExt;
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: calling as other uids needs root");
+        return;
+    }
+    support::require("setpriv");
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let agent = Agent::start(
+        dir.path(),
+        &[
+            "--allow-uids",
+            "admin=4243",
+            "--allow-uids",
+            "image-access=4243,4244",
+        ],
+    );
+    // Let every uid open the socket, so that the allowlist is what decides.
+    std::fs::set_permissions(&agent.socket, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let as_uid = |uid: u32, args: &[&str]| {
+        Command::new("setpriv")
+            .args(["--reuid", &uid.to_string(), "--regid", &uid.to_string()])
+            .args(["--clear-groups", "--"])
+            .arg(env!("CARGO_BIN_EXE_credgate"))
+            .args(args)
+            .env("CREDGATE_SOCKET", &agent.socket)
+            .env_remove("CREDGATE_LOG")
+            .output()
+            .unwrap()
+    };
+    let out = as_uid(4242, &["ctl", "health"]);
+    assert!(!out.status.success());
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("uid 4242 may not call the admin service"),
+        "{err}"
+    );
+    let out = as_uid(4242, &["ctl", "list-records"]);
+    assert!(
+        text(&out.stderr).contains("uid 4242 may not call the image-access service"),
+        "{}",
+        text(&out.stderr)
+    );
+    // Credentials has no entry: open to whoever can open the socket.
+    let out = as_uid(4242, &["ctl", "list-tracked"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    // Listed uids, and the agent's own, get through.
+    let out = as_uid(4243, &["ctl", "health"]);
+    assert_eq!(text(&out.stdout).trim(), "SERVING", "{}", text(&out.stderr));
+    let out = as_uid(4244, &["ctl", "list-records"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let out = agent.credgate(&["ctl", "health"]);
+    assert_eq!(text(&out.stdout).trim(), "SERVING");
+    let log = agent.log_text();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("call refused") && l.contains("uid=4242")),
+        "{log}"
+    );
+}

@@ -13,6 +13,7 @@ use credgate_api::v1::{self as pb};
 use credgate_engine::{Credential, CredentialRef, LookupRequest, ServiceAccount};
 use secrecy::{ExposeSecret, SecretString};
 use tokio::net::UnixListener;
+use tokio::sync::mpsc::error::SendTimeoutError;
 use tokio::sync::watch;
 use tokio_stream::wrappers::{UnixListenerStream, WatchStream};
 use tokio_stream::{Stream, StreamExt, StreamMap};
@@ -22,7 +23,7 @@ mod image_access;
 
 pub use image_access::record as wire_record;
 
-use crate::agent::Agent;
+use crate::agent::{Agent, CallerAllowlist, Service};
 use crate::renewal::TrackError;
 
 /// Milliseconds since the Unix epoch; 0 for `None` or times before it.
@@ -91,16 +92,53 @@ pub fn peer<T>(request: &Request<T>) -> Peer {
     }
 }
 
+/// Refuses callers whose uid the allowlist does not admit to `service`.
+fn admit(
+    callers: &CallerAllowlist,
+    service: Service,
+) -> impl FnMut(Request<()>) -> Result<Request<()>, Status> + Clone {
+    let callers = callers.clone();
+    move |request: Request<()>| {
+        let who = peer(&request);
+        if callers.allows(service, who.uid) {
+            return Ok(request);
+        }
+        tracing::warn!(
+            service = service.as_str(),
+            uid = who.uid,
+            gid = who.gid,
+            pid = who.pid,
+            "call refused: the caller's uid is not allowed"
+        );
+        let uid = who.uid.map_or("unknown".into(), |u| u.to_string());
+        Err(Status::permission_denied(format!(
+            "uid {uid} may not call the {} service",
+            service.as_str()
+        )))
+    }
+}
+
 /// The services, over one agent.
 #[derive(Clone)]
 pub struct Api {
     agent: Agent,
     shutdown: watch::Receiver<bool>,
+    watch_send_timeout: Duration,
 }
+
+/// Watch events queued for a client that is not reading, beyond the transport's own window.
+pub const WATCH_BUFFER: usize = 16;
+
+/// How long a Watch event may wait for room before its client is dropped.
+pub const WATCH_SEND_TIMEOUT: Duration = Duration::from_secs(30);
 
 impl Api {
     pub fn new(agent: Agent, shutdown: watch::Receiver<bool>) -> Self {
-        Api { agent, shutdown }
+        Api {
+            watch_send_timeout: agent.watch_send_timeout(),
+            agent,
+            shutdown,
+        }
     }
 
     /// Times a call, counts it by method and code, and logs who made it (debug level).
@@ -243,8 +281,13 @@ impl Api {
         for (image, rx) in std::mem::take(&mut sub.receivers) {
             streams.insert(image, WatchStream::new(rx));
         }
-        let (tx, rx) = tokio::sync::mpsc::channel(64);
+        // Each ref's stream keeps only its latest value, and at most WATCH_BUFFER events wait
+        // for the client: a client that stops reading costs a bounded amount of memory, and
+        // one that has not taken an event for WATCH_SEND_TIMEOUT is dropped.
+        let (tx, rx) = tokio::sync::mpsc::channel(WATCH_BUFFER);
         let mut shutdown = self.shutdown.clone();
+        let metrics = self.agent.metrics().clone();
+        let send_timeout = self.watch_send_timeout;
         tokio::spawn(async move {
             // The subscription lives as long as the stream: dropping it releases the refs.
             let _sub = sub;
@@ -258,8 +301,17 @@ impl Api {
                             credentials: value.credentials.iter().map(credential).collect(),
                             revision: value.revision,
                         };
-                        if tx.send(Ok(event)).await.is_err() {
-                            break;
+                        match tx.send_timeout(Ok(event), send_timeout).await {
+                            Ok(()) => {}
+                            Err(SendTimeoutError::Closed(_)) => break,
+                            Err(SendTimeoutError::Timeout(_)) => {
+                                metrics.watchers_dropped.inc();
+                                tracing::warn!(
+                                    timeout = ?send_timeout,
+                                    "a Watch client has not read its stream; dropped it"
+                                );
+                                break;
+                            }
                         }
                     }
                     _ = tx.closed() => break,
@@ -479,12 +531,22 @@ pub async fn serve(
     listener: UnixListener,
     shutdown: watch::Receiver<bool>,
 ) -> Result<(), tonic::transport::Error> {
+    let callers = agent.callers().clone();
     let api = Api::new(agent, shutdown.clone());
     let mut stop = shutdown;
     tonic::transport::Server::builder()
-        .add_service(CredentialsServer::new(api.clone()))
-        .add_service(AdminServer::new(api.clone()))
-        .add_service(ImageAccessServer::new(api))
+        .add_service(CredentialsServer::with_interceptor(
+            api.clone(),
+            admit(&callers, Service::Credentials),
+        ))
+        .add_service(AdminServer::with_interceptor(
+            api.clone(),
+            admit(&callers, Service::Admin),
+        ))
+        .add_service(ImageAccessServer::with_interceptor(
+            api,
+            admit(&callers, Service::ImageAccess),
+        ))
         .serve_with_incoming_shutdown(UnixListenerStream::new(listener), async move {
             let _ = stop.wait_for(|s| *s).await;
         })

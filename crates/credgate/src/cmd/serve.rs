@@ -11,7 +11,7 @@ use std::os::unix::fs::PermissionsExt;
 
 use credgate_agent::guard::registry::RegistryOptions;
 use credgate_agent::guard::GuardOptions;
-use credgate_agent::{metrics, server, Agent, AgentOptions};
+use credgate_agent::{metrics, server, Agent, AgentOptions, CallerAllowlist};
 use credgate_core::guard::{Allowlist, Policy};
 use credgate_core::renewal::RenewalPolicy;
 use tokio::signal::unix::{signal, SignalKind};
@@ -58,10 +58,17 @@ pub async fn run(args: ServeArgs) -> Result<Outcome> {
         )
     })?;
     let state_dir = args.state_dir.clone().unwrap_or_else(default_state_dir);
-    std::fs::create_dir_all(&state_dir)
-        .with_context(|| format!("cannot create state directory {}", state_dir.display()))?;
-    std::fs::set_permissions(&state_dir, std::fs::Permissions::from_mode(0o700))
-        .with_context(|| format!("cannot restrict state directory {}", state_dir.display()))?;
+    // A state directory that cannot be set up does not stop the agent: the guard reports it,
+    // fails safe and tries again (credentials keep being served meanwhile).
+    if let Err(e) = std::fs::create_dir_all(&state_dir)
+        .and_then(|()| std::fs::set_permissions(&state_dir, std::fs::Permissions::from_mode(0o700)))
+    {
+        tracing::error!(dir = %state_dir.display(), error = %e, "cannot set up the state directory");
+    }
+    let mut callers = CallerAllowlist::default();
+    for (service, uids) in &args.allow_uids {
+        callers.allow(*service, uids.iter().copied());
+    }
     let agent = Agent::new(AgentOptions {
         sources,
         renewal,
@@ -76,6 +83,8 @@ pub async fn run(args: ServeArgs) -> Result<Outcome> {
                 insecure: args.insecure_registry.clone(),
             },
         }),
+        callers,
+        watch_send_timeout: Some(args.watch_send_timeout),
     })?;
     let socket_path = args
         .socket
