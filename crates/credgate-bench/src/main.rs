@@ -8,6 +8,7 @@
 
 mod agent;
 mod guard;
+mod soak;
 
 use std::future::Future;
 use std::io::Write;
@@ -38,6 +39,8 @@ enum Scenario {
     GuardCheck,
     GuardRecord,
     GuardOpen,
+    /// A long realistic mix against a running agent (see scripts/soak).
+    Soak,
     #[value(hide = true)]
     GuardPopulate,
 }
@@ -101,6 +104,21 @@ pub struct Args {
     /// The state directory to fill (guard-populate, internal).
     #[arg(long, hide = true)]
     state_dir: Option<PathBuf>,
+    /// The agent's socket (soak).
+    #[arg(long)]
+    socket: Option<PathBuf>,
+    /// The agent's pid, sampled from /proc (soak).
+    #[arg(long)]
+    agent_pid: Option<u32>,
+    /// Refs tracked for renewal (soak).
+    #[arg(long, default_value_t = 100)]
+    tracked: usize,
+    /// Stop after this many requests even before --duration (soak).
+    #[arg(long, default_value_t = 5_000_000)]
+    max_requests: u64,
+    /// How often the agent's RSS, descriptors and children are sampled (soak).
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    sample_every: Duration,
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -134,6 +152,7 @@ fn main() -> Result<()> {
         Scenario::GuardRecord => guard::record(&args),
         Scenario::GuardOpen => guard::open(&args),
         Scenario::GuardPopulate => guard::populate_cmd(&args),
+        Scenario::Soak => soak::soak(&args),
     }
 }
 

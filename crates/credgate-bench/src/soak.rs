@@ -1,0 +1,323 @@
+//! `soak`: a long, realistic mix against a running agent process (`scripts/soak` starts it):
+//! lookups (plugins that answer, fail at random, short TTLs), tracked refs renewing, a Watch
+//! reading along, guard checks and pull recordings. Reports throughput, latency percentiles
+//! per call, and the agent's RSS, descriptors and child processes sampled from /proc.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use credgate_api::v1::credentials_client::CredentialsClient;
+use credgate_api::v1::image_access_client::ImageAccessClient;
+use credgate_api::v1::{self as pb, pull_credential::Kind};
+use serde_json::json;
+use tokio_stream::StreamExt;
+
+use crate::{percentile, Args};
+
+const KINDS: [&str; 4] = ["lookup", "check_access", "record_pull", "lookup_flaky"];
+
+/// One sample of the agent process.
+#[derive(Debug, Clone, Copy)]
+struct Sample {
+    at_s: u64,
+    rss_kb: u64,
+    fds: usize,
+    children: usize,
+}
+
+fn sample(pid: u32, started: Instant) -> Sample {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let rss_kb = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0);
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count());
+    let children = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .map_or(0, |c| c.split_whitespace().count());
+    Sample {
+        at_s: started.elapsed().as_secs(),
+        rss_kb,
+        fds,
+        children,
+    }
+}
+
+fn secret(team: u64) -> pb::PullCredential {
+    pb::PullCredential {
+        kind: Some(Kind::Secret(pb::SecretCredential {
+            secret: Some(pb::ObjectRef {
+                namespace: format!("team-{team}"),
+                name: "pull".into(),
+                uid: format!("uid-{team}"),
+            }),
+            username: format!("user-{team}"),
+            password: format!("soak-password-{team}"),
+        })),
+    }
+}
+
+/// A small deterministic generator per client.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
+pub fn soak(args: &Args) -> Result<()> {
+    let socket = args.socket.clone().context("soak needs --socket")?;
+    let pid = args.agent_pid.context("soak needs --agent-pid")?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(run(args, &socket, pid))
+}
+
+async fn run(args: &Args, socket: &Path, pid: u32) -> Result<()> {
+    let started = Instant::now();
+    let deadline = started + args.duration;
+    let channel = credgate_api::connect(socket).await?;
+    let mut creds = CredentialsClient::new(channel.clone());
+    let tracked: Vec<String> = (0..args.tracked)
+        .map(|i| format!("renew.soak.test/app-{i}:v1"))
+        .collect();
+    creds
+        .set_tracked(pb::SetTrackedRequest {
+            consumer: "soak".into(),
+            refs: tracked.clone(),
+        })
+        .await?;
+    let watched = Arc::new(AtomicU64::new(0));
+    let watcher = {
+        let watched = watched.clone();
+        let mut stream = creds
+            .watch(pb::WatchRequest {
+                refs: tracked.iter().take(10).cloned().collect(),
+            })
+            .await?
+            .into_inner();
+        tokio::spawn(async move {
+            while let Some(Ok(_)) = stream.next().await {
+                watched.fetch_add(1, Ordering::Relaxed);
+            }
+        })
+    };
+
+    let samples = Arc::new(Mutex::new(vec![sample(pid, started)]));
+    let sampler = {
+        let samples = samples.clone();
+        let every = args.sample_every;
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(every).await;
+                samples.lock().unwrap().push(sample(pid, started));
+            }
+        })
+    };
+
+    let budget = Arc::new(AtomicU64::new(args.max_requests));
+    let mut clients = Vec::new();
+    for c in 0..args.clients {
+        let channel = credgate_api::connect(socket).await?;
+        let budget = budget.clone();
+        clients.push(tokio::spawn(async move {
+            let mut creds = CredentialsClient::new(channel.clone());
+            let mut guard = ImageAccessClient::new(channel);
+            let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ (c as u64 + 1));
+            let mut lat: Vec<Vec<Duration>> = vec![Vec::new(); KINDS.len()];
+            let mut errors = vec![0u64; KINDS.len()];
+            while Instant::now() < deadline
+                && budget
+                    .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| b.checked_sub(1))
+                    .is_ok()
+            {
+                let roll = rng.next() % 100;
+                let n = rng.next();
+                let t = Instant::now();
+                let (kind, ok) = match roll {
+                    0..=59 => {
+                        let image = format!("soak.test/app-{}:v1", n % 500);
+                        let r = creds
+                            .lookup(pb::LookupRequest {
+                                image,
+                                ..Default::default()
+                            })
+                            .await;
+                        (0, r.is_ok())
+                    }
+                    60..=74 => {
+                        let i = n % 200;
+                        let r = guard
+                            .check_access(pb::CheckAccessRequest {
+                                image: format!("guard.soak.test/app-{i}:v1"),
+                                image_ref: format!("sha256:{i:064x}"),
+                                present: true,
+                                pull_policy: 0,
+                                credentials: vec![secret(n % 7)],
+                            })
+                            .await;
+                        (1, r.is_ok())
+                    }
+                    75..=84 => {
+                        let i = n % 200;
+                        let image = format!("guard.soak.test/app-{i}:v1");
+                        let a = guard
+                            .record_pull_intent(pb::RecordPullIntentRequest {
+                                image: image.clone(),
+                            })
+                            .await;
+                        let b = guard
+                            .record_pull_result(pb::RecordPullResultRequest {
+                                image,
+                                image_ref: format!("sha256:{i:064x}"),
+                                success: true,
+                                credential: Some(secret(i % 5)),
+                            })
+                            .await;
+                        (2, a.is_ok() && b.is_ok())
+                    }
+                    _ => {
+                        let image = format!("flaky.soak.test/app-{}:v1", n % 50);
+                        let r = creds
+                            .lookup(pb::LookupRequest {
+                                image,
+                                ..Default::default()
+                            })
+                            .await;
+                        (3, r.is_ok())
+                    }
+                };
+                lat[kind].push(t.elapsed());
+                if !ok {
+                    errors[kind] += 1;
+                }
+            }
+            (lat, errors)
+        }));
+    }
+    let mut lat: Vec<Vec<Duration>> = vec![Vec::new(); KINDS.len()];
+    let mut errors = vec![0u64; KINDS.len()];
+    for c in clients {
+        let (l, e) = c.await?;
+        for k in 0..KINDS.len() {
+            lat[k].extend(&l[k]);
+            errors[k] += e[k];
+        }
+    }
+    let elapsed = started.elapsed();
+    sampler.abort();
+    watcher.abort();
+    let status = credgate_api::v1::admin_client::AdminClient::new(channel)
+        .status(pb::StatusRequest {})
+        .await?
+        .into_inner();
+    let plugin_runs: u64 = status.providers.iter().map(|p| p.runs).sum();
+    let providers: Vec<serde_json::Value> = status
+        .providers
+        .iter()
+        .map(|p| json!({"name": p.name, "runs": p.runs, "errors": p.errors}))
+        .collect();
+    let mut samples = samples.lock().unwrap().clone();
+    samples.push(sample(pid, started));
+    let total: usize = lat.iter().map(Vec::len).sum();
+    let per_kind: Vec<serde_json::Value> = KINDS
+        .iter()
+        .enumerate()
+        .map(|(k, name)| {
+            let v = &mut lat[k];
+            let mut p = |q: f64| {
+                if v.is_empty() {
+                    0
+                } else {
+                    percentile(v, q).as_micros() as u64
+                }
+            };
+            let (p50, p99, p999) = (p(0.50), p(0.99), p(0.999));
+            json!({
+                "call": name,
+                "count": v.len(),
+                "errors": errors[k],
+                "p50_us": p50,
+                "p99_us": p99,
+                "p999_us": p999,
+            })
+        })
+        .collect();
+    let series: Vec<serde_json::Value> = samples
+        .iter()
+        .map(|s| json!({"t_s": s.at_s, "rss_kb": s.rss_kb, "fds": s.fds, "children": s.children}))
+        .collect();
+    let end = samples.last().copied().unwrap();
+    let warm = samples
+        .iter()
+        .find(|s| s.at_s >= args.duration.as_secs() / 5)
+        .copied()
+        .unwrap_or(end);
+    let result = json!({
+        "scenario": "soak",
+        "seconds": elapsed.as_secs_f64(),
+        "requests": total,
+        "requests_per_s": total as f64 / elapsed.as_secs_f64(),
+        "calls": per_kind,
+        "watch_events": watched.load(Ordering::Relaxed),
+        "plugin_runs": plugin_runs,
+        "providers": providers,
+        "rss_kb_after_warmup": warm.rss_kb,
+        "rss_kb_end": end.rss_kb,
+        "fds_after_warmup": warm.fds,
+        "fds_end": end.fds,
+        "children_end": end.children,
+        "samples": series,
+    });
+    if args.output == crate::Format::Json {
+        println!("{result}");
+        return Ok(());
+    }
+    {
+        let mut text = format!(
+            "soak: {total} requests in {:.0} s ({:.0}/s), {} plugin runs, {} watch events\n",
+            elapsed.as_secs_f64(),
+            total as f64 / elapsed.as_secs_f64(),
+            plugin_runs,
+            watched.load(Ordering::Relaxed)
+        );
+        for c in &per_kind {
+            text.push_str(&format!(
+                "  {:<13} {:>8} calls {:>5} errors  p50 {:>6} us  p99 {:>6} us  p99.9 {:>6} us\n",
+                c["call"].as_str().unwrap(),
+                c["count"],
+                c["errors"],
+                c["p50_us"],
+                c["p99_us"],
+                c["p999_us"]
+            ));
+        }
+        for p in &providers {
+            text.push_str(&format!(
+                "  provider {:<8} {:>6} runs {:>5} failed\n",
+                p["name"].as_str().unwrap_or_default(),
+                p["runs"],
+                p["errors"]
+            ));
+        }
+        text.push_str("  agent RSS/fds/children over time:");
+        for s in &samples {
+            text.push_str(&format!(
+                " [{}s {} kB {} fds {} ch]",
+                s.at_s, s.rss_kb, s.fds, s.children
+            ));
+        }
+        text.push('\n');
+        print!("{text}");
+    }
+    Ok(())
+}
