@@ -69,9 +69,11 @@ impl Model {
             Op::Delete { image_ref } => Done::Deleted(self.records.remove(image_ref).is_some()),
             Op::Prune { present, before_ms } => {
                 let mut pruned = Pruned::default();
+                // A reference listed under two image IDs belongs to the last one listed.
                 let owner = |image: &str| {
                     present
                         .iter()
+                        .rev()
                         .find(|p| p.references.iter().any(|r| r == image))
                         .map(|p| p.image_ref.clone())
                 };
