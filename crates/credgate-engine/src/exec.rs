@@ -1,7 +1,7 @@
 //! Running plugin executables: one request on stdin, capped stdout and stderr, a timeout that
 //! kills the plugin's whole process group, and a bounded drain when a child of the plugin keeps
 //! its pipes open after the plugin exited. Processes that left the group are killed by the
-//! [`sweep`](crate::sweep)er.
+//! [`sweep`] thread.
 
 use std::future::Future;
 use std::io;
