@@ -215,18 +215,6 @@ pub fn record(args: &Args) -> Result<()> {
     Ok(())
 }
 
-fn rss_kib() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("VmRSS:"))
-                .and_then(|v| v.split_whitespace().next())
-                .and_then(|v| v.parse().ok())
-        })
-        .unwrap_or(0)
-}
-
 pub fn open(args: &Args) -> Result<()> {
     let dir = temp("open")?;
     // Filled by another process, so this one starts cold.
@@ -241,12 +229,12 @@ pub fn open(args: &Args) -> Result<()> {
         .status()
         .context("populating the store")?;
     ensure!(status.success(), "populating the store failed");
-    let before = rss_kib();
+    let before = crate::rss_kib("self");
     let started = Instant::now();
     let g = guard(&dir.0);
     let (records, _) = g.store()?.counts();
     let took = started.elapsed();
-    let after = rss_kib();
+    let after = crate::rss_kib("self");
     ensure!(records == args.records, "opened {records} records");
     let db = std::fs::metadata(dir.0.join("guard.db"))?.len();
     emit(

@@ -343,6 +343,19 @@ fn burst(args: &Args, rt: &tokio::runtime::Runtime) -> Result<()> {
 }
 
 /// The `p` quantile (nearest rank) of `samples`, which it sorts.
+/// The resident set of a process (`self` or a pid), in KiB, from /proc; 0 when unreadable.
+pub fn rss_kib(pid: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.split_whitespace().next())
+                .and_then(|v| v.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
 pub fn percentile(samples: &mut [Duration], p: f64) -> Duration {
     samples.sort_unstable();
     samples[((samples.len() as f64 * p).ceil() as usize)

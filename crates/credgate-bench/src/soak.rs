@@ -29,12 +29,7 @@ struct Sample {
 }
 
 fn sample(pid: u32, started: Instant) -> Sample {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let rss_kb = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(0);
+    let rss_kb = crate::rss_kib(&pid.to_string());
     let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count());
     let children = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
         .map_or(0, |c| c.split_whitespace().count());

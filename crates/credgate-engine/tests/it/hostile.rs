@@ -143,28 +143,22 @@ const TIMEOUT: Duration = Duration::from_secs(2);
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_plugins_under_load_leave_nothing_behind() {
     let dir = tempfile::tempdir().unwrap();
-    let mut providers = Vec::new();
+    // One answer serves every kind: `*.example` matches each provider's `<kind>.example`.
+    let body = response(WIRE_V1, "Image", None, &[("*.example", "u", "p")]);
+    let kinds = kinds(&body);
     let mut expected = HashMap::new();
     let mut names = Vec::new();
-    for (name, _, want) in kinds("") {
-        names.push((name, format!("{name}.example")));
-        expected.insert(name, want);
+    for (name, script_body, want) in &kinds {
+        script(dir.path(), name, script_body);
+        names.push((*name, format!("{name}.example")));
+        expected.insert(*name, *want);
     }
-    let entries: Vec<(&str, Vec<&str>)> = names
+    let hosts: Vec<[&str; 1]> = names.iter().map(|(_, host)| [host.as_str()]).collect();
+    let providers: Vec<(&str, &[&str], &str, &str)> = names
         .iter()
-        .map(|(n, host)| (*n, vec![host.as_str()]))
+        .zip(&hosts)
+        .map(|((name, _), hosts)| (*name, hosts.as_slice(), "10m", WIRE_V1))
         .collect();
-    for (name, hosts) in &entries {
-        providers.push((*name, hosts.as_slice(), "10m", WIRE_V1));
-    }
-    for (name, host) in &names {
-        let body = response(WIRE_V1, "Image", None, &[(host, "u", "p")]);
-        let (_, script_body, _) = kinds(&body)
-            .into_iter()
-            .find(|(n, _, _)| n == name)
-            .unwrap();
-        script(dir.path(), name, &script_body);
-    }
     let engine = Arc::new(engine_opts(config(&providers), dir.path(), |o| {
         o.default_timeout = TIMEOUT;
         o.max_runs_per_provider = PER_PROVIDER;
