@@ -324,3 +324,159 @@ printf '{{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.k
         (pb::Decision::Allow, "node_accessible")
     );
 }
+
+/// Fault injection: the registry is killed (SIGKILL, requests in flight) while tenants verify,
+/// then started again on the same port. Every verification returns in bounded time; during the
+/// outage it says `unreachable` and denies; nobody is allowed or recorded because of an error;
+/// once the registry is back, verification works again with no restart of the agent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registry_killed_and_restarted_during_verifications() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let tokens = TokenServer::start(
+        d,
+        &[
+            (ADMIN.0, ADMIN.1, &["*"]),
+            ("alice", "alice-pw", &["team-a/app"]),
+            ("bob", "bob-pw", &["team-b/app"]),
+        ],
+    );
+    let mut registry = Registry::start_with_tokens(d, &tokens);
+    oci_image(d);
+    push(d, &registry, "team-a/app", ADMIN.0, ADMIN.1);
+    let digest = digest_of(&registry, "team-a/app");
+    let agent = Agent::start(d, &[]);
+    let channel = credgate_api::connect(&agent.socket).await.unwrap();
+    let image = format!("{}/team-a/app:v1", registry.host());
+    let tenants = |channel| Tenants {
+        client: ImageAccessClient::new(channel),
+        image: image.clone(),
+        image_ref: digest.clone(),
+    };
+    let a = || secret("team-a", "pull", "alice", "alice-pw");
+    let b = || secret("team-b", "pull", "bob", "bob-pw");
+    let mut t = tenants(channel.clone());
+    assert_eq!(t.verify(vec![a()], &digest).await.reason, "verified");
+
+    // Four clients verify A and B in turns, without pause, through the whole fault.
+    const BOUND: Duration = Duration::from_secs(30);
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut workers = Vec::new();
+    for w in 0..4 {
+        let mut t = tenants(channel.clone());
+        let stop = stop.clone();
+        let digest = digest.clone();
+        workers.push(tokio::spawn(async move {
+            let mut seen = Vec::new();
+            let mut turn = w;
+            while !stop.load(Ordering::Relaxed) {
+                let is_a = turn % 2 == 0;
+                turn += 1;
+                let creds = if is_a { vec![a()] } else { vec![b()] };
+                let v = tokio::time::timeout(BOUND, t.verify(creds, &digest))
+                    .await
+                    .expect("a verification returns within the bound");
+                seen.push((is_a, v));
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            seen
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    registry.kill();
+    // Down: a verification denies and says why; the records still answer for A, not for B.
+    let v = t.verify(vec![a()], &digest).await;
+    assert_eq!(
+        (v.reason.as_str(), v.decision),
+        ("unreachable", pb::Decision::MustAuthenticate as i32),
+        "{}",
+        v.message
+    );
+    assert!(v.message.contains("cannot reach"), "{}", v.message);
+    assert_eq!(t.check(vec![a()]).await.0, pb::Decision::Allow);
+    assert_eq!(t.check(vec![b()]).await.0, pb::Decision::MustAuthenticate);
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    registry.restart();
+    // Back: the next verification reaches it; no restart of the agent, no stale connection.
+    let v = t.verify(vec![a()], &digest).await;
+    assert_eq!(
+        (v.reason.as_str(), v.credential_index),
+        ("verified", 0),
+        "{}",
+        v.message
+    );
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    stop.store(true, Ordering::Relaxed);
+
+    let mut outcomes = std::collections::BTreeMap::<(bool, String), usize>::new();
+    for worker in workers {
+        let seen = worker.await.unwrap();
+        for (is_a, v) in &seen {
+            *outcomes.entry((*is_a, v.reason.clone())).or_default() += 1;
+            for s in ["alice-pw", "bob-pw"] {
+                assert!(!v.message.contains(s), "{}", v.message);
+            }
+            if *is_a {
+                assert!(
+                    matches!(v.reason.as_str(), "verified" | "unreachable"),
+                    "A: {} {}",
+                    v.reason,
+                    v.message
+                );
+            } else {
+                // B is never let in: refused by the registry, or unreachable.
+                assert_eq!(v.decision, pb::Decision::MustAuthenticate as i32);
+                assert!(
+                    matches!(v.reason.as_str(), "unauthorized" | "unreachable"),
+                    "B: {} {}",
+                    v.reason,
+                    v.message
+                );
+            }
+            let allowed = v.decision == pb::Decision::Allow as i32;
+            assert_eq!(allowed, v.reason == "verified", "{v:?}");
+        }
+        // Each client ends on a working registry: its last answers are real ones again.
+        let last: Vec<&str> = seen
+            .iter()
+            .rev()
+            .take(2)
+            .map(|(_, v)| v.reason.as_str())
+            .collect();
+        assert!(
+            last.iter()
+                .all(|r| matches!(*r, "verified" | "unauthorized")),
+            "{last:?}"
+        );
+    }
+    eprintln!("outcomes: {outcomes:?}");
+    for (who, reason) in [
+        (true, "verified"),
+        (true, "unreachable"),
+        (false, "unauthorized"),
+        (false, "unreachable"),
+    ] {
+        assert!(
+            outcomes
+                .get(&(who, reason.to_owned()))
+                .copied()
+                .unwrap_or(0)
+                > 0,
+            "the fault was not crossed: {outcomes:?}"
+        );
+    }
+    // B was never recorded, by an error or otherwise.
+    assert_eq!(t.check(vec![b()]).await.0, pb::Decision::MustAuthenticate);
+    let listed = t
+        .client
+        .list_records(pb::ListRecordsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!format!("{listed:?}").contains("team-b"), "{listed:?}");
+    assert!(agent.stop().success());
+}

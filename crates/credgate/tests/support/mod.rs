@@ -160,6 +160,7 @@ pub fn helper_get(socket: &Path, input: impl AsRef<[u8]>) -> Output {
 /// Debian's `docker-registry` (distribution 2.8) on 127.0.0.1 with htpasswd auth.
 pub struct Registry {
     child: Child,
+    config: PathBuf,
     pub port: u16,
 }
 
@@ -247,7 +248,11 @@ impl Registry {
         let port = rx
             .recv_timeout(Duration::from_secs(20))
             .expect("registry reports its port");
-        Registry { child, port }
+        Registry {
+            child,
+            config: config.to_path_buf(),
+            port,
+        }
     }
 
     pub fn host(&self) -> String {
@@ -258,6 +263,24 @@ impl Registry {
     pub fn stop(&mut self) {
         signal(&self.child, libc::SIGTERM);
         let _ = wait_for_exit(&mut self.child, Duration::from_secs(5));
+    }
+
+    /// Kills the registry outright (SIGKILL, waited for): connections die mid-request.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Starts the registry again on the same port with the same storage and auth.
+    pub fn restart(&mut self) {
+        let config = std::fs::read_to_string(&self.config).unwrap().replace(
+            "addr: 127.0.0.1:0\n",
+            &format!("addr: 127.0.0.1:{}\n", self.port),
+        );
+        std::fs::write(&self.config, config).unwrap();
+        let again = Self::spawn(&self.config);
+        assert_eq!(again.port, self.port);
+        *self = again;
     }
 }
 
