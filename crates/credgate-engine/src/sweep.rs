@@ -1,13 +1,19 @@
 //! The escapee sweeper: processes a plugin left behind outside its process group (a `setsid`
 //! daemon, say) are found by a marker in their environment and killed.
 //!
-//! Every plugin run gets `CREDGATE_PLUGIN_RUN=<agent pid>-<run>` in its environment, which its
-//! descendants inherit. When a run ends, its process group is killed at once (see `exec`); its
+//! Every plugin run gets `CREDGATE_PLUGIN_RUN=<pid>-<start>-<run>` in its environment (the
+//! engine's process id and start time, then a run counter), which its descendants inherit. When a run ends, its process group is killed at once (see `exec`); its
 //! marker is then handed to one background thread, which waits a moment (so that a daemon that
 //! forks late is still caught), scans `/proc` once for every pending marker, and kills what it
 //! finds through a pidfd, so a recycled pid is never signalled. A marker is kept for a few scans
 //! and then forgotten. A plugin that scrubs its environment escapes this; the threat model in
 //! SECURITY.md says so.
+//!
+//! A process that dies (SIGKILL, OOM) takes its sweeper with it, and plugins running at that
+//! moment live on as orphans. [`orphans`], which `credgate serve` runs at start-up, kills every
+//! marked process whose engine is gone: its pid no longer exists or belongs to a process that
+//! started at another time (a recycled pid). Plugins of engines still running, and processes
+//! of other pid namespaces (where the marker's pid means another process), are left alone.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -50,11 +56,56 @@ fn shared() -> &'static Shared {
 /// A fresh marker value for one run.
 pub fn marker() -> String {
     static RUNS: AtomicU64 = AtomicU64::new(0);
-    format!(
-        "{}-{}",
-        std::process::id(),
-        RUNS.fetch_add(1, Ordering::Relaxed)
-    )
+    static ME: OnceLock<String> = OnceLock::new();
+    let me = ME.get_or_init(|| {
+        let pid = std::process::id();
+        let start = start_time(pid as i32).unwrap_or(0);
+        format!("{pid}-{start}")
+    });
+    format!("{me}-{}", RUNS.fetch_add(1, Ordering::Relaxed))
+}
+
+/// Kills every marked process whose engine is gone (see the module docs); returns how many.
+/// Reads `/proc`; takes a few milliseconds per thousand processes.
+pub fn orphans() -> u64 {
+    let Ok(own_ns) = std::fs::read_link("/proc/self/ns/pid") else {
+        return 0;
+    };
+    let n = scan(|pid, marker| {
+        let Some((engine, start)) = engine_of(marker) else {
+            return false;
+        };
+        // The pid in a marker means something only in the namespace it was taken in: a
+        // process of another pid namespace (a container's credgate, say) is left alone.
+        let same_ns =
+            std::fs::read_link(format!("/proc/{pid}/ns/pid")).is_ok_and(|ns| ns == own_ns);
+        same_ns && start_time(engine) != Some(start)
+    });
+    if n > 0 {
+        shared().killed.fetch_add(n, Ordering::Relaxed);
+    }
+    n
+}
+
+/// The engine (pid, start time) a marker value names.
+fn engine_of(marker: &[u8]) -> Option<(i32, u64)> {
+    let text = std::str::from_utf8(marker).ok()?;
+    let mut parts = text.splitn(3, '-');
+    let pid = parts.next()?.parse().ok()?;
+    let start = parts.next()?.parse().ok()?;
+    parts.next()?.parse::<u64>().ok()?;
+    Some((pid, start))
+}
+
+/// A process's start time in clock ticks since boot (`/proc/PID/stat`, field 22).
+fn start_time(pid: i32) -> Option<u64> {
+    parse_start_time(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
+}
+
+fn parse_start_time(stat: &str) -> Option<u64> {
+    // The command name (field 2) is in parentheses and may hold spaces and parentheses.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_ascii_whitespace().nth(19)?.parse().ok()
 }
 
 /// Hands the marker of a finished run to the sweeper.
@@ -90,7 +141,7 @@ fn sweeper(s: &'static Shared) {
             });
             now
         };
-        let n = scan(&markers);
+        let n = scan(|_, value| markers.iter().any(|m| m.as_bytes() == value));
         if n > 0 {
             s.killed.fetch_add(n, Ordering::Relaxed);
             tracing::warn!(
@@ -101,8 +152,8 @@ fn sweeper(s: &'static Shared) {
     }
 }
 
-/// Kills every process whose environment carries one of `markers`; returns how many.
-fn scan(markers: &[String]) -> u64 {
+/// Kills every process whose (pid, marker value) `doomed` accepts; returns how many.
+fn scan(doomed: impl Fn(i32, &[u8]) -> bool) -> u64 {
     let Ok(dir) = std::fs::read_dir("/proc") else {
         return 0;
     };
@@ -122,7 +173,7 @@ fn scan(markers: &[String]) -> u64 {
         if let Some(fd) = Pidfd::open(pid) {
             // Read through the pid only after holding its pidfd: if the environment matches,
             // the signal reaches this process, not a later one with a recycled pid.
-            if carries_marker(pid, markers) && fd.kill() {
+            if marker_of(pid).is_some_and(|m| doomed(pid, &m)) && fd.kill() {
                 killed += 1;
             }
         }
@@ -130,15 +181,14 @@ fn scan(markers: &[String]) -> u64 {
     killed
 }
 
-fn carries_marker(pid: i32, markers: &[String]) -> bool {
-    let Ok(environ) = std::fs::read(format!("/proc/{pid}/environ")) else {
-        return false;
-    };
+/// The marker value in a process's environment, if it has one.
+fn marker_of(pid: i32) -> Option<Vec<u8>> {
+    let environ = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
     let prefix = format!("{MARKER_ENV}=");
-    environ.split(|b| *b == 0).any(|var| {
-        var.strip_prefix(prefix.as_bytes())
-            .is_some_and(|value| markers.iter().any(|m| m.as_bytes() == value))
-    })
+    environ
+        .split(|b| *b == 0)
+        .find_map(|var| var.strip_prefix(prefix.as_bytes()))
+        .map(<[u8]>::to_vec)
 }
 
 struct Pidfd(i32);
@@ -171,5 +221,40 @@ impl Drop for Pidfd {
         unsafe {
             libc::close(self.0);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn markers_name_this_process_and_its_start() {
+        let m = marker();
+        let (pid, start) = engine_of(m.as_bytes()).unwrap();
+        assert_eq!(pid as u32, std::process::id());
+        assert_eq!(start_time(pid), Some(start));
+        assert_ne!(marker(), m);
+    }
+
+    #[test]
+    fn foreign_or_malformed_markers_name_no_engine() {
+        assert_eq!(engine_of(b"12-34-5"), Some((12, 34)));
+        for bad in [&b"12-34"[..], b"x-1-2", b"1-2-x", b"", b"\xff-1-2"] {
+            assert_eq!(engine_of(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn start_time_survives_odd_command_names() {
+        let fields = "S 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 424242 20 21";
+        assert_eq!(parse_start_time(&format!("7 (sh) {fields}")), Some(424242));
+        assert_eq!(
+            parse_start_time(&format!("7 (a) b (c d) {fields}")),
+            Some(424242)
+        );
+        assert_eq!(parse_start_time("7 (sh) S 1 2"), None);
+        assert_eq!(parse_start_time("garbage"), None);
+        assert_eq!(start_time(i32::MAX), None, "no such process");
     }
 }

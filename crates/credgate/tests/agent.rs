@@ -230,3 +230,169 @@ fn per_service_uid_allowlists_refuse_other_callers() {
         "{log}"
     );
 }
+
+/// Processes whose environment carries a plugin-run marker of the engine with pid `agent`.
+fn marked_by(agent: u32) -> Vec<i32> {
+    let want = format!("{}={agent}-", credgate_engine::sweep::MARKER_ENV);
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        let Ok(environ) = std::fs::read(format!("/proc/{pid}/environ")) else {
+            continue;
+        };
+        if environ
+            .split(|b| *b == 0)
+            .any(|var| var.starts_with(want.as_bytes()))
+        {
+            found.push(pid);
+        }
+    }
+    found
+}
+
+/// Kills what a failed run of the test below would otherwise leave sleeping for ten minutes.
+struct KillMarked(u32);
+
+impl Drop for KillMarked {
+    fn drop(&mut self) {
+        for pid in marked_by(self.0) {
+            // SAFETY: kill(2) with a pid and a signal.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    }
+}
+
+/// Fault injection: the agent is SIGKILLed while a renewal's plugin runs (a slow plugin that has
+/// also left a daemon outside its process group). Both outlive the agent, and the consumer's
+/// Watch stream ends instead of hanging; the next agent kills them at start-up, comes up without
+/// waiting on any plugin, and serves the consumer again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_killed_during_renewal_leaves_no_plugin_behind() {
+    use credgate_api::v1::credentials_client::CredentialsClient;
+    use credgate_api::v1::{TrackRequest, WatchRequest};
+    use std::time::{Duration, Instant};
+
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let bin = d.join("plugins");
+    std::fs::create_dir_all(&bin).unwrap();
+    support::write_script(
+        &bin.join("slow-token"),
+        r#"cat >/dev/null
+if [ -e "$0.slow" ]; then
+  setsid sleep 600 </dev/null >/dev/null 2>&1 &
+  sleep 600
+fi
+printf '{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.kubelet.k8s.io/v1","cacheKeyType":"Image","cacheDuration":"3s","auth":{"reg.example.com":{"username":"u","password":"pw-%s"}}}' "$(date +%s%N)""#,
+    );
+    let config = d.join("providers.yaml");
+    std::fs::write(
+        &config,
+        "apiVersion: kubelet.config.k8s.io/v1\nkind: CredentialProviderConfig\nproviders:\n- name: slow-token\n  matchImages: [\"reg.example.com\"]\n  defaultCacheDuration: 1m\n  apiVersion: credentialprovider.kubelet.k8s.io/v1\n",
+    )
+    .unwrap();
+    let args = [
+        "--image-credential-provider-config",
+        config.to_str().unwrap(),
+        "--image-credential-provider-bin-dir",
+        bin.to_str().unwrap(),
+        "--renew-before",
+        "2s",
+    ];
+    let image = "reg.example.com/team/app:v1";
+    let consume = |socket: std::path::PathBuf| async move {
+        let channel = credgate_api::connect(&socket).await.unwrap();
+        let mut creds = CredentialsClient::new(channel);
+        creds
+            .track(TrackRequest {
+                consumer: "mirror".into(),
+                refs: vec![image.into()],
+            })
+            .await
+            .unwrap();
+        let mut stream = creds
+            .watch(WatchRequest {
+                refs: vec![image.into()],
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let first = tokio::time::timeout(Duration::from_secs(10), stream.message())
+            .await
+            .expect("the current credential arrives")
+            .unwrap()
+            .expect("an event");
+        assert!(first.credentials[0].password.starts_with("pw-"));
+        stream
+    };
+
+    let mut first = Agent::start(d, &args);
+    let first_pid = first.child.id();
+    let _cleanup = KillMarked(first_pid);
+    let mut stream = consume(first.socket.clone()).await;
+
+    // The next renewal hangs in the plugin: the plugin, its sleep and the setsid daemon.
+    std::fs::write(bin.join("slow-token.slow"), "").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while marked_by(first_pid).len() < 3 {
+        assert!(
+            Instant::now() < deadline,
+            "renewal did not start the slow plugin"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    first.child.kill().unwrap();
+    first.child.wait().unwrap();
+    let ended = tokio::time::timeout(Duration::from_secs(10), stream.message())
+        .await
+        .expect("the Watch stream of a dead agent ends");
+    assert!(!matches!(ended, Ok(Some(_))), "{ended:?}");
+    let left = marked_by(first_pid);
+    assert!(left.len() >= 3, "plugins outlive a killed agent: {left:?}");
+
+    // A bystander marked by an engine that is alive (this test process) must be left alone.
+    let _cleanup_bystander = KillMarked(std::process::id());
+    let mut bystander = std::process::Command::new("sleep")
+        .arg("600")
+        .env(
+            credgate_engine::sweep::MARKER_ENV,
+            credgate_engine::sweep::marker(),
+        )
+        .spawn()
+        .unwrap();
+
+    // The next agent kills the orphans; it does not wait for any plugin to come up.
+    std::fs::remove_file(bin.join("slow-token.slow")).unwrap();
+    let second = Agent::start(d, &args);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let left = marked_by(first_pid);
+        if left.is_empty() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "orphans survive: {left:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        second
+            .log_text()
+            .contains("killed plugin processes left running by an agent that is gone"),
+        "{}",
+        second.log_text()
+    );
+    assert!(
+        bystander.try_wait().unwrap().is_none(),
+        "a live engine's run"
+    );
+    bystander.kill().unwrap();
+    bystander.wait().unwrap();
+    // The consumer registers again (its tracked set lives in memory) and is served.
+    drop(consume(second.socket.clone()).await);
+    assert!(second.stop().success());
+}

@@ -97,6 +97,16 @@ pub async fn run(args: ServeArgs) -> Result<Outcome> {
         },
     )
     .await?;
+    // Plugins of an agent that was killed (SIGKILL, OOM) outlive it; this one ends them.
+    tokio::task::spawn_blocking(|| {
+        let n = credgate_engine::sweep::orphans();
+        if n > 0 {
+            tracing::warn!(
+                processes = n,
+                "killed plugin processes left running by an agent that is gone"
+            );
+        }
+    });
 
     let (stop_tx, stop_rx) = watch::channel(false);
     let renewal_task = agent.spawn_renewal(stop_rx.clone());
