@@ -370,10 +370,15 @@ printf '{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.ku
     // The next agent kills the orphans; it does not wait for any plugin to come up.
     std::fs::remove_file(bin.join("slow-token.slow")).unwrap();
     let second = Agent::start(d, &args);
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let up = Instant::now();
+    let deadline = up + Duration::from_secs(10);
     loop {
         let left = marked_by(first_pid);
         if left.is_empty() {
+            eprintln!(
+                "orphans gone {:?} after the agent accepted calls",
+                up.elapsed()
+            );
             break;
         }
         assert!(Instant::now() < deadline, "orphans survive: {left:?}");
