@@ -1,38 +1,129 @@
-//! One unary call on a fresh connection, with nothing but hyper's HTTP/2 client: what a
-//! short-lived process (the docker credential helper) needs, without a channel's background
-//! machinery. Long-lived clients use [`crate::connect`] and the generated clients instead.
+//! One unary gRPC call on a fresh connection, blocking, with no async runtime: what a
+//! short-lived process (the docker credential helper) needs. Long-lived clients use
+//! [`crate::connect`] and the generated clients instead.
+//!
+//! The whole request (connection preface, SETTINGS, a connection window update, HEADERS and
+//! DATA) leaves in one write, so the agent reads the call in one go without waiting for any
+//! answer of ours; then frames are read until the stream ends. Header blocks are decoded with
+//! `loona-hpack`. The answer is bounded ([`MAX_RESPONSE`]), every read and write by the
+//! timeout.
 
+use std::io::{self, Read, Write};
+use std::os::unix::net::UnixStream;
 use std::path::Path;
+use std::time::Duration;
 
-use http_body_util::{BodyExt, Full};
-use hyper::body::Bytes;
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use tokio::net::UnixStream;
+/// The largest answer accepted, in bytes of gRPC message. Our flow-control windows are opened
+/// this far up front, so the agent never waits for a window update from us.
+pub const MAX_RESPONSE: usize = 1 << 20;
 
-/// Why a unary call failed.
+/// The largest request sent: the agent's initial stream window, which we cannot wait for.
+const MAX_REQUEST: usize = 65_535;
+/// The default SETTINGS_MAX_FRAME_SIZE, which we keep: no frame of ours or the agent's is larger.
+const MAX_FRAME: usize = 16_384;
+/// A bound on one header block (HEADERS plus CONTINUATION frames).
+const MAX_HEADER_BLOCK: usize = 64 << 10;
+
+const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+const STREAM: u32 = 1;
+
+mod frame {
+    pub const DATA: u8 = 0;
+    pub const HEADERS: u8 = 1;
+    pub const RST_STREAM: u8 = 3;
+    pub const SETTINGS: u8 = 4;
+    pub const PING: u8 = 6;
+    pub const GOAWAY: u8 = 7;
+    pub const WINDOW_UPDATE: u8 = 8;
+    pub const CONTINUATION: u8 = 9;
+
+    pub const END_STREAM: u8 = 0x1;
+    pub const ACK: u8 = 0x1;
+    pub const END_HEADERS: u8 = 0x4;
+    pub const PADDED: u8 = 0x8;
+    pub const PRIORITY: u8 = 0x20;
+
+    pub const SETTINGS_ENABLE_PUSH: u16 = 0x2;
+    pub const SETTINGS_INITIAL_WINDOW_SIZE: u16 = 0x4;
+}
+
+/// Why a unary call failed. Never carries the answer's bytes.
 #[derive(Debug, thiserror::Error)]
 pub enum CallError {
     /// The socket could not be reached.
     #[error("cannot connect: {0}")]
-    Connect(#[source] std::io::Error),
-    /// HTTP/2 failed.
-    #[error("http/2: {0}")]
-    Http(#[source] hyper::Error),
+    Connect(#[source] io::Error),
+    /// Reading or writing failed, or timed out.
+    #[error("i/o: {0}")]
+    Io(#[source] io::Error),
     /// The server answered with a gRPC status other than OK.
     #[error("status {code}: {message}")]
     Status { code: i32, message: String },
-    /// The answer was not a well-formed gRPC message.
+    /// The answer was not well-formed HTTP/2 or gRPC.
     #[error("malformed answer: {0}")]
     Protocol(&'static str),
 }
 
-fn frame(msg: &impl prost::Message) -> Bytes {
+fn put_frame(out: &mut Vec<u8>, kind: u8, flags: u8, stream: u32, payload: &[u8]) {
+    let len = u32::try_from(payload.len()).expect("frames are small");
+    out.extend_from_slice(&len.to_be_bytes()[1..]);
+    out.push(kind);
+    out.push(flags);
+    out.extend_from_slice(&stream.to_be_bytes());
+    out.extend_from_slice(payload);
+}
+
+/// The gRPC length-prefixed message.
+fn grpc_message(msg: &impl prost::Message) -> Vec<u8> {
     let len = msg.encoded_len();
     let mut buf = Vec::with_capacity(5 + len);
     buf.push(0);
     buf.extend_from_slice(&u32::try_from(len).unwrap_or(u32::MAX).to_be_bytes());
     msg.encode(&mut buf).expect("a Vec grows as needed");
-    Bytes::from(buf)
+    buf
+}
+
+/// Everything the client sends, in one buffer.
+fn request_bytes(method: &str, message: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(PREFACE.len() + 128 + message.len());
+    out.extend_from_slice(PREFACE);
+    let window = u32::try_from(MAX_RESPONSE).expect("fits");
+    let mut settings = Vec::with_capacity(12);
+    for (id, value) in [
+        (frame::SETTINGS_ENABLE_PUSH, 0),
+        (frame::SETTINGS_INITIAL_WINDOW_SIZE, window),
+    ] {
+        settings.extend_from_slice(&id.to_be_bytes());
+        settings.extend_from_slice(&value.to_be_bytes());
+    }
+    put_frame(&mut out, frame::SETTINGS, 0, 0, &settings);
+    // The connection window starts at 65,535 whatever the settings say: open it as far.
+    put_frame(&mut out, frame::WINDOW_UPDATE, 0, 0, &window.to_be_bytes());
+    let headers = loona_hpack::Encoder::new().encode([
+        (&b":method"[..], &b"POST"[..]),
+        (b":scheme", b"http"),
+        (b":path", method.as_bytes()),
+        (b":authority", b"credgate.sock"),
+        (b"content-type", b"application/grpc"),
+        (b"te", b"trailers"),
+    ]);
+    put_frame(
+        &mut out,
+        frame::HEADERS,
+        frame::END_HEADERS,
+        STREAM,
+        &headers,
+    );
+    let mut chunks = message.chunks(MAX_FRAME).peekable();
+    if chunks.peek().is_none() {
+        put_frame(&mut out, frame::DATA, frame::END_STREAM, STREAM, &[]);
+    }
+    while let Some(chunk) = chunks.next() {
+        let last = chunks.peek().is_none();
+        let flags = if last { frame::END_STREAM } else { 0 };
+        put_frame(&mut out, frame::DATA, flags, STREAM, chunk);
+    }
+    out
 }
 
 /// Percent-decoding of `grpc-message`.
@@ -54,58 +145,241 @@ fn decode_message(raw: &[u8]) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-fn status(headers: &hyper::HeaderMap) -> Option<Result<(), CallError>> {
-    let code: i32 = headers.get("grpc-status")?.to_str().ok()?.parse().ok()?;
-    if code == 0 {
-        return Some(Ok(()));
-    }
-    let message = headers
-        .get("grpc-message")
-        .map(|m| decode_message(m.as_bytes()))
-        .unwrap_or_default();
-    Some(Err(CallError::Status { code, message }))
+/// What the stream carried, as far as a unary call cares.
+#[derive(Default)]
+struct Answer {
+    http_status: Option<Vec<u8>>,
+    grpc_status: Option<i32>,
+    grpc_message: Option<String>,
+    body: Vec<u8>,
+    ended: bool,
 }
 
-/// Calls `method` (`/credgate.v1.Credentials/Lookup`) once on the socket at `path`.
-pub async fn call<Req, Resp>(path: &Path, method: &str, request: &Req) -> Result<Resp, CallError>
+impl Answer {
+    fn header(&mut self, name: &[u8], value: &[u8]) {
+        match name {
+            b":status" => self.http_status = Some(value.to_vec()),
+            b"grpc-status" => {
+                self.grpc_status = std::str::from_utf8(value).ok().and_then(|v| v.parse().ok());
+            }
+            b"grpc-message" => self.grpc_message = Some(decode_message(value)),
+            _ => {}
+        }
+    }
+
+    fn finish<Resp: prost::Message + Default>(self) -> Result<Resp, CallError> {
+        if self.http_status.as_deref() != Some(b"200") {
+            return Err(CallError::Protocol("http status"));
+        }
+        match self.grpc_status {
+            Some(0) => {}
+            Some(code) => {
+                return Err(CallError::Status {
+                    code,
+                    message: self.grpc_message.unwrap_or_default(),
+                })
+            }
+            None => return Err(CallError::Protocol("no grpc-status")),
+        }
+        let body = self.body;
+        if body.len() < 5 || body[0] != 0 {
+            return Err(CallError::Protocol("message frame"));
+        }
+        let len = u32::from_be_bytes([body[1], body[2], body[3], body[4]]) as usize;
+        let msg = body
+            .get(5..5 + len)
+            .ok_or(CallError::Protocol("message length"))?;
+        Resp::decode(msg).map_err(|_| CallError::Protocol("message"))
+    }
+}
+
+/// Reads frames from `io` until stream 1 ends; answers the agent's SETTINGS and PINGs.
+struct Reader<'a, S> {
+    io: &'a mut S,
+    buf: Vec<u8>,
+    start: usize,
+    hpack: loona_hpack::Decoder<'static>,
+    block: Vec<u8>,
+    in_block: bool,
+    block_ends_stream: bool,
+}
+
+impl<S: Read + Write> Reader<'_, S> {
+    fn frame(&mut self) -> Result<(u8, u8, u32, Vec<u8>), CallError> {
+        loop {
+            let avail = &self.buf[self.start..];
+            if avail.len() >= 9 {
+                let len = u32::from_be_bytes([0, avail[0], avail[1], avail[2]]) as usize;
+                if len > MAX_FRAME {
+                    return Err(CallError::Protocol("oversized frame"));
+                }
+                if avail.len() >= 9 + len {
+                    let (kind, flags) = (avail[3], avail[4]);
+                    let stream =
+                        u32::from_be_bytes([avail[5], avail[6], avail[7], avail[8]]) & 0x7fff_ffff;
+                    let payload = avail[9..9 + len].to_vec();
+                    self.start += 9 + len;
+                    return Ok((kind, flags, stream, payload));
+                }
+            }
+            if self.start > 0 {
+                self.buf.drain(..self.start);
+                self.start = 0;
+            }
+            let have = self.buf.len();
+            self.buf.resize(have + (16 << 10), 0);
+            let n = loop {
+                match self.io.read(&mut self.buf[have..]) {
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    r => break r,
+                }
+            };
+            self.buf.truncate(have + *n.as_ref().unwrap_or(&0));
+            match n {
+                Ok(0) => return Err(CallError::Protocol("the agent closed the connection")),
+                Ok(_) => {}
+                Err(e) => return Err(CallError::Io(e)),
+            }
+        }
+    }
+
+    fn run(&mut self) -> Result<Answer, CallError> {
+        let mut answer = Answer::default();
+        while !answer.ended {
+            let (kind, flags, stream, payload) = self.frame()?;
+            if self.in_block && kind != frame::CONTINUATION {
+                return Err(CallError::Protocol("header block interrupted"));
+            }
+            match kind {
+                frame::SETTINGS if stream == 0 && flags & frame::ACK == 0 => {
+                    let mut ack = Vec::with_capacity(9);
+                    put_frame(&mut ack, frame::SETTINGS, frame::ACK, 0, &[]);
+                    self.io.write_all(&ack).map_err(CallError::Io)?;
+                }
+                frame::PING if flags & frame::ACK == 0 => {
+                    let mut pong = Vec::with_capacity(17);
+                    put_frame(&mut pong, frame::PING, frame::ACK, 0, &payload);
+                    self.io.write_all(&pong).map_err(CallError::Io)?;
+                }
+                frame::GOAWAY => {
+                    return Err(CallError::Protocol("the agent closed the connection"))
+                }
+                frame::RST_STREAM if stream == STREAM => {
+                    return Err(CallError::Protocol("the agent reset the call"))
+                }
+                frame::HEADERS if stream == STREAM => {
+                    let fragment = unpad(&payload, flags, true)?;
+                    self.block.clear();
+                    self.block_ends_stream = flags & frame::END_STREAM != 0;
+                    self.fragment(fragment, flags, &mut answer)?;
+                }
+                frame::CONTINUATION if stream == STREAM && self.in_block => {
+                    self.fragment(&payload, flags, &mut answer)?;
+                }
+                frame::DATA if stream == STREAM => {
+                    let data = unpad(&payload, flags, false)?;
+                    if answer.body.len() + data.len() > MAX_RESPONSE + 5 {
+                        return Err(CallError::Protocol("answer too large"));
+                    }
+                    answer.body.extend_from_slice(data);
+                    answer.ended = flags & frame::END_STREAM != 0;
+                }
+                frame::CONTINUATION => return Err(CallError::Protocol("stray continuation")),
+                // Window updates, priorities, settings acks, frames of other streams and
+                // unknown types change nothing for one small call.
+                _ => {}
+            }
+        }
+        Ok(answer)
+    }
+
+    fn fragment(
+        &mut self,
+        fragment: &[u8],
+        flags: u8,
+        answer: &mut Answer,
+    ) -> Result<(), CallError> {
+        if self.block.len() + fragment.len() > MAX_HEADER_BLOCK {
+            return Err(CallError::Protocol("header block too large"));
+        }
+        self.block.extend_from_slice(fragment);
+        self.in_block = flags & frame::END_HEADERS == 0;
+        if self.in_block {
+            return Ok(());
+        }
+        self.hpack
+            .decode_with_cb(&self.block, |name, value| answer.header(&name, &value))
+            .map_err(|_| CallError::Protocol("header block"))?;
+        answer.ended = self.block_ends_stream;
+        Ok(())
+    }
+}
+
+/// The payload without padding (and, for HEADERS, without the priority fields).
+fn unpad(payload: &[u8], flags: u8, headers: bool) -> Result<&[u8], CallError> {
+    let bad = CallError::Protocol("frame padding");
+    let (mut body, pad) = if flags & frame::PADDED != 0 {
+        let (&pad, rest) = payload.split_first().ok_or(bad)?;
+        (rest, pad as usize)
+    } else {
+        (payload, 0)
+    };
+    if headers && flags & frame::PRIORITY != 0 {
+        body = body
+            .get(5..)
+            .ok_or(CallError::Protocol("priority fields"))?;
+    }
+    body.get(
+        ..body
+            .len()
+            .checked_sub(pad)
+            .ok_or(CallError::Protocol("frame padding"))?,
+    )
+    .ok_or(CallError::Protocol("frame padding"))
+}
+
+/// Calls `method` (`/credgate.v1.Credentials/Lookup`) once on the socket at `path`; every
+/// read and write waits at most `timeout`.
+pub fn call<Req, Resp>(
+    path: &Path,
+    method: &str,
+    request: &Req,
+    timeout: Duration,
+) -> Result<Resp, CallError>
 where
     Req: prost::Message,
     Resp: prost::Message + Default,
 {
-    let io = UnixStream::connect(path)
-        .await
-        .map_err(CallError::Connect)?;
-    let (mut send, conn) =
-        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(io))
-            .await
-            .map_err(CallError::Http)?;
-    tokio::spawn(conn);
-    let req = hyper::Request::post(format!("http://credgate.sock{method}"))
-        .header("content-type", "application/grpc")
-        .header("te", "trailers")
-        .body(Full::new(frame(request)))
-        .map_err(|_| CallError::Protocol("request"))?;
-    let resp = send.send_request(req).await.map_err(CallError::Http)?;
-    if resp.status() != hyper::StatusCode::OK {
-        return Err(CallError::Protocol("http status"));
+    let message = grpc_message(request);
+    if message.len() > MAX_REQUEST {
+        return Err(CallError::Protocol("request too large"));
     }
-    // A trailers-only answer carries the status in the headers.
-    if let Some(Err(e)) = status(resp.headers()) {
-        return Err(e);
+    let mut io = UnixStream::connect(path).map_err(CallError::Connect)?;
+    io.set_read_timeout(Some(timeout)).map_err(CallError::Io)?;
+    io.set_write_timeout(Some(timeout)).map_err(CallError::Io)?;
+    exchange(&mut io, method, &message)?.finish()
+}
+
+fn exchange<S: Read + Write>(
+    io: &mut S,
+    method: &str,
+    message: &[u8],
+) -> Result<Answer, CallError> {
+    io.write_all(&request_bytes(method, message))
+        .map_err(CallError::Io)?;
+    let mut hpack = loona_hpack::Decoder::new();
+    // Our SETTINGS keep the default header table size; the agent may not use more.
+    hpack.set_max_allowed_table_size(4096);
+    Reader {
+        io,
+        buf: Vec::with_capacity(16 << 10),
+        start: 0,
+        hpack,
+        block: Vec::new(),
+        in_block: false,
+        block_ends_stream: false,
     }
-    let collected = resp.into_body().collect().await.map_err(CallError::Http)?;
-    if let Some(Err(e)) = collected.trailers().and_then(status) {
-        return Err(e);
-    }
-    let body = collected.to_bytes();
-    if body.len() < 5 || body[0] != 0 {
-        return Err(CallError::Protocol("message frame"));
-    }
-    let len = u32::from_be_bytes([body[1], body[2], body[3], body[4]]) as usize;
-    let msg = body
-        .get(5..5 + len)
-        .ok_or(CallError::Protocol("message length"))?;
-    Resp::decode(msg).map_err(|_| CallError::Protocol("message"))
+    .run()
 }
 
 #[cfg(test)]
@@ -120,12 +394,266 @@ mod tests {
     }
 
     #[test]
-    fn frames_carry_a_length_prefix() {
-        let f = frame(&crate::v1::PingRequest {});
+    fn messages_carry_a_length_prefix() {
+        let f = grpc_message(&crate::v1::PingRequest {});
         assert_eq!(&f[..], &[0, 0, 0, 0, 0]);
-        let f = frame(&crate::v1::HealthResponse {
+        let f = grpc_message(&crate::v1::HealthResponse {
             status: "SERVING".into(),
         });
         assert_eq!(f[4] as usize, f.len() - 5);
+    }
+
+    /// A scripted peer: what it answers is fixed, what it was sent is kept.
+    struct Peer {
+        answer: io::Cursor<Vec<u8>>,
+        sent: Vec<u8>,
+    }
+
+    impl Read for Peer {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            // One byte at a time: frames split across reads must be put back together.
+            let n = buf.len().min(1);
+            self.answer.read(&mut buf[..n])
+        }
+    }
+
+    impl Write for Peer {
+        fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+            self.sent.extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    fn headers(fields: &[(&[u8], &[u8])], enc: &mut loona_hpack::Encoder) -> Vec<u8> {
+        enc.encode(fields.iter().copied())
+    }
+
+    fn call_against(answer: Vec<u8>) -> (Result<crate::v1::HealthResponse, CallError>, Vec<u8>) {
+        let mut peer = Peer {
+            answer: io::Cursor::new(answer),
+            sent: Vec::new(),
+        };
+        let r = exchange(
+            &mut peer,
+            "/credgate.v1.Admin/Health",
+            &grpc_message(&crate::v1::HealthRequest {}),
+        )
+        .and_then(Answer::finish);
+        (r, peer.sent)
+    }
+
+    #[test]
+    fn a_whole_exchange_with_settings_ping_continuation_and_padding() {
+        let mut enc = loona_hpack::Encoder::new();
+        let mut a = Vec::new();
+        put_frame(&mut a, frame::SETTINGS, 0, 0, &[0, 3, 0, 0, 0, 100]);
+        put_frame(&mut a, frame::PING, 0, 0, b"12345678");
+        let block = headers(
+            &[(b":status", b"200"), (b"content-type", b"application/grpc")],
+            &mut enc,
+        );
+        let (first, rest) = block.split_at(3);
+        put_frame(&mut a, frame::HEADERS, 0, STREAM, first);
+        put_frame(
+            &mut a,
+            frame::CONTINUATION,
+            frame::END_HEADERS,
+            STREAM,
+            rest,
+        );
+        let msg = grpc_message(&crate::v1::HealthResponse {
+            status: "SERVING".into(),
+        });
+        let mut padded = vec![3];
+        padded.extend_from_slice(&msg);
+        padded.extend_from_slice(&[0, 0, 0]);
+        put_frame(&mut a, frame::DATA, frame::PADDED, STREAM, &padded);
+        put_frame(&mut a, frame::WINDOW_UPDATE, 0, 0, &[0, 0, 1, 0]);
+        let trailers = headers(&[(b"grpc-status", b"0")], &mut enc);
+        put_frame(
+            &mut a,
+            frame::HEADERS,
+            frame::END_HEADERS | frame::END_STREAM,
+            STREAM,
+            &trailers,
+        );
+        let (r, sent) = call_against(a);
+        assert_eq!(r.unwrap().status, "SERVING");
+        assert!(sent.starts_with(PREFACE));
+        // After the request: a SETTINGS ack and the PING's answer with its payload.
+        let mut tail = Vec::new();
+        put_frame(&mut tail, frame::SETTINGS, frame::ACK, 0, &[]);
+        put_frame(&mut tail, frame::PING, frame::ACK, 0, b"12345678");
+        assert!(sent.ends_with(&tail));
+    }
+
+    #[test]
+    fn trailers_only_answers_carry_the_status() {
+        let mut enc = loona_hpack::Encoder::new();
+        let mut a = Vec::new();
+        let block = headers(
+            &[
+                (b":status", b"200"),
+                (b"grpc-status", b"7"),
+                (b"grpc-message", b"uid%2042 may not"),
+            ],
+            &mut enc,
+        );
+        put_frame(
+            &mut a,
+            frame::HEADERS,
+            frame::END_HEADERS | frame::END_STREAM,
+            STREAM,
+            &block,
+        );
+        match call_against(a).0 {
+            Err(CallError::Status { code, message }) => {
+                assert_eq!((code, message.as_str()), (7, "uid 42 may not"));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn broken_answers_are_clear_errors() {
+        let mut enc = loona_hpack::Encoder::new();
+        let ok_headers = headers(&[(b":status", b"200")], &mut enc);
+        let cases: Vec<(Vec<u8>, &str)> = vec![
+            (Vec::new(), "the agent closed the connection"),
+            (
+                {
+                    let mut a = Vec::new();
+                    put_frame(&mut a, frame::GOAWAY, 0, 0, &[0; 8]);
+                    a
+                },
+                "the agent closed the connection",
+            ),
+            (
+                {
+                    let mut a = Vec::new();
+                    put_frame(&mut a, frame::RST_STREAM, 0, STREAM, &[0, 0, 0, 2]);
+                    a
+                },
+                "the agent reset the call",
+            ),
+            (
+                {
+                    let mut a = vec![0x01, 0, 0, frame::DATA, 0, 0, 0, 0, 1];
+                    a.resize(9 + 65536, 0);
+                    a
+                },
+                "oversized frame",
+            ),
+            (
+                {
+                    let mut a = Vec::new();
+                    put_frame(&mut a, frame::HEADERS, 0, STREAM, &ok_headers);
+                    put_frame(&mut a, frame::DATA, 0, STREAM, b"x");
+                    a
+                },
+                "header block interrupted",
+            ),
+            (
+                {
+                    let mut a = Vec::new();
+                    put_frame(
+                        &mut a,
+                        frame::HEADERS,
+                        frame::END_HEADERS,
+                        STREAM,
+                        &[0xff, 0xff, 0xff, 0xff],
+                    );
+                    a
+                },
+                "header block",
+            ),
+            (
+                {
+                    let mut a = Vec::new();
+                    put_frame(&mut a, frame::DATA, frame::PADDED, STREAM, &[9, 1, 2]);
+                    a
+                },
+                "frame padding",
+            ),
+            (
+                {
+                    let mut e = loona_hpack::Encoder::new();
+                    let mut a = Vec::new();
+                    let b = headers(&[(b":status", b"200")], &mut e);
+                    put_frame(&mut a, frame::HEADERS, frame::END_HEADERS, STREAM, &b);
+                    put_frame(
+                        &mut a,
+                        frame::DATA,
+                        frame::END_STREAM,
+                        STREAM,
+                        &[0, 0, 0, 0, 0],
+                    );
+                    a
+                },
+                "no grpc-status",
+            ),
+            (
+                {
+                    let mut e = loona_hpack::Encoder::new();
+                    let mut a = Vec::new();
+                    let b = headers(&[(b":status", b"503"), (b"grpc-status", b"0")], &mut e);
+                    put_frame(
+                        &mut a,
+                        frame::HEADERS,
+                        frame::END_HEADERS | frame::END_STREAM,
+                        STREAM,
+                        &b,
+                    );
+                    a
+                },
+                "http status",
+            ),
+            (
+                {
+                    let mut e = loona_hpack::Encoder::new();
+                    let mut a = Vec::new();
+                    let b = headers(&[(b":status", b"200"), (b"grpc-status", b"0")], &mut e);
+                    put_frame(
+                        &mut a,
+                        frame::HEADERS,
+                        frame::END_HEADERS | frame::END_STREAM,
+                        STREAM,
+                        &b,
+                    );
+                    a
+                },
+                "message frame",
+            ),
+        ];
+        for (answer, want) in cases {
+            match call_against(answer).0 {
+                Err(CallError::Protocol(why)) => assert_eq!(why, want),
+                other => panic!("{want}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn large_requests_are_split_into_frames() {
+        let message = vec![7u8; 40_000];
+        let bytes = request_bytes("/m", &message);
+        let mut rest = &bytes[PREFACE.len()..];
+        let mut data = Vec::new();
+        let mut ended = false;
+        while !rest.is_empty() {
+            let len = u32::from_be_bytes([0, rest[0], rest[1], rest[2]]) as usize;
+            assert!(len <= MAX_FRAME);
+            if rest[3] == frame::DATA {
+                assert!(!ended);
+                data.extend_from_slice(&rest[9..9 + len]);
+                ended = rest[4] & frame::END_STREAM != 0;
+            }
+            rest = &rest[9 + len..];
+        }
+        assert!(ended);
+        assert_eq!(data, message);
     }
 }

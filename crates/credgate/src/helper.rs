@@ -17,6 +17,9 @@ use zeroize::{Zeroize, Zeroizing};
 
 const NOT_FOUND: &str = "credentials not found in native keychain";
 const LOOKUP: &str = "/credgate.v1.Credentials/Lookup";
+/// How long the agent may take to answer: longer than a plugin's default timeout (1 minute),
+/// since a miss runs one.
+const TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
 
 fn main() -> ExitCode {
     let mut args = std::env::args().skip(1);
@@ -61,20 +64,15 @@ fn get() -> Result<Zeroizing<String>, String> {
     let parsed = helper::parse_get(&input).map_err(|e| format!("credgate: {e}"))?;
     let (server_url, host) = (parsed.url.to_owned(), parsed.host.to_owned());
     let socket = credgate_api::socket_path(None);
-    // One call on a fresh connection: a current-thread runtime with IO only, and a bare
-    // HTTP/2 exchange instead of a channel (this process lives for one answer).
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_io()
-        .build()
-        .map_err(|e| format!("credgate: {e}"))?;
+    // One call on a fresh connection, blocking, with no async runtime: this process lives for
+    // one answer.
     let request = LookupRequest {
         image: host.clone(),
         registry_host: true,
         ..Default::default()
     };
-    let mut answer: LookupResponse = runtime
-        .block_on(unary::call(&socket, LOOKUP, &request))
-        .map_err(|e| match e {
+    let mut answer: LookupResponse =
+        unary::call(&socket, LOOKUP, &request, TIMEOUT).map_err(|e| match e {
             CallError::Connect(e) => format!(
                 "credgate: cannot reach the agent at {}: {e}",
                 socket.display()

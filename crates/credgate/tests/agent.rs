@@ -229,6 +229,43 @@ fn per_service_uid_allowlists_refuse_other_callers() {
             .any(|l| l.contains("call refused") && l.contains("uid=4242")),
         "{log}"
     );
+
+    // The docker credential helper meets the refusal as a gRPC status and says so.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let agent = Agent::start(dir.path(), &["--allow-uids", "credentials=4243"]);
+    std::fs::set_permissions(&agent.socket, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let helper_as = |uid: u32| {
+        use std::io::Write;
+        let mut child = Command::new("setpriv")
+            .args(["--reuid", &uid.to_string(), "--regid", &uid.to_string()])
+            .args(["--clear-groups", "--"])
+            .arg(env!("CARGO_BIN_EXE_docker-credential-credgate"))
+            .arg("get")
+            .env("CREDGATE_SOCKET", &agent.socket)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(b"registry.example.com")
+            .unwrap();
+        child.wait_with_output().unwrap()
+    };
+    let out = helper_as(4242);
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(
+        text(&out.stdout).trim(),
+        "credgate: lookup failed: uid 4242 may not call the credentials service"
+    );
+    let out = helper_as(4243);
+    assert_eq!(
+        text(&out.stdout).trim(),
+        "credentials not found in native keychain"
+    );
 }
 
 /// Processes whose environment carries a plugin-run marker of the engine with pid `agent`.
