@@ -492,23 +492,16 @@ mod tests {
 
     #[test]
     fn trailers_only_answers_carry_the_status() {
-        let mut enc = loona_hpack::Encoder::new();
-        let mut a = Vec::new();
-        let block = headers(
-            &[
-                (b":status", b"200"),
-                (b"grpc-status", b"7"),
-                (b"grpc-message", b"uid%2042 may not"),
-            ],
-            &mut enc,
-        );
-        put_frame(
-            &mut a,
+        let a = frames(&[(
             frame::HEADERS,
             frame::END_HEADERS | frame::END_STREAM,
             STREAM,
-            &block,
-        );
+            &block(&[
+                (b":status", b"200"),
+                (b"grpc-status", b"7"),
+                (b"grpc-message", b"uid%2042 may not"),
+            ]),
+        )]);
         match call_against(a).0 {
             Err(CallError::Status { code, message }) => {
                 assert_eq!((code, message.as_str()), (7, "uid 42 may not"));
@@ -517,114 +510,73 @@ mod tests {
         }
     }
 
+    /// Frames after one another.
+    fn frames(list: &[(u8, u8, u32, &[u8])]) -> Vec<u8> {
+        let mut out = Vec::new();
+        for (kind, flags, stream, payload) in list {
+            put_frame(&mut out, *kind, *flags, *stream, payload);
+        }
+        out
+    }
+
+    /// A header block from a fresh encoder.
+    fn block(fields: &[(&[u8], &[u8])]) -> Vec<u8> {
+        loona_hpack::Encoder::new().encode(fields.iter().copied())
+    }
+
     #[test]
     fn broken_answers_are_clear_errors() {
-        let mut enc = loona_hpack::Encoder::new();
-        let ok_headers = headers(&[(b":status", b"200")], &mut enc);
+        use frame::*;
+        let ok = block(&[(b":status", b"200")]);
+        let done = END_HEADERS | END_STREAM;
+        let mut oversized = vec![0x01, 0, 0, DATA, 0, 0, 0, 0, 1];
+        oversized.resize(9 + 65536, 0);
         let cases: Vec<(Vec<u8>, &str)> = vec![
             (Vec::new(), "the agent closed the connection"),
             (
-                {
-                    let mut a = Vec::new();
-                    put_frame(&mut a, frame::GOAWAY, 0, 0, &[0; 8]);
-                    a
-                },
+                frames(&[(GOAWAY, 0, 0, &[0; 8])]),
                 "the agent closed the connection",
             ),
             (
-                {
-                    let mut a = Vec::new();
-                    put_frame(&mut a, frame::RST_STREAM, 0, STREAM, &[0, 0, 0, 2]);
-                    a
-                },
+                frames(&[(RST_STREAM, 0, STREAM, &[0, 0, 0, 2])]),
                 "the agent reset the call",
             ),
+            (oversized, "oversized frame"),
             (
-                {
-                    let mut a = vec![0x01, 0, 0, frame::DATA, 0, 0, 0, 0, 1];
-                    a.resize(9 + 65536, 0);
-                    a
-                },
-                "oversized frame",
-            ),
-            (
-                {
-                    let mut a = Vec::new();
-                    put_frame(&mut a, frame::HEADERS, 0, STREAM, &ok_headers);
-                    put_frame(&mut a, frame::DATA, 0, STREAM, b"x");
-                    a
-                },
+                frames(&[(HEADERS, 0, STREAM, &ok), (DATA, 0, STREAM, b"x")]),
                 "header block interrupted",
             ),
             (
-                {
-                    let mut a = Vec::new();
-                    put_frame(
-                        &mut a,
-                        frame::HEADERS,
-                        frame::END_HEADERS,
-                        STREAM,
-                        &[0xff, 0xff, 0xff, 0xff],
-                    );
-                    a
-                },
+                frames(&[(HEADERS, END_HEADERS, STREAM, &[0xff; 4])]),
                 "header block",
             ),
             (
-                {
-                    let mut a = Vec::new();
-                    put_frame(&mut a, frame::DATA, frame::PADDED, STREAM, &[9, 1, 2]);
-                    a
-                },
+                frames(&[(DATA, PADDED, STREAM, &[9, 1, 2])]),
                 "frame padding",
             ),
             (
-                {
-                    let mut e = loona_hpack::Encoder::new();
-                    let mut a = Vec::new();
-                    let b = headers(&[(b":status", b"200")], &mut e);
-                    put_frame(&mut a, frame::HEADERS, frame::END_HEADERS, STREAM, &b);
-                    put_frame(
-                        &mut a,
-                        frame::DATA,
-                        frame::END_STREAM,
-                        STREAM,
-                        &[0, 0, 0, 0, 0],
-                    );
-                    a
-                },
+                frames(&[
+                    (HEADERS, END_HEADERS, STREAM, &ok),
+                    (DATA, END_STREAM, STREAM, &[0; 5]),
+                ]),
                 "no grpc-status",
             ),
             (
-                {
-                    let mut e = loona_hpack::Encoder::new();
-                    let mut a = Vec::new();
-                    let b = headers(&[(b":status", b"503"), (b"grpc-status", b"0")], &mut e);
-                    put_frame(
-                        &mut a,
-                        frame::HEADERS,
-                        frame::END_HEADERS | frame::END_STREAM,
-                        STREAM,
-                        &b,
-                    );
-                    a
-                },
+                frames(&[(
+                    HEADERS,
+                    done,
+                    STREAM,
+                    &block(&[(b":status", b"503"), (b"grpc-status", b"0")]),
+                )]),
                 "http status",
             ),
             (
-                {
-                    let mut e = loona_hpack::Encoder::new();
-                    let mut a = Vec::new();
-                    let b = headers(&[(b":status", b"200"), (b"grpc-status", b"0")], &mut e);
-                    put_frame(
-                        &mut a,
-                        frame::HEADERS,
-                        frame::END_HEADERS | frame::END_STREAM,
-                        STREAM,
-                        &b,
-                    );
-                    a
-                },
+                frames(&[(
+                    HEADERS,
+                    done,
+                    STREAM,
+                    &block(&[(b":status", b"200"), (b"grpc-status", b"0")]),
+                )]),
                 "message frame",
             ),
         ];

@@ -166,6 +166,15 @@ fn deployment_files_use_real_flags() {
     }
 }
 
+/// `program` run by setpriv as `uid` (group `uid`, no supplementary groups).
+fn as_user(uid: u32, program: &str) -> Command {
+    let mut cmd = Command::new("setpriv");
+    cmd.args(["--reuid", &uid.to_string(), "--regid", &uid.to_string()])
+        .args(["--clear-groups", "--"])
+        .arg(program);
+    cmd
+}
+
 /// `--allow-uids`: callers are told apart by the socket's peer credentials. Needs root to call
 /// as other uids (CI runs as root); elsewhere it says so and returns.
 #[test]
@@ -190,10 +199,7 @@ fn per_service_uid_allowlists_refuse_other_callers() {
     // Let every uid open the socket, so that the allowlist is what decides.
     std::fs::set_permissions(&agent.socket, std::fs::Permissions::from_mode(0o666)).unwrap();
     let as_uid = |uid: u32, args: &[&str]| {
-        Command::new("setpriv")
-            .args(["--reuid", &uid.to_string(), "--regid", &uid.to_string()])
-            .args(["--clear-groups", "--"])
-            .arg(env!("CARGO_BIN_EXE_credgate"))
+        as_user(uid, env!("CARGO_BIN_EXE_credgate"))
             .args(args)
             .env("CREDGATE_SOCKET", &agent.socket)
             .env_remove("CREDGATE_LOG")
@@ -236,24 +242,12 @@ fn per_service_uid_allowlists_refuse_other_callers() {
     let agent = Agent::start(dir.path(), &["--allow-uids", "credentials=4243"]);
     std::fs::set_permissions(&agent.socket, std::fs::Permissions::from_mode(0o666)).unwrap();
     let helper_as = |uid: u32| {
-        use std::io::Write;
-        let mut child = Command::new("setpriv")
-            .args(["--reuid", &uid.to_string(), "--regid", &uid.to_string()])
-            .args(["--clear-groups", "--"])
-            .arg(env!("CARGO_BIN_EXE_docker-credential-credgate"))
-            .arg("get")
-            .env("CREDGATE_SOCKET", &agent.socket)
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        child
-            .stdin
-            .take()
-            .unwrap()
-            .write_all(b"registry.example.com")
-            .unwrap();
-        child.wait_with_output().unwrap()
+        support::output_with_stdin(
+            as_user(uid, env!("CARGO_BIN_EXE_docker-credential-credgate"))
+                .arg("get")
+                .env("CREDGATE_SOCKET", &agent.socket),
+            b"registry.example.com",
+        )
     };
     let out = helper_as(4242);
     assert_eq!(out.status.code(), Some(1));

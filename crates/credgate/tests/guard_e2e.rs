@@ -44,6 +44,25 @@ fn digest_of(registry: &Registry, repo: &str) -> String {
     format!("sha256:{}", hex::encode(sha2::Sha256::digest(&out.stdout)))
 }
 
+/// The token server (admin, alice for team-a, bob for team-b), Debian's registry trusting it,
+/// team-a/app and team-b/app pushed; returns them with team-a/app's digest.
+fn private_registry(d: &std::path::Path) -> (TokenServer, Registry, String) {
+    let tokens = TokenServer::start(
+        d,
+        &[
+            (ADMIN.0, ADMIN.1, &["*"]),
+            ("alice", "alice-pw", &["team-a/app"]),
+            ("bob", "bob-pw", &["team-b/app"]),
+        ],
+    );
+    let registry = Registry::start_with_tokens(d, &tokens);
+    oci_image(d);
+    push(d, &registry, "team-a/app", ADMIN.0, ADMIN.1);
+    push(d, &registry, "team-b/app", ADMIN.0, ADMIN.1);
+    let digest = digest_of(&registry, "team-a/app");
+    (tokens, registry, digest)
+}
+
 struct Tenants {
     client: ImageAccessClient<tonic::transport::Channel>,
     image: String,
@@ -85,19 +104,7 @@ impl Tenants {
 async fn tenant_b_cannot_use_tenant_a_private_image() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let tokens = TokenServer::start(
-        d,
-        &[
-            (ADMIN.0, ADMIN.1, &["*"]),
-            ("alice", "alice-pw", &["team-a/app"]),
-            ("bob", "bob-pw", &["team-b/app"]),
-        ],
-    );
-    let mut registry = Registry::start_with_tokens(d, &tokens);
-    oci_image(d);
-    push(d, &registry, "team-a/app", ADMIN.0, ADMIN.1);
-    push(d, &registry, "team-b/app", ADMIN.0, ADMIN.1);
-    let digest = digest_of(&registry, "team-a/app");
+    let (tokens, mut registry, digest) = private_registry(d);
 
     let agent = Agent::start(
         d,
@@ -337,18 +344,7 @@ async fn registry_killed_and_restarted_during_verifications() {
 
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let tokens = TokenServer::start(
-        d,
-        &[
-            (ADMIN.0, ADMIN.1, &["*"]),
-            ("alice", "alice-pw", &["team-a/app"]),
-            ("bob", "bob-pw", &["team-b/app"]),
-        ],
-    );
-    let mut registry = Registry::start_with_tokens(d, &tokens);
-    oci_image(d);
-    push(d, &registry, "team-a/app", ADMIN.0, ADMIN.1);
-    let digest = digest_of(&registry, "team-a/app");
+    let (_tokens, mut registry, digest) = private_registry(d);
     let agent = Agent::start(d, &[]);
     let channel = credgate_api::connect(&agent.socket).await.unwrap();
     let image = format!("{}/team-a/app:v1", registry.host());

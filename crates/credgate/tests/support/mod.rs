@@ -143,17 +143,26 @@ impl Drop for Agent {
 }
 
 pub fn helper_get(socket: &Path, input: impl AsRef<[u8]>) -> Output {
+    output_with_stdin(
+        Command::new(env!("CARGO_BIN_EXE_docker-credential-credgate"))
+            .arg("get")
+            .env("CREDGATE_SOCKET", socket)
+            .stderr(Stdio::piped()),
+        input.as_ref(),
+    )
+}
+
+/// Runs `cmd` with `input` on its stdin and its stdout captured.
+pub fn output_with_stdin(cmd: &mut Command, input: &[u8]) -> Output {
     use std::io::Write;
-    let mut child = Command::new(env!("CARGO_BIN_EXE_docker-credential-credgate"))
-        .arg("get")
-        .env("CREDGATE_SOCKET", socket)
+    let mut child = cmd
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    // The helper may stop reading an oversized input: a broken pipe here is its answer.
-    let _ = child.stdin.take().unwrap().write_all(input.as_ref());
+    // The command may stop reading early (the helper does on oversized input): a broken pipe
+    // here is its answer.
+    let _ = child.stdin.take().unwrap().write_all(input);
     child.wait_with_output().unwrap()
 }
 

@@ -201,20 +201,13 @@ fn handle(
         b64url(header.to_string().as_bytes()),
         b64url(claims.to_string().as_bytes())
     );
-    let mut child = Command::new("openssl")
-        .args(["dgst", "-sha256", "-sign"])
-        .arg(key)
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(signing_input.as_bytes())
-        .unwrap();
-    let signature = child.wait_with_output().unwrap().stdout;
+    let signature = super::output_with_stdin(
+        Command::new("openssl")
+            .args(["dgst", "-sha256", "-sign"])
+            .arg(key),
+        signing_input.as_bytes(),
+    )
+    .stdout;
     let token = format!("{signing_input}.{}", b64url(&signature));
     (
         "200 OK",
