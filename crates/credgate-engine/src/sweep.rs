@@ -111,11 +111,15 @@ fn parse_start_time(stat: &str) -> Option<u64> {
 /// Hands the marker of a finished run to the sweeper.
 pub fn finished(marker: String) {
     let s = shared();
-    s.pending
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .insert(marker, SCANS);
-    s.wake.notify_one();
+    let mut pending = s.pending.lock().unwrap_or_else(|p| p.into_inner());
+    // The sweeper waits only while nothing is pending; otherwise it will see this marker on
+    // its next scan, and a wake-up would be a wasted system call on every run.
+    let idle = pending.is_empty();
+    pending.insert(marker, SCANS);
+    drop(pending);
+    if idle {
+        s.wake.notify_one();
+    }
 }
 
 /// Processes killed by the sweeper so far, in this process.
