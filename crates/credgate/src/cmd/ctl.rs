@@ -36,6 +36,15 @@ pub fn status_error(s: tonic::Status) -> anyhow::Error {
     )
 }
 
+/// The answer of a call, or its status as an error.
+pub async fn answer<T>(
+    call: impl std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+) -> Result<T> {
+    call.await
+        .map(tonic::Response::into_inner)
+        .map_err(status_error)
+}
+
 pub async fn run(args: CtlArgs) -> Result<Outcome> {
     let socket = credgate_api::socket_path(args.socket.as_deref());
     let channel = credgate_api::connect(&socket)
@@ -66,17 +75,17 @@ async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcome> {
             min_valid_for,
             registry_host,
         } => {
-            let r = creds
-                .lookup(pb::LookupRequest {
-                    image,
-                    min_valid_for_ms: min_valid_for
-                        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
-                    registry_host,
-                    ..Default::default()
-                })
-                .await
-                .map_err(status_error)?
-                .into_inner();
+            let r =
+                answer(
+                    creds.lookup(pb::LookupRequest {
+                        image,
+                        min_valid_for_ms: min_valid_for
+                            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+                        registry_host,
+                        ..Default::default()
+                    }),
+                )
+                .await?;
             if out == Output::Json {
                 json(&r)?;
             } else {
@@ -93,39 +102,24 @@ async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcome> {
             });
         }
         CtlCall::Track { consumer, refs } => {
-            let r = creds
-                .track(pb::TrackRequest { consumer, refs })
-                .await
-                .map_err(status_error)?
-                .into_inner();
+            let r = answer(creds.track(pb::TrackRequest { consumer, refs })).await?;
             show(out, &r, |r| format!("tracked: {}", r.tracked))?;
         }
         CtlCall::Untrack { consumer, refs } => {
-            let r = creds
-                .untrack(pb::UntrackRequest { consumer, refs })
-                .await
-                .map_err(status_error)?
-                .into_inner();
+            let r = answer(creds.untrack(pb::UntrackRequest { consumer, refs })).await?;
             show(out, &r, |r| format!("tracked: {}", r.tracked))?;
         }
         CtlCall::SetTracked { consumer, refs } => {
-            let r = creds
-                .set_tracked(pb::SetTrackedRequest { consumer, refs })
-                .await
-                .map_err(status_error)?
-                .into_inner();
+            let r = answer(creds.set_tracked(pb::SetTrackedRequest { consumer, refs })).await?;
             show(out, &r, |r| {
                 format!("added: {}, removed: {}", r.added, r.removed)
             })?;
         }
         CtlCall::ListTracked { consumer } => {
-            let r = creds
-                .list_tracked(pb::ListTrackedRequest {
-                    consumer: consumer.unwrap_or_default(),
-                })
-                .await
-                .map_err(status_error)?
-                .into_inner();
+            let r = answer(creds.list_tracked(pb::ListTrackedRequest {
+                consumer: consumer.unwrap_or_default(),
+            }))
+            .await?;
             if out == Output::Json {
                 json(&r)?;
             } else {
@@ -167,11 +161,7 @@ async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcome> {
             }
         }
         CtlCall::Watch { refs, count } => {
-            let mut stream = creds
-                .watch(pb::WatchRequest { refs })
-                .await
-                .map_err(status_error)?
-                .into_inner();
+            let mut stream = answer(creds.watch(pb::WatchRequest { refs })).await?;
             let mut seen = 0u64;
             while let Some(event) = stream.next().await {
                 let event = event.map_err(status_error)?;
@@ -197,27 +187,15 @@ async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcome> {
             }
         }
         CtlCall::Health => {
-            let r = admin
-                .health(pb::HealthRequest {})
-                .await
-                .map_err(status_error)?
-                .into_inner();
+            let r = answer(admin.health(pb::HealthRequest {})).await?;
             show(out, &r, |r| r.status.clone())?;
         }
         CtlCall::Version => {
-            let r = admin
-                .version(pb::VersionRequest {})
-                .await
-                .map_err(status_error)?
-                .into_inner();
+            let r = answer(admin.version(pb::VersionRequest {})).await?;
             show(out, &r, |r| format!("credgate {} ({})", r.version, r.api))?;
         }
         CtlCall::Status => {
-            let r = admin
-                .status(pb::StatusRequest {})
-                .await
-                .map_err(status_error)?
-                .into_inner();
+            let r = answer(admin.status(pb::StatusRequest {})).await?;
             if out == Output::Json {
                 json(&r)?;
             } else {
@@ -269,11 +247,7 @@ async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcome> {
             }
         }
         CtlCall::Reload => {
-            let r = admin
-                .reload(pb::ReloadRequest {})
-                .await
-                .map_err(status_error)?
-                .into_inner();
+            let r = answer(admin.reload(pb::ReloadRequest {})).await?;
             if out == Output::Json {
                 json(&r)?;
             } else {
@@ -301,11 +275,7 @@ async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcome> {
         | CtlCall::GetRecord { .. }
         | CtlCall::DeleteRecord { .. } => unreachable!("routed above"),
         CtlCall::Ping => {
-            let r = admin
-                .ping(pb::PingRequest {})
-                .await
-                .map_err(status_error)?
-                .into_inner();
+            let r = answer(admin.ping(pb::PingRequest {})).await?;
             show(out, &r, |_| "pong".to_owned())?;
         }
     }

@@ -8,7 +8,7 @@ use credgate_api::v1::pull_credential::Kind;
 use credgate_api::v1::{self as pb};
 use tonic::transport::Channel;
 
-use super::ctl::{json, show, status_error};
+use super::ctl::{answer, json, show};
 use super::get::{print_table, time_ms};
 use crate::opts::{CredentialArgs, CtlCall, Output, PullPolicyArg};
 use crate::Outcome;
@@ -120,17 +120,14 @@ pub async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcom
                 PullPolicyArg::IfNotPresent => pb::PullPolicy::IfNotPresent,
                 PullPolicyArg::Never => pb::PullPolicy::Never,
             };
-            let r = guard
-                .check_access(pb::CheckAccessRequest {
-                    image,
-                    image_ref: image_ref.unwrap_or_default(),
-                    present: !absent,
-                    pull_policy: policy as i32,
-                    credentials: credentials(&creds)?,
-                })
-                .await
-                .map_err(status_error)?
-                .into_inner();
+            let r = answer(guard.check_access(pb::CheckAccessRequest {
+                image,
+                image_ref: image_ref.unwrap_or_default(),
+                present: !absent,
+                pull_policy: policy as i32,
+                credentials: credentials(&creds)?,
+            }))
+            .await?;
             show(out, &r, |r| {
                 format!(
                     "{} ({}): {}",
@@ -146,10 +143,7 @@ pub async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcom
             return Ok(if allowed { Outcome::Yes } else { Outcome::No });
         }
         CtlCall::RecordIntent { image } => {
-            guard
-                .record_pull_intent(pb::RecordPullIntentRequest { image })
-                .await
-                .map_err(status_error)?;
+            answer(guard.record_pull_intent(pb::RecordPullIntentRequest { image })).await?;
             if out == Output::Json {
                 json(&serde_json::json!({}))?;
             } else {
@@ -166,15 +160,13 @@ pub async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcom
             if list.len() > 1 {
                 bail!("a pull used one credential: give one --secret, --service-account or --node-wide");
             }
-            guard
-                .record_pull_result(pb::RecordPullResultRequest {
-                    image,
-                    image_ref: image_ref.unwrap_or_default(),
-                    success: !failed,
-                    credential: list.pop(),
-                })
-                .await
-                .map_err(status_error)?;
+            answer(guard.record_pull_result(pb::RecordPullResultRequest {
+                image,
+                image_ref: image_ref.unwrap_or_default(),
+                success: !failed,
+                credential: list.pop(),
+            }))
+            .await?;
             if out == Output::Json {
                 json(&serde_json::json!({}))?;
             } else {
@@ -194,16 +186,13 @@ pub async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcom
             expected_digest,
             credentials: creds,
         } => {
-            let r = guard
-                .verify(pb::VerifyRequest {
-                    image,
-                    image_ref,
-                    expected_digest: expected_digest.unwrap_or_default(),
-                    credentials: credentials(&creds)?,
-                })
-                .await
-                .map_err(status_error)?
-                .into_inner();
+            let r = answer(guard.verify(pb::VerifyRequest {
+                image,
+                image_ref,
+                expected_digest: expected_digest.unwrap_or_default(),
+                credentials: credentials(&creds)?,
+            }))
+            .await?;
             show(out, &r, |r| {
                 format!(
                     "{} ({}): {}",
@@ -237,14 +226,11 @@ pub async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcom
                 .unwrap_or(SystemTime::UNIX_EPOCH)
                 .duration_since(SystemTime::UNIX_EPOCH)
                 .unwrap_or(Duration::ZERO);
-            let r = guard
-                .prune(pb::PruneRequest {
-                    present: images,
-                    before_unix_ms: i64::try_from(before.as_millis()).unwrap_or(i64::MAX),
-                })
-                .await
-                .map_err(status_error)?
-                .into_inner();
+            let r = answer(guard.prune(pb::PruneRequest {
+                present: images,
+                before_unix_ms: i64::try_from(before.as_millis()).unwrap_or(i64::MAX),
+            }))
+            .await?;
             show(out, &r, |r| {
                 format!(
                     "records deleted: {}, intents recovered: {}, intents dropped: {}",
@@ -253,11 +239,7 @@ pub async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcom
             })?;
         }
         CtlCall::ListRecords => {
-            let r = guard
-                .list_records(pb::ListRecordsRequest {})
-                .await
-                .map_err(status_error)?
-                .into_inner();
+            let r = answer(guard.list_records(pb::ListRecordsRequest {})).await?;
             if out == Output::Json {
                 json(&r)?;
             } else {
@@ -275,11 +257,7 @@ pub async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcom
             }
         }
         CtlCall::GetRecord { image_ref } => {
-            let r = guard
-                .get_record(pb::GetRecordRequest { image_ref })
-                .await
-                .map_err(status_error)?
-                .into_inner();
+            let r = answer(guard.get_record(pb::GetRecordRequest { image_ref })).await?;
             if out == Output::Json {
                 json(&r)?;
             } else if let Some(rec) = &r.record {
@@ -287,11 +265,7 @@ pub async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcom
             }
         }
         CtlCall::DeleteRecord { image_ref } => {
-            let r = guard
-                .delete_record(pb::DeleteRecordRequest { image_ref })
-                .await
-                .map_err(status_error)?
-                .into_inner();
+            let r = answer(guard.delete_record(pb::DeleteRecordRequest { image_ref })).await?;
             show(out, &r, |r| {
                 let text = if r.deleted {
                     "deleted"
