@@ -38,6 +38,16 @@ fn result(image: &str, used: Option<Presented>) -> Op {
     }
 }
 
+/// The pull of image `i{i}` (reference `sha256:{i}`) with `used`.
+fn numbered(i: impl std::fmt::Display, used: Presented) -> Op {
+    Op::PullResult {
+        image: format!("i{i}"),
+        name: NAME.into(),
+        image_ref: format!("sha256:{i}"),
+        used: Some(used),
+    }
+}
+
 #[tokio::test]
 async fn records_survive_reopen_with_private_files() {
     let dir = tempfile::tempdir().unwrap();
@@ -161,15 +171,7 @@ async fn concurrent_recordings_share_transactions() {
         let store = store.clone();
         tasks.push(tokio::spawn(async move {
             store
-                .apply(
-                    Op::PullResult {
-                        image: format!("i{i}"),
-                        name: NAME.into(),
-                        image_ref: format!("sha256:{i}"),
-                        used: Some(secret("pull", 1)),
-                    },
-                    NOW,
-                )
+                .apply(numbered(i, secret("pull", 1)), NOW)
                 .await
                 .unwrap();
         }));
@@ -196,15 +198,7 @@ async fn damaged_files_are_clear_errors() {
         let store = Store::open(dir.path()).unwrap();
         for i in 0..200 {
             store
-                .apply(
-                    Op::PullResult {
-                        image: format!("i{i}"),
-                        name: NAME.into(),
-                        image_ref: format!("sha256:{i}"),
-                        used: Some(secret("pull", 1)),
-                    },
-                    NOW,
-                )
+                .apply(numbered(i, secret("pull", 1)), NOW)
                 .await
                 .unwrap();
         }
@@ -328,12 +322,7 @@ async fn deletes_and_rewrites_survive_reopen_and_compaction() {
             for i in 0..4 {
                 store
                     .apply(
-                        Op::PullResult {
-                            image: format!("i{i}"),
-                            name: NAME.into(),
-                            image_ref: format!("sha256:{i}"),
-                            used: Some(secret(&format!("s{round}"), (round % 200) as u8)),
-                        },
+                        numbered(i, secret(&format!("s{round}"), (round % 200) as u8)),
                         NOW + round,
                     )
                     .await
