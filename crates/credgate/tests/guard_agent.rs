@@ -88,8 +88,9 @@ async fn every_acknowledged_pull_survives_sigkill() {
     }
     // Restart and read everything back.
     let agent = Agent::start(dir.path(), &[]);
-    let channel = credgate_api::connect(&agent.socket).await.unwrap();
-    let listed = ImageAccessClient::new(channel)
+    let listed = agent
+        .image_access()
+        .await
         .list_records(pb::ListRecordsRequest {})
         .await
         .expect("the store opens after the kills")
@@ -130,8 +131,7 @@ async fn a_damaged_store_fails_safe_without_a_crash_loop() {
     let log = agent.log_text();
     assert!(log.contains("guard store unavailable"), "{log}");
     assert!(log.contains("damaged"), "{log}");
-    let channel = credgate_api::connect(&agent.socket).await.unwrap();
-    let mut client = ImageAccessClient::new(channel);
+    let mut client = agent.image_access().await;
     // Even NeverVerify does not allow when the records cannot be read.
     let r = client
         .check_access(pb::CheckAccessRequest {
@@ -215,10 +215,11 @@ async fn check(
 async fn leftover_intents_are_recovered_after_a_restart() {
     let dir = tempfile::tempdir().unwrap();
     let agent = Agent::start(dir.path(), &[]);
-    let channel = credgate_api::connect(&agent.socket).await.unwrap();
     // The workload names `nginx:1.25`; the runtime knows the image as
     // `docker.io/library/nginx:1.25`. The agent dies before the pull's result is recorded.
-    ImageAccessClient::new(channel)
+    agent
+        .image_access()
+        .await
         .record_pull_intent(pb::RecordPullIntentRequest {
             image: "nginx:1.25".into(),
         })
@@ -228,8 +229,7 @@ async fn leftover_intents_are_recovered_after_a_restart() {
     drop(agent);
 
     let agent = Agent::start(dir.path(), &[]);
-    let channel = credgate_api::connect(&agent.socket).await.unwrap();
-    let mut client = ImageAccessClient::new(channel);
+    let mut client = agent.image_access().await;
     // The intent alone already marks the name as pulled by the node: not "preloaded".
     let r = check(&mut client, "nginx:1.25", "sha256:n", None).await;
     assert_eq!(
@@ -277,8 +277,7 @@ async fn a_secret_match_expires_after_the_maximum_age() {
             "AlwaysVerify",
         ],
     );
-    let channel = credgate_api::connect(&agent.socket).await.unwrap();
-    let mut client = ImageAccessClient::new(channel);
+    let mut client = agent.image_access().await;
     let image = "registry.example.com/team-a/app:v1";
     record_alice(&mut client, image).await;
     let r = check(&mut client, image, "sha256:a", secret("alice", "pw")).await;
@@ -336,8 +335,7 @@ async fn losing_the_node_key_means_reverification_not_access() {
                 "AlwaysVerify",
             ],
         );
-        let channel = credgate_api::connect(&agent.socket).await.unwrap();
-        let mut client = ImageAccessClient::new(channel);
+        let mut client = agent.image_access().await;
         record_alice(&mut client, image).await;
         let r = check(&mut client, image, "sha256:a", secret("alice", "pw")).await;
         assert_eq!(r.reason, "secret_match");
@@ -351,8 +349,7 @@ async fn losing_the_node_key_means_reverification_not_access() {
             "AlwaysVerify",
         ],
     );
-    let channel = credgate_api::connect(&agent.socket).await.unwrap();
-    let mut client = ImageAccessClient::new(channel);
+    let mut client = agent.image_access().await;
     let r = check(&mut client, image, "sha256:a", secret("alice", "pw")).await;
     assert_eq!(
         (r.decision, r.reason.as_str()),
@@ -373,8 +370,7 @@ async fn pull_policy_never_does_not_reveal_whether_the_image_exists() {
             "AlwaysVerify",
         ],
     );
-    let channel = credgate_api::connect(&agent.socket).await.unwrap();
-    let mut client = ImageAccessClient::new(channel);
+    let mut client = agent.image_access().await;
     let image = "registry.example.com/team-a/app:v1";
     record_alice(&mut client, image).await;
     let ask = |present: bool| pb::CheckAccessRequest {

@@ -113,10 +113,9 @@ async fn tenant_b_cannot_use_tenant_a_private_image() {
             "NeverVerifyPreloadedImages",
         ],
     );
-    let channel = credgate_api::connect(&agent.socket).await.unwrap();
     let image = format!("{}/team-a/app:v1", registry.host());
     let mut t = Tenants {
-        client: ImageAccessClient::new(channel),
+        client: agent.image_access().await,
         image: image.clone(),
         image_ref: digest.clone(),
     };
@@ -310,9 +309,8 @@ printf '{{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.k
             bin.to_str().unwrap(),
         ],
     );
-    let channel = credgate_api::connect(&agent.socket).await.unwrap();
     let mut t = Tenants {
-        client: ImageAccessClient::new(channel),
+        client: agent.image_access().await,
         image: format!("{}/team-a/app:v1", registry.host()),
         image_ref: digest.clone(),
     };

@@ -102,6 +102,14 @@ impl Agent {
         agent
     }
 
+    /// A client of the agent's ImageAccess service on a fresh connection.
+    pub async fn image_access(
+        &self,
+    ) -> credgate_api::v1::image_access_client::ImageAccessClient<tonic::transport::Channel> {
+        let channel = credgate_api::connect(&self.socket).await.unwrap();
+        credgate_api::v1::image_access_client::ImageAccessClient::new(channel)
+    }
+
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
