@@ -54,21 +54,8 @@ pub async fn run(args: CtlArgs) -> Result<Outcome> {
 }
 
 async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcome> {
-    if matches!(
-        call,
-        CtlCall::CheckAccess { .. }
-            | CtlCall::RecordIntent { .. }
-            | CtlCall::RecordResult { .. }
-            | CtlCall::Verify { .. }
-            | CtlCall::Prune { .. }
-            | CtlCall::ListRecords
-            | CtlCall::GetRecord { .. }
-            | CtlCall::DeleteRecord { .. }
-    ) {
-        return super::ctl_guard::call(channel, call, out).await;
-    }
     let mut creds = CredentialsClient::new(channel.clone());
-    let mut admin = AdminClient::new(channel);
+    let mut admin = AdminClient::new(channel.clone());
     match call {
         CtlCall::Lookup {
             image,
@@ -266,14 +253,16 @@ async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcome> {
                 );
             }
         }
-        CtlCall::CheckAccess { .. }
+        guard_call @ (CtlCall::CheckAccess { .. }
         | CtlCall::RecordIntent { .. }
         | CtlCall::RecordResult { .. }
         | CtlCall::Verify { .. }
         | CtlCall::Prune { .. }
         | CtlCall::ListRecords
         | CtlCall::GetRecord { .. }
-        | CtlCall::DeleteRecord { .. } => unreachable!("routed above"),
+        | CtlCall::DeleteRecord { .. }) => {
+            return super::ctl_guard::call(channel, guard_call, out).await;
+        }
         CtlCall::Ping => {
             let r = answer(admin.ping(pb::PingRequest {})).await?;
             show(out, &r, |_| "pong".to_owned())?;

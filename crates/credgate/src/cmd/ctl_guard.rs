@@ -71,6 +71,11 @@ fn decision_name(d: i32) -> &'static str {
     }
 }
 
+/// `ALLOW (secret_match): ...`: a decision, its reason and its message on one line.
+fn decision_line(decision: i32, reason: &str, message: &str) -> String {
+    format!("{} ({reason}): {message}", decision_name(decision))
+}
+
 fn print_record(r: &pb::PullRecord) {
     let rows: Vec<Vec<String>> = r
         .names
@@ -129,12 +134,7 @@ pub async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcom
             }))
             .await?;
             show(out, &r, |r| {
-                format!(
-                    "{} ({}): {}",
-                    decision_name(r.decision),
-                    r.reason,
-                    r.message
-                )
+                decision_line(r.decision, &r.reason, &r.message)
             })?;
             let allowed = matches!(
                 pb::Decision::try_from(r.decision),
@@ -194,12 +194,7 @@ pub async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcom
             }))
             .await?;
             show(out, &r, |r| {
-                format!(
-                    "{} ({}): {}",
-                    decision_name(r.decision),
-                    r.reason,
-                    r.message
-                )
+                decision_line(r.decision, &r.reason, &r.message)
             })?;
             return Ok(if r.credential_index >= 0 {
                 Outcome::Yes
