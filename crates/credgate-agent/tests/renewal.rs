@@ -57,7 +57,7 @@ impl PluginRunner for TokenPlugin {
             tokio::time::sleep(Duration::from_millis(20)).await;
             if self.failing.load(Ordering::SeqCst) {
                 return Err(RunError::NonZeroExit {
-                    plugin: command.name.clone(),
+                    plugin: command.name().to_owned(),
                     status: "exit status: 1".into(),
                     stderr: String::new(),
                 });

@@ -324,17 +324,16 @@ impl EngineBuilder {
             if self.check_binaries {
                 check_binary(&spec.name, &path)?;
             }
-            let command = PluginCommand {
-                name: spec.name.clone(),
+            let command = PluginCommand::new(
+                spec.name.clone(),
                 path,
-                args: spec.args.clone(),
-                env: spec.env.clone(),
-                timeout: opts
-                    .timeouts
+                spec.args.clone(),
+                spec.env.clone(),
+                opts.timeouts
                     .get(&spec.name)
                     .copied()
                     .unwrap_or(opts.default_timeout),
-            };
+            );
             providers.push(Arc::new(Provider::new(ProviderParts {
                 metrics: self.metrics.provider(&spec.name),
                 spec,

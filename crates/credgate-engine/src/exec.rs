@@ -3,31 +3,76 @@
 //! its pipes open after the plugin exited. Processes that left the group are killed by the
 //! [`sweep`] thread.
 
+use std::ffi::CString;
 use std::future::Future;
 use std::io;
-use std::path::PathBuf;
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
 use std::pin::{pin, Pin};
-use std::process::{ExitStatus, Stdio};
+use std::process::ExitStatus;
+use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
-use tokio::process::Command;
-use tokio::time::{sleep_until, Instant};
+use tokio::io::unix::AsyncFd;
+use tokio::io::Interest;
 
+use crate::spawn::{self, Program};
 use crate::sweep;
+use crate::watchdog::Watch;
 
 /// A boxed future, for object-safe traits.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
-/// What to execute.
+/// What to execute: a plugin binary, its arguments, and the environment it gets (the
+/// process's own, read when the command is made, plus the provider's `env`, which wins on a
+/// clash).
 #[derive(Clone)]
 pub struct PluginCommand {
-    pub name: String,
-    pub path: PathBuf,
-    pub args: Vec<String>,
-    /// Added to the agent's own environment; these win on a clash.
-    pub env: Vec<(String, String)>,
-    pub timeout: Duration,
+    name: String,
+    path: PathBuf,
+    args: Vec<String>,
+    env: Vec<(String, String)>,
+    timeout: Duration,
+    /// The same, as C strings for `posix_spawn`, made once. A NUL byte is an error that every
+    /// run reports.
+    program: Arc<io::Result<Program>>,
+}
+
+impl PluginCommand {
+    pub fn new(
+        name: String,
+        path: PathBuf,
+        args: Vec<String>,
+        env: Vec<(String, String)>,
+        timeout: Duration,
+    ) -> PluginCommand {
+        let program = Arc::new(Program::new(&path, &args, &env, sweep::MARKER_ENV));
+        PluginCommand {
+            name,
+            path,
+            args,
+            env,
+            timeout,
+            program,
+        }
+    }
+
+    /// The provider's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn args(&self) -> &[String] {
+        &self.args
+    }
+
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
 }
 
 impl std::fmt::Debug for PluginCommand {
@@ -122,33 +167,74 @@ impl PluginRunner for ExecRunner {
     }
 }
 
-/// Kills a process group when dropped, so no exit path leaves the plugin's children behind,
-/// and hands the run's marker to the sweeper for those that left the group.
-struct GroupKill {
-    pgid: Option<i32>,
+/// How long a run whose pipes have closed spins for its plugin's exit, which follows within
+/// microseconds unless the plugin closed its pipes and runs on; the watchdog tells then.
+const EXIT_SPIN: Duration = Duration::from_micros(200);
+
+/// A started plugin until it is reaped. Dropped before that (timeout, oversized output, a
+/// cancelled run), it kills the plugin's process group and leaves the reaping to the sweeper;
+/// either way the run's marker goes to the sweeper for processes that left the group.
+struct Run {
+    pid: i32,
+    watch: Watch,
+    reaped: bool,
     marker: Option<String>,
 }
 
-impl GroupKill {
-    fn kill(&mut self) {
-        if let Some(pgid) = self.pgid.take() {
-            // SAFETY: kill(2) with a negative pid signals the process group we created for the
-            // plugin (process_group(0) makes its pgid equal its pid); it touches no memory.
-            unsafe {
-                libc::kill(-pgid, libc::SIGKILL);
+impl Run {
+    /// The plugin has exited: kill what it left running in its group (which closes pipes they
+    /// held) while it is still a zombie, so that its group id cannot have been reused, then
+    /// reap it.
+    fn finish(&mut self) -> io::Result<ExitStatus> {
+        self.watch.done();
+        spawn::kill_group(self.pid);
+        let status = spawn::reap(self.pid)?.ok_or_else(|| {
+            io::Error::other("the plugin's exit was reported but it could not be reaped")
+        })?;
+        self.reaped = true;
+        Ok(status)
+    }
+}
+
+impl Drop for Run {
+    fn drop(&mut self) {
+        let mut unreaped = None;
+        if !self.reaped {
+            self.watch.done();
+            spawn::kill_group(self.pid);
+            if matches!(spawn::reap(self.pid), Ok(None)) {
+                unreaped = Some(self.pid);
             }
+        }
+        if let Some(marker) = self.marker.take() {
+            sweep::finished(marker, unreaped);
         }
     }
 }
 
-impl Drop for GroupKill {
-    fn drop(&mut self) {
-        self.kill();
-        if let Some(marker) = self.marker.take() {
-            sweep::finished(marker);
+/// Whether the plugin exits within [`EXIT_SPIN`].
+fn exits_soon(pid: i32) -> bool {
+    let started = std::time::Instant::now();
+    loop {
+        if spawn::has_exited(pid) {
+            return true;
         }
+        if started.elapsed() >= EXIT_SPIN {
+            return false;
+        }
+        std::thread::yield_now();
     }
 }
+
+/// `fd` registered with the runtime's reactor.
+fn watched(fd: OwnedFd, interest: Interest) -> io::Result<AsyncFd<OwnedFd>> {
+    // SAFETY: an OwnedFd is an open descriptor that stays the same until it is dropped, and
+    // only the AsyncFd that now owns it can drop it.
+    Ok(unsafe { AsyncFd::register_with_interest(fd, interest) }?)
+}
+
+/// Bytes a read asks for: a usual answer in one.
+const READ_CHUNK: usize = 8192;
 
 enum Capped {
     Done,
@@ -157,19 +243,23 @@ enum Capped {
 
 /// Reads into `buf` until EOF; stops with `Overflow` past `cap` bytes unless `keep_tail`, in
 /// which case only the last `cap` bytes are kept.
-async fn read_capped<R: AsyncRead + Unpin>(
-    mut r: R,
+async fn read_capped(
+    fd: &AsyncFd<OwnedFd>,
     buf: &mut Vec<u8>,
     cap: usize,
     keep_tail: bool,
 ) -> io::Result<Capped> {
-    let mut chunk = [0u8; 8192];
     loop {
-        let n = r.read(&mut chunk).await?;
+        let mut ready = fd.readable().await?;
+        let n = match ready.try_io(|fd| spawn::read_into(fd.get_ref(), buf, READ_CHUNK)) {
+            Ok(Ok(n)) => n,
+            Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Ok(Err(e)) => return Err(e),
+            Err(_would_block) => continue,
+        };
         if n == 0 {
             return Ok(Capped::Done);
         }
-        buf.extend_from_slice(&chunk[..n]);
         if buf.len() > cap {
             if !keep_tail {
                 return Ok(Capped::Overflow);
@@ -180,86 +270,118 @@ async fn read_capped<R: AsyncRead + Unpin>(
     }
 }
 
+/// Writes what the first write left of the request as the plugin reads, then closes stdin.
+/// A plugin may exit without reading its request: a broken pipe is its business.
+async fn write_rest(stdin: Option<AsyncFd<OwnedFd>>, mut rest: &[u8]) {
+    let Some(fd) = stdin else { return };
+    while !rest.is_empty() {
+        let Ok(mut ready) = fd.writable().await else {
+            return;
+        };
+        match ready.try_io(|fd| spawn::write(fd.get_ref(), rest)) {
+            Ok(Ok(n)) => rest = &rest[n..],
+            Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => {}
+            Ok(Err(_)) => return,
+            Err(_would_block) => {}
+        }
+    }
+}
+
 async fn exec(
     cmd: &PluginCommand,
     input: Vec<u8>,
     limits: OutputLimits,
 ) -> Result<Vec<u8>, RunError> {
-    let deadline = Instant::now() + cmd.timeout;
-    let marker = sweep::marker();
-    let mut child = Command::new(&cmd.path)
-        .args(&cmd.args)
-        .envs(cmd.env.iter().map(|(k, v)| (k, v)))
-        .env(sweep::MARKER_ENV, &marker)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .process_group(0)
-        .kill_on_drop(true)
-        .spawn()
-        .map_err(|source| RunError::Spawn {
-            plugin: cmd.name.clone(),
-            path: cmd.path.clone(),
-            source,
-        })?;
-    let mut group = GroupKill {
-        pgid: child.id().and_then(|id| i32::try_from(id).ok()),
+    let deadline = std::time::Instant::now() + cmd.timeout;
+    let io_error = |source| RunError::Io {
+        plugin: cmd.name.clone(),
+        source,
+    };
+    let spawned = match &*cmd.program {
+        Ok(program) => {
+            let marker = sweep::marker();
+            let var = CString::new(format!("{}={marker}", sweep::MARKER_ENV))
+                .expect("a marker has no NUL byte");
+            spawn::spawn(program, &var).map(|child| (child, marker))
+        }
+        Err(e) => Err(io::Error::new(e.kind(), e.to_string())),
+    };
+    let (child, marker) = spawned.map_err(|source| RunError::Spawn {
+        plugin: cmd.name.clone(),
+        path: cmd.path.clone(),
+        source,
+    })?;
+    let pid = child.pid;
+    let watch = Watch::new(pid, deadline, limits.drain_grace);
+    let mut run = Run {
+        pid,
+        watch: match watch {
+            Ok(watch) => watch,
+            Err(source) => {
+                spawn::kill_group(pid);
+                sweep::finished(marker, Some(pid));
+                return Err(io_error(source));
+            }
+        },
+        reaped: false,
         marker: Some(marker),
     };
-    let (stdin, stdout, stderr) = (child.stdin.take(), child.stdout.take(), child.stderr.take());
+    // An empty pipe takes a usual request in one write; a larger one is written as the
+    // plugin reads it.
+    let written = match spawn::write(&child.stdin, &input) {
+        Ok(n) => n,
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => 0,
+        Err(_) => input.len(),
+    };
+    let stdin = if written < input.len() {
+        Some(watched(child.stdin, Interest::WRITABLE).map_err(io_error)?)
+    } else {
+        drop(child.stdin);
+        None
+    };
+    let stdout = watched(child.stdout, Interest::READABLE).map_err(io_error)?;
+    let stderr = watched(child.stderr, Interest::READABLE).map_err(io_error)?;
     let (mut out, mut err) = (Vec::new(), Vec::new());
-    let status = {
-        let mut out_fut = pin!(read_capped(
-            stdout.expect("piped"),
-            &mut out,
-            limits.stdout,
-            false
-        ));
-        let mut err_fut = pin!(read_capped(
-            stderr.expect("piped"),
-            &mut err,
-            limits.stderr,
-            true
-        ));
-        let mut wait_fut = pin!(async {
-            if let Some(mut stdin) = stdin {
-                // A plugin may exit without reading its request: a broken pipe is its business.
-                let _ = stdin.write_all(&input).await;
+    {
+        let mut in_done = stdin.is_none();
+        let mut in_fut = pin!(write_rest(stdin, &input[written..]));
+        let mut out_fut = pin!(read_capped(&stdout, &mut out, limits.stdout, false));
+        let mut err_fut = pin!(read_capped(&stderr, &mut err, limits.stderr, true));
+        let (mut out_done, mut err_done, mut spun) = (false, false, false);
+        loop {
+            let seen = run.watch.seen();
+            if seen.timed_out {
+                return Err(RunError::Timeout {
+                    plugin: cmd.name.clone(),
+                    after: cmd.timeout,
+                });
             }
-            child.wait().await
-        });
-        let mut timer = pin!(sleep_until(deadline));
-        let (mut out_done, mut err_done) = (false, false);
-        let mut status: Option<ExitStatus> = None;
-        while !(out_done && err_done && status.is_some()) {
+            if seen.drained {
+                // Escapees (setsid) hold the pipes: what came before the drain grace is it.
+                break;
+            }
+            if out_done && err_done {
+                if seen.exited || (!spun && exits_soon(pid)) {
+                    break;
+                }
+                // It closed its pipes but runs on.
+                spun = true;
+            }
             tokio::select! {
                 r = &mut out_fut, if !out_done => match r {
                     Ok(Capped::Done) => out_done = true,
                     Ok(Capped::Overflow) => {
                         return Err(RunError::OutputTooLarge { plugin: cmd.name.clone(), stream: "stdout", cap: limits.stdout });
                     }
-                    Err(source) => return Err(RunError::Io { plugin: cmd.name.clone(), source }),
+                    Err(source) => return Err(io_error(source)),
                 },
                 _ = &mut err_fut, if !err_done => err_done = true,
-                s = &mut wait_fut, if status.is_none() => {
-                    let s = s.map_err(|source| RunError::Io { plugin: cmd.name.clone(), source })?;
-                    status = Some(s);
-                    // The plugin is done: whatever it left running in its group goes too, which
-                    // closes pipes they held. Escapees (setsid) get a bounded drain.
-                    group.kill();
-                    let grace = Instant::now() + limits.drain_grace;
-                    timer.as_mut().reset(grace.min(deadline));
-                },
-                _ = &mut timer => {
-                    if status.is_none() {
-                        return Err(RunError::Timeout { plugin: cmd.name.clone(), after: cmd.timeout });
-                    }
-                    break;
-                }
+                () = &mut in_fut, if !in_done => in_done = true,
+                () = run.watch.news() => {}
             }
         }
-        status.expect("loop ends with a status")
-    };
+    }
+    let status = run.finish().map_err(io_error)?;
     if !status.success() {
         return Err(RunError::NonZeroExit {
             plugin: cmd.name.clone(),
@@ -282,5 +404,101 @@ fn printable_tail(err: &[u8]) -> String {
     match line.char_indices().rev().nth(MAX) {
         Some((i, _)) => format!("...{}", &line[i..]),
         None => line,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+    use std::time::Instant as StdInstant;
+
+    fn plugin(dir: &Path, body: &str, timeout: Duration) -> PluginCommand {
+        let path = dir.join("p");
+        std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        PluginCommand::new("p".into(), path, vec![], vec![], timeout)
+    }
+
+    async fn run(cmd: &PluginCommand, input: &[u8]) -> Result<Vec<u8>, RunError> {
+        ExecRunner::default().run(cmd, input.to_vec()).await
+    }
+
+    #[tokio::test]
+    async fn a_request_larger_than_a_pipe_is_written_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let cmd = plugin(dir.path(), "wc -c", Duration::from_secs(30));
+        let input = vec![b'x'; 3 << 20];
+        let out = run(&cmd, &input).await.unwrap();
+        assert_eq!(
+            String::from_utf8(out).unwrap().trim(),
+            (3 << 20).to_string()
+        );
+    }
+
+    #[tokio::test]
+    async fn a_plugin_that_closes_its_pipes_and_runs_on_is_waited_for() {
+        let dir = tempfile::tempdir().unwrap();
+        let ok = plugin(
+            dir.path(),
+            "cat >/dev/null; echo answer; exec >&- 2>&-; sleep 0.3",
+            Duration::from_secs(30),
+        );
+        let started = StdInstant::now();
+        assert_eq!(run(&ok, b"{}").await.unwrap(), b"answer\n");
+        assert!(started.elapsed() >= Duration::from_millis(300));
+        let failing = plugin(
+            dir.path(),
+            "cat >/dev/null; echo answer; exec >&- 2>&-; sleep 0.2; exit 3",
+            Duration::from_secs(30),
+        );
+        match run(&failing, b"{}").await {
+            Err(RunError::NonZeroExit { status, .. }) => assert!(status.contains('3'), "{status}"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_hang_behind_an_escapee_holding_the_pipes_times_out() {
+        let dir = tempfile::tempdir().unwrap();
+        let pid_file = dir.path().join("escapee.pid");
+        let cmd = plugin(
+            dir.path(),
+            &format!(
+                "setsid sh -c 'echo $$ > {}; exec sleep 30' & sleep 30",
+                pid_file.display()
+            ),
+            Duration::from_millis(300),
+        );
+        let started = StdInstant::now();
+        let result = run(&cmd, b"{}").await;
+        assert!(
+            matches!(result, Err(RunError::Timeout { .. })),
+            "{result:?}"
+        );
+        let took = started.elapsed();
+        assert!(
+            took >= Duration::from_millis(300) && took < Duration::from_secs(5),
+            "{took:?}"
+        );
+        if let Ok(pid) = std::fs::read_to_string(&pid_file) {
+            // SAFETY: kill(2) of the test's own escapee; it touches no memory.
+            unsafe { libc::kill(pid.trim().parse().unwrap(), libc::SIGKILL) };
+        }
+    }
+
+    #[tokio::test]
+    async fn a_nul_byte_in_an_argument_is_a_spawn_error_every_run() {
+        let cmd = PluginCommand::new(
+            "p".into(),
+            "/bin/true".into(),
+            vec!["a\0b".into()],
+            vec![],
+            Duration::from_secs(5),
+        );
+        for _ in 0..2 {
+            let e = run(&cmd, b"").await.unwrap_err();
+            assert!(matches!(e, RunError::Spawn { .. }), "{e:?}");
+        }
     }
 }

@@ -35,7 +35,9 @@ pub mod memo;
 pub mod metrics;
 pub mod provider;
 pub mod source;
+mod spawn;
 pub mod sweep;
+mod watchdog;
 
 pub use engine::{
     BuildError, Credential, CredentialRef, Engine, EngineBuilder, EngineOptions, EntryInfo, Lookup,

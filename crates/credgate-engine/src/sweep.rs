@@ -20,6 +20,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex, OnceLock};
 use std::time::Duration;
 
+use crate::spawn;
+
 /// The environment variable that marks a plugin run's processes.
 pub const MARKER_ENV: &str = "CREDGATE_PLUGIN_RUN";
 
@@ -29,17 +31,30 @@ const SCANS: u8 = 3;
 const PAUSE: Duration = Duration::from_millis(200);
 
 struct Shared {
-    /// Marker value → scans left.
-    pending: Mutex<HashMap<String, u8>>,
+    pending: Mutex<Pending>,
     wake: Condvar,
     killed: AtomicU64,
+}
+
+#[derive(Default)]
+struct Pending {
+    /// Marker value → scans left.
+    markers: HashMap<String, u8>,
+    /// Killed plugins not reaped yet (a SIGKILL takes effect asynchronously).
+    zombies: Vec<i32>,
+}
+
+impl Pending {
+    fn is_empty(&self) -> bool {
+        self.markers.is_empty() && self.zombies.is_empty()
+    }
 }
 
 fn shared() -> &'static Shared {
     static SHARED: OnceLock<&'static Shared> = OnceLock::new();
     SHARED.get_or_init(|| {
         let s: &'static Shared = Box::leak(Box::new(Shared {
-            pending: Mutex::new(HashMap::new()),
+            pending: Mutex::new(Pending::default()),
             wake: Condvar::new(),
             killed: AtomicU64::new(0),
         }));
@@ -108,14 +123,16 @@ fn parse_start_time(stat: &str) -> Option<u64> {
     rest.split_ascii_whitespace().nth(19)?.parse().ok()
 }
 
-/// Hands the marker of a finished run to the sweeper.
-pub fn finished(marker: String) {
+/// Hands the marker of a finished run to the sweeper, with the plugin's pid if it was killed
+/// and not reaped yet: the sweeper reaps it.
+pub(crate) fn finished(marker: String, unreaped: Option<i32>) {
     let s = shared();
     let mut pending = s.pending.lock().unwrap_or_else(|p| p.into_inner());
     // The sweeper waits only while nothing is pending; otherwise it will see this marker on
     // its next scan, and a wake-up would be a wasted system call on every run.
     let idle = pending.is_empty();
-    pending.insert(marker, SCANS);
+    pending.markers.insert(marker, SCANS);
+    pending.zombies.extend(unreaped);
     drop(pending);
     if idle {
         s.wake.notify_one();
@@ -138,8 +155,13 @@ fn sweeper(s: &'static Shared) {
         std::thread::sleep(PAUSE);
         let markers: Vec<String> = {
             let mut pending = s.pending.lock().unwrap_or_else(|p| p.into_inner());
-            let now: Vec<String> = pending.keys().cloned().collect();
-            pending.retain(|_, left| {
+            // A child that is not reaped yet stays for the next round; one that is gone
+            // already (ECHILD) is dropped.
+            pending
+                .zombies
+                .retain(|pid| matches!(spawn::reap(*pid), Ok(None)));
+            let now: Vec<String> = pending.markers.keys().cloned().collect();
+            pending.markers.retain(|_, left| {
                 *left -= 1;
                 *left > 0
             });
@@ -174,10 +196,10 @@ fn scan(doomed: impl Fn(i32, &[u8]) -> bool) -> u64 {
         if pid as u32 == me {
             continue;
         }
-        if let Some(fd) = Pidfd::open(pid) {
+        if let Ok(fd) = spawn::pidfd(pid) {
             // Read through the pid only after holding its pidfd: if the environment matches,
             // the signal reaches this process, not a later one with a recycled pid.
-            if marker_of(pid).is_some_and(|m| doomed(pid, &m)) && fd.kill() {
+            if marker_of(pid).is_some_and(|m| doomed(pid, &m)) && spawn::kill_pidfd(&fd) {
                 killed += 1;
             }
         }
@@ -193,39 +215,6 @@ fn marker_of(pid: i32) -> Option<Vec<u8>> {
         .split(|b| *b == 0)
         .find_map(|var| var.strip_prefix(prefix.as_bytes()))
         .map(<[u8]>::to_vec)
-}
-
-struct Pidfd(i32);
-
-impl Pidfd {
-    fn open(pid: i32) -> Option<Pidfd> {
-        // SAFETY: pidfd_open(2) takes a pid and flags and returns a new descriptor or -1.
-        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-        (fd >= 0).then(|| Pidfd(fd as i32))
-    }
-
-    fn kill(&self) -> bool {
-        // SAFETY: pidfd_send_signal(2) on a descriptor we own, with no siginfo.
-        let r = unsafe {
-            libc::syscall(
-                libc::SYS_pidfd_send_signal,
-                self.0,
-                libc::SIGKILL,
-                std::ptr::null::<libc::siginfo_t>(),
-                0,
-            )
-        };
-        r == 0
-    }
-}
-
-impl Drop for Pidfd {
-    fn drop(&mut self) {
-        // SAFETY: closing a descriptor this value owns, once.
-        unsafe {
-            libc::close(self.0);
-        }
-    }
 }
 
 #[cfg(test)]

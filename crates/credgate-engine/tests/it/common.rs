@@ -149,7 +149,7 @@ impl PluginRunner for FakeRunner {
             match (self.answer)(&request, n) {
                 Ok(body) => Ok(body.into_bytes()),
                 Err(()) => Err(RunError::NonZeroExit {
-                    plugin: command.name.clone(),
+                    plugin: command.name().to_owned(),
                     status: "exit status: 1".into(),
                     stderr: String::new(),
                 }),
