@@ -1,5 +1,6 @@
 //! The system calls of a plugin run, in one place: `posix_spawn(3)` with pipes and a process
-//! group, exit watching through a pidfd, reaping, and raw reads and writes.
+//! group, exit peeking and reaping, group kills, raw reads and writes, and the pidfds the
+//! sweeper signals through.
 //!
 //! Why not `std::process::Command`: it copies the whole environment of the process into a map
 //! and back into C strings on every spawn that sets one variable, and every run sets its sweep
@@ -93,7 +94,7 @@ pub(crate) fn spawn(program: &Program, extra: &CStr) -> io::Result<Child> {
     envp.extend(program.env.iter().map(|v| v.as_ptr().cast_mut()));
     envp.push(extra.as_ptr().cast_mut());
     envp.push(std::ptr::null_mut());
-    let actions = FileActions::new()?;
+    let mut actions = FileActions::new()?;
     // Our pipe descriptors are above 2 (the process's 0, 1 and 2 are open), so no dup2 below
     // overwrites one that a later dup2 reads.
     actions.dup2(&stdin_child, 0)?;
@@ -136,16 +137,11 @@ impl FileActions {
         Ok(actions)
     }
 
-    fn dup2(&self, fd: &OwnedFd, to: RawFd) -> io::Result<()> {
-        // SAFETY: the actions were initialised; glibc copies the two numbers. The value is not
-        // moved between init and destroy (it lives in this struct, borrowed here).
-        check(unsafe {
-            libc::posix_spawn_file_actions_adddup2(
-                std::ptr::from_ref(&self.0).cast_mut(),
-                fd.as_raw_fd(),
-                to,
-            )
-        })
+    fn dup2(&mut self, fd: &OwnedFd, to: RawFd) -> io::Result<()> {
+        // SAFETY: the actions were initialised; glibc records the two numbers in memory it
+        // allocated and points to from the value, which holds no pointer into itself, so the
+        // value may move between init and destroy.
+        check(unsafe { libc::posix_spawn_file_actions_adddup2(&mut self.0, fd.as_raw_fd(), to) })
     }
 }
 
@@ -263,8 +259,9 @@ pub(crate) fn pidfd(pid: i32) -> io::Result<OwnedFd> {
 /// so its process group id, cannot be reused, so the group can still be signalled safely.
 /// A child that is gone already (reaped by someone else) counts as exited.
 pub(crate) fn has_exited(pid: i32) -> bool {
-    // SAFETY: waitid(2) fills the siginfo we pass; WNOWAIT leaves the child as it is.
+    // SAFETY: an all-zero siginfo is a valid value of the plain C struct.
     let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+    // SAFETY: waitid(2) fills the siginfo we pass; WNOWAIT leaves the child as it is.
     let rc = unsafe {
         libc::waitid(
             libc::P_PID,

@@ -185,18 +185,14 @@ fn watch_runs(dog: &'static Watchdog) {
     loop {
         let entries: Vec<Arc<Entry>> = {
             let mut runs = dog.runs.lock().unwrap_or_else(|p| p.into_inner());
-            if runs.entries.is_empty() {
-                let since = *idle_since.get_or_insert_with(Instant::now);
-                if since.elapsed() >= LINGER {
-                    runs.asleep = true;
-                    while runs.entries.is_empty() {
-                        runs = dog.wake.wait(runs).unwrap_or_else(|p| p.into_inner());
-                    }
-                    runs.asleep = false;
-                    idle_since = None;
-                }
-            }
             if !runs.entries.is_empty() {
+                idle_since = None;
+            } else if idle_since.get_or_insert_with(Instant::now).elapsed() >= LINGER {
+                runs.asleep = true;
+                while runs.entries.is_empty() {
+                    runs = dog.wake.wait(runs).unwrap_or_else(|p| p.into_inner());
+                }
+                runs.asleep = false;
                 idle_since = None;
             }
             runs.entries.clone()
