@@ -137,14 +137,7 @@ fn main() -> Result<()> {
     match args.scenario {
         Scenario::Hit => hit(&args, &rt),
         Scenario::Burst => burst(&args, &rt),
-        Scenario::Miss => {
-            // Sequential lookups gain nothing from worker threads; a current-thread runtime
-            // spares each run two cross-thread wake-ups, as in a single-threaded caller.
-            let local = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()?;
-            miss(&args, &local)
-        }
+        Scenario::Miss => miss(&args, &rt),
         Scenario::Rawexec => rawexec(&args),
         Scenario::RpcHit => agent::rpc_hit(&args),
         Scenario::Helper => agent::helper(&args),
@@ -383,16 +376,19 @@ fn miss(args: &Args, rt: &tokio::runtime::Runtime) -> Result<()> {
         image: &args.image,
         ..Default::default()
     };
-    let mut samples = Vec::with_capacity(args.n);
-    for i in 0..10 + args.n {
-        let started = Instant::now();
-        let got = rt.block_on(engine.lookup(&req))?;
-        let took = started.elapsed();
-        ensure!(got.errors.is_empty(), "lookup failed: {}", got.errors[0]);
-        if i >= 10 {
-            samples.push(took);
+    let samples = rt.block_on(async {
+        let mut samples = Vec::with_capacity(args.n);
+        for i in 0..10 + args.n {
+            let started = Instant::now();
+            let got = engine.lookup(&req).await?;
+            let took = started.elapsed();
+            ensure!(got.errors.is_empty(), "lookup failed: {}", got.errors[0]);
+            if i >= 10 {
+                samples.push(took);
+            }
         }
-    }
+        Ok(samples)
+    })?;
     let runs = engine.total_runs();
     ensure!(
         runs as usize == 10 + args.n,

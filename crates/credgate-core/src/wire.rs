@@ -4,13 +4,14 @@
 //! The decoder never lets plugin output reach an error: stdout may hold secrets, so errors name
 //! only the field that was wrong, never its value.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::time::Duration;
 
 use secrecy::{ExposeSecret, SecretString};
-use serde::Serialize;
-use serde_json::Value;
+use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::{Deserialize, Serialize};
 
 use crate::config::WireVersion;
 use crate::duration::GoDuration;
@@ -119,33 +120,49 @@ pub enum ResponseError {
 }
 
 /// Decodes and checks a plugin's stdout against the provider's configured version.
+///
+/// A repeated key counts with its last value, and `auth` comes out in key order, as a JSON
+/// object decoded into a map would.
 pub fn decode_response(stdout: &[u8], expected: WireVersion) -> Result<Response, ResponseError> {
-    let value: Value =
+    let value: Loose<'_> =
         serde_json::from_slice(stdout).map_err(|e| ResponseError::MalformedJson {
             line: e.line(),
             column: e.column(),
         })?;
-    let Value::Object(obj) = value else {
+    let Loose::Object(fields) = value else {
         return Err(ResponseError::MalformedJson { line: 1, column: 1 });
     };
-    if obj.get("kind").and_then(Value::as_str) != Some(RESPONSE_KIND) {
+    let (mut kind, mut api_version, mut key_type, mut duration, mut auth) =
+        (None, None, None, None, None);
+    for (name, value) in fields {
+        let slot = match &*name {
+            "kind" => &mut kind,
+            "apiVersion" => &mut api_version,
+            "cacheKeyType" => &mut key_type,
+            "cacheDuration" => &mut duration,
+            "auth" => &mut auth,
+            _ => continue,
+        };
+        *slot = Some(value);
+    }
+    if kind.as_ref().and_then(Loose::as_str) != Some(RESPONSE_KIND) {
         return Err(ResponseError::WrongKind);
     }
-    if obj.get("apiVersion").and_then(Value::as_str) != Some(expected.as_str()) {
+    if api_version.as_ref().and_then(Loose::as_str) != Some(expected.as_str()) {
         return Err(ResponseError::WrongApiVersion {
             expected: expected.as_str(),
         });
     }
-    let cache_key_type = match obj.get("cacheKeyType").and_then(Value::as_str) {
+    let cache_key_type = match key_type.as_ref().and_then(Loose::as_str) {
         Some("Image") => CacheKeyType::Image,
         Some("Registry") => CacheKeyType::Registry,
         Some("Global") => CacheKeyType::Global,
         _ => return Err(ResponseError::InvalidCacheKeyType),
     };
-    let cache_duration = match obj.get("cacheDuration") {
-        None | Some(Value::Null) => None,
-        Some(Value::String(s)) => {
-            let d = GoDuration::parse(s).map_err(|_| ResponseError::InvalidCacheDuration)?;
+    let cache_duration = match duration {
+        None | Some(Loose::Null) => None,
+        Some(Loose::Str(s)) => {
+            let d = GoDuration::parse(&s).map_err(|_| ResponseError::InvalidCacheDuration)?;
             Some(d.to_std().unwrap_or(Duration::ZERO))
         }
         Some(_) => return Err(ResponseError::InvalidCacheDuration),
@@ -153,31 +170,136 @@ pub fn decode_response(stdout: &[u8], expected: WireVersion) -> Result<Response,
     Ok(Response {
         cache_key_type,
         cache_duration,
-        auth: decode_auth(obj.get("auth"))?,
+        auth: decode_auth(auth)?,
     })
 }
 
-fn decode_auth(auth: Option<&Value>) -> Result<Vec<(String, AuthConfig)>, ResponseError> {
-    let map = match auth {
-        None | Some(Value::Null) => return Ok(Vec::new()),
-        Some(Value::Object(map)) => map,
+fn decode_auth(auth: Option<Loose<'_>>) -> Result<Vec<(String, AuthConfig)>, ResponseError> {
+    let entries = match auth {
+        None | Some(Loose::Null) => return Ok(Vec::new()),
+        Some(Loose::Object(entries)) => entries,
         Some(_) => return Err(ResponseError::WrongType("auth")),
     };
-    let field = |entry: &serde_json::Map<String, Value>, name: &'static str| match entry.get(name) {
-        None | Some(Value::Null) => Ok(String::new()),
-        Some(Value::String(s)) => Ok(s.clone()),
+    let field = |value: Option<Loose<'_>>, name: &'static str| match value {
+        None | Some(Loose::Null) => Ok(String::new()),
+        Some(Loose::Str(s)) => Ok(s.into_owned()),
         Some(_) => Err(ResponseError::WrongType(name)),
     };
-    map.iter()
-        .map(|(key, entry)| {
-            let Value::Object(entry) = entry else {
-                return Err(ResponseError::WrongType("auth"));
-            };
-            let username = field(entry, "username")?;
-            let password = SecretString::from(field(entry, "password")?);
-            Ok((key.clone(), AuthConfig { username, password }))
-        })
-        .collect()
+    let mut by_key = BTreeMap::new();
+    for (key, entry) in entries {
+        let Loose::Object(fields) = entry else {
+            return Err(ResponseError::WrongType("auth"));
+        };
+        let (mut username, mut password) = (None, None);
+        for (name, value) in fields {
+            match &*name {
+                "username" => username = Some(value),
+                "password" => password = Some(value),
+                _ => {}
+            }
+        }
+        let username = field(username, "username")?;
+        let password = SecretString::from(field(password, "password")?);
+        by_key.insert(key.into_owned(), AuthConfig { username, password });
+    }
+    Ok(by_key.into_iter().collect())
+}
+
+/// A JSON value kept only as far as a response needs it: strings (borrowed from the input
+/// when they hold no escape), null, objects as their members in input order, and anything
+/// else as `Other`. Cheaper than `serde_json::Value`, which copies every string and builds a
+/// map per object.
+enum Loose<'a> {
+    Null,
+    Str(Cow<'a, str>),
+    Object(Vec<(Cow<'a, str>, Loose<'a>)>),
+    Other,
+}
+
+impl Loose<'_> {
+    fn as_str(&self) -> Option<&str> {
+        match self {
+            Loose::Str(s) => Some(s),
+            _ => None,
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Loose<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(LooseVisitor)
+    }
+}
+
+/// A member name, borrowed when it holds no escape.
+struct Key<'a>(Cow<'a, str>);
+
+impl<'de> Deserialize<'de> for Key<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        match d.deserialize_str(LooseVisitor)? {
+            Loose::Str(s) => Ok(Key(s)),
+            _ => Err(de::Error::custom("an object key is not a string")),
+        }
+    }
+}
+
+struct LooseVisitor;
+
+impl<'de> Visitor<'de> for LooseVisitor {
+    type Value = Loose<'de>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
+        Ok(Loose::Str(Cow::Borrowed(v)))
+    }
+
+    fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(Loose::Str(Cow::Owned(v.to_owned())))
+    }
+
+    fn visit_string<E>(self, v: String) -> Result<Self::Value, E> {
+        Ok(Loose::Str(Cow::Owned(v)))
+    }
+
+    fn visit_unit<E>(self) -> Result<Self::Value, E> {
+        Ok(Loose::Null)
+    }
+
+    fn visit_none<E>(self) -> Result<Self::Value, E> {
+        Ok(Loose::Null)
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
+        Ok(Loose::Other)
+    }
+
+    fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
+        Ok(Loose::Other)
+    }
+
+    fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> {
+        Ok(Loose::Other)
+    }
+
+    fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
+        Ok(Loose::Other)
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        while seq.next_element::<IgnoredAny>()?.is_some() {}
+        Ok(Loose::Other)
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut members = Vec::with_capacity(map.size_hint().unwrap_or(0).min(16));
+        while let Some((Key(k), v)) = map.next_entry::<Key<'de>, Loose<'de>>()? {
+            members.push((k, v));
+        }
+        Ok(Loose::Object(members))
+    }
 }
 
 #[cfg(test)]
@@ -210,7 +332,7 @@ mod tests {
             service_account_token: Some(&token),
             service_account_annotations: Some(&ann),
         };
-        let v: Value = serde_json::from_slice(&req.encode()).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&req.encode()).unwrap();
         assert_eq!(v["serviceAccountToken"], "tok");
         assert_eq!(v["serviceAccountAnnotations"]["a.io/x"], "1");
     }
@@ -251,6 +373,31 @@ mod tests {
             "{{{base},\"auth\":{{\"a.io\":{{}}}},\"extra\":1}}"
         ));
         assert_eq!(empty.auth[0].1.username, "");
+    }
+
+    #[test]
+    fn decodes_as_a_map_would_escapes_repeats_and_ignored_members() {
+        // Escaped strings, a repeated key (the last counts), members of every other JSON type
+        // that the response ignores, and auth keys out of order (they come out sorted).
+        let r = ok(&format!(
+            r#"{{"kind":"Other","kind":"Credential\u0050roviderResponse","apiVersion":"{V1}",
+                "extra":[1,{{"x":[true,null]}},2.5],"n":-3,"b":false,"o":{{"k":"v"}},
+                "cacheKeyType":"Registry","auth":{{
+                  "z.io":{{"username":"z","password":"p\"q\\r","other":[1]}},
+                  "a.io":{{"username":"first","password":"1"}},
+                  "a.io":{{"username":"second","password":null}}}}}}"#
+        ));
+        assert_eq!(r.cache_key_type, CacheKeyType::Registry);
+        let keys: Vec<&str> = r.auth.iter().map(|(k, _)| k.as_str()).collect();
+        assert_eq!(keys, ["a.io", "z.io"]);
+        assert_eq!(r.auth[0].1.username, "second");
+        assert_eq!(r.auth[0].1.password.expose_secret(), "");
+        assert_eq!(r.auth[1].1.password.expose_secret(), "p\"q\\r");
+        // A wrongly typed member that a later repeat replaces is no error, as in a map.
+        let repeated = ok(&format!(
+            r#"{{"kind":"CredentialProviderResponse","apiVersion":"{V1}","cacheKeyType":7,"cacheKeyType":"Image"}}"#
+        ));
+        assert_eq!(repeated.cache_key_type, CacheKeyType::Image);
     }
 
     #[test]

@@ -226,8 +226,9 @@ fn exits_soon(pid: i32) -> bool {
     }
 }
 
-/// `fd` registered with the runtime's reactor.
+/// `fd`, made non-blocking, registered with the runtime's reactor.
 fn watched(fd: OwnedFd, interest: Interest) -> io::Result<AsyncFd<OwnedFd>> {
+    spawn::set_nonblocking(&fd)?;
     // SAFETY: an OwnedFd is an open descriptor that stays the same until it is dropped, and
     // only the AsyncFd that now owns it can drop it.
     Ok(unsafe { AsyncFd::register_with_interest(fd, interest) }?)
@@ -241,33 +242,113 @@ enum Capped {
     Overflow,
 }
 
-/// Reads into `buf` until EOF; stops with `Overflow` past `cap` bytes unless `keep_tail`, in
-/// which case only the last `cap` bytes are kept.
-async fn read_capped(
-    fd: &AsyncFd<OwnedFd>,
-    buf: &mut Vec<u8>,
+/// One output stream of a run: our end of its pipe until EOF, and what was read.
+struct Stream {
+    fd: Option<OwnedFd>,
+    buf: Vec<u8>,
+    /// Past this many bytes the run fails, unless `keep_tail`: then only the last `cap`
+    /// bytes are kept.
     cap: usize,
     keep_tail: bool,
-) -> io::Result<Capped> {
-    loop {
-        let mut ready = fd.readable().await?;
-        let n = match ready.try_io(|fd| spawn::read_into(fd.get_ref(), buf, READ_CHUNK)) {
-            Ok(Ok(n)) => n,
-            Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Ok(Err(e)) => return Err(e),
-            Err(_would_block) => continue,
-        };
-        if n == 0 {
-            return Ok(Capped::Done);
+}
+
+impl Stream {
+    fn new(fd: OwnedFd, cap: usize, keep_tail: bool) -> Stream {
+        Stream {
+            fd: Some(fd),
+            buf: Vec::new(),
+            cap,
+            keep_tail,
+        }
+    }
+
+    fn done(&self) -> bool {
+        self.fd.is_none()
+    }
+
+    /// One read(2) from `fd` into `buf`. `Ok(None)`: more may follow. Errors as read(2)'s,
+    /// `WouldBlock` and `Interrupted` included.
+    fn read(
+        fd: &OwnedFd,
+        buf: &mut Vec<u8>,
+        cap: usize,
+        keep_tail: bool,
+    ) -> io::Result<Option<Capped>> {
+        if spawn::read_into(fd, buf, READ_CHUNK)? == 0 {
+            return Ok(Some(Capped::Done));
         }
         if buf.len() > cap {
             if !keep_tail {
-                return Ok(Capped::Overflow);
+                return Ok(Some(Capped::Overflow));
             }
             let excess = buf.len() - cap;
             buf.drain(..excess);
         }
+        Ok(None)
     }
+
+    /// Reads until EOF through the runtime's reactor; stops at `Overflow`.
+    async fn read_async(&mut self) -> io::Result<Capped> {
+        let Some(fd) = self.fd.take() else {
+            return Ok(Capped::Done);
+        };
+        let fd = watched(fd, Interest::READABLE)?;
+        loop {
+            let mut ready = fd.readable().await?;
+            let (buf, cap, keep_tail) = (&mut self.buf, self.cap, self.keep_tail);
+            match ready.try_io(|fd| Self::read(fd.get_ref(), buf, cap, keep_tail)) {
+                Ok(Ok(Some(capped))) => return Ok(capped),
+                Ok(Ok(None)) => {}
+                Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => {}
+                Ok(Err(e)) => return Err(e),
+                Err(_would_block) => {}
+            }
+        }
+    }
+}
+
+/// How long a run on a multi-threaded runtime holds its thread waiting for the plugin before
+/// it waits through the reactor instead (see [`wait_inline`]).
+const INLINE_WAIT: Duration = Duration::from_millis(5);
+
+/// Whether this thread may block: only on a multi-threaded runtime, where
+/// `block_in_place` hands the worker's other tasks to another thread first.
+fn may_block() -> bool {
+    tokio::runtime::Handle::try_current()
+        .is_ok_and(|rt| rt.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread)
+}
+
+/// Reads both streams with a blocking `poll(2)` on this thread for at most `budget`. A
+/// plugin that answers within it costs no reactor registration and no task wake-up, which
+/// is most of what a run costs over a bare spawn; one that takes longer is left to the
+/// reactor, where what was read so far is kept. `Overflow` as the reactor's readers.
+fn wait_inline(streams: [&mut Stream; 2], budget: Duration) -> io::Result<Capped> {
+    let deadline = std::time::Instant::now() + budget;
+    let [out, err] = streams;
+    while !(out.done() && err.done()) {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            break;
+        }
+        let ready = spawn::poll_input([out.fd.as_ref(), err.fd.as_ref()], left)?;
+        for (stream, ready) in [&mut *out, &mut *err].into_iter().zip(ready) {
+            let Some(fd) = stream.fd.as_ref().filter(|_| ready) else {
+                continue;
+            };
+            match Stream::read(fd, &mut stream.buf, stream.cap, stream.keep_tail) {
+                Ok(Some(Capped::Done)) => stream.fd = None,
+                Ok(Some(Capped::Overflow)) => return Ok(Capped::Overflow),
+                Ok(None) => {}
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+                    ) => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+    Ok(Capped::Done)
 }
 
 /// Writes what the first write left of the request as the plugin reads, then closes stdin.
@@ -339,15 +420,33 @@ async fn exec(
         drop(child.stdin);
         None
     };
-    let stdout = watched(child.stdout, Interest::READABLE).map_err(io_error)?;
-    let stderr = watched(child.stderr, Interest::READABLE).map_err(io_error)?;
-    let (mut out, mut err) = (Vec::new(), Vec::new());
+    let mut out = Stream::new(child.stdout, limits.stdout, false);
+    let mut err = Stream::new(child.stderr, limits.stderr, true);
+    let overflow = || RunError::OutputTooLarge {
+        plugin: cmd.name.clone(),
+        stream: "stdout",
+        cap: limits.stdout,
+    };
+    // Whether the plugin has exited after closing its pipes, and whether that was checked.
+    let (mut exited, mut spun) = (false, false);
+    if stdin.is_none() && may_block() {
+        let waited = tokio::task::block_in_place(|| {
+            let capped = wait_inline([&mut out, &mut err], INLINE_WAIT)?;
+            let closed = out.done() && err.done();
+            Ok::<_, io::Error>((capped, closed, closed && exits_soon(pid)))
+        });
+        let (capped, closed, gone) = waited.map_err(io_error)?;
+        if let Capped::Overflow = capped {
+            return Err(overflow());
+        }
+        (exited, spun) = (gone, closed);
+    }
     {
         let mut in_done = stdin.is_none();
+        let (mut out_done, mut err_done) = (out.done(), err.done());
         let mut in_fut = pin!(write_rest(stdin, &input[written..]));
-        let mut out_fut = pin!(read_capped(&stdout, &mut out, limits.stdout, false));
-        let mut err_fut = pin!(read_capped(&stderr, &mut err, limits.stderr, true));
-        let (mut out_done, mut err_done, mut spun) = (false, false, false);
+        let mut out_fut = pin!(out.read_async());
+        let mut err_fut = pin!(err.read_async());
         loop {
             let seen = run.watch.seen();
             if seen.timed_out {
@@ -361,7 +460,7 @@ async fn exec(
                 break;
             }
             if out_done && err_done {
-                if seen.exited || (!spun && exits_soon(pid)) {
+                if exited || seen.exited || (!spun && exits_soon(pid)) {
                     break;
                 }
                 // It closed its pipes but runs on.
@@ -370,9 +469,7 @@ async fn exec(
             tokio::select! {
                 r = &mut out_fut, if !out_done => match r {
                     Ok(Capped::Done) => out_done = true,
-                    Ok(Capped::Overflow) => {
-                        return Err(RunError::OutputTooLarge { plugin: cmd.name.clone(), stream: "stdout", cap: limits.stdout });
-                    }
+                    Ok(Capped::Overflow) => return Err(overflow()),
                     Err(source) => return Err(io_error(source)),
                 },
                 _ = &mut err_fut, if !err_done => err_done = true,
@@ -386,10 +483,10 @@ async fn exec(
         return Err(RunError::NonZeroExit {
             plugin: cmd.name.clone(),
             status: status.to_string(),
-            stderr: printable_tail(&err),
+            stderr: printable_tail(&err.buf),
         });
     }
-    Ok(out)
+    Ok(out.buf)
 }
 
 /// The stderr tail as one printable line.
@@ -436,7 +533,51 @@ mod tests {
         );
     }
 
-    #[tokio::test]
+    /// Each named test on a current-thread runtime (a run waits through the reactor) and on a
+    /// multi-threaded one (it first waits inline, then through the reactor).
+    macro_rules! on_both_runtimes {
+        ($($name:ident),* $(,)?) => {
+            $(mod $name {
+                #[tokio::test]
+                async fn current_thread() {
+                    super::$name().await
+                }
+
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn multi_thread() {
+                    super::$name().await
+                }
+            })*
+        };
+    }
+
+    on_both_runtimes!(
+        an_answer_split_across_the_inline_wait_is_read_whole,
+        a_plugin_that_closes_its_pipes_and_runs_on_is_waited_for,
+        a_hang_behind_an_escapee_holding_the_pipes_times_out,
+    );
+
+    async fn an_answer_split_across_the_inline_wait_is_read_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        // Half the answer within the inline wait, the rest well after it.
+        let cmd = plugin(
+            dir.path(),
+            "cat >/dev/null; printf first; echo err1 >&2; sleep 0.1; printf -- '-second'; echo err2 >&2",
+            Duration::from_secs(30),
+        );
+        assert!(INLINE_WAIT < Duration::from_millis(100));
+        assert_eq!(run(&cmd, b"{}").await.unwrap(), b"first-second");
+        let failing = plugin(
+            dir.path(),
+            "cat >/dev/null; echo one >&2; sleep 0.1; echo two >&2; exit 4",
+            Duration::from_secs(30),
+        );
+        match run(&failing, b"{}").await {
+            Err(RunError::NonZeroExit { stderr, .. }) => assert_eq!(stderr, "one two"),
+            other => panic!("{other:?}"),
+        }
+    }
+
     async fn a_plugin_that_closes_its_pipes_and_runs_on_is_waited_for() {
         let dir = tempfile::tempdir().unwrap();
         let ok = plugin(
@@ -458,7 +599,6 @@ mod tests {
         }
     }
 
-    #[tokio::test]
     async fn a_hang_behind_an_escapee_holding_the_pipes_times_out() {
         let dir = tempfile::tempdir().unwrap();
         let pid_file = dir.path().join("escapee.pid");

@@ -9,8 +9,11 @@
 //! waits longer than two runs.
 
 use std::collections::BTreeMap;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant, SystemTime};
 
 use credgate_core::config::{ProviderSpec, TokenCacheType};
@@ -92,6 +95,35 @@ struct RunState {
     last_run: Option<SystemTime>,
     last_success: Option<SystemTime>,
     last_error: Option<String>,
+}
+
+/// A run driven by the request that started it, so that a miss costs no hand-off to another
+/// task. Dropped before the run ends (its request was cancelled), it hands the rest of the run
+/// to a task of the current runtime, so the run still completes for its other waiters and the
+/// cache. Outside a runtime the rest is dropped: the plugin is killed and waiters see the run
+/// abandoned.
+struct Lead(Option<Pin<Box<dyn Future<Output = RunResult> + Send>>>);
+
+impl Future for Lead {
+    type Output = RunResult;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<RunResult> {
+        let run = self
+            .0
+            .as_mut()
+            .expect("a lead is not polled after it completed");
+        let result = std::task::ready!(run.as_mut().poll(cx));
+        self.0 = None;
+        Poll::Ready(result)
+    }
+}
+
+impl Drop for Lead {
+    fn drop(&mut self) {
+        if let (Some(rest), Ok(runtime)) = (self.0.take(), tokio::runtime::Handle::try_current()) {
+            runtime.spawn(rest);
+        }
+    }
 }
 
 struct Pending {
@@ -299,7 +331,7 @@ impl Provider {
         let mut speculated = false;
         let mut counted = false;
         loop {
-            let (pending, join) = {
+            let (pending, join, lead) = {
                 let mut inflight = lock(&self.inflight);
                 let snapshot = self.cache.load();
                 if let Some(e) = snapshot.find(
@@ -316,15 +348,19 @@ impl Provider {
                     counted = true;
                 }
                 if let Some(p) = inflight.exact(&ask) {
-                    (p, Join::Exact)
+                    (p, Join::Exact, None)
                 } else if let Some(p) = (!speculated).then(|| inflight.cover(&ask)).flatten() {
-                    (p, Join::Speculative)
+                    (p, Join::Speculative, None)
                 } else {
                     self.check_backoff()?;
-                    (self.start(&ask, &mut inflight), Join::Exact)
+                    let (p, lead) = self.start(&ask, &mut inflight);
+                    (p, Join::Exact, Some(lead))
                 }
             };
-            let result = self.wait(&pending).await;
+            let result = match lead {
+                Some(lead) => lead.await,
+                None => self.wait(&pending).await,
+            };
             match (join, result) {
                 (Join::Speculative, Ok(e))
                     if !e.covers(ask.image, ask.registry, ask.scope.as_deref()) =>
@@ -364,8 +400,9 @@ impl Provider {
         }
     }
 
-    /// Registers a pending run and spawns it; the run completes even if every waiter goes away.
-    fn start(self: &Arc<Self>, ask: &Ask<'_>, inflight: &mut Inflight) -> Arc<Pending> {
+    /// Registers a pending run, which the caller drives; the run completes even if every
+    /// waiter goes away (see [`Lead`]).
+    fn start(self: &Arc<Self>, ask: &Ask<'_>, inflight: &mut Inflight) -> (Arc<Pending>, Lead) {
         let (tx, rx) = watch::channel(None);
         let pending = Arc::new(Pending {
             image: ask.image.into(),
@@ -389,7 +426,7 @@ impl Provider {
         .encode();
         let this = self.clone();
         let job = pending.clone();
-        tokio::spawn(async move {
+        let run = async move {
             let result = this.run(&job, request, token).await;
             if let Ok(entry) = &result {
                 let n = this.cache.insert(entry.clone(), this.clock.now());
@@ -405,9 +442,10 @@ impl Provider {
                     inflight.hint = Some(entry.key_type);
                 }
             }
-            let _ = tx.send(Some(result));
-        });
-        pending
+            let _ = tx.send(Some(result.clone()));
+            result
+        };
+        (pending, Lead(Some(Box::pin(run))))
     }
 
     #[tracing::instrument(name = "plugin_run", skip_all, fields(plugin = %self.spec.name, image = %job.image))]

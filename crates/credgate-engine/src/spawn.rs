@@ -17,6 +17,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
 use std::process::ExitStatus;
+use std::time::Duration;
 
 /// An executable with its arguments and environment, ready to spawn.
 pub(crate) struct Program {
@@ -71,7 +72,9 @@ fn c_string(bytes: &[u8]) -> io::Result<CString> {
 }
 
 /// A started plugin: its pid (also its process group) and our ends of its pipes, all
-/// non-blocking and close-on-exec. The caller reaps it.
+/// close-on-exec; stdin is non-blocking, stdout and stderr are blocking until
+/// [`set_nonblocking`] (a run that reads them after `poll(2)` needs no system call for it).
+/// The caller reaps it.
 pub(crate) struct Child {
     pub pid: i32,
     pub stdin: OwnedFd,
@@ -84,9 +87,7 @@ pub(crate) fn spawn(program: &Program, extra: &CStr) -> io::Result<Child> {
     let (stdin_child, stdin) = pipe()?;
     let (stdout, stdout_child) = pipe()?;
     let (stderr, stderr_child) = pipe()?;
-    for fd in [&stdin, &stdout, &stderr] {
-        set_nonblocking(fd)?;
-    }
+    set_nonblocking(&stdin)?;
     let mut argv: Vec<*mut libc::c_char> =
         program.argv.iter().map(|a| a.as_ptr().cast_mut()).collect();
     argv.push(std::ptr::null_mut());
@@ -210,7 +211,8 @@ fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
     Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
 }
 
-fn set_nonblocking(fd: &OwnedFd) -> io::Result<()> {
+/// Makes `fd` non-blocking.
+pub(crate) fn set_nonblocking(fd: &OwnedFd) -> io::Result<()> {
     // SAFETY: fcntl(2) on a descriptor we own; pipes carry no other status flag we set.
     if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK) } < 0 {
         return Err(io::Error::last_os_error());
@@ -242,6 +244,28 @@ pub(crate) fn write(fd: &OwnedFd, buf: &[u8]) -> io::Result<usize> {
     // SAFETY: the buffer is valid for reads of its length.
     let n = unsafe { libc::write(fd.as_raw_fd(), buf.as_ptr().cast(), buf.len()) };
     usize::try_from(n).map_err(|_| io::Error::last_os_error())
+}
+
+/// poll(2) for input on up to two descriptors for at most `timeout` (rounded up to a
+/// millisecond); which of them are readable or hung up. An interrupted wait reports none.
+pub(crate) fn poll_input(fds: [Option<&OwnedFd>; 2], timeout: Duration) -> io::Result<[bool; 2]> {
+    // A negative descriptor is ignored by poll(2).
+    let mut set = fds.map(|fd| libc::pollfd {
+        fd: fd.map_or(-1, AsRawFd::as_raw_fd),
+        events: libc::POLLIN,
+        revents: 0,
+    });
+    let ms = libc::c_int::try_from(timeout.as_micros().div_ceil(1000)).unwrap_or(libc::c_int::MAX);
+    // SAFETY: poll(2) reads and writes the array of pollfd we pass, of the length we pass.
+    if unsafe { libc::poll(set.as_mut_ptr(), set.len() as libc::nfds_t, ms) } < 0 {
+        let e = io::Error::last_os_error();
+        return if e.kind() == io::ErrorKind::Interrupted {
+            Ok([false; 2])
+        } else {
+            Err(e)
+        };
+    }
+    Ok(set.map(|p| p.revents != 0))
 }
 
 /// A pidfd for `pid`, to signal it without the risk of a recycled pid.

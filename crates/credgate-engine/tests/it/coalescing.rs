@@ -191,6 +191,38 @@ async fn a_cancelled_caller_does_not_strand_the_others() {
     assert_eq!(runner.runs(), 1);
 }
 
+#[tokio::test(start_paused = true)]
+async fn a_run_whose_only_caller_is_cancelled_still_fills_the_cache() {
+    let (engine, runner) = fake_engine("Registry", None);
+    let first = {
+        let engine = engine.clone();
+        tokio::spawn(async move {
+            engine
+                .lookup(&LookupRequest {
+                    image: "registry.example.com/a",
+                    ..Default::default()
+                })
+                .await
+        })
+    };
+    tokio::task::yield_now().await;
+    assert_eq!(runner.runs(), 1, "the caller started the run");
+    first.abort();
+    assert!(first.await.unwrap_err().is_cancelled());
+    // The run goes on without its caller and fills the cache.
+    tokio::time::sleep(RUN * 2).await;
+    let got = engine
+        .lookup(&LookupRequest {
+            image: "registry.example.com/b",
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(got.credentials.len(), 1);
+    assert_eq!(runner.runs(), 1, "served from the cache");
+    assert_eq!(engine.provider_status()[0].cache_hits, 1);
+}
+
 /// A runner that records how many runs were in flight at once.
 struct Gauged {
     inner: Arc<FakeRunner>,

@@ -41,7 +41,6 @@ fn run_error(err: &ProviderError) -> &RunError {
     }
 }
 
-#[tokio::test]
 async fn succeeds_in_every_wire_version() {
     for wire in WireVersion::ALL {
         let dir = tempfile::tempdir().unwrap();
@@ -195,7 +194,6 @@ async fn bad_responses_are_errors_and_never_cached() {
     }
 }
 
-#[tokio::test]
 async fn failure_with_secret_on_stdout_never_leaks() {
     let logs = LogCapture::start();
     let dir = tempfile::tempdir().unwrap();
@@ -224,7 +222,6 @@ async fn failure_with_secret_on_stdout_never_leaks() {
     assert!(!logs.text().contains(secret));
 }
 
-#[tokio::test]
 async fn malformed_output_with_secret_never_leaks() {
     let logs = LogCapture::start();
     let dir = tempfile::tempdir().unwrap();
@@ -273,7 +270,6 @@ fn short_timeout(o: &mut EngineOptions) {
     o.default_timeout = Duration::from_millis(400);
 }
 
-#[tokio::test]
 async fn hang_is_killed_at_the_timeout() {
     let dir = tempfile::tempdir().unwrap();
     let pid = dir.path().join("child.pid");
@@ -294,7 +290,6 @@ async fn hang_is_killed_at_the_timeout() {
     wait_gone(&pid);
 }
 
-#[tokio::test]
 async fn child_holding_stdout_does_not_hang_a_finished_plugin() {
     let dir = tempfile::tempdir().unwrap();
     let pid = dir.path().join("child.pid");
@@ -321,7 +316,6 @@ async fn child_holding_stdout_does_not_hang_a_finished_plugin() {
     wait_gone(&pid);
 }
 
-#[tokio::test]
 async fn escaped_child_holding_stdout_is_drained_with_a_bound() {
     let dir = tempfile::tempdir().unwrap();
     let body = ok_body();
@@ -343,7 +337,6 @@ async fn escaped_child_holding_stdout_is_drained_with_a_bound() {
     );
 }
 
-#[tokio::test]
 async fn output_flood_hits_the_cap() {
     let dir = tempfile::tempdir().unwrap();
     script(dir.path(), "p", "cat >/dev/null\nexec yes credgate");
@@ -359,7 +352,6 @@ async fn output_flood_hits_the_cap() {
     );
 }
 
-#[tokio::test]
 async fn stderr_flood_is_truncated_not_fatal() {
     let dir = tempfile::tempdir().unwrap();
     let body = ok_body();
@@ -375,7 +367,6 @@ async fn stderr_flood_is_truncated_not_fatal() {
     assert_eq!(got.credentials.len(), 1, "{:?}", got.errors);
 }
 
-#[tokio::test]
 async fn plugin_that_ignores_stdin_still_works() {
     let dir = tempfile::tempdir().unwrap();
     let body = ok_body();
@@ -515,3 +506,34 @@ async fn repeated_failures_back_off() {
     assert_eq!(status.consecutive_failures, 2);
     assert!(status.last_error.is_some());
 }
+
+/// Runs each named test body on both kinds of runtime: a current-thread one, where a run
+/// waits for its plugin through the reactor, and a multi-threaded one, where it first waits
+/// inline (`block_in_place`) and falls back to the reactor after a few milliseconds.
+macro_rules! on_both_runtimes {
+    ($($name:ident),* $(,)?) => {
+        $(mod $name {
+            #[tokio::test]
+            async fn current_thread() {
+                super::$name().await
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn multi_thread() {
+                super::$name().await
+            }
+        })*
+    };
+}
+
+on_both_runtimes!(
+    succeeds_in_every_wire_version,
+    failure_with_secret_on_stdout_never_leaks,
+    malformed_output_with_secret_never_leaks,
+    hang_is_killed_at_the_timeout,
+    child_holding_stdout_does_not_hang_a_finished_plugin,
+    escaped_child_holding_stdout_is_drained_with_a_bound,
+    output_flood_hits_the_cap,
+    stderr_flood_is_truncated_not_fatal,
+    plugin_that_ignores_stdin_still_works,
+);
