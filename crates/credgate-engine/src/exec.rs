@@ -533,24 +533,6 @@ mod tests {
         );
     }
 
-    /// Each named test on a current-thread runtime (a run waits through the reactor) and on a
-    /// multi-threaded one (it first waits inline, then through the reactor).
-    macro_rules! on_both_runtimes {
-        ($($name:ident),* $(,)?) => {
-            $(mod $name {
-                #[tokio::test]
-                async fn current_thread() {
-                    super::$name().await
-                }
-
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn multi_thread() {
-                    super::$name().await
-                }
-            })*
-        };
-    }
-
     on_both_runtimes!(
         an_answer_split_across_the_inline_wait_is_read_whole,
         a_plugin_that_closes_its_pipes_and_runs_on_is_waited_for,

@@ -26,6 +26,10 @@
 //! # Ok(()) }
 //! ```
 
+#[cfg(test)]
+#[macro_use]
+mod test_runtimes;
+
 pub mod cache;
 pub mod clock;
 pub mod engine;

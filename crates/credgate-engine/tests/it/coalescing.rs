@@ -167,17 +167,7 @@ async fn a_failed_run_is_shared_by_its_waiters() {
 #[tokio::test(start_paused = true)]
 async fn a_cancelled_caller_does_not_strand_the_others() {
     let (engine, runner) = fake_engine("Registry", None);
-    let first = {
-        let engine = engine.clone();
-        tokio::spawn(async move {
-            engine
-                .lookup(&LookupRequest {
-                    image: "registry.example.com/a",
-                    ..Default::default()
-                })
-                .await
-        })
-    };
+    let first = spawn_lookup(&engine, "registry.example.com/a");
     tokio::task::yield_now().await;
     first.abort();
     let got = engine
@@ -194,17 +184,7 @@ async fn a_cancelled_caller_does_not_strand_the_others() {
 #[tokio::test(start_paused = true)]
 async fn a_run_whose_only_caller_is_cancelled_still_fills_the_cache() {
     let (engine, runner) = fake_engine("Registry", None);
-    let first = {
-        let engine = engine.clone();
-        tokio::spawn(async move {
-            engine
-                .lookup(&LookupRequest {
-                    image: "registry.example.com/a",
-                    ..Default::default()
-                })
-                .await
-        })
-    };
+    let first = spawn_lookup(&engine, "registry.example.com/a");
     tokio::task::yield_now().await;
     assert_eq!(runner.runs(), 1, "the caller started the run");
     first.abort();
@@ -221,6 +201,22 @@ async fn a_run_whose_only_caller_is_cancelled_still_fills_the_cache() {
     assert_eq!(got.credentials.len(), 1);
     assert_eq!(runner.runs(), 1, "served from the cache");
     assert_eq!(engine.provider_status()[0].cache_hits, 1);
+}
+
+/// A lookup of `image` in a task of its own.
+fn spawn_lookup(
+    engine: &Engine,
+    image: &'static str,
+) -> tokio::task::JoinHandle<Result<credgate_engine::Lookup, credgate_engine::LookupError>> {
+    let engine = engine.clone();
+    tokio::spawn(async move {
+        engine
+            .lookup(&LookupRequest {
+                image,
+                ..Default::default()
+            })
+            .await
+    })
 }
 
 /// A runner that records how many runs were in flight at once.

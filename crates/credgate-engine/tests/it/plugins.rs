@@ -507,25 +507,6 @@ async fn repeated_failures_back_off() {
     assert!(status.last_error.is_some());
 }
 
-/// Runs each named test body on both kinds of runtime: a current-thread one, where a run
-/// waits for its plugin through the reactor, and a multi-threaded one, where it first waits
-/// inline (`block_in_place`) and falls back to the reactor after a few milliseconds.
-macro_rules! on_both_runtimes {
-    ($($name:ident),* $(,)?) => {
-        $(mod $name {
-            #[tokio::test]
-            async fn current_thread() {
-                super::$name().await
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn multi_thread() {
-                super::$name().await
-            }
-        })*
-    };
-}
-
 on_both_runtimes!(
     succeeds_in_every_wire_version,
     failure_with_secret_on_stdout_never_leaks,
