@@ -100,8 +100,8 @@ struct RunState {
 /// A run driven by the request that started it, so that a miss costs no hand-off to another
 /// task. Dropped before the run ends (its request was cancelled), it hands the rest of the run
 /// to a task of the current runtime, so the run still completes for its other waiters and the
-/// cache. Outside a runtime the rest is dropped: the plugin is killed and waiters see the run
-/// abandoned.
+/// cache. Outside a runtime, or when the run itself panicked, the rest is dropped: the plugin
+/// is killed and waiters see the run abandoned.
 struct Lead(Option<Pin<Box<dyn Future<Output = RunResult> + Send>>>);
 
 impl Future for Lead {
@@ -120,7 +120,12 @@ impl Future for Lead {
 
 impl Drop for Lead {
     fn drop(&mut self) {
-        if let (Some(rest), Ok(runtime)) = (self.0.take(), tokio::runtime::Handle::try_current()) {
+        let Some(rest) = self.0.take() else { return };
+        // A future that panicked while polled must not be polled again.
+        if std::thread::panicking() {
+            return;
+        }
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(rest);
         }
     }

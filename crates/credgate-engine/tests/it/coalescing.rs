@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use credgate_engine::{Engine, EngineOptions, LookupRequest};
+use credgate_engine::{Engine, EngineOptions, LookupRequest, ProviderError};
 use tokio::sync::Barrier;
 use tokio::time::Instant;
 
@@ -201,6 +201,57 @@ async fn a_run_whose_only_caller_is_cancelled_still_fills_the_cache() {
     assert_eq!(got.credentials.len(), 1);
     assert_eq!(runner.runs(), 1, "served from the cache");
     assert_eq!(engine.provider_status()[0].cache_hits, 1);
+}
+
+/// A runner with a bug: it panics mid-run.
+struct Panicking;
+
+impl credgate_engine::exec::PluginRunner for Panicking {
+    fn run<'a>(
+        &'a self,
+        _: &'a credgate_engine::exec::PluginCommand,
+        _: Vec<u8>,
+    ) -> credgate_engine::exec::BoxFuture<'a, Result<Vec<u8>, credgate_engine::exec::RunError>>
+    {
+        Box::pin(async {
+            tokio::time::sleep(RUN).await;
+            panic!("a runner bug");
+        })
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_run_that_panics_fails_its_caller_and_abandons_the_others() {
+    let engine = Engine::builder()
+        .config(config(&[("p", &["registry.example.com"], "10m", WIRE_V1)]))
+        .options(EngineOptions::default())
+        .runner(Arc::new(Panicking))
+        .build()
+        .unwrap();
+    // Watch for a second panic: the panicked run being polled again.
+    static REPOLLED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    let default_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if info.to_string().contains("resumed after panicking") {
+            REPOLLED.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+        default_hook(info);
+    }));
+    let first = spawn_lookup(&engine, "registry.example.com/a");
+    tokio::task::yield_now().await;
+    let joiner = spawn_lookup(&engine, "registry.example.com/a");
+    assert!(
+        first.await.unwrap_err().is_panic(),
+        "the caller that drove the run"
+    );
+    // The panicked run is not polled again elsewhere: the joiner is told it was abandoned.
+    let got = joiner.await.unwrap().unwrap();
+    assert!(
+        matches!(got.errors[..], [ProviderError::Abandoned { .. }]),
+        "{:?}",
+        got.errors
+    );
+    assert!(!REPOLLED.load(std::sync::atomic::Ordering::SeqCst));
 }
 
 /// A lookup of `image` in a task of its own.
