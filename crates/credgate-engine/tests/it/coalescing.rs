@@ -170,12 +170,9 @@ async fn a_cancelled_caller_does_not_strand_the_others() {
     let first = spawn_lookup(&engine, "registry.example.com/a");
     tokio::task::yield_now().await;
     first.abort();
-    let got = engine
-        .lookup(&LookupRequest {
-            image: "registry.example.com/b",
-            ..Default::default()
-        })
+    let got = spawn_lookup(&engine, "registry.example.com/b")
         .await
+        .unwrap()
         .unwrap();
     assert_eq!(got.credentials.len(), 1);
     assert_eq!(runner.runs(), 1);
@@ -191,12 +188,9 @@ async fn a_run_whose_only_caller_is_cancelled_still_fills_the_cache() {
     assert!(first.await.unwrap_err().is_cancelled());
     // The run goes on without its caller and fills the cache.
     tokio::time::sleep(RUN * 2).await;
-    let got = engine
-        .lookup(&LookupRequest {
-            image: "registry.example.com/b",
-            ..Default::default()
-        })
+    let got = spawn_lookup(&engine, "registry.example.com/b")
         .await
+        .unwrap()
         .unwrap();
     assert_eq!(got.credentials.len(), 1);
     assert_eq!(runner.runs(), 1, "served from the cache");
