@@ -9,6 +9,12 @@
 //! IO sits behind narrow seams so tests inject fakes: [`exec::PluginRunner`] runs plugins
 //! ([`exec::ExecRunner`] spawns real executables) and [`clock::Clock`] tells time.
 //!
+//! Runtime: lookups need tokio (its reactor and a runtime handle). The request that misses
+//! the cache drives the plugin run itself; on a multi-threaded runtime the run first waits for
+//! its plugin for up to 5 ms on the caller's thread inside `block_in_place` (other tasks move
+//! to another worker), which makes a fast plugin cheaper to run; on a current-thread runtime
+//! it never blocks. A lookup dropped mid-run hands the run to a task, so it still completes.
+//!
 //! ```no_run
 //! use credgate_engine::{Engine, EngineOptions, LookupRequest};
 //! use credgate_engine::source::load_provider_config;
