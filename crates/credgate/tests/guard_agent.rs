@@ -47,9 +47,10 @@ async fn every_acknowledged_pull_survives_sigkill() {
         let agent = Agent::start(dir.path(), &[]);
         let channel = credgate_api::connect(&agent.socket).await.unwrap();
         let mut writers = Vec::new();
+        let acked_now = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         for w in 0..16 {
             let mut client = ImageAccessClient::new(channel.clone());
-            let acked = acked.clone();
+            let (acked, acked_now) = (acked.clone(), acked_now.clone());
             writers.push(tokio::spawn(async move {
                 for i in 0.. {
                     let image = format!("registry.example.com/r{round}/w{w}:i{i}");
@@ -73,6 +74,7 @@ async fn every_acknowledged_pull_survives_sigkill() {
                     match result {
                         Ok(_) => {
                             acked.lock().unwrap().insert(image_ref);
+                            acked_now.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                         }
                         Err(_) => return,
                     }
@@ -80,6 +82,14 @@ async fn every_acknowledged_pull_survives_sigkill() {
             }));
         }
         tokio::time::sleep(Duration::from_millis(kill_after_ms)).await;
+        // A slow disk (fsync under a busy test run) must not make the round vacuous: the kill
+        // comes at the random moment or once 15 pulls are acknowledged, whichever is later.
+        let patience = std::time::Instant::now() + Duration::from_secs(20);
+        while acked_now.load(std::sync::atomic::Ordering::SeqCst) < 15
+            && std::time::Instant::now() < patience
+        {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
         agent.signal(libc::SIGKILL);
         for w in writers {
             let _ = tokio::time::timeout(Duration::from_secs(10), w).await;
