@@ -551,8 +551,14 @@ impl Engine {
 
     /// Remembers a resolution; lookups with a service account are scoped to it and never
     /// remembered.
+    /// Remembers a resolution, unless a cache changed while it was built (a plugin run of this
+    /// very lookup, usually): then it could never be served, and the memo's copy-on-write
+    /// insert would be wasted.
     fn remember(&self, req: &LookupRequest<'_>, resolved: &Arc<Resolved>) {
-        if req.service_account.is_none() && !req.registry_host {
+        if req.service_account.is_none()
+            && !req.registry_host
+            && self.inner.memo.generation() == resolved.generation
+        {
             self.inner.memo.insert(req.image, resolved.clone());
         }
     }
