@@ -100,6 +100,16 @@ impl Tenants {
     }
 }
 
+/// Asserts that the registry verified the pull with the credential at `index`.
+fn assert_verified_by(v: &pb::VerifyResponse, index: i32, context: &str) {
+    assert_eq!(
+        (v.reason.as_str(), v.credential_index),
+        ("verified", index),
+        "{context}: {}",
+        v.message
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tenant_b_cannot_use_tenant_a_private_image() {
     let dir = tempfile::tempdir().unwrap();
@@ -129,12 +139,7 @@ async fn tenant_b_cannot_use_tenant_a_private_image() {
         .await
         .unwrap();
     let v = t.verify(vec![a()], &digest).await;
-    assert_eq!(
-        (v.reason.as_str(), v.credential_index),
-        ("verified", 0),
-        "A's own credentials work: {}",
-        v.message
-    );
+    assert_verified_by(&v, 0, "A's own credentials work");
     t.client
         .record_pull_result(pb::RecordPullResultRequest {
             image: image.clone(),
@@ -200,12 +205,7 @@ async fn tenant_b_cannot_use_tenant_a_private_image() {
             &digest,
         )
         .await;
-    assert_eq!(
-        (v.reason.as_str(), v.credential_index),
-        ("verified", 1),
-        "{}",
-        v.message
-    );
+    assert_verified_by(&v, 1, "the rotated secret, second in the list");
     // The wrong digest is not accepted.
     let v = t
         .verify(
@@ -316,12 +316,7 @@ printf '{{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.k
     };
     assert_eq!(t.check(vec![]).await.0, pb::Decision::MustAuthenticate);
     let v = t.verify(vec![anonymous()], &digest).await;
-    assert_eq!(
-        (v.reason.as_str(), v.credential_index),
-        ("verified", 0),
-        "{}",
-        v.message
-    );
+    assert_verified_by(&v, 0, "a node-wide pull, verified with the node's provider");
     // Recorded as node accessible: any consumer may use it now.
     let (decision, reason) = t.check(vec![]).await;
     assert_eq!(
@@ -397,12 +392,7 @@ async fn registry_killed_and_restarted_during_verifications() {
     registry.restart();
     // Back: the next verification reaches it; no restart of the agent, no stale connection.
     let v = t.verify(vec![a()], &digest).await;
-    assert_eq!(
-        (v.reason.as_str(), v.credential_index),
-        ("verified", 0),
-        "{}",
-        v.message
-    );
+    assert_verified_by(&v, 0, "the registry is back");
     tokio::time::sleep(Duration::from_millis(400)).await;
     stop.store(true, Ordering::Relaxed);
 
