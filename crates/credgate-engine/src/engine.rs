@@ -549,11 +549,10 @@ impl Engine {
             .flatten()
     }
 
-    /// Remembers a resolution; lookups with a service account are scoped to it and never
-    /// remembered.
-    /// Remembers a resolution, unless a cache changed while it was built (a plugin run of this
-    /// very lookup, usually): then it could never be served, and the memo's copy-on-write
-    /// insert would be wasted.
+    /// Remembers a resolution. Lookups with a service account are scoped to it and never
+    /// remembered; nor is a resolution built while a cache changed (this very lookup's plugin
+    /// run, usually): it could never be served, and the memo's copy-on-write insert would be
+    /// wasted.
     fn remember(&self, req: &LookupRequest<'_>, resolved: &Arc<Resolved>) {
         if req.service_account.is_none()
             && !req.registry_host

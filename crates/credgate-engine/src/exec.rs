@@ -226,9 +226,8 @@ fn exits_soon(pid: i32) -> bool {
     }
 }
 
-/// `fd`, made non-blocking, registered with the runtime's reactor.
+/// `fd` (non-blocking) registered with the runtime's reactor.
 fn watched(fd: OwnedFd, interest: Interest) -> io::Result<AsyncFd<OwnedFd>> {
-    spawn::set_nonblocking(&fd)?;
     // SAFETY: an OwnedFd is an open descriptor that stays the same until it is dropped, and
     // only the AsyncFd that now owns it can drop it.
     Ok(unsafe { AsyncFd::register_with_interest(fd, interest) }?)
@@ -292,6 +291,8 @@ impl Stream {
         let Some(fd) = self.fd.take() else {
             return Ok(Capped::Done);
         };
+        // Blocking until now: the inline wait reads only after poll(2) says so.
+        spawn::set_nonblocking(&fd)?;
         let fd = watched(fd, Interest::READABLE)?;
         loop {
             let mut ready = fd.readable().await?;
