@@ -93,5 +93,5 @@ async fn many_concurrent_clients_no_errors_memory_stable() {
 
     stop.send(true).unwrap();
     drop(channels);
-    served.await.unwrap().unwrap();
+    served.await.unwrap();
 }

@@ -196,7 +196,15 @@ fn run_helper(helper: &Path, socket: &Path, verb: &str, stdin: &[u8]) -> Result<
 
 pub fn helper(args: &Args) -> Result<()> {
     let helper = helper_path(args)?;
-    let served = serve(args)?;
+    // A running agent (`credgate serve`) when its socket is given, else one in this process.
+    let served = match args.socket {
+        Some(_) => None,
+        None => Some(serve(args)?),
+    };
+    let socket = match (&args.socket, &served) {
+        (Some(s), _) => s.clone(),
+        (None, served) => served.as_ref().context("agent served")?.socket.clone(),
+    };
     let host = args
         .image
         .split('/')
@@ -207,8 +215,8 @@ pub fn helper(args: &Args) -> Result<()> {
     let mut nothing = Vec::with_capacity(args.n);
     for i in 0..10 + args.n {
         // Interleaved, so that both see the same machine state.
-        let g = run_helper(&helper, &served.socket, "get", host.as_bytes())?;
-        let v = run_helper(&helper, &served.socket, "version", b"")?;
+        let g = run_helper(&helper, &socket, "get", host.as_bytes())?;
+        let v = run_helper(&helper, &socket, "version", b"")?;
         if i >= 10 {
             get.push(g);
             nothing.push(v);
@@ -225,7 +233,7 @@ pub fn helper(args: &Args) -> Result<()> {
             "get_mean_ms": ms(gm), "get_p50_ms": ms(g50), "get_p99_ms": ms(percentile(&mut get, 0.99)),
             "nothing_mean_ms": ms(nm), "nothing_p50_ms": ms(n50), "nothing_p99_ms": ms(percentile(&mut nothing, 0.99)),
             "p50_ratio": ((g50.as_secs_f64() / n50.as_secs_f64()) * 1000.0).round() / 1000.0,
-            "plugin_runs": served.agent.engine().total_runs(),
+            "plugin_runs": served.as_ref().map(|s| s.agent.engine().total_runs()),
         }),
     );
     Ok(())

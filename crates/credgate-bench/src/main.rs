@@ -104,7 +104,7 @@ pub struct Args {
     /// The state directory to fill (guard-populate, internal).
     #[arg(long, hide = true)]
     state_dir: Option<PathBuf>,
-    /// The agent's socket (soak).
+    /// The agent's socket (soak; helper: a running agent instead of one in this process).
     #[arg(long)]
     socket: Option<PathBuf>,
     /// The agent's pid, sampled from /proc (soak).

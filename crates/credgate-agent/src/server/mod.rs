@@ -15,10 +15,11 @@ use secrecy::{ExposeSecret, SecretString};
 use tokio::net::UnixListener;
 use tokio::sync::mpsc::error::SendTimeoutError;
 use tokio::sync::watch;
-use tokio_stream::wrappers::{UnixListenerStream, WatchStream};
+use tokio_stream::wrappers::WatchStream;
 use tokio_stream::{Stream, StreamExt, StreamMap};
 use tonic::{Request, Response, Status};
 
+mod http;
 mod image_access;
 
 pub use image_access::record as wire_record;
@@ -78,18 +79,11 @@ pub struct Peer {
 
 /// The caller of a request, as the kernel reports it for the socket.
 pub fn peer<T>(request: &Request<T>) -> Peer {
-    let cred = request
+    request
         .extensions()
-        .get::<tonic::transport::server::UdsConnectInfo>()
-        .and_then(|info| info.peer_cred);
-    match cred {
-        Some(c) => Peer {
-            uid: Some(c.uid()),
-            gid: Some(c.gid()),
-            pid: c.pid(),
-        },
-        None => Peer::default(),
-    }
+        .get::<Peer>()
+        .copied()
+        .unwrap_or_default()
 }
 
 /// Refuses callers whose uid the allowlist does not admit to `service`.
@@ -198,6 +192,9 @@ impl Api {
         if let Some(answer) = served {
             return Ok(answer);
         }
+        // A miss may run a plugin, which blocks its thread for a while: not on the connection's
+        // task, where the connection's other calls would wait behind it.
+        http::leave_connection_task().await;
         let lookup = engine
             .lookup(&request)
             .await
@@ -526,29 +523,21 @@ pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
 
 /// Serves the API on `listener` until `shutdown` turns true, then stops accepting and lets the
 /// calls in flight finish (Watch streams end).
-pub async fn serve(
-    agent: Agent,
-    listener: UnixListener,
-    shutdown: watch::Receiver<bool>,
-) -> Result<(), tonic::transport::Error> {
+pub async fn serve(agent: Agent, listener: UnixListener, shutdown: watch::Receiver<bool>) {
     let callers = agent.callers().clone();
     let api = Api::new(agent, shutdown.clone());
-    let mut stop = shutdown;
-    tonic::transport::Server::builder()
-        .add_service(CredentialsServer::with_interceptor(
-            api.clone(),
-            admit(&callers, Service::Credentials),
-        ))
-        .add_service(AdminServer::with_interceptor(
-            api.clone(),
-            admit(&callers, Service::Admin),
-        ))
-        .add_service(ImageAccessServer::with_interceptor(
-            api,
-            admit(&callers, Service::ImageAccess),
-        ))
-        .serve_with_incoming_shutdown(UnixListenerStream::new(listener), async move {
-            let _ = stop.wait_for(|s| *s).await;
-        })
-        .await
+    let routes = tonic::service::Routes::new(CredentialsServer::with_interceptor(
+        api.clone(),
+        admit(&callers, Service::Credentials),
+    ))
+    .add_service(AdminServer::with_interceptor(
+        api.clone(),
+        admit(&callers, Service::Admin),
+    ))
+    .add_service(ImageAccessServer::with_interceptor(
+        api,
+        admit(&callers, Service::ImageAccess),
+    ))
+    .prepare();
+    http::serve(routes, listener, shutdown).await;
 }

@@ -130,7 +130,9 @@ pub async fn run(args: ServeArgs) -> Result<Outcome> {
         policy = %policy,
         "credgate agent serving"
     );
-    let served = server::serve(agent, listener, stop_rx).await;
+    // On a worker, not in this `block_on`: a connection is then accepted by the worker that
+    // the listener's readiness woke, instead of that worker waking this thread to accept.
+    let served = tokio::spawn(server::serve(agent, listener, stop_rx)).await;
     socket::remove(&socket_path);
     renewal_task.abort();
     served.context("the API server failed")?;
