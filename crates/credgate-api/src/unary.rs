@@ -5,7 +5,7 @@
 //! The whole request (connection preface, SETTINGS, a connection window update, HEADERS and
 //! DATA) leaves in one write, so the agent reads the call in one go without waiting for any
 //! answer of ours; then frames are read until the stream ends. Header blocks are decoded with
-//! `loona-hpack`. The answer is bounded ([`MAX_RESPONSE`]), every read and write by the
+//! [`credgate_core::hpack`]. The answer is bounded ([`MAX_RESPONSE`]), every read and write by the
 //! timeout.
 
 use std::io::{self, Read, Write};
@@ -99,7 +99,7 @@ fn request_bytes(method: &str, message: &[u8]) -> Vec<u8> {
     put_frame(&mut out, frame::SETTINGS, 0, 0, &settings);
     // The connection window starts at 65,535 whatever the settings say: open it as far.
     put_frame(&mut out, frame::WINDOW_UPDATE, 0, 0, &window.to_be_bytes());
-    let headers = loona_hpack::Encoder::new().encode([
+    let headers = credgate_core::hpack::encode([
         (&b":method"[..], &b"POST"[..]),
         (b":scheme", b"http"),
         (b":path", method.as_bytes()),
@@ -196,9 +196,14 @@ impl Answer {
 /// Reads frames from `io` until stream 1 ends; answers the agent's SETTINGS and PINGs.
 struct Reader<'a, S> {
     io: &'a mut S,
+    /// Answers to the agent's SETTINGS and PINGs, sent before the next read, or after the
+    /// call's last frame: an answer that arrives in one read with the agent's SETTINGS (the
+    /// usual case) is not held up by a write, and the agent reads the acknowledgement and the
+    /// end of the connection together.
+    replies: Vec<u8>,
     buf: Vec<u8>,
     start: usize,
-    hpack: loona_hpack::Decoder<'static>,
+    hpack: credgate_core::hpack::Decoder,
     block: Vec<u8>,
     in_block: bool,
     block_ends_stream: bool,
@@ -222,6 +227,7 @@ impl<S: Read + Write> Reader<'_, S> {
                     return Ok((kind, flags, stream, payload));
                 }
             }
+            self.send_replies()?;
             if self.start > 0 {
                 self.buf.drain(..self.start);
                 self.start = 0;
@@ -243,6 +249,14 @@ impl<S: Read + Write> Reader<'_, S> {
         }
     }
 
+    fn send_replies(&mut self) -> Result<(), CallError> {
+        if !self.replies.is_empty() {
+            self.io.write_all(&self.replies).map_err(CallError::Io)?;
+            self.replies.clear();
+        }
+        Ok(())
+    }
+
     fn run(&mut self) -> Result<Answer, CallError> {
         let mut answer = Answer::default();
         while !answer.ended {
@@ -252,14 +266,10 @@ impl<S: Read + Write> Reader<'_, S> {
             }
             match kind {
                 frame::SETTINGS if stream == 0 && flags & frame::ACK == 0 => {
-                    let mut ack = Vec::with_capacity(9);
-                    put_frame(&mut ack, frame::SETTINGS, frame::ACK, 0, &[]);
-                    self.io.write_all(&ack).map_err(CallError::Io)?;
+                    put_frame(&mut self.replies, frame::SETTINGS, frame::ACK, 0, &[]);
                 }
                 frame::PING if flags & frame::ACK == 0 => {
-                    let mut pong = Vec::with_capacity(17);
-                    put_frame(&mut pong, frame::PING, frame::ACK, 0, &payload);
-                    self.io.write_all(&pong).map_err(CallError::Io)?;
+                    put_frame(&mut self.replies, frame::PING, frame::ACK, 0, &payload);
                 }
                 frame::GOAWAY => {
                     return Err(CallError::Protocol("the agent closed the connection"))
@@ -290,6 +300,8 @@ impl<S: Read + Write> Reader<'_, S> {
                 _ => {}
             }
         }
+        // The answer is whole: a failed write now (the agent went away) loses nothing.
+        let _ = self.send_replies();
         Ok(answer)
     }
 
@@ -308,7 +320,7 @@ impl<S: Read + Write> Reader<'_, S> {
             return Ok(());
         }
         self.hpack
-            .decode_with_cb(&self.block, |name, value| answer.header(&name, &value))
+            .decode(&self.block, |name, value| answer.header(name, value))
             .map_err(|_| CallError::Protocol("header block"))?;
         answer.ended = self.block_ends_stream;
         Ok(())
@@ -367,11 +379,11 @@ fn exchange<S: Read + Write>(
 ) -> Result<Answer, CallError> {
     io.write_all(&request_bytes(method, message))
         .map_err(CallError::Io)?;
-    let mut hpack = loona_hpack::Decoder::new();
     // Our SETTINGS keep the default header table size; the agent may not use more.
-    hpack.set_max_allowed_table_size(4096);
+    let hpack = credgate_core::hpack::Decoder::new(4096);
     Reader {
         io,
+        replies: Vec::new(),
         buf: Vec::with_capacity(16 << 10),
         start: 0,
         hpack,
@@ -407,12 +419,14 @@ mod tests {
     struct Peer {
         answer: io::Cursor<Vec<u8>>,
         sent: Vec<u8>,
+        /// Bytes per read: 1 by default, so that frames split across reads must be put back
+        /// together.
+        chunk: usize,
     }
 
     impl Read for Peer {
         fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-            // One byte at a time: frames split across reads must be put back together.
-            let n = buf.len().min(1);
+            let n = buf.len().min(self.chunk);
             self.answer.read(&mut buf[..n])
         }
     }
@@ -427,14 +441,18 @@ mod tests {
         }
     }
 
-    fn headers(fields: &[(&[u8], &[u8])], enc: &mut loona_hpack::Encoder) -> Vec<u8> {
-        enc.encode(fields.iter().copied())
+    fn call_against(answer: Vec<u8>) -> (Result<crate::v1::HealthResponse, CallError>, Vec<u8>) {
+        call_against_in(answer, 1)
     }
 
-    fn call_against(answer: Vec<u8>) -> (Result<crate::v1::HealthResponse, CallError>, Vec<u8>) {
+    fn call_against_in(
+        answer: Vec<u8>,
+        chunk: usize,
+    ) -> (Result<crate::v1::HealthResponse, CallError>, Vec<u8>) {
         let mut peer = Peer {
             answer: io::Cursor::new(answer),
             sent: Vec::new(),
+            chunk,
         };
         let r = exchange(
             &mut peer,
@@ -447,15 +465,14 @@ mod tests {
 
     #[test]
     fn a_whole_exchange_with_settings_ping_continuation_and_padding() {
-        let mut enc = loona_hpack::Encoder::new();
         let mut a = Vec::new();
         put_frame(&mut a, frame::SETTINGS, 0, 0, &[0, 3, 0, 0, 0, 100]);
         put_frame(&mut a, frame::PING, 0, 0, b"12345678");
-        let block = headers(
-            &[(b":status", b"200"), (b"content-type", b"application/grpc")],
-            &mut enc,
-        );
-        let (first, rest) = block.split_at(3);
+        // The first block adds an entry to the dynamic table, which the trailers use: one
+        // decoder serves the whole connection.
+        let mut head = block(&[(b":status", b"200"), (b"content-type", b"application/grpc")]);
+        head.extend_from_slice(b"\x40\x06x-seen\x011");
+        let (first, rest) = head.split_at(3);
         put_frame(&mut a, frame::HEADERS, 0, STREAM, first);
         put_frame(
             &mut a,
@@ -472,7 +489,8 @@ mod tests {
         padded.extend_from_slice(&[0, 0, 0]);
         put_frame(&mut a, frame::DATA, frame::PADDED, STREAM, &padded);
         put_frame(&mut a, frame::WINDOW_UPDATE, 0, 0, &[0, 0, 1, 0]);
-        let trailers = headers(&[(b"grpc-status", b"0")], &mut enc);
+        let mut trailers = block(&[(b"grpc-status", b"0")]);
+        trailers.push(0x80 | 62);
         put_frame(
             &mut a,
             frame::HEADERS,
@@ -480,14 +498,23 @@ mod tests {
             STREAM,
             &trailers,
         );
-        let (r, sent) = call_against(a);
-        assert_eq!(r.unwrap().status, "SERVING");
-        assert!(sent.starts_with(PREFACE));
-        // After the request: a SETTINGS ack and the PING's answer with its payload.
-        let mut tail = Vec::new();
-        put_frame(&mut tail, frame::SETTINGS, frame::ACK, 0, &[]);
-        put_frame(&mut tail, frame::PING, frame::ACK, 0, b"12345678");
-        assert!(sent.ends_with(&tail));
+        // Byte by byte, and the whole answer in one read (the acknowledgements then leave
+        // after it).
+        for chunk in [1, usize::MAX] {
+            let (r, sent) = call_against_in(a.clone(), chunk);
+            assert_eq!(r.unwrap().status, "SERVING");
+            assert!(sent.starts_with(PREFACE));
+            // After the request: a SETTINGS ack and the PING's answer with its payload.
+            let mut tail = Vec::new();
+            put_frame(&mut tail, frame::SETTINGS, frame::ACK, 0, &[]);
+            put_frame(&mut tail, frame::PING, frame::ACK, 0, b"12345678");
+            assert!(sent.ends_with(&tail), "chunk {chunk}");
+            let request = request_bytes(
+                "/credgate.v1.Admin/Health",
+                &grpc_message(&crate::v1::HealthRequest {}),
+            );
+            assert_eq!(sent.len(), request.len() + tail.len(), "chunk {chunk}");
+        }
     }
 
     #[test]
@@ -521,7 +548,7 @@ mod tests {
 
     /// A header block from a fresh encoder.
     fn block(fields: &[(&[u8], &[u8])]) -> Vec<u8> {
-        loona_hpack::Encoder::new().encode(fields.iter().copied())
+        credgate_core::hpack::encode(fields.iter().copied())
     }
 
     #[test]

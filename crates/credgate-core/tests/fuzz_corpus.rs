@@ -51,3 +51,8 @@ fn helper_stdin() {
 fn record_decode() {
     replay("record_decode", checks::record_decode);
 }
+
+#[test]
+fn hpack_block() {
+    replay("hpack_block", checks::hpack_block);
+}
