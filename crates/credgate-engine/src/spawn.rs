@@ -298,6 +298,37 @@ pub(crate) fn has_exited(pid: i32) -> bool {
     rc < 0 || unsafe { info.si_pid() } != 0
 }
 
+/// How our child `pid` exited, without reaping it; `None` while it runs (or if it is gone
+/// already). Reaping can then be left to the sweeper, off the run's path: it costs more than
+/// the peek (several µs of the kernel tearing the process down).
+pub(crate) fn exit_status(pid: i32) -> Option<ExitStatus> {
+    // SAFETY: an all-zero siginfo is a valid value of the plain C struct.
+    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+    // SAFETY: waitid(2) fills the siginfo we pass; WNOWAIT leaves the child as it is.
+    let rc = unsafe {
+        libc::waitid(
+            libc::P_PID,
+            pid as libc::id_t,
+            &mut info,
+            libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
+        )
+    };
+    // SAFETY: si_pid and si_status are set by waitid when it reports a child (si_pid is zero
+    // otherwise).
+    let (reported, status) = unsafe { (info.si_pid(), info.si_status()) };
+    if rc < 0 || reported == 0 {
+        return None;
+    }
+    // The wait status the kernel would have given waitpid(2).
+    let raw = match info.si_code {
+        libc::CLD_EXITED => (status & 0xff) << 8,
+        libc::CLD_KILLED => status & 0x7f,
+        libc::CLD_DUMPED => (status & 0x7f) | 0x80,
+        _ => return None,
+    };
+    Some(ExitStatus::from_raw(raw))
+}
+
 /// Reaps our child `pid` if it has exited. `Ok(None)`: still running.
 pub(crate) fn reap(pid: i32) -> io::Result<Option<ExitStatus>> {
     let mut status = 0;
@@ -330,4 +361,35 @@ pub(crate) fn kill_pidfd(fd: &OwnedFd) -> bool {
         )
     };
     rc == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The status read without reaping is the one reaping gives, for exits and signals.
+    #[test]
+    fn exit_status_without_reaping_is_the_reaped_status() {
+        for (script, shown) in [
+            ("exit 0", "exit status: 0"),
+            ("exit 3", "exit status: 3"),
+            ("kill -TERM $$", "signal: 15 (SIGTERM)"),
+            ("kill -KILL $$", "signal: 9 (SIGKILL)"),
+        ] {
+            let program =
+                Program::new(Path::new("/bin/sh"), &["-c".into(), script.into()], &[], "").unwrap();
+            let child = spawn(&program, c"CREDGATE_TEST=1").unwrap();
+            let peeked = loop {
+                if let Some(s) = exit_status(child.pid) {
+                    break s;
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            };
+            assert_eq!(peeked.to_string(), shown, "{script}");
+            // Still a zombie: peeking again gives the same, and reaping agrees.
+            assert_eq!(exit_status(child.pid), Some(peeked));
+            assert_eq!(reap(child.pid).unwrap(), Some(peeked), "{script}");
+            assert_eq!(exit_status(child.pid), None, "reaped: gone");
+        }
+    }
 }

@@ -2,10 +2,12 @@
 //! daemon, say) are found by a marker in their environment and killed.
 //!
 //! Every plugin run gets `CREDGATE_PLUGIN_RUN=<pid>-<start>-<run>` in its environment (the
-//! engine's process id and start time, then a run counter), which its descendants inherit. When a run ends, its process group is killed at once (see `exec`); its
-//! marker is then handed to one background thread, which waits a moment (so that a daemon that
-//! forks late is still caught), scans `/proc` once for every pending marker, and kills what it
-//! finds through a pidfd, so a recycled pid is never signalled. A marker is kept for a few scans
+//! engine's process id and start time, then a run counter), which its descendants inherit.
+//! When a run ends, its marker and its plugin, if not reaped yet, are handed to one background
+//! thread, which waits a moment (so that a daemon that forks late is still caught), kills the
+//! process group of each such plugin (a plugin that exited stays a zombie until then, so its
+//! group id cannot have been reused) and reaps it, scans `/proc` once for every pending marker,
+//! and kills what it finds through a pidfd, so a recycled pid is never signalled. A marker is kept for a few scans
 //! and then forgotten. A plugin that scrubs its environment escapes this; the threat model in
 //! SECURITY.md says so.
 //!
@@ -40,7 +42,8 @@ struct Shared {
 struct Pending {
     /// Marker value → scans left.
     markers: HashMap<String, u8>,
-    /// Killed plugins not reaped yet (a SIGKILL takes effect asynchronously).
+    /// Plugins not reaped yet: killed ones (a SIGKILL takes effect asynchronously), and ones
+    /// that exited and whose status their run read without reaping them.
     zombies: Vec<i32>,
 }
 
@@ -123,8 +126,8 @@ fn parse_start_time(stat: &str) -> Option<u64> {
     rest.split_ascii_whitespace().nth(19)?.parse().ok()
 }
 
-/// Hands the marker of a finished run to the sweeper, with the plugin's pid if it was killed
-/// and not reaped yet: the sweeper reaps it.
+/// Hands the marker of a finished run to the sweeper, with the plugin's pid if it is not
+/// reaped yet (killed, or exited and left as a zombie): the sweeper reaps it on its next round.
 pub(crate) fn finished(marker: String, unreaped: Option<i32>) {
     let s = shared();
     let mut pending = s.pending.lock().unwrap_or_else(|p| p.into_inner());
@@ -155,11 +158,14 @@ fn sweeper(s: &'static Shared) {
         std::thread::sleep(PAUSE);
         let markers: Vec<String> = {
             let mut pending = s.pending.lock().unwrap_or_else(|p| p.into_inner());
-            // A child that is not reaped yet stays for the next round; one that is gone
-            // already (ECHILD) is dropped.
-            pending
-                .zombies
-                .retain(|pid| matches!(spawn::reap(*pid), Ok(None)));
+            // What a plugin left running in its group is killed while the plugin is not
+            // reaped (its group id cannot have been reused), then the plugin is reaped. A
+            // child that is not reaped yet stays for the next round; one that is gone already
+            // (ECHILD) is dropped.
+            pending.zombies.retain(|&pid| {
+                spawn::kill_group(pid);
+                matches!(spawn::reap(pid), Ok(None))
+            });
             let now: Vec<String> = pending.markers.keys().cloned().collect();
             pending.markers.retain(|_, left| {
                 *left -= 1;

@@ -316,6 +316,43 @@ async fn child_holding_stdout_does_not_hang_a_finished_plugin() {
     wait_gone(&pid);
 }
 
+/// A plugin that answers and exits leaving a child in its group (pipes closed): the answer
+/// does not wait, and the sweeper then kills the child and reaps the plugin.
+async fn child_left_in_the_group_is_killed_and_the_plugin_reaped_after_the_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let child = dir.path().join("child.pid");
+    let plugin = dir.path().join("plugin.pid");
+    let body = ok_body();
+    script(
+        dir.path(),
+        "p",
+        &format!(
+            "cat >/dev/null\necho $$ > '{}'\nsleep 60 </dev/null >/dev/null 2>&1 &\necho $! > '{}'\ncat <<'EOF'\n{body}\nEOF",
+            plugin.display(),
+            child.display()
+        ),
+    );
+    let e = engine_opts(one_provider(), dir.path(), |o| {
+        o.default_timeout = Duration::from_secs(30)
+    });
+    let started = Instant::now();
+    let got = e.lookup(&req(IMG)).await.unwrap();
+    assert_eq!(got.credentials.len(), 1, "{:?}", got.errors);
+    assert!(started.elapsed() < Duration::from_secs(5));
+    wait_gone(&child);
+    let pid: i32 = std::fs::read_to_string(&plugin)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    // Reaped: not even a zombie is left.
+    while std::path::Path::new(&format!("/proc/{pid}")).exists() {
+        assert!(Instant::now() < deadline, "plugin {pid} was never reaped");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 async fn escaped_child_holding_stdout_is_drained_with_a_bound() {
     let dir = tempfile::tempdir().unwrap();
     let body = ok_body();
@@ -513,6 +550,7 @@ on_both_runtimes!(
     malformed_output_with_secret_never_leaks,
     hang_is_killed_at_the_timeout,
     child_holding_stdout_does_not_hang_a_finished_plugin,
+    child_left_in_the_group_is_killed_and_the_plugin_reaped_after_the_run,
     escaped_child_holding_stdout_is_drained_with_a_bound,
     output_flood_hits_the_cap,
     stderr_flood_is_truncated_not_fatal,
