@@ -177,7 +177,10 @@ const EXIT_SPIN: Duration = Duration::from_micros(200);
 /// run's marker goes to the sweeper for processes that left the group.
 struct Run {
     pid: i32,
-    watch: Watch,
+    /// The watchdog's registration, made when the run leaves the inline wait (a plugin that
+    /// answers within it never needs one: the inline wait is bounded and ends before the
+    /// deadline).
+    watch: Option<Watch>,
     /// Reaped, or (a zombie whose exit status is known) handed to the sweeper to reap.
     settled: bool,
     /// The zombie the sweeper is to reap.
@@ -186,6 +189,25 @@ struct Run {
 }
 
 impl Run {
+    /// Registers the run with the watchdog (once).
+    fn watched(
+        &mut self,
+        deadline: std::time::Instant,
+        drain_grace: Duration,
+    ) -> io::Result<&Watch> {
+        if self.watch.is_none() {
+            self.watch = Some(Watch::new(self.pid, deadline, drain_grace)?);
+        }
+        Ok(self.watch.as_ref().expect("registered above"))
+    }
+
+    /// From here on the watchdog leaves the plugin alone.
+    fn unwatch(&self) {
+        if let Some(w) = &self.watch {
+            w.done();
+        }
+    }
+
     /// The plugin has exited and its pipes are closed (or drained). Its exit status is read
     /// without reaping it, and the zombie goes to the sweeper, which kills what the plugin left
     /// running in its group and then reaps it: while the zombie is there its group id cannot
@@ -193,7 +215,7 @@ impl Run {
     /// the kernel tearing the process down). If the status cannot be read that way, the group
     /// is killed and the plugin reaped here.
     fn finish(&mut self) -> io::Result<ExitStatus> {
-        self.watch.done();
+        self.unwatch();
         if let Some(status) = spawn::exit_status(self.pid) {
             self.settled = true;
             self.zombie = Some(self.pid);
@@ -212,7 +234,7 @@ impl Drop for Run {
     fn drop(&mut self) {
         let mut unreaped = self.zombie.take();
         if !self.settled {
-            self.watch.done();
+            self.unwatch();
             spawn::kill_group(self.pid);
             if matches!(spawn::reap(self.pid), Ok(None)) {
                 unreaped = Some(self.pid);
@@ -406,17 +428,9 @@ async fn exec(
         source,
     })?;
     let pid = child.pid;
-    let watch = Watch::new(pid, deadline, limits.drain_grace);
     let mut run = Run {
         pid,
-        watch: match watch {
-            Ok(watch) => watch,
-            Err(source) => {
-                spawn::kill_group(pid);
-                sweep::finished(marker, Some(pid));
-                return Err(io_error(source));
-            }
-        },
+        watch: None,
         settled: false,
         zombie: None,
         marker: Some(marker),
@@ -444,8 +458,10 @@ async fn exec(
     // Whether the plugin has exited after closing its pipes, and whether that was checked.
     let (mut exited, mut spun) = (false, false);
     if stdin.is_none() && may_block() {
+        // Never past the deadline: the watchdog, which enforces it, is not watching yet.
+        let budget = INLINE_WAIT.min(deadline.saturating_duration_since(std::time::Instant::now()));
         let waited = tokio::task::block_in_place(|| {
-            let capped = wait_inline([&mut out, &mut err], INLINE_WAIT)?;
+            let capped = wait_inline([&mut out, &mut err], budget)?;
             let closed = out.done() && err.done();
             Ok::<_, io::Error>((capped, closed, closed && exits_soon(pid)))
         });
@@ -455,14 +471,17 @@ async fn exec(
         }
         (exited, spun) = (gone, closed);
     }
-    {
+    if !(exited && out.done() && err.done()) {
+        let watch = run
+            .watched(deadline, limits.drain_grace)
+            .map_err(io_error)?;
         let mut in_done = stdin.is_none();
         let (mut out_done, mut err_done) = (out.done(), err.done());
         let mut in_fut = pin!(write_rest(stdin, &input[written..]));
         let mut out_fut = pin!(out.read_async());
         let mut err_fut = pin!(err.read_async());
         loop {
-            let seen = run.watch.seen();
+            let seen = watch.seen();
             if seen.timed_out {
                 return Err(RunError::Timeout {
                     plugin: cmd.name.clone(),
@@ -488,7 +507,7 @@ async fn exec(
                 },
                 _ = &mut err_fut, if !err_done => err_done = true,
                 () = &mut in_fut, if !in_done => in_done = true,
-                () = run.watch.news() => {}
+                () = watch.news() => {}
             }
         }
     }

@@ -1,7 +1,9 @@
 //! The watchdog: one thread that keeps the clock of every plugin run in flight, so that a
 //! run's own task waits on nothing but its pipes.
 //!
-//! A run registers its plugin's pid, deadline and drain grace. While any run is in flight the
+//! A run registers its plugin's pid, deadline and drain grace when it goes on past its inline
+//! wait (a plugin that answers within the first few milliseconds is never registered: that
+//! wait is bounded and ends before the deadline). While any run is in flight the
 //! thread looks at them every [`TICK`]: past its deadline a run's process group is killed and
 //! the run is told it timed out; a plugin that has exited while something still holds its
 //! pipes has its group killed (which closes the pipes of everything that stayed in it), and
