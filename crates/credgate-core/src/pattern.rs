@@ -186,9 +186,8 @@ impl Pattern {
     pub fn parse(raw: &str) -> Result<Self, PatternError> {
         let parts = parse_schemeless(raw)?;
         let (host, port) = split_host_port(&parts.authority);
-        let labels: Vec<&str> = host.split('.').collect();
-        let host = if labels.iter().any(|l| has_glob_meta(l)) {
-            Host::Labels(labels.iter().map(|l| label(l)).collect())
+        let host = if host.split('.').any(has_glob_meta) {
+            Host::Labels(host.split('.').map(label).collect())
         } else {
             Host::Literal(host.into())
         };

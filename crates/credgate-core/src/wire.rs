@@ -185,7 +185,7 @@ fn decode_auth(auth: Option<Loose<'_>>) -> Result<Vec<(String, AuthConfig)>, Res
         Some(Loose::Str(s)) => Ok(s.into_owned()),
         Some(_) => Err(ResponseError::WrongType(name)),
     };
-    let mut by_key = BTreeMap::new();
+    let mut by_key = Vec::with_capacity(entries.len());
     for (key, entry) in entries {
         let Loose::Object(fields) = entry else {
             return Err(ResponseError::WrongType("auth"));
@@ -200,9 +200,14 @@ fn decode_auth(auth: Option<Loose<'_>>) -> Result<Vec<(String, AuthConfig)>, Res
         }
         let username = field(username, "username")?;
         let password = SecretString::from(field(password, "password")?);
-        by_key.insert(key.into_owned(), AuthConfig { username, password });
+        by_key.push((key.into_owned(), AuthConfig { username, password }));
     }
-    Ok(by_key.into_iter().collect())
+    // Sorted by key; of a key given twice the last counts, as when JSON is read into a map.
+    // (Stable sort: equal keys keep input order; reversing first makes dedup keep the last.)
+    by_key.reverse();
+    by_key.sort_by(|a, b| a.0.cmp(&b.0));
+    by_key.dedup_by(|later, earlier| later.0 == earlier.0);
+    Ok(by_key)
 }
 
 /// A JSON value kept only as far as a response needs it: strings (borrowed from the input
