@@ -142,6 +142,9 @@ pub enum RunError {
     },
 }
 
+/// What a runner hands its caller when the output may be whole before the plugin has exited.
+pub type Early<'a> = &'a mut (dyn FnMut(&[u8]) + Send);
+
 /// Runs a plugin with a request and returns its stdout. Engine tests inject fakes.
 pub trait PluginRunner: Send + Sync + 'static {
     fn run<'a>(
@@ -149,6 +152,20 @@ pub trait PluginRunner: Send + Sync + 'static {
         command: &'a PluginCommand,
         stdin: Vec<u8>,
     ) -> BoxFuture<'a, Result<Vec<u8>, RunError>>;
+
+    /// [`run`](Self::run), calling `early` with the output read so far when it may be the whole
+    /// answer and the plugin has not exited yet, so that the caller can decode it meanwhile.
+    /// What `early` computes holds only for the bytes it saw: the output `run_early` returns
+    /// may be longer, and the exit status still decides. The default never calls `early`.
+    fn run_early<'a>(
+        &'a self,
+        command: &'a PluginCommand,
+        stdin: Vec<u8>,
+        early: Early<'a>,
+    ) -> BoxFuture<'a, Result<Vec<u8>, RunError>> {
+        let _ = early;
+        self.run(command, stdin)
+    }
 }
 
 /// Runs real executables.
@@ -163,7 +180,33 @@ impl PluginRunner for ExecRunner {
         command: &'a PluginCommand,
         stdin: Vec<u8>,
     ) -> BoxFuture<'a, Result<Vec<u8>, RunError>> {
-        Box::pin(exec(command, stdin, self.limits))
+        Box::pin(exec(command, stdin, self.limits, None))
+    }
+
+    fn run_early<'a>(
+        &'a self,
+        command: &'a PluginCommand,
+        stdin: Vec<u8>,
+        early: Early<'a>,
+    ) -> BoxFuture<'a, Result<Vec<u8>, RunError>> {
+        Box::pin(exec(command, stdin, self.limits, Some(early)))
+    }
+}
+
+/// Output up to this size is offered to the caller early (see [`PluginRunner::run_early`]);
+/// an answer is a few hundred bytes.
+const EARLY_MAX: usize = 64 << 10;
+/// At most this many early offers a run: a plugin that writes its JSON in pieces ending in
+/// `}` costs a few decodes, never one per piece.
+const EARLY_TIMES: u8 = 4;
+
+/// Offers `out` to `early` if it may be a whole JSON object: it ends in `}`.
+fn offer(early: &mut Option<Early<'_>>, offers: &mut u8, out: &[u8]) {
+    let Some(early) = early else { return };
+    let whole = out.len() <= EARLY_MAX && out.trim_ascii_end().ends_with(b"}");
+    if whole && *offers < EARLY_TIMES {
+        *offers += 1;
+        early(out);
     }
 }
 
@@ -356,9 +399,15 @@ fn may_block() -> bool {
 /// Reads both streams with a blocking `poll(2)` on this thread for at most `budget`. A
 /// plugin that answers within it costs no reactor registration and no task wake-up, which
 /// is most of what a run costs over a bare spawn; one that takes longer is left to the
-/// reactor, where what was read so far is kept. `Overflow` as the reactor's readers.
-fn wait_inline(streams: [&mut Stream; 2], budget: Duration) -> io::Result<Capped> {
+/// reactor, where what was read so far is kept. `Overflow` as the reactor's readers. Output
+/// that may be whole is offered to `early` while the plugin is still exiting.
+fn wait_inline(
+    streams: [&mut Stream; 2],
+    budget: Duration,
+    mut early: Option<Early<'_>>,
+) -> io::Result<Capped> {
     let deadline = std::time::Instant::now() + budget;
+    let mut offers = 0;
     let [out, err] = streams;
     while !(out.done() && err.done()) {
         let left = deadline.saturating_duration_since(std::time::Instant::now());
@@ -366,13 +415,14 @@ fn wait_inline(streams: [&mut Stream; 2], budget: Duration) -> io::Result<Capped
             break;
         }
         let ready = spawn::poll_input([out.fd.as_ref(), err.fd.as_ref()], left)?;
-        for (stream, ready) in [&mut *out, &mut *err].into_iter().zip(ready) {
+        for (i, (stream, ready)) in [&mut *out, &mut *err].into_iter().zip(ready).enumerate() {
             let Some(fd) = stream.fd.as_ref().filter(|_| ready) else {
                 continue;
             };
             match Stream::read(fd, &mut stream.buf, stream.cap, stream.keep_tail) {
                 Ok(Some(Capped::Done)) => stream.fd = None,
                 Ok(Some(Capped::Overflow)) => return Ok(Capped::Overflow),
+                Ok(None) if i == 0 => offer(&mut early, &mut offers, &stream.buf),
                 Ok(None) => {}
                 Err(e)
                     if matches!(
@@ -407,6 +457,7 @@ async fn exec(
     cmd: &PluginCommand,
     input: Vec<u8>,
     limits: OutputLimits,
+    early: Option<Early<'_>>,
 ) -> Result<Vec<u8>, RunError> {
     let deadline = std::time::Instant::now() + cmd.timeout;
     let io_error = |source| RunError::Io {
@@ -461,7 +512,7 @@ async fn exec(
         // Never past the deadline: the watchdog, which enforces it, is not watching yet.
         let budget = INLINE_WAIT.min(deadline.saturating_duration_since(std::time::Instant::now()));
         let waited = tokio::task::block_in_place(|| {
-            let capped = wait_inline([&mut out, &mut err], budget)?;
+            let capped = wait_inline([&mut out, &mut err], budget, early)?;
             let closed = out.done() && err.done();
             Ok::<_, io::Error>((capped, closed, closed && exits_soon(pid)))
         });

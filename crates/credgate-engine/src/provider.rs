@@ -463,13 +463,25 @@ impl Provider {
         let started = Instant::now();
         self.metrics.runs.inc();
         lock(&self.state).last_run = Some(self.clock.wall());
-        let output = self.runner.run(&self.command, request).await;
+        // The answer is decoded as soon as it may be whole, while the plugin exits; that
+        // decode counts if the output did not grow after it.
+        let mut early: Option<(usize, RunResult)> = None;
+        let mut decode_early = |stdout: &[u8]| {
+            early = Some((stdout.len(), self.decode(job, stdout, token.as_ref())));
+        };
+        let output = self
+            .runner
+            .run_early(&self.command, request, &mut decode_early)
+            .await;
         self.metrics
             .run_seconds
             .observe(started.elapsed().as_secs_f64());
         let result = output
             .map_err(|e| ProviderError::Run(Arc::new(e)))
-            .and_then(|stdout| self.decode(job, &stdout, token.as_ref()));
+            .and_then(|stdout| match early {
+                Some((seen, decoded)) if seen == stdout.len() => decoded,
+                _ => self.decode(job, &stdout, token.as_ref()),
+            });
         self.record(&result);
         result
     }

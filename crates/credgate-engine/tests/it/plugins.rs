@@ -316,6 +316,37 @@ async fn child_holding_stdout_does_not_hang_a_finished_plugin() {
     wait_gone(&pid);
 }
 
+/// An answer decoded early (it looked whole before the plugin exited) counts only if nothing
+/// followed it: a plugin that writes a whole answer, pauses, then writes more has its whole
+/// output judged, here as malformed; one that writes its answer in pieces is decoded whole.
+async fn an_early_decode_counts_only_for_the_whole_output() {
+    let dir = tempfile::tempdir().unwrap();
+    let body = ok_body();
+    script(
+        dir.path(),
+        "p",
+        &format!("cat >/dev/null\nprintf '%s' '{body}'\nsleep 0.05\nprintf ' trailing'"),
+    );
+    let e = engine(one_provider(), dir.path());
+    let got = e.lookup(&req(IMG)).await.unwrap();
+    assert!(got.credentials.is_empty());
+    assert!(
+        matches!(got.errors[0], ProviderError::Response { .. }),
+        "{}",
+        got.errors[0]
+    );
+    // Halves that each end in `}`: the first offer is no answer, the whole is.
+    let (first, second) = body.split_at(body.find("}}").unwrap() + 1);
+    script(
+        dir.path(),
+        "p",
+        &format!("cat >/dev/null\nprintf '%s' '{first}'\nsleep 0.05\nprintf '%s' '{second}'"),
+    );
+    let e = engine(one_provider(), dir.path());
+    let got = e.lookup(&req(IMG)).await.unwrap();
+    assert_eq!(got.credentials.len(), 1, "{:?}", got.errors);
+}
+
 /// A plugin that answers and exits leaving a child in its group (pipes closed): the answer
 /// does not wait, and the sweeper then kills the child and reaps the plugin.
 async fn child_left_in_the_group_is_killed_and_the_plugin_reaped_after_the_run() {
@@ -551,6 +582,7 @@ on_both_runtimes!(
     hang_is_killed_at_the_timeout,
     child_holding_stdout_does_not_hang_a_finished_plugin,
     child_left_in_the_group_is_killed_and_the_plugin_reaped_after_the_run,
+    an_early_decode_counts_only_for_the_whole_output,
     escaped_child_holding_stdout_is_drained_with_a_bound,
     output_flood_hits_the_cap,
     stderr_flood_is_truncated_not_fatal,
