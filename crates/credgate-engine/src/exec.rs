@@ -16,7 +16,7 @@ use std::time::Duration;
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
 
-use crate::spawn::{self, Program};
+use crate::spawn::{self, Peek, Program};
 use crate::sweep;
 use crate::watchdog::Watch;
 
@@ -251,15 +251,22 @@ impl Run {
         }
     }
 
-    /// The plugin has exited and its pipes are closed (or drained). Its exit status is read
-    /// without reaping it, and the zombie goes to the sweeper, which kills what the plugin left
+    /// The plugin has exited and its pipes are closed (or drained). Its exit status (`peeked`
+    /// already, or peeked now) is read without reaping it, and the zombie goes to the sweeper, which kills what the plugin left
     /// running in its group and then reaps it: while the zombie is there its group id cannot
     /// have been reused. The answer waits for neither (together 8-9 µs of a run, most of it
     /// the kernel tearing the process down). If the status cannot be read that way, the group
     /// is killed and the plugin reaped here.
-    fn finish(&mut self) -> io::Result<ExitStatus> {
+    fn finish(&mut self, peeked: Peek) -> io::Result<ExitStatus> {
         self.unwatch();
-        if let Some(status) = spawn::exit_status(self.pid) {
+        let known = match peeked {
+            Peek::Exited(Some(status)) => Some(status),
+            _ => match spawn::peek(self.pid) {
+                Peek::Exited(status) => status,
+                Peek::Running => None,
+            },
+        };
+        if let Some(status) = known {
             self.settled = true;
             self.zombie = Some(self.pid);
             return Ok(status);
@@ -289,15 +296,16 @@ impl Drop for Run {
     }
 }
 
-/// Whether the plugin exits within [`EXIT_SPIN`].
-fn exits_soon(pid: i32) -> bool {
+/// Whether (and how) the plugin exits within [`EXIT_SPIN`].
+fn exits_soon(pid: i32) -> Peek {
     let started = std::time::Instant::now();
     loop {
-        if spawn::has_exited(pid) {
-            return true;
+        let peeked = spawn::peek(pid);
+        if peeked.exited() {
+            return peeked;
         }
         if started.elapsed() >= EXIT_SPIN {
-            return false;
+            return Peek::Running;
         }
         std::thread::yield_now();
     }
@@ -506,23 +514,29 @@ async fn exec(
         stream: "stdout",
         cap: limits.stdout,
     };
-    // Whether the plugin has exited after closing its pipes, and whether that was checked.
-    let (mut exited, mut spun) = (false, false);
+    // Whether (and how) the plugin has exited after closing its pipes, and whether that was
+    // checked.
+    let (mut exit, mut spun) = (Peek::Running, false);
     if stdin.is_none() && may_block() {
         // Never past the deadline: the watchdog, which enforces it, is not watching yet.
         let budget = INLINE_WAIT.min(deadline.saturating_duration_since(std::time::Instant::now()));
         let waited = tokio::task::block_in_place(|| {
             let capped = wait_inline([&mut out, &mut err], budget, early)?;
             let closed = out.done() && err.done();
-            Ok::<_, io::Error>((capped, closed, closed && exits_soon(pid)))
+            let exit = if closed {
+                exits_soon(pid)
+            } else {
+                Peek::Running
+            };
+            Ok::<_, io::Error>((capped, closed, exit))
         });
-        let (capped, closed, gone) = waited.map_err(io_error)?;
+        let (capped, closed, peeked) = waited.map_err(io_error)?;
         if let Capped::Overflow = capped {
             return Err(overflow());
         }
-        (exited, spun) = (gone, closed);
+        (exit, spun) = (peeked, closed);
     }
-    if !(exited && out.done() && err.done()) {
+    if !(exit.exited() && out.done() && err.done()) {
         let watch = run
             .watched(deadline, limits.drain_grace)
             .map_err(io_error)?;
@@ -544,8 +558,14 @@ async fn exec(
                 break;
             }
             if out_done && err_done {
-                if exited || seen.exited || (!spun && exits_soon(pid)) {
+                if exit.exited() || seen.exited {
                     break;
+                }
+                if !spun {
+                    exit = exits_soon(pid);
+                    if exit.exited() {
+                        break;
+                    }
                 }
                 // It closed its pipes but runs on.
                 spun = true;
@@ -562,7 +582,7 @@ async fn exec(
             }
         }
     }
-    let status = run.finish().map_err(io_error)?;
+    let status = run.finish(exit).map_err(io_error)?;
     if !status.success() {
         return Err(RunError::NonZeroExit {
             plugin: cmd.name.clone(),

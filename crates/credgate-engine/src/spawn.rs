@@ -279,29 +279,25 @@ pub(crate) fn pidfd(pid: i32) -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
 }
 
-/// Whether our child `pid` has exited, without reaping it: while it is a zombie its pid, and
-/// so its process group id, cannot be reused, so the group can still be signalled safely.
-/// A child that is gone already (reaped by someone else) counts as exited.
-pub(crate) fn has_exited(pid: i32) -> bool {
-    // SAFETY: an all-zero siginfo is a valid value of the plain C struct.
-    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
-    // SAFETY: waitid(2) fills the siginfo we pass; WNOWAIT leaves the child as it is.
-    let rc = unsafe {
-        libc::waitid(
-            libc::P_PID,
-            pid as libc::id_t,
-            &mut info,
-            libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
-        )
-    };
-    // SAFETY: si_pid is set by waitid when it reports a child, and zero otherwise.
-    rc < 0 || unsafe { info.si_pid() } != 0
+/// What `waitid(2)` says of a child without reaping it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Peek {
+    Running,
+    /// Exited, with its status; `None` if it is gone already (reaped by someone else).
+    Exited(Option<ExitStatus>),
 }
 
-/// How our child `pid` exited, without reaping it; `None` while it runs (or if it is gone
-/// already). Reaping can then be left to the sweeper, off the run's path: it costs more than
-/// the peek (several µs of the kernel tearing the process down).
-pub(crate) fn exit_status(pid: i32) -> Option<ExitStatus> {
+impl Peek {
+    pub(crate) fn exited(self) -> bool {
+        matches!(self, Peek::Exited(_))
+    }
+}
+
+/// Whether our child `pid` has exited, and how, without reaping it: while it is a zombie its
+/// pid, and so its process group id, cannot be reused, so the group can still be signalled
+/// safely. Reaping can then be left to the sweeper, off the run's path: it costs more than the
+/// peek (several µs of the kernel tearing the process down).
+pub(crate) fn peek(pid: i32) -> Peek {
     // SAFETY: an all-zero siginfo is a valid value of the plain C struct.
     let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
     // SAFETY: waitid(2) fills the siginfo we pass; WNOWAIT leaves the child as it is.
@@ -313,20 +309,23 @@ pub(crate) fn exit_status(pid: i32) -> Option<ExitStatus> {
             libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
         )
     };
+    if rc < 0 {
+        return Peek::Exited(None);
+    }
     // SAFETY: si_pid and si_status are set by waitid when it reports a child (si_pid is zero
     // otherwise).
     let (reported, status) = unsafe { (info.si_pid(), info.si_status()) };
-    if rc < 0 || reported == 0 {
-        return None;
+    if reported == 0 {
+        return Peek::Running;
     }
     // The wait status the kernel would have given waitpid(2).
     let raw = match info.si_code {
         libc::CLD_EXITED => (status & 0xff) << 8,
         libc::CLD_KILLED => status & 0x7f,
         libc::CLD_DUMPED => (status & 0x7f) | 0x80,
-        _ => return None,
+        _ => return Peek::Exited(None),
     };
-    Some(ExitStatus::from_raw(raw))
+    Peek::Exited(Some(ExitStatus::from_raw(raw)))
 }
 
 /// Reaps our child `pid` if it has exited. `Ok(None)`: still running.
@@ -380,16 +379,16 @@ mod tests {
                 Program::new(Path::new("/bin/sh"), &["-c".into(), script.into()], &[], "").unwrap();
             let child = spawn(&program, c"CREDGATE_TEST=1").unwrap();
             let peeked = loop {
-                if let Some(s) = exit_status(child.pid) {
+                if let Peek::Exited(Some(s)) = peek(child.pid) {
                     break s;
                 }
                 std::thread::sleep(Duration::from_millis(1));
             };
             assert_eq!(peeked.to_string(), shown, "{script}");
             // Still a zombie: peeking again gives the same, and reaping agrees.
-            assert_eq!(exit_status(child.pid), Some(peeked));
+            assert_eq!(peek(child.pid), Peek::Exited(Some(peeked)));
             assert_eq!(reap(child.pid).unwrap(), Some(peeked), "{script}");
-            assert_eq!(exit_status(child.pid), None, "reaped: gone");
+            assert_eq!(peek(child.pid), Peek::Exited(None), "reaped: gone");
         }
     }
 }

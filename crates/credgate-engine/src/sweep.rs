@@ -17,7 +17,6 @@
 //! started at another time (a recycled pid). Plugins of engines still running, and processes
 //! of other pid namespaces (where the marker's pid means another process), are left alone.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex, OnceLock};
 use std::time::Duration;
@@ -40,8 +39,9 @@ struct Shared {
 
 #[derive(Default)]
 struct Pending {
-    /// Marker value → scans left.
-    markers: HashMap<String, u8>,
+    /// Marker values (each run's own) with their scans left; only ever walked whole, so a
+    /// list: a run's hand-over hashes nothing.
+    markers: Vec<(String, u8)>,
     /// Plugins not reaped yet: killed ones (a SIGKILL takes effect asynchronously), and ones
     /// that exited and whose status their run read without reaping them.
     zombies: Vec<i32>,
@@ -134,7 +134,7 @@ pub(crate) fn finished(marker: String, unreaped: Option<i32>) {
     // The sweeper waits only while nothing is pending; otherwise it will see this marker on
     // its next scan, and a wake-up would be a wasted system call on every run.
     let idle = pending.is_empty();
-    pending.markers.insert(marker, SCANS);
+    pending.markers.push((marker, SCANS));
     pending.zombies.extend(unreaped);
     drop(pending);
     if idle {
@@ -166,8 +166,8 @@ fn sweeper(s: &'static Shared) {
                 spawn::kill_group(pid);
                 matches!(spawn::reap(pid), Ok(None))
             });
-            let now: Vec<String> = pending.markers.keys().cloned().collect();
-            pending.markers.retain(|_, left| {
+            let now: Vec<String> = pending.markers.iter().map(|(m, _)| m.clone()).collect();
+            pending.markers.retain_mut(|(_, left)| {
                 *left -= 1;
                 *left > 0
             });

@@ -76,7 +76,7 @@ impl Entry {
             state.seen.timed_out = true;
             spawn::kill_group(self.pid);
         } else if state.exited_at.is_none() {
-            if spawn::has_exited(self.pid) {
+            if spawn::peek(self.pid).exited() {
                 state.exited_at = Some(now);
                 state.seen.exited = true;
                 spawn::kill_group(self.pid);
