@@ -193,6 +193,9 @@ impl PluginRunner for ExecRunner {
     }
 }
 
+/// What an empty pipe takes in one write whatever its capacity (POSIX `PIPE_BUF` on Linux).
+const PIPE_BUF: usize = 4096;
+
 /// Output up to this size is offered to the caller early (see [`PluginRunner::run_early`]);
 /// an answer is a few hundred bytes.
 const EARLY_MAX: usize = 64 << 10;
@@ -494,8 +497,12 @@ async fn exec(
         zombie: None,
         marker: Some(marker),
     };
-    // An empty pipe takes a usual request in one write; a larger one is written as the
-    // plugin reads it.
+    // An empty pipe takes a usual request in one write, blocking or not (up to PIPE_BUF bytes
+    // fit in any pipe); a larger one is written without blocking, the rest as the plugin
+    // reads it.
+    if input.len() > PIPE_BUF {
+        spawn::set_nonblocking(&child.stdin).map_err(io_error)?;
+    }
     let written = match spawn::write(&child.stdin, &input) {
         Ok(n) => n,
         Err(e) if e.kind() == io::ErrorKind::WouldBlock => 0,
@@ -625,19 +632,20 @@ mod tests {
         ExecRunner::default().run(cmd, input.to_vec()).await
     }
 
-    #[tokio::test]
-    async fn a_request_larger_than_a_pipe_is_written_whole() {
+    /// Requests that fit an empty pipe (written blocking), and larger ones (written without
+    /// blocking as the plugin reads), arrive whole.
+    async fn requests_of_every_size_are_written_whole() {
         let dir = tempfile::tempdir().unwrap();
-        let cmd = plugin(dir.path(), "wc -c", Duration::from_secs(30));
-        let input = vec![b'x'; 3 << 20];
-        let out = run(&cmd, &input).await.unwrap();
-        assert_eq!(
-            String::from_utf8(out).unwrap().trim(),
-            (3 << 20).to_string()
-        );
+        let cmd = plugin(dir.path(), "sleep 0.01; wc -c", Duration::from_secs(30));
+        for len in [0, 1, PIPE_BUF, PIPE_BUF + 1, 3 << 20] {
+            let input = vec![b'x'; len];
+            let out = run(&cmd, &input).await.unwrap();
+            assert_eq!(String::from_utf8(out).unwrap().trim(), len.to_string());
+        }
     }
 
     on_both_runtimes!(
+        requests_of_every_size_are_written_whole,
         an_answer_split_across_the_inline_wait_is_read_whole,
         a_plugin_that_closes_its_pipes_and_runs_on_is_waited_for,
         a_hang_behind_an_escapee_holding_the_pipes_times_out,

@@ -72,8 +72,9 @@ fn c_string(bytes: &[u8]) -> io::Result<CString> {
 }
 
 /// A started plugin: its pid (also its process group) and our ends of its pipes, all
-/// close-on-exec; stdin is non-blocking, stdout and stderr are blocking until
-/// [`set_nonblocking`] (a run that reads them after `poll(2)` needs no system call for it).
+/// close-on-exec and blocking until [`set_nonblocking`]: a run that writes a small request
+/// into the empty stdin pipe, or reads stdout and stderr after `poll(2)`, needs no system
+/// call for it.
 /// The caller reaps it.
 pub(crate) struct Child {
     pub pid: i32,
@@ -87,7 +88,6 @@ pub(crate) fn spawn(program: &Program, extra: &CStr) -> io::Result<Child> {
     let (stdin_child, stdin) = pipe()?;
     let (stdout, stdout_child) = pipe()?;
     let (stderr, stderr_child) = pipe()?;
-    set_nonblocking(&stdin)?;
     let mut argv: Vec<*mut libc::c_char> =
         program.argv.iter().map(|a| a.as_ptr().cast_mut()).collect();
     argv.push(std::ptr::null_mut());
