@@ -3,7 +3,7 @@
 //!
 //! The Huffman code of RFC 7541 Appendix B is canonical: a code is fully given by the length
 //! of each symbol's code, codes of one length being consecutive in symbol order. It is stored
-//! here as the symbols of each length ([`BY_LENGTH`]), and decoded bit by bit against the first
+//! here as the symbols of each length (`BY_LENGTH`), and decoded bit by bit against the first
 //! code and the count of each length, with nothing built at run time: a short-lived process
 //! (the docker credential helper) decodes a handful of strings and exits.
 

@@ -316,19 +316,25 @@ async fn child_holding_stdout_does_not_hang_a_finished_plugin() {
     wait_gone(&pid);
 }
 
+/// One lookup through a fresh engine whose one plugin runs `body`.
+async fn lookup_through(body: &str) -> credgate_engine::Lookup {
+    let dir = tempfile::tempdir().unwrap();
+    script(dir.path(), "p", body);
+    engine(one_provider(), dir.path())
+        .lookup(&req(IMG))
+        .await
+        .unwrap()
+}
+
 /// An answer decoded early (it looked whole before the plugin exited) counts only if nothing
 /// followed it: a plugin that writes a whole answer, pauses, then writes more has its whole
 /// output judged, here as malformed; one that writes its answer in pieces is decoded whole.
 async fn an_early_decode_counts_only_for_the_whole_output() {
-    let dir = tempfile::tempdir().unwrap();
     let body = ok_body();
-    script(
-        dir.path(),
-        "p",
-        &format!("cat >/dev/null\nprintf '%s' '{body}'\nsleep 0.05\nprintf ' trailing'"),
-    );
-    let e = engine(one_provider(), dir.path());
-    let got = e.lookup(&req(IMG)).await.unwrap();
+    let got = lookup_through(&format!(
+        "cat >/dev/null\nprintf '%s' '{body}'\nsleep 0.05\nprintf ' trailing'"
+    ))
+    .await;
     assert!(got.credentials.is_empty());
     assert!(
         matches!(got.errors[0], ProviderError::Response { .. }),
@@ -337,13 +343,10 @@ async fn an_early_decode_counts_only_for_the_whole_output() {
     );
     // Halves that each end in `}`: the first offer is no answer, the whole is.
     let (first, second) = body.split_at(body.find("}}").unwrap() + 1);
-    script(
-        dir.path(),
-        "p",
-        &format!("cat >/dev/null\nprintf '%s' '{first}'\nsleep 0.05\nprintf '%s' '{second}'"),
-    );
-    let e = engine(one_provider(), dir.path());
-    let got = e.lookup(&req(IMG)).await.unwrap();
+    let got = lookup_through(&format!(
+        "cat >/dev/null\nprintf '%s' '{first}'\nsleep 0.05\nprintf '%s' '{second}'"
+    ))
+    .await;
     assert_eq!(got.credentials.len(), 1, "{:?}", got.errors);
 }
 
@@ -436,15 +439,8 @@ async fn stderr_flood_is_truncated_not_fatal() {
 }
 
 async fn plugin_that_ignores_stdin_still_works() {
-    let dir = tempfile::tempdir().unwrap();
     let body = ok_body();
-    script(
-        dir.path(),
-        "p",
-        &format!("exec 0<&-\ncat <<'EOF'\n{body}\nEOF"),
-    );
-    let e = engine(one_provider(), dir.path());
-    let got = e.lookup(&req(IMG)).await.unwrap();
+    let got = lookup_through(&format!("exec 0<&-\ncat <<'EOF'\n{body}\nEOF")).await;
     assert_eq!(got.credentials.len(), 1, "{:?}", got.errors);
 }
 
