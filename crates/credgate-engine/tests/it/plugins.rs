@@ -350,8 +350,8 @@ async fn an_early_decode_counts_only_for_the_whole_output() {
     assert_eq!(got.credentials.len(), 1, "{:?}", got.errors);
 }
 
-/// A plugin that answers and exits leaving a child in its group (pipes closed): the answer
-/// does not wait, and the sweeper then kills the child and reaps the plugin.
+/// A plugin that answers and exits leaving a child in its group (pipes closed): the child is
+/// killed with the group when the run ends, and the sweeper reaps the plugin soon after.
 async fn child_left_in_the_group_is_killed_and_the_plugin_reaped_after_the_run() {
     let dir = tempfile::tempdir().unwrap();
     let child = dir.path().join("child.pid");
