@@ -235,18 +235,6 @@ struct Run {
 }
 
 impl Run {
-    /// Registers the run with the watchdog (once).
-    fn watched(
-        &mut self,
-        deadline: std::time::Instant,
-        drain_grace: Duration,
-    ) -> io::Result<&Watch> {
-        if self.watch.is_none() {
-            self.watch = Some(Watch::new(self.pid, deadline, drain_grace)?);
-        }
-        Ok(self.watch.as_ref().expect("registered above"))
-    }
-
     /// From here on the watchdog leaves the plugin alone.
     fn unwatch(&self) {
         if let Some(w) = &self.watch {
@@ -544,9 +532,9 @@ async fn exec(
         (exit, spun) = (peeked, closed);
     }
     if !(exit.exited() && out.done() && err.done()) {
-        let watch = run
-            .watched(deadline, limits.drain_grace)
-            .map_err(io_error)?;
+        let watch: &Watch = run
+            .watch
+            .insert(Watch::new(pid, deadline, limits.drain_grace).map_err(io_error)?);
         let mut in_done = stdin.is_none();
         let (mut out_done, mut err_done) = (out.done(), err.done());
         let mut in_fut = pin!(write_rest(stdin, &input[written..]));

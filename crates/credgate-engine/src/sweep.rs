@@ -5,10 +5,9 @@
 //! engine's process id and start time, then a run counter), which its descendants inherit.
 //! When a run ends, its process group is killed at once (see `exec`); its marker and its
 //! plugin, if not reaped yet, are handed to one background thread, which waits a moment (so
-//! that a daemon that forks late is still caught), kills the process group of each such plugin
-//! once more (a plugin that exited stays a zombie until then, so its group id cannot have been
-//! reused) and reaps it, scans `/proc` once for every pending marker, and kills what it finds
-//! through a pidfd, so a recycled pid is never signalled. A marker is kept for a few scans
+//! that a daemon that forks late is still caught), reaps each such plugin, scans `/proc` once
+//! for every pending marker, and kills what it finds through a pidfd, so a recycled pid is
+//! never signalled. A marker is kept for a few scans
 //! and then forgotten. A plugin that scrubs its environment escapes this; the threat model in
 //! SECURITY.md says so.
 //!
@@ -159,15 +158,11 @@ fn sweeper(s: &'static Shared) {
         std::thread::sleep(PAUSE);
         let markers: Vec<String> = {
             let mut pending = s.pending.lock().unwrap_or_else(|p| p.into_inner());
-            // Anything that joined a plugin's group since its run killed it is killed while the
-            // plugin is not reaped (its group id cannot have been reused), then the plugin is
-            // reaped. A
-            // child that is not reaped yet stays for the next round; one that is gone already
-            // (ECHILD) is dropped.
-            pending.zombies.retain(|&pid| {
-                spawn::kill_group(pid);
-                matches!(spawn::reap(pid), Ok(None))
-            });
+            // A child that is not reaped yet stays for the next round; one that is gone
+            // already (ECHILD) is dropped.
+            pending
+                .zombies
+                .retain(|&pid| matches!(spawn::reap(pid), Ok(None)));
             let now: Vec<String> = pending.markers.iter().map(|(m, _)| m.clone()).collect();
             pending.markers.retain_mut(|(_, left)| {
                 *left -= 1;

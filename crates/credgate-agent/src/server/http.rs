@@ -6,9 +6,10 @@
 //! own task before handing it to the runtime. A call that is ready at once (a warm `Lookup`,
 //! `Ping`) thus has its whole answer queued before the connection next writes, and the answer
 //! leaves in the same write as the connection's SETTINGS acknowledgement: one wake-up of the
-//! client instead of two. A call that would block or wait (a plugin run, a store write, a
-//! stream) must not do it on the connection's task; [`FirstPollHere::active`] tells it where it
-//! is, and [`leave_connection_task`] moves it to its own task.
+//! client instead of two. A call that could block its thread or wait long (a plugin run on a
+//! miss, a registry round trip) must not do it on the connection's task;
+//! [`FirstPollHere::active`] tells it where it is, and [`leave_connection_task`] moves it to
+//! its own task.
 
 use std::future::Future;
 use std::io;
