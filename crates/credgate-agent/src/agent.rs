@@ -90,6 +90,12 @@ impl CallerAllowlist {
         Ok((service, uids))
     }
 
+    /// Whether `uid` may call at least one service: a connection of a caller that may call
+    /// none is closed as soon as it is accepted.
+    pub fn admits_any(&self, uid: Option<u32>) -> bool {
+        Service::ALL.into_iter().any(|s| self.allows(s, uid))
+    }
+
     /// Whether `uid` may call `service`; an unknown caller may only call open services.
     pub fn allows(&self, service: Service, uid: Option<u32>) -> bool {
         match self.uids.get(&service) {

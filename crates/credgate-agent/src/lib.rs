@@ -7,6 +7,7 @@
 //! [`Agent::reload`] and the shutdown channel.
 
 pub mod agent;
+pub mod conn;
 pub mod guard;
 pub mod metrics;
 pub mod renewal;

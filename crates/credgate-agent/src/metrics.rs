@@ -4,11 +4,12 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use http_body_util::Full;
 use hyper::body::Bytes;
 use hyper::{Method, Request, Response, StatusCode};
-use hyper_util::rt::TokioIo;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -16,6 +17,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
+
+use crate::conn::{Slots, Throttle};
 
 type Labels = Vec<(&'static str, String)>;
 
@@ -64,6 +67,11 @@ pub struct AgentMetrics {
     pub guard_records: Gauge,
     pub guard_intents: Gauge,
     pub verifications: Family<Labels, Counter>,
+    /// Open connections by listener (api, metrics).
+    pub connections: Family<Labels, Gauge>,
+    /// Connections closed at once or early, by listener and reason (limit, uid_limit,
+    /// not_allowed, handshake_timeout, idle_timeout).
+    pub connections_closed: Family<Labels, Counter>,
     methods: Arc<HashMap<&'static str, MethodHandles>>,
     decisions: Arc<HashMap<&'static str, Counter>>,
 }
@@ -124,6 +132,8 @@ impl Default for AgentMetrics {
             guard_records: Gauge::default(),
             guard_intents: Gauge::default(),
             verifications: Family::default(),
+            connections: Family::default(),
+            connections_closed: Family::default(),
             methods: Arc::new(methods),
             decisions: Arc::new(decisions),
         }
@@ -181,6 +191,16 @@ impl AgentMetrics {
             self.verifications.clone(),
         );
         r.register(
+            "connections",
+            "Open connections by listener (api, metrics)",
+            self.connections.clone(),
+        );
+        r.register(
+            "connections_closed",
+            "Connections the agent closed at once or early, by listener and reason",
+            self.connections_closed.clone(),
+        );
+        r.register(
             "config_reloads",
             "Provider config reloads by result (success, failure)",
             self.reloads.clone(),
@@ -207,6 +227,23 @@ impl AgentMetrics {
     /// Counts a verification.
     pub fn verification(&self, result: &'static str) {
         by_result(&self.verifications, result).inc();
+    }
+
+    /// The gauge of open connections of `listener`.
+    pub fn open_connections(&self, listener: &'static str) -> Gauge {
+        self.connections
+            .get_or_create(&vec![("listener", listener.to_owned())])
+            .clone()
+    }
+
+    /// Counts a connection the agent closed at once or early.
+    pub fn connection_closed(&self, listener: &'static str, reason: &'static str) {
+        self.connections_closed
+            .get_or_create(&vec![
+                ("listener", listener.to_owned()),
+                ("reason", reason.to_owned()),
+            ])
+            .inc();
     }
 
     /// Counts a reload.
@@ -273,37 +310,92 @@ pub fn render(registry: &Registry) -> String {
 /// Renders the current exposition text.
 pub type Render = Arc<dyn Fn() -> String + Send + Sync>;
 
-/// Serves `GET /metrics` (and `GET /healthz`) on `listener` until `shutdown` resolves.
+/// What the metrics listener allows: it is reachable by anyone who can reach its address.
+#[derive(Debug, Clone)]
+pub struct MetricsLimits {
+    /// Connections open at once; more are closed as they arrive.
+    pub max_connections: usize,
+    /// A request's head must arrive within this (also while a kept-alive connection waits for
+    /// its next request).
+    pub header_timeout: Duration,
+    /// No connection lives longer than this, whatever it does.
+    pub max_age: Duration,
+}
+
+impl Default for MetricsLimits {
+    fn default() -> Self {
+        MetricsLimits {
+            max_connections: 64,
+            header_timeout: Duration::from_secs(5),
+            max_age: Duration::from_secs(60),
+        }
+    }
+}
+
+static ACCEPT_ERRORS: Throttle = Throttle::new(Duration::from_secs(10));
+static REFUSALS: Throttle = Throttle::new(Duration::from_secs(10));
+
+/// Serves `GET /metrics` (and `GET /healthz`) on `listener` until `shutdown` resolves, within
+/// `limits`. The connections' tasks belong to this call: they end when it returns.
 pub async fn serve(
     listener: TcpListener,
     render: Render,
+    limits: MetricsLimits,
+    metrics: AgentMetrics,
     shutdown: impl std::future::Future<Output = ()>,
 ) {
     tokio::pin!(shutdown);
+    let slots = Slots::new(limits.max_connections, usize::MAX, Vec::new());
+    let open = metrics.open_connections("metrics");
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_timeout)
+        .max_buf_size(16 << 10);
+    let mut connections = tokio::task::JoinSet::new();
     loop {
-        let (stream, _) = tokio::select! {
-            _ = &mut shutdown => return,
+        let stream = tokio::select! {
+            _ = &mut shutdown => break,
+            Some(_) = connections.join_next(), if !connections.is_empty() => continue,
             accepted = listener.accept() => match accepted {
-                Ok(c) => c,
+                Ok((stream, _)) => stream,
                 Err(e) => {
-                    tracing::warn!(error = %e, "metrics listener accept failed");
+                    crate::conn::accept_failed("metrics", &ACCEPT_ERRORS, &e).await;
                     continue;
                 }
             },
         };
-        let render = render.clone();
-        tokio::spawn(async move {
-            let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
-                let render = render.clone();
-                async move { Ok::<_, std::convert::Infallible>(respond(&req, &*render)) }
-            });
-            let conn = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), service);
-            if let Err(e) = conn.await {
-                tracing::debug!(error = %e, "metrics connection ended");
+        let slot = match slots.try_take(None) {
+            Ok(slot) => slot,
+            Err(why) => {
+                metrics.connection_closed("metrics", why.as_str());
+                if let Some(held) = REFUSALS.check() {
+                    tracing::warn!(repeated = held, "metrics connection refused: too many open");
+                }
+                continue;
             }
+        };
+        let render = render.clone();
+        let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
+            let render = render.clone();
+            async move { Ok::<_, std::convert::Infallible>(respond(&req, &*render)) }
+        });
+        let conn = builder.serve_connection(TokioIo::new(stream), service);
+        let open = open.clone();
+        let metrics = metrics.clone();
+        let max_age = limits.max_age;
+        open.inc();
+        connections.spawn(async move {
+            let _slot = slot;
+            match tokio::time::timeout(max_age, conn).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::debug!(error = %e, "metrics connection ended"),
+                Err(_) => metrics.connection_closed("metrics", "max_age"),
+            }
+            open.dec();
         });
     }
+    connections.shutdown().await;
 }
 
 fn respond<B>(

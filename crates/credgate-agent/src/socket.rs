@@ -81,6 +81,33 @@ pub async fn bind(path: &Path, access: &SocketAccess) -> Result<UnixListener, So
     Ok(listener)
 }
 
+/// Which file a socket path names (device and inode), to tell later whether it is still the
+/// socket this process bound.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SocketId {
+    dev: u64,
+    ino: u64,
+}
+
+/// The identity of the socket at `path` now.
+pub fn identity(path: &Path) -> Option<SocketId> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::symlink_metadata(path).ok().map(|m| SocketId {
+        dev: m.dev(),
+        ino: m.ino(),
+    })
+}
+
+/// Removes the socket at shutdown, if `path` still names the socket this process bound
+/// (`bound`): a newer agent that has bound the path since keeps its socket.
+pub fn remove_if_ours(path: &Path, bound: Option<SocketId>) {
+    if bound.is_none() || identity(path) != bound {
+        tracing::info!(path = %path.display(), "the socket was replaced by another agent; left in place");
+        return;
+    }
+    remove(path);
+}
+
 /// Removes the socket at shutdown.
 pub fn remove(path: &Path) {
     if let Err(e) = std::fs::remove_file(path) {

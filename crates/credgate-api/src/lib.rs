@@ -26,6 +26,7 @@ pub mod v1 {
 }
 
 mod redact;
+pub mod trust;
 pub mod unary;
 
 /// The environment variable clients read the socket path from.
@@ -41,19 +42,23 @@ pub fn is_root() -> bool {
 }
 
 /// The default socket: `/run/credgate/credgate.sock` as root, `$XDG_RUNTIME_DIR/credgate.sock`
-/// otherwise (`/tmp/credgate-$UID/credgate.sock` when that variable is unset).
+/// otherwise; without that variable `/run/user/$UID/credgate.sock` when that directory is the
+/// user's, else `/tmp/credgate-$UID/credgate.sock` (which another user could create first:
+/// agents and clients refuse it then, see [`trust`]).
 pub fn default_socket_path() -> PathBuf {
     if is_root() {
         return PathBuf::from("/run/credgate/credgate.sock");
     }
-    match std::env::var_os("XDG_RUNTIME_DIR").filter(|v| !v.is_empty()) {
-        Some(dir) => PathBuf::from(dir).join("credgate.sock"),
-        None => {
-            // SAFETY: getuid has no preconditions and cannot fail.
-            let uid = unsafe { libc::getuid() };
-            PathBuf::from(format!("/tmp/credgate-{uid}/credgate.sock"))
-        }
+    if let Some(dir) = std::env::var_os("XDG_RUNTIME_DIR").filter(|v| !v.is_empty()) {
+        return PathBuf::from(dir).join("credgate.sock");
     }
+    // SAFETY: getuid has no preconditions and cannot fail.
+    let uid = unsafe { libc::getuid() };
+    let run_user = PathBuf::from(format!("/run/user/{uid}"));
+    if trust::check_dir(&run_user, trust::Owner::Me).is_ok() {
+        return run_user.join("credgate.sock");
+    }
+    PathBuf::from(format!("/tmp/credgate-{uid}/credgate.sock"))
 }
 
 /// The socket a client uses: the flag when given, else `CREDGATE_SOCKET`, else the default.
@@ -74,7 +79,10 @@ pub async fn connect(path: &Path) -> Result<Channel, tonic::transport::Error> {
     connect_with(path, Endpoint::from_static("http://credgate.sock")).await
 }
 
-/// Like [`connect`], with the caller's endpoint settings (windows, timeouts).
+/// Like [`connect`], with the caller's endpoint settings (windows, timeouts). The socket and
+/// its directory must be owned by this uid or root and writable by nobody else
+/// ([`trust::check_socket`]): a client never sends secrets to, or takes credentials from, a
+/// socket another user planted.
 pub async fn connect_with(
     path: &Path,
     endpoint: Endpoint,
@@ -83,7 +91,11 @@ pub async fn connect_with(
     endpoint
         .connect_with_connector(tower::service_fn(move |_| {
             let path = path.clone();
-            async move { UnixStream::connect(path).await.map(TokioIo::new) }
+            async move {
+                trust::check_socket(&path)
+                    .map_err(|e| std::io::Error::new(std::io::ErrorKind::PermissionDenied, e))?;
+                UnixStream::connect(path).await.map(TokioIo::new)
+            }
         }))
         .await
 }

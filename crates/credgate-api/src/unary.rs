@@ -52,10 +52,13 @@ mod frame {
 pub enum CallError {
     /// The socket could not be reached.
     #[error("cannot connect: {0}")]
-    Connect(#[source] io::Error),
-    /// Reading or writing failed, or timed out.
+    Connect(io::Error),
+    /// The socket is not one this client may trust (another user's, or writable by others).
+    #[error("{0}")]
+    Untrusted(crate::trust::TrustError),
+    /// Reading or writing failed, or the call's deadline passed.
     #[error("i/o: {0}")]
-    Io(#[source] io::Error),
+    Io(io::Error),
     /// The server answered with a gRPC status other than OK.
     #[error("status {code}: {message}")]
     Status { code: i32, message: String },
@@ -350,8 +353,9 @@ fn unpad(payload: &[u8], flags: u8, headers: bool) -> Result<&[u8], CallError> {
     .ok_or(CallError::Protocol("frame padding"))
 }
 
-/// Calls `method` (`/credgate.v1.Credentials/Lookup`) once on the socket at `path`; every
-/// read and write waits at most `timeout`.
+/// Calls `method` (`/credgate.v1.Credentials/Lookup`) once on the socket at `path`; the whole
+/// call (connecting, writing, every read) ends by `timeout`, whatever the server sends
+/// meanwhile.
 pub fn call<Req, Resp>(
     path: &Path,
     method: &str,
@@ -366,10 +370,51 @@ where
     if message.len() > MAX_REQUEST {
         return Err(CallError::Protocol("request too large"));
     }
-    let mut io = UnixStream::connect(path).map_err(CallError::Connect)?;
-    io.set_read_timeout(Some(timeout)).map_err(CallError::Io)?;
-    io.set_write_timeout(Some(timeout)).map_err(CallError::Io)?;
-    exchange(&mut io, method, &message)?.finish()
+    let deadline = std::time::Instant::now() + timeout;
+    crate::trust::check_socket(path).map_err(CallError::Untrusted)?;
+    let io = UnixStream::connect(path).map_err(CallError::Connect)?;
+    exchange(&mut Deadlined { io, deadline }, method, &message)?.finish()
+}
+
+/// A socket whose every read and write waits at most until one deadline.
+struct Deadlined {
+    io: UnixStream,
+    deadline: std::time::Instant,
+}
+
+impl Deadlined {
+    fn left(&self) -> io::Result<Duration> {
+        let left = self
+            .deadline
+            .saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the call's deadline passed",
+            ));
+        }
+        Ok(left)
+    }
+}
+
+impl Read for Deadlined {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let left = self.left()?;
+        self.io.set_read_timeout(Some(left))?;
+        self.io.read(buf)
+    }
+}
+
+impl Write for Deadlined {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let left = self.left()?;
+        self.io.set_write_timeout(Some(left))?;
+        self.io.write(buf)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.io.flush()
+    }
 }
 
 fn exchange<S: Read + Write>(
@@ -413,6 +458,60 @@ mod tests {
             status: "SERVING".into(),
         });
         assert_eq!(f[4] as usize, f.len() - 5);
+    }
+
+    /// A server that never answers but keeps the connection busy with a PING every 50 ms: the
+    /// call still ends at its deadline (a per-read timeout would wait for ever).
+    #[test]
+    fn a_call_ends_at_its_deadline_while_the_server_keeps_pinging() {
+        use std::os::unix::net::UnixListener;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stopped = stop.clone();
+        let server = std::thread::spawn(move || {
+            let (mut c, _) = listener.accept().unwrap();
+            let mut ping = Vec::new();
+            put_frame(&mut ping, frame::PING, 0, 0, b"keepbusy");
+            while !stopped.load(std::sync::atomic::Ordering::Relaxed) {
+                if c.write_all(&ping).is_err() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        });
+        let started = std::time::Instant::now();
+        let r: Result<crate::v1::HealthResponse, _> = call(
+            &path,
+            "/credgate.v1.Admin/Health",
+            &crate::v1::HealthRequest {},
+            Duration::from_millis(400),
+        );
+        let took = started.elapsed();
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let e = r.unwrap_err();
+        assert!(
+            matches!(&e, CallError::Io(io) if io.kind() == io::ErrorKind::TimedOut || io.kind() == io::ErrorKind::WouldBlock),
+            "{e}"
+        );
+        // Far below what endless PINGs would take; the bound is the test's own guard.
+        assert!(took < Duration::from_secs(30), "{took:?}");
+        server.join().unwrap();
+    }
+
+    #[test]
+    fn a_socket_of_another_kind_is_refused_before_connecting() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("not-a-socket");
+        std::fs::write(&path, "").unwrap();
+        let r: Result<crate::v1::HealthResponse, _> = call(
+            &path,
+            "/credgate.v1.Admin/Health",
+            &crate::v1::HealthRequest {},
+            Duration::from_secs(1),
+        );
+        assert!(matches!(r, Err(CallError::Untrusted(_))));
     }
 
     /// A scripted peer: what it answers is fixed, what it was sent is kept.

@@ -20,7 +20,7 @@ pub enum ProviderError {
     },
     #[error("plugin {plugin}: a response password equals the service account token, but cacheType is not Token")]
     TokenEchoed { plugin: String },
-    #[error("plugin {plugin}: backing off after {failures} consecutive failures, next run allowed in {retry_in:?}")]
+    #[error("plugin {plugin}: backing off after {failures} consecutive failures, next run allowed in {}", credgate_core::duration::Rounded(*retry_in))]
     Backoff {
         plugin: String,
         failures: u32,

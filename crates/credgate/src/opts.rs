@@ -162,6 +162,20 @@ pub struct ServeArgs {
     /// A Watch client that has not read its stream for this long is dropped.
     #[arg(long, value_name = "DURATION", value_parser = parse_duration, default_value = "30s")]
     pub watch_send_timeout: Duration,
+    /// API connections open at once; more are closed as they arrive. Kept below the open-file
+    /// limit with descriptors in reserve for plugins, the store and metrics.
+    #[arg(long, value_name = "N", default_value_t = credgate_agent::server::DEFAULT_MAX_CONNECTIONS)]
+    pub max_connections: usize,
+    /// API connections open at once for one uid other than root and the agent's own.
+    #[arg(long, value_name = "N", default_value_t = credgate_agent::server::DEFAULT_MAX_CONNECTIONS / 4)]
+    pub max_connections_per_uid: usize,
+    /// An API connection with no call open that has sent nothing for this long is closed.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration, default_value = "5m")]
+    pub idle_timeout: Duration,
+    /// A stop (SIGTERM, SIGINT) waits this long for calls in flight, then closes their
+    /// connections and exits.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration, default_value = "10s")]
+    pub shutdown_timeout: Duration,
 }
 
 /// Credentials a consumer presents (`ctl check-access`, `verify`, `record-result`).

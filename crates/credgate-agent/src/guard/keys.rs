@@ -22,6 +22,10 @@ pub enum KeyError {
     },
     #[error("the node key {path} is damaged (expected 32 bytes, found {len}); remove it to start over (every record will need re-verification)")]
     Damaged { path: PathBuf, len: usize },
+    #[error("{0}")]
+    Untrusted(#[from] credgate_api::trust::TrustError),
+    #[error("the node key {path} can be read by other users (mode {mode:o}); refusing to use it")]
+    Exposed { path: PathBuf, mode: u32 },
 }
 
 /// The node's hashing key, kept as an HMAC already keyed (cloning it skips the key schedule).
@@ -38,15 +42,33 @@ impl std::fmt::Debug for NodeKey {
 }
 
 impl NodeKey {
-    /// Reads `dir/node.key`, creating it when absent.
+    /// Reads `dir/node.key`, creating it when absent. The directory, and the key, must be the
+    /// agent's own (not links, owned by its uid, writable by nobody else); the key must be
+    /// readable by nobody else.
     pub fn load_or_create(dir: &Path) -> Result<NodeKey, KeyError> {
+        use std::os::unix::fs::PermissionsExt;
+        super::state_dir(dir)?;
         let path = dir.join("node.key");
         let io = |source| KeyError::Io {
             path: path.clone(),
             source,
         };
-        match std::fs::File::open(&path) {
-            Ok(mut f) => {
+        let opened = super::trusted_file(&path, false).and_then(|f| {
+            let mode = f
+                .metadata()
+                .map_err(super::FileError::Io)?
+                .permissions()
+                .mode()
+                & 0o777;
+            Ok((f, mode))
+        });
+        match opened {
+            Err(super::FileError::Untrusted(e)) => Err(e.into()),
+            Ok((_, mode)) if mode & 0o077 != 0 => Err(KeyError::Exposed {
+                path: path.clone(),
+                mode,
+            }),
+            Ok((mut f, _)) => {
                 let mut buf = Vec::new();
                 f.read_to_end(&mut buf).map_err(io)?;
                 let key: [u8; 32] = buf.as_slice().try_into().map_err(|_| KeyError::Damaged {
@@ -55,7 +77,7 @@ impl NodeKey {
                 })?;
                 Ok(NodeKey::from_bytes(key))
             }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            Err(super::FileError::Io(e)) if e.kind() == std::io::ErrorKind::NotFound => {
                 let mut key = [0u8; 32];
                 std::fs::File::open("/dev/urandom")
                     .and_then(|mut r| r.read_exact(&mut key))
@@ -87,7 +109,7 @@ impl NodeKey {
                     }
                 }
             }
-            Err(e) => Err(io(e)),
+            Err(super::FileError::Io(e)) => Err(io(e)),
         }
     }
 

@@ -534,6 +534,52 @@ type Opener<T, E> = Box<dyn Fn() -> Result<T, E> + Send + Sync>;
 
 /// Something opened once; while opening fails, the last error is kept and opening is retried
 /// when it is next needed, at most every [`REOPEN_INTERVAL`].
+/// Creates the state directory (0700) when it is absent, and refuses it unless it is the
+/// agent's own: not a link, owned by the agent's uid, writable by nobody else.
+pub fn state_dir(dir: &std::path::Path) -> Result<(), credgate_api::trust::TrustError> {
+    use std::os::unix::fs::DirBuilderExt;
+    if std::fs::symlink_metadata(dir).is_err() {
+        let _ = std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir);
+    }
+    credgate_api::trust::check_dir(dir, credgate_api::trust::Owner::Me)
+}
+
+/// Why a state file could not be opened.
+pub(crate) enum FileError {
+    Io(std::io::Error),
+    Untrusted(credgate_api::trust::TrustError),
+}
+
+/// Opens a file of the state directory without following a link (created 0600 when `create`),
+/// and refuses it unless the agent owns it and nobody else can write it.
+pub(crate) fn trusted_file(
+    path: &std::path::Path,
+    create: bool,
+) -> Result<std::fs::File, FileError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .append(create)
+        .create(create)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| {
+            if e.raw_os_error() == Some(libc::ELOOP) {
+                FileError::Untrusted(credgate_api::trust::TrustError::Symlink(path.to_owned()))
+            } else {
+                FileError::Io(e)
+            }
+        })?;
+    let meta = file.metadata().map_err(FileError::Io)?;
+    credgate_api::trust::check(path, &meta, credgate_api::trust::Owner::Me)
+        .map_err(FileError::Untrusted)?;
+    Ok(file)
+}
+
 struct Retrying<T, E> {
     value: OnceLock<T>,
     /// The last failure and when it happened; `None` once opened.

@@ -11,7 +11,6 @@
 //! different credentials cannot lose each other's update.
 
 use std::collections::HashMap;
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
@@ -64,6 +63,14 @@ pub enum StoreError {
     },
     #[error("the guard store {path} is damaged ({detail}); decisions fail safe (authenticate) until it is repaired or removed")]
     Corrupt { path: PathBuf, detail: String },
+    #[error("the guard store {path} is in use by another process (is another agent still running with this state directory?); decisions fail safe until it is free")]
+    Locked { path: PathBuf },
+    #[error(
+        "the disk holding the guard store {path} is full; decisions fail safe until there is room"
+    )]
+    Full { path: PathBuf },
+    #[error("{0}")]
+    Untrusted(#[from] credgate_api::trust::TrustError),
     #[error("the guard store {path} has schema version {found}, newer than this credgate ({SCHEMA_VERSION})")]
     TooNew { path: PathBuf, found: i64 },
     #[error("cannot set up the state directory {path}")]
@@ -266,16 +273,21 @@ impl Store {
             path: dir.to_owned(),
             source,
         };
-        std::fs::create_dir_all(dir).map_err(io)?;
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).map_err(io)?;
+        super::state_dir(dir)?;
         let path = dir.join("guard.db");
-        // Created 0600 before SQLite opens it; its -wal and -shm files take the same mode.
-        std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .mode(0o600)
-            .open(&path)
-            .map_err(io)?;
+        // Created 0600 before SQLite opens it; its -wal and -shm files take the same mode. A
+        // link or a file someone else can write is refused: the directory is the agent's alone,
+        // so what is checked here is what SQLite opens.
+        super::trusted_file(&path, true).map_err(|e| match e {
+            super::FileError::Io(source) => io(source),
+            super::FileError::Untrusted(e) => StoreError::Untrusted(e),
+        })?;
+        for side in ["guard.db-wal", "guard.db-shm"] {
+            let p = dir.join(side);
+            if let Ok(meta) = std::fs::symlink_metadata(&p) {
+                credgate_api::trust::check(&p, &meta, credgate_api::trust::Owner::Me)?;
+            }
+        }
         let open_err = |source| StoreError::Open {
             path: path.clone(),
             source,
@@ -299,7 +311,14 @@ impl Store {
             Ok((mode, check)) => {
                 return Err(corrupt(format!("journal mode {mode}, check {check}")))
             }
-            Err(e) => return Err(corrupt(e.to_string())),
+            Err(e) => {
+                use rusqlite::ErrorCode::{DatabaseBusy, DatabaseLocked, DiskFull};
+                return Err(match e.sqlite_error_code() {
+                    Some(DatabaseBusy | DatabaseLocked) => StoreError::Locked { path },
+                    Some(DiskFull) => StoreError::Full { path },
+                    _ => corrupt(e.to_string()),
+                });
+            }
         }
         let version: i64 = conn
             .query_row("PRAGMA user_version", [], |r| r.get(0))

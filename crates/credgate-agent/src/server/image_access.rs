@@ -187,7 +187,6 @@ impl ImageAccess for Api {
             let expected =
                 (!req.expected_digest.is_empty()).then_some(req.expected_digest.as_str());
             // Registry round trips: on the call's own task.
-            super::http::leave_connection_task().await;
             let v = self
                 .guard()?
                 .verify(&req.image, &req.image_ref, expected, &creds)

@@ -17,6 +17,7 @@ use tokio::sync::mpsc::error::SendTimeoutError;
 use tokio::sync::watch;
 use tokio_stream::wrappers::WatchStream;
 use tokio_stream::{Stream, StreamExt, StreamMap};
+use tonic::service::interceptor::InterceptedService;
 use tonic::{Request, Response, Status};
 
 mod http;
@@ -192,9 +193,6 @@ impl Api {
         if let Some(answer) = served {
             return Ok(answer);
         }
-        // A miss may run a plugin, which blocks its thread for a while: not on the connection's
-        // task, where the connection's other calls would wait behind it.
-        http::leave_connection_task().await;
         let lookup = engine
             .lookup(&request)
             .await
@@ -521,23 +519,86 @@ pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
     parts.join(": ")
 }
 
-/// Serves the API on `listener` until `shutdown` turns true, then stops accepting and lets the
-/// calls in flight finish (Watch streams end).
+/// What one client may hold of the agent, and how long anything may take.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    /// Connections open at once, in all.
+    pub max_connections: usize,
+    /// Connections open at once for one uid other than root and the agent's own.
+    pub max_connections_per_uid: usize,
+    /// Streams (calls, Watch streams) open at once on one connection.
+    pub max_streams: u32,
+    /// A new connection that has not sent the HTTP/2 preface by then is closed.
+    pub handshake_timeout: Duration,
+    /// A connection with no stream open that has sent nothing for this long is closed.
+    pub idle_timeout: Duration,
+    /// A call (a Watch stream's head) not answered by then ends with DEADLINE_EXCEEDED.
+    pub request_timeout: Duration,
+    /// How often the agent pings a client, and how long it waits for the answer before it
+    /// closes the connection (a client that no longer reads).
+    pub keepalive_interval: Duration,
+    pub keepalive_timeout: Duration,
+    /// How long a stop waits for calls in flight before it closes their connections.
+    pub shutdown_timeout: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            max_connections_per_uid: DEFAULT_MAX_CONNECTIONS / 4,
+            max_streams: 32,
+            handshake_timeout: Duration::from_secs(5),
+            idle_timeout: Duration::from_secs(300),
+            request_timeout: Duration::from_secs(120),
+            keepalive_interval: Duration::from_secs(60),
+            keepalive_timeout: Duration::from_secs(20),
+            shutdown_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// The default of `--max-connections`.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 512;
+
+/// The largest request message each service decodes: an image reference is not megabytes.
+pub const MAX_CREDENTIALS_MESSAGE: usize = 64 << 10;
+pub const MAX_ADMIN_MESSAGE: usize = 4 << 10;
+pub const MAX_IMAGE_ACCESS_MESSAGE: usize = 128 << 10;
+
+/// Serves the API on `listener` with the default [`Limits`]; see [`serve_with`].
 pub async fn serve(agent: Agent, listener: UnixListener, shutdown: watch::Receiver<bool>) {
+    serve_with(agent, listener, Limits::default(), shutdown).await;
+}
+
+/// Serves the API on `listener` until `shutdown` turns true, then stops accepting and lets the
+/// calls in flight finish (Watch streams end) for at most `limits.shutdown_timeout`.
+pub async fn serve_with(
+    agent: Agent,
+    listener: UnixListener,
+    limits: Limits,
+    shutdown: watch::Receiver<bool>,
+) {
     let callers = agent.callers().clone();
+    let metrics = agent.metrics().clone();
     let api = Api::new(agent, shutdown.clone());
-    let routes = tonic::service::Routes::new(CredentialsServer::with_interceptor(
-        api.clone(),
+    let credentials =
+        CredentialsServer::new(api.clone()).max_decoding_message_size(MAX_CREDENTIALS_MESSAGE);
+    let admin = AdminServer::new(api.clone()).max_decoding_message_size(MAX_ADMIN_MESSAGE);
+    let image_access =
+        ImageAccessServer::new(api).max_decoding_message_size(MAX_IMAGE_ACCESS_MESSAGE);
+    let routes = tonic::service::Routes::new(InterceptedService::new(
+        credentials,
         admit(&callers, Service::Credentials),
     ))
-    .add_service(AdminServer::with_interceptor(
-        api.clone(),
+    .add_service(InterceptedService::new(
+        admin,
         admit(&callers, Service::Admin),
     ))
-    .add_service(ImageAccessServer::with_interceptor(
-        api,
+    .add_service(InterceptedService::new(
+        image_access,
         admit(&callers, Service::ImageAccess),
     ))
     .prepare();
-    http::serve(routes, listener, shutdown).await;
+    http::serve(routes, listener, callers, limits, metrics, shutdown).await;
 }

@@ -7,7 +7,6 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use credgate_agent::socket::{self, SocketAccess};
-use std::os::unix::fs::PermissionsExt;
 
 use credgate_agent::guard::registry::RegistryOptions;
 use credgate_agent::guard::GuardOptions;
@@ -58,13 +57,18 @@ pub async fn run(args: ServeArgs) -> Result<Outcome> {
         )
     })?;
     let state_dir = args.state_dir.clone().unwrap_or_else(default_state_dir);
-    // A state directory that cannot be set up does not stop the agent: the guard reports it,
-    // fails safe and tries again (credentials keep being served meanwhile).
-    if let Err(e) = std::fs::create_dir_all(&state_dir)
-        .and_then(|()| std::fs::set_permissions(&state_dir, std::fs::Permissions::from_mode(0o700)))
-    {
-        tracing::error!(dir = %state_dir.display(), error = %e, "cannot set up the state directory");
+    // A state directory someone else owns or can write (or a link to one) could hold a planted
+    // key and forged records: the agent does not start on it. One that merely cannot be created
+    // yet (a read-only or full disk) does not stop the agent: the guard reports it, fails safe
+    // and tries again, and credentials keep being served meanwhile.
+    match credgate_agent::guard::state_dir(&state_dir) {
+        Ok(()) => {}
+        Err(e @ credgate_api::trust::TrustError::Io { .. }) => {
+            tracing::error!(dir = %state_dir.display(), error = %e, "cannot set up the state directory");
+        }
+        Err(e) => return Err(anyhow::Error::new(e).context("refusing the state directory")),
     }
+    let limits = limits(&args);
     let mut callers = CallerAllowlist::default();
     for (service, uids) in &args.allow_uids {
         callers.allow(*service, uids.iter().copied());
@@ -97,6 +101,7 @@ pub async fn run(args: ServeArgs) -> Result<Outcome> {
         },
     )
     .await?;
+    let bound = socket::identity(&socket_path);
     // Plugins of an agent that was killed (SIGKILL, OOM) outlive it; this one ends them.
     tokio::task::spawn_blocking(|| {
         let n = credgate_engine::sweep::orphans();
@@ -118,9 +123,16 @@ pub async fn run(args: ServeArgs) -> Result<Outcome> {
         let scraped = agent.clone();
         let render: metrics::Render = Arc::new(move || metrics::render(scraped.registry()));
         let mut stop = stop_rx.clone();
-        tokio::spawn(metrics::serve(listener, render, async move {
-            let _ = stop.wait_for(|s| *s).await;
-        }));
+        let counters = agent.metrics().clone();
+        tokio::spawn(metrics::serve(
+            listener,
+            render,
+            metrics::MetricsLimits::default(),
+            counters,
+            async move {
+                let _ = stop.wait_for(|s| *s).await;
+            },
+        ));
     }
     tokio::spawn(signals(agent.clone(), stop_tx)?);
     tracing::info!(
@@ -132,12 +144,42 @@ pub async fn run(args: ServeArgs) -> Result<Outcome> {
     );
     // On a worker, not in this `block_on`: a connection is then accepted by the worker that
     // the listener's readiness woke, instead of that worker waking this thread to accept.
-    let served = tokio::spawn(server::serve(agent, listener, stop_rx)).await;
-    socket::remove(&socket_path);
+    let served = tokio::spawn(server::serve_with(agent, listener, limits, stop_rx)).await;
+    socket::remove_if_ours(&socket_path, bound);
     renewal_task.abort();
     served.context("the API server failed")?;
     tracing::info!("credgate agent stopped");
     Ok(Outcome::Yes)
+}
+
+/// Descriptors the agent keeps for itself beyond its connections: plugin pipes, the store,
+/// registry connections, the metrics listener's own connections.
+const RESERVED_DESCRIPTORS: usize = 256;
+
+/// The API server's limits from the flags, the connection budget kept within the open-file
+/// limit (raised to its hard maximum first).
+fn limits(args: &ServeArgs) -> server::Limits {
+    let nofile = credgate_agent::conn::raise_nofile_limit();
+    let room = usize::try_from(nofile)
+        .unwrap_or(usize::MAX)
+        .saturating_sub(RESERVED_DESCRIPTORS + metrics::MetricsLimits::default().max_connections);
+    let mut max_connections = args.max_connections.max(1);
+    if max_connections > room {
+        tracing::warn!(
+            wanted = max_connections,
+            allowed = room.max(1),
+            open_file_limit = nofile,
+            "--max-connections lowered to fit the open-file limit"
+        );
+        max_connections = room.max(1);
+    }
+    server::Limits {
+        max_connections,
+        max_connections_per_uid: args.max_connections_per_uid.clamp(1, max_connections),
+        idle_timeout: args.idle_timeout,
+        shutdown_timeout: args.shutdown_timeout,
+        ..server::Limits::default()
+    }
 }
 
 /// SIGHUP reloads; SIGTERM and SIGINT start a graceful stop.

@@ -1,0 +1,327 @@
+//! What every listener of the agent shares: a bounded number of connections (in all and per
+//! uid), accept errors that pause instead of spinning, warnings that cannot flood the log, and
+//! IO that remembers how much its peer sent and when.
+
+use std::collections::HashMap;
+use std::io;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+/// How long accepting pauses after an error that is not the client's (too many open files):
+/// retrying at once would spin.
+pub const ACCEPT_PAUSE: Duration = Duration::from_millis(100);
+
+/// A budget of connections: at most `max` in all and, for a uid that is not exempt, at most
+/// `per_uid` of them.
+#[derive(Clone)]
+pub struct Slots {
+    inner: Arc<SlotsInner>,
+}
+
+struct SlotsInner {
+    max: usize,
+    per_uid: usize,
+    exempt: Vec<u32>,
+    state: Mutex<SlotState>,
+}
+
+#[derive(Default)]
+struct SlotState {
+    total: usize,
+    by_uid: HashMap<u32, usize>,
+}
+
+/// Why a connection got no slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refused {
+    /// Every slot is taken.
+    Full,
+    /// The caller's uid holds its share.
+    UidFull,
+}
+
+impl Refused {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Refused::Full => "limit",
+            Refused::UidFull => "uid_limit",
+        }
+    }
+}
+
+/// A connection's place in a [`Slots`] budget, given back on drop.
+pub struct Slot {
+    inner: Arc<SlotsInner>,
+    uid: Option<u32>,
+}
+
+impl Slots {
+    /// `exempt` uids (root, the agent's own) count only against `max`.
+    pub fn new(max: usize, per_uid: usize, exempt: Vec<u32>) -> Self {
+        Slots {
+            inner: Arc::new(SlotsInner {
+                max,
+                per_uid,
+                exempt,
+                state: Mutex::new(SlotState::default()),
+            }),
+        }
+    }
+
+    /// A slot for a connection of `uid` (`None` for TCP peers), if the budget has one.
+    pub fn try_take(&self, uid: Option<u32>) -> Result<Slot, Refused> {
+        let mut state = lock(&self.inner.state);
+        if state.total >= self.inner.max {
+            return Err(Refused::Full);
+        }
+        let counted = uid.filter(|u| !self.inner.exempt.contains(u));
+        if let Some(u) = counted {
+            let n = state.by_uid.entry(u).or_default();
+            if *n >= self.inner.per_uid {
+                return Err(Refused::UidFull);
+            }
+            *n += 1;
+        }
+        state.total += 1;
+        Ok(Slot {
+            inner: self.inner.clone(),
+            uid: counted,
+        })
+    }
+
+    /// Connections holding a slot now.
+    pub fn in_use(&self) -> usize {
+        lock(&self.inner.state).total
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut state = lock(&self.inner.state);
+        state.total -= 1;
+        if let Some(u) = self.uid {
+            if let Some(n) = state.by_uid.get_mut(&u) {
+                *n -= 1;
+                if *n == 0 {
+                    state.by_uid.remove(&u);
+                }
+            }
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Lets a repeated warning through at most once per period, counting what it held back.
+pub struct Throttle {
+    every: Duration,
+    state: Mutex<(Option<Instant>, u64)>,
+}
+
+impl Throttle {
+    pub const fn new(every: Duration) -> Self {
+        Throttle {
+            every,
+            state: Mutex::new((None, 0)),
+        }
+    }
+
+    /// `Some(n)` when this occurrence should be logged, `n` being how many were held back since
+    /// the last one that was; `None` when it should not.
+    pub fn check(&self) -> Option<u64> {
+        let now = Instant::now();
+        let mut state = lock(&self.state);
+        match state.0 {
+            Some(last) if now.duration_since(last) < self.every => {
+                state.1 += 1;
+                None
+            }
+            _ => {
+                let held = std::mem::take(&mut state.1);
+                state.0 = Some(now);
+                Some(held)
+            }
+        }
+    }
+}
+
+/// Logs an accept error (throttled) and pauses, so that running out of descriptors neither
+/// spins a core nor fills the disk with log lines.
+pub async fn accept_failed(what: &'static str, throttle: &Throttle, e: &io::Error) {
+    if let Some(held) = throttle.check() {
+        tracing::warn!(listener = what, error = %e, repeated = held, "cannot accept a connection");
+    }
+    tokio::time::sleep(ACCEPT_PAUSE).await;
+}
+
+/// How much a connection's peer sent, and when it last sent something.
+pub struct Activity {
+    origin: Instant,
+    bytes: AtomicU64,
+    last_ms: AtomicU64,
+}
+
+impl Activity {
+    pub fn new() -> Arc<Self> {
+        Arc::new(Activity {
+            origin: Instant::now(),
+            bytes: AtomicU64::new(0),
+            last_ms: AtomicU64::new(0),
+        })
+    }
+
+    /// Bytes read from the peer so far.
+    pub fn bytes(&self) -> u64 {
+        self.bytes.load(Ordering::Relaxed)
+    }
+
+    /// How long the connection has been open.
+    pub fn age(&self) -> Duration {
+        self.origin.elapsed()
+    }
+
+    /// How long since the peer last sent a byte (or since the connection opened).
+    pub fn quiet_for(&self) -> Duration {
+        let last = Duration::from_millis(self.last_ms.load(Ordering::Relaxed));
+        self.origin.elapsed().saturating_sub(last)
+    }
+
+    fn read(&self, n: usize) {
+        if n > 0 {
+            self.bytes.fetch_add(n as u64, Ordering::Relaxed);
+            let now = u64::try_from(self.origin.elapsed().as_millis()).unwrap_or(u64::MAX);
+            self.last_ms.store(now, Ordering::Relaxed);
+        }
+    }
+}
+
+/// IO that reports what it reads to an [`Activity`].
+pub struct Watched<T> {
+    io: T,
+    activity: Arc<Activity>,
+}
+
+impl<T> Watched<T> {
+    pub fn new(io: T, activity: Arc<Activity>) -> Self {
+        Watched { io, activity }
+    }
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for Watched<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let polled = Pin::new(&mut self.io).poll_read(cx, buf);
+        self.activity.read(buf.filled().len() - before);
+        polled
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for Watched<T> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, data)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+/// Raises the soft limit of open descriptors to the hard one and returns it, so that the
+/// connection budgets can be checked against what the process may really open.
+pub fn raise_nofile_limit() -> u64 {
+    use rustix::process::{getrlimit, setrlimit, Resource};
+    let mut limit = getrlimit(Resource::Nofile);
+    if limit.current != limit.maximum {
+        limit.current = limit.maximum;
+        let _ = setrlimit(Resource::Nofile, limit);
+    }
+    getrlimit(Resource::Nofile).current.unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_bound_the_total_and_each_uid_and_come_back_on_drop() {
+        let slots = Slots::new(4, 2, vec![0]);
+        let a = slots.try_take(Some(1000)).unwrap();
+        let _b = slots.try_take(Some(1000)).unwrap();
+        assert_eq!(slots.try_take(Some(1000)).err(), Some(Refused::UidFull));
+        // Another uid and an exempt one still get in, up to the total.
+        let _c = slots.try_take(Some(1001)).unwrap();
+        let _d = slots.try_take(Some(0)).unwrap();
+        assert_eq!(slots.try_take(Some(0)).err(), Some(Refused::Full));
+        assert_eq!(slots.in_use(), 4);
+        drop(a);
+        assert_eq!(slots.in_use(), 3);
+        let _e = slots
+            .try_take(Some(1000))
+            .expect("the uid's slot came back");
+    }
+
+    #[test]
+    fn exempt_uids_count_only_against_the_total() {
+        let slots = Slots::new(3, 1, vec![0]);
+        let held: Vec<Slot> = (0..3).map(|_| slots.try_take(Some(0)).unwrap()).collect();
+        assert_eq!(held.len(), 3);
+        assert_eq!(slots.try_take(None).err(), Some(Refused::Full));
+    }
+
+    #[test]
+    fn a_throttle_lets_one_through_per_period_and_counts_the_rest() {
+        let t = Throttle::new(Duration::from_secs(3600));
+        assert_eq!(t.check(), Some(0));
+        for _ in 0..5 {
+            assert_eq!(t.check(), None);
+        }
+        let t = Throttle::new(Duration::ZERO);
+        assert_eq!(t.check(), Some(0));
+        assert_eq!(t.check(), Some(0));
+    }
+
+    #[tokio::test]
+    async fn watched_io_counts_what_it_reads() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (a, mut b) = tokio::io::duplex(64);
+        let activity = Activity::new();
+        let mut w = Watched::new(a, activity.clone());
+        assert_eq!(activity.bytes(), 0);
+        b.write_all(b"hello").await.unwrap();
+        let mut buf = [0u8; 5];
+        w.read_exact(&mut buf).await.unwrap();
+        assert_eq!(activity.bytes(), 5);
+        assert!(activity.quiet_for() <= activity.age());
+    }
+}

@@ -1,0 +1,175 @@
+//! Whether a path may be trusted: a socket a client is about to send secrets to or take
+//! credentials from, a directory the agent keeps its key and records in. A path is trusted
+//! when it is not a symbolic link, its owner is one we trust, and nobody else can write it.
+
+use std::io;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+/// Why a path is not trusted.
+#[derive(Debug, thiserror::Error)]
+pub enum TrustError {
+    #[error("{0} is a symbolic link; refusing to follow it")]
+    Symlink(PathBuf),
+    #[error("{path} is owned by uid {owner}, not by uid {uid}{or_root}; refusing to trust it", or_root = if *.root_too { " or root" } else { "" })]
+    NotOwned {
+        path: PathBuf,
+        owner: u32,
+        uid: u32,
+        root_too: bool,
+    },
+    #[error("{path} can be written by other users (mode {mode:o}); refusing to trust it")]
+    WritableByOthers { path: PathBuf, mode: u32 },
+    #[error("{path} is not a {want}")]
+    WrongKind { path: PathBuf, want: &'static str },
+    #[error("cannot inspect {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// Who may own a trusted path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Owner {
+    /// This process's effective uid only: the agent's state.
+    Me,
+    /// This process's effective uid or root: a socket a client talks to, its directory.
+    MeOrRoot,
+}
+
+fn euid() -> u32 {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+/// Checks metadata already taken (with `symlink_metadata`, or of an open file).
+pub fn check(path: &Path, meta: &std::fs::Metadata, owner: Owner) -> Result<(), TrustError> {
+    if meta.file_type().is_symlink() {
+        return Err(TrustError::Symlink(path.to_owned()));
+    }
+    let uid = euid();
+    let root_too = owner == Owner::MeOrRoot;
+    if meta.uid() != uid && !(root_too && meta.uid() == 0) {
+        return Err(TrustError::NotOwned {
+            path: path.to_owned(),
+            owner: meta.uid(),
+            uid,
+            root_too,
+        });
+    }
+    let mode = meta.permissions().mode() & 0o7777;
+    // A sticky directory (`/tmp`) lets others add entries but not replace ours.
+    let sticky_dir = meta.is_dir() && mode & 0o1000 != 0;
+    if mode & 0o022 != 0 && !sticky_dir {
+        return Err(TrustError::WritableByOthers {
+            path: path.to_owned(),
+            mode,
+        });
+    }
+    Ok(())
+}
+
+fn metadata(path: &Path) -> Result<std::fs::Metadata, TrustError> {
+    std::fs::symlink_metadata(path).map_err(|source| TrustError::Io {
+        path: path.to_owned(),
+        source,
+    })
+}
+
+/// A directory: trusted as `owner` says, and a directory.
+pub fn check_dir(path: &Path, owner: Owner) -> Result<(), TrustError> {
+    let meta = metadata(path)?;
+    check(path, &meta, owner)?;
+    if !meta.is_dir() {
+        return Err(TrustError::WrongKind {
+            path: path.to_owned(),
+            want: "directory",
+        });
+    }
+    Ok(())
+}
+
+/// The agent's socket as a client sees it: the socket and its directory owned by this uid or
+/// root, neither writable by others (the socket's group may be granted access: that is how
+/// the agent shares it).
+pub fn check_socket(path: &Path) -> Result<(), TrustError> {
+    use std::os::unix::fs::FileTypeExt;
+    let meta = metadata(path)?;
+    if meta.file_type().is_symlink() {
+        return Err(TrustError::Symlink(path.to_owned()));
+    }
+    if !meta.file_type().is_socket() {
+        return Err(TrustError::WrongKind {
+            path: path.to_owned(),
+            want: "socket",
+        });
+    }
+    let uid = euid();
+    if meta.uid() != uid && meta.uid() != 0 {
+        return Err(TrustError::NotOwned {
+            path: path.to_owned(),
+            owner: meta.uid(),
+            uid,
+            root_too: true,
+        });
+    }
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        check_dir(dir, Owner::MeOrRoot)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_private_directory_is_trusted_and_a_shared_or_linked_one_is_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().join("state");
+        std::fs::create_dir(&d).unwrap();
+        std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o700)).unwrap();
+        check_dir(&d, Owner::Me).unwrap();
+        std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o770)).unwrap();
+        let e = check_dir(&d, Owner::Me).unwrap_err();
+        assert!(matches!(e, TrustError::WritableByOthers { .. }), "{e}");
+        assert!(e.to_string().contains("mode 770"), "{e}");
+        std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        check_dir(&d, Owner::Me).expect("sticky directories keep entries to their owners");
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&d, &link).unwrap();
+        assert!(matches!(
+            check_dir(&link, Owner::Me),
+            Err(TrustError::Symlink(_))
+        ));
+        let file = dir.path().join("file");
+        std::fs::write(&file, "").unwrap();
+        assert!(matches!(
+            check_dir(&file, Owner::Me),
+            Err(TrustError::WrongKind { .. })
+        ));
+    }
+
+    #[test]
+    fn a_socket_must_be_a_socket_in_a_trusted_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let path = dir.path().join("s.sock");
+        let _l = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        check_socket(&path).unwrap();
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+        assert!(matches!(
+            check_socket(&path),
+            Err(TrustError::WritableByOthers { .. })
+        ));
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let file = dir.path().join("f");
+        std::fs::write(&file, "").unwrap();
+        assert!(matches!(
+            check_socket(&file),
+            Err(TrustError::WrongKind { .. })
+        ));
+    }
+}
