@@ -323,11 +323,33 @@ impl Verifier {
             token: Option<String>,
             access_token: Option<String>,
         }
-        let bytes = response.bytes().await.map_err(|e| describe(&e))?;
+        let bytes = capped_body(response, MAX_TOKEN_BODY).await?;
         let body: Token =
             serde_json::from_slice(&bytes).map_err(|_| "malformed token response".to_owned())?;
         Ok(body.token.or(body.access_token))
     }
+}
+
+/// The most of a token endpoint's answer the agent reads: the registry's host comes from an
+/// image name a tenant chooses, so its answers are hostile until proven otherwise. Response
+/// heads are bounded by the HTTP client (100 headers, a 400 KiB head); manifests are only
+/// asked for with `HEAD`, which has no body.
+pub const MAX_TOKEN_BODY: usize = 64 << 10;
+
+/// A response body read in chunks, refused as soon as it passes `max` bytes.
+async fn capped_body(mut response: reqwest::Response, max: usize) -> Result<Vec<u8>, String> {
+    let too_large = || format!("token response larger than {} KiB", max >> 10);
+    if response.content_length().is_some_and(|n| n > max as u64) {
+        return Err(too_large());
+    }
+    let mut body = Vec::new();
+    while let Some(chunk) = response.chunk().await.map_err(|e| describe(&e))? {
+        if body.len() + chunk.len() > max {
+            return Err(too_large());
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body)
 }
 
 fn basic_header(user: &str, password: &str) -> String {
@@ -380,6 +402,76 @@ mod tests {
         assert_eq!((s.as_str(), p.len()), ("basic", 1));
         let (s, p) = parse_challenge("Basic");
         assert_eq!((s.as_str(), p.len()), ("basic", 0));
+    }
+
+    /// A "registry" on loopback whose token endpoint streams without end: verification stops
+    /// reading at the cap and reports it, instead of buffering what the stream sends.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_token_endpoint_that_streams_for_ever_is_cut_at_the_cap() {
+        use std::io::{BufRead, BufReader, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let sent = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counter = sent.clone();
+        std::thread::spawn(move || {
+            for conn in listener.incoming().take(4) {
+                let Ok(mut conn) = conn else { return };
+                let counter = counter.clone();
+                std::thread::spawn(move || {
+                    let mut line = String::new();
+                    let mut reader = BufReader::new(conn.try_clone().unwrap());
+                    reader.read_line(&mut line).unwrap();
+                    loop {
+                        let mut h = String::new();
+                        if reader.read_line(&mut h).unwrap() <= 2 {
+                            break;
+                        }
+                    }
+                    if line.starts_with("HEAD") {
+                        let _ = write!(conn, "HTTP/1.1 401 Unauthorized\r\nWWW-Authenticate: Bearer realm=\"http://127.0.0.1:{port}/token\",service=\"t\"\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+                        return;
+                    }
+                    let _ = write!(
+                        conn,
+                        "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                    );
+                    let chunk = format!("{:x}\r\n{}\r\n", 16384, "a".repeat(16384));
+                    // Bounded for the test's sake: 64 MiB, far past the cap.
+                    for _ in 0..4096 {
+                        if conn.write_all(chunk.as_bytes()).is_err() {
+                            return;
+                        }
+                        counter.fetch_add(16384, std::sync::atomic::Ordering::Relaxed);
+                    }
+                });
+            }
+        });
+        let v = Verifier::new(RegistryOptions::default());
+        let target = Target {
+            registry: format!("127.0.0.1:{port}"),
+            repository: "team/app".into(),
+            reference: "v1".into(),
+        };
+        let creds = [CredentialIn::Secret {
+            coords: credgate_core::guard::Coords {
+                namespace: "ns".into(),
+                name: "s".into(),
+                uid: String::new(),
+            },
+            username: "u".into(),
+            password: SecretString::from("p"),
+        }];
+        let got = v.verify(&target, None, &creds, &[]).await;
+        assert_eq!(got.reason, "unreachable", "{got:?}");
+        assert!(
+            got.message.contains("larger than 64 KiB"),
+            "{}",
+            got.message
+        );
+        assert!(
+            sent.load(std::sync::atomic::Ordering::Relaxed) < 32 << 20,
+            "the agent stopped reading long before the stream's end"
+        );
     }
 
     #[test]
