@@ -33,6 +33,13 @@ use crate::metrics::AgentMetrics;
 /// The shortest time between two renewals of one ref.
 const MIN_INTERVAL: Duration = Duration::from_secs(1);
 
+/// The longest consumer name.
+pub const CONSUMER_NAME_MAX: usize = 253;
+/// The most refs one consumer (or one Watch stream) holds.
+pub const MAX_REFS_PER_CONSUMER: usize = 4096;
+/// The most named consumers at once (Watch streams are bounded by the connections instead).
+pub const MAX_CONSUMERS: usize = 1024;
+
 /// Why a tracking call was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum TrackError {
@@ -40,11 +47,17 @@ pub enum TrackError {
     NoConsumer,
     #[error("consumer names starting with \"watch:\" are reserved for Watch streams")]
     ReservedConsumer,
-    #[error("invalid ref {image:?}: {error}")]
+    #[error("invalid ref {}: {error}", credgate_core::text::Quoted(image))]
     InvalidRef {
         image: String,
         error: ReferenceError,
     },
+    #[error("consumer name {} is invalid: at most {CONSUMER_NAME_MAX} characters of letters, digits and -._:/@", credgate_core::text::Quoted(.0))]
+    BadConsumer(String),
+    #[error("a consumer may hold at most {MAX_REFS_PER_CONSUMER} refs")]
+    TooManyRefs,
+    #[error("at most {MAX_CONSUMERS} consumers may track refs at once")]
+    TooManyConsumers,
 }
 
 /// A ref's credentials as watchers see them.
@@ -182,16 +195,50 @@ impl Renewer {
     }
 
     fn validate(consumer: &str, refs: &[String]) -> Result<(), TrackError> {
-        if consumer.is_empty() {
-            return Err(TrackError::NoConsumer);
-        }
+        Self::validate_consumer(consumer)?;
         if consumer.starts_with("watch:") {
             return Err(TrackError::ReservedConsumer);
         }
         Self::validate_refs(refs)
     }
 
+    fn validate_consumer(consumer: &str) -> Result<(), TrackError> {
+        if consumer.is_empty() {
+            return Err(TrackError::NoConsumer);
+        }
+        let ok_char = |c: char| c.is_ascii_alphanumeric() || "-._:/@".contains(c);
+        if consumer.len() > CONSUMER_NAME_MAX || !consumer.chars().all(ok_char) {
+            return Err(TrackError::BadConsumer(consumer.to_owned()));
+        }
+        Ok(())
+    }
+
+    /// Refuses a change that would leave `consumer` holding more refs than allowed, or add a
+    /// consumer past the limit. `replace`: the refs become all it holds (SetTracked).
+    fn check_room(&self, consumer: &str, refs: &[String], replace: bool) -> Result<(), TrackError> {
+        let st = self.lock();
+        let known = st.tracker.has_consumer(consumer);
+        if !known && !refs.is_empty() && st.tracker.consumers() >= MAX_CONSUMERS {
+            return Err(TrackError::TooManyConsumers);
+        }
+        let mut after: std::collections::BTreeSet<&str> = if replace {
+            Default::default()
+        } else {
+            st.tracker.held_by(consumer).collect()
+        };
+        for r in refs {
+            after.insert(r);
+            if after.len() > MAX_REFS_PER_CONSUMER {
+                return Err(TrackError::TooManyRefs);
+            }
+        }
+        Ok(())
+    }
+
     fn validate_refs(refs: &[String]) -> Result<(), TrackError> {
+        if refs.len() > MAX_REFS_PER_CONSUMER {
+            return Err(TrackError::TooManyRefs);
+        }
         for r in refs {
             ImageRef::parse(r).map_err(|error| TrackError::InvalidRef {
                 image: r.clone(),
@@ -225,15 +272,14 @@ impl Renewer {
     /// Adds refs to what `consumer` holds; returns how many it holds now.
     pub fn track(&self, consumer: &str, refs: &[String]) -> Result<usize, TrackError> {
         Self::validate(consumer, refs)?;
+        self.check_room(consumer, refs, false)?;
         self.apply(|t, now| t.track(consumer, refs.iter().map(String::as_str), now));
         Ok(self.lock().tracker.held_by(consumer).count())
     }
 
     /// Removes refs from what `consumer` holds; returns how many it holds now.
     pub fn untrack(&self, consumer: &str, refs: &[String]) -> Result<usize, TrackError> {
-        if consumer.is_empty() {
-            return Err(TrackError::NoConsumer);
-        }
+        Self::validate_consumer(consumer)?;
         self.apply(|t, now| t.untrack(consumer, refs.iter().map(String::as_str), now));
         Ok(self.lock().tracker.held_by(consumer).count())
     }
@@ -241,6 +287,7 @@ impl Renewer {
     /// Makes `refs` all that `consumer` holds.
     pub fn set_tracked(&self, consumer: &str, refs: &[String]) -> Result<Change, TrackError> {
         Self::validate(consumer, refs)?;
+        self.check_room(consumer, refs, true)?;
         Ok(self.apply(|t, now| t.set(consumer, refs.iter().map(String::as_str), now)))
     }
 

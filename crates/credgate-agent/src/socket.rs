@@ -16,6 +16,8 @@ pub enum SocketError {
     NotASocket(PathBuf),
     #[error("unknown group {0:?}")]
     UnknownGroup(String),
+    #[error("refusing the socket's directory: {0}")]
+    Untrusted(credgate_api::trust::TrustError),
     #[error("cannot set up socket {path}")]
     Io {
         path: PathBuf,
@@ -31,7 +33,8 @@ pub struct SocketAccess {
     pub group: Option<String>,
 }
 
-/// Binds the agent's socket at `path`.
+/// Binds the agent's socket at `path`. Its directory is created (0755) when absent and refused
+/// unless this uid or root owns it and nobody else can write it.
 ///
 /// The socket is bound under a temporary name in the same directory, given its mode and group,
 /// then renamed into place, so it never exists at `path` with looser permissions. An existing
@@ -49,6 +52,10 @@ pub async fn bind(path: &Path, access: &SocketAccess) -> Result<UnixListener, So
             std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))
                 .map_err(io_err)?;
         }
+        // A directory another user owns or can write (`/tmp/credgate-$UID` made first by
+        // someone else) would let that user replace the socket with one of their own.
+        credgate_api::trust::check_dir(dir, credgate_api::trust::Owner::MeOrRoot)
+            .map_err(SocketError::Untrusted)?;
     }
     match std::fs::symlink_metadata(path) {
         Ok(meta) if meta.file_type().is_socket() => {

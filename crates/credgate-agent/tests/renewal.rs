@@ -290,3 +290,58 @@ async fn watch_gets_the_current_value_first_then_only_changes() {
         .expose_secret()
         .starts_with("token-"));
 }
+
+#[tokio::test(start_paused = true)]
+async fn tracking_is_bounded_in_names_refs_and_consumers() {
+    use credgate_agent::renewal::{TrackError, MAX_CONSUMERS, MAX_REFS_PER_CONSUMER};
+    let f = start(TokenPlugin::new("Registry", "10m"), policy());
+    let image = "reg.example.com/team/app:v1";
+    // Names: length and charset.
+    for bad in ["a\nb", "has space", &"c".repeat(254)] {
+        let e = f.renewer.track(bad, &refs(&[image])).unwrap_err();
+        assert!(matches!(e, TrackError::BadConsumer(_)), "{e}");
+        assert!(e.to_string().len() < 300, "quoted, not echoed: {e}");
+    }
+    f.renewer
+        .track("node/nydus-snapshotter@1:a_b.c", &refs(&[image]))
+        .unwrap();
+    // A huge ref is refused by length, and its message does not echo it.
+    let huge = format!("reg.example.com/app@sha999:{}", "a".repeat(4 << 20));
+    let e = f.renewer.track("x", &[huge]).unwrap_err();
+    assert!(e.to_string().len() < 300, "{} bytes", e.to_string().len());
+    // Refs per consumer, across calls and in one SetTracked.
+    let many: Vec<String> = (0..MAX_REFS_PER_CONSUMER)
+        .map(|i| format!("reg.example.com/app-{i}:v1"))
+        .collect();
+    f.renewer.set_tracked("full", &many).unwrap();
+    let e = f
+        .renewer
+        .track("full", &refs(&["reg.example.com/one-more:v1"]))
+        .unwrap_err();
+    assert_eq!(e, TrackError::TooManyRefs);
+    // Tracking one already held still works at the limit.
+    f.renewer.track("full", &many[..1]).unwrap();
+    let mut over = many.clone();
+    over.push("reg.example.com/one-more:v1".into());
+    assert_eq!(
+        f.renewer.set_tracked("full", &over).unwrap_err(),
+        TrackError::TooManyRefs
+    );
+    f.renewer.set_tracked("full", &[]).unwrap();
+    // Consumers.
+    let held = f.renewer.list(None).len();
+    assert!(held > 0);
+    for i in 0..MAX_CONSUMERS - 1 {
+        f.renewer.track(&format!("c{i}"), &refs(&[image])).unwrap();
+    }
+    assert_eq!(
+        f.renewer
+            .track("one-too-many", &refs(&[image]))
+            .unwrap_err(),
+        TrackError::TooManyConsumers
+    );
+    // A consumer that already holds refs may still change them.
+    f.renewer
+        .track("c0", &refs(&["reg.example.com/b:v1"]))
+        .unwrap();
+}

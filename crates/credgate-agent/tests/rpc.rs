@@ -559,3 +559,41 @@ printf '{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.ku
     assert_eq!(metrics.watchers_dropped.get(), 1);
     assert!(events >= 20, "{events}");
 }
+
+/// A socket directory another user made first (`/tmp/credgate-$UID` without
+/// `XDG_RUNTIME_DIR`) is refused by the agent, and a socket there by clients. Needs root to
+/// give the directory to another user.
+#[tokio::test]
+async fn a_socket_directory_another_user_owns_is_refused_by_agent_and_clients() {
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("skipped: giving a directory to another user needs root");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let theirs = dir.path().join("credgate-0");
+    std::fs::create_dir(&theirs).unwrap();
+    std::fs::set_permissions(&theirs, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let path = theirs.join("credgate.sock");
+    // Their socket, planted before ours.
+    let _planted = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    std::os::unix::fs::chown(&theirs, Some(65534), Some(65534)).unwrap();
+    std::os::unix::fs::chown(&path, Some(65534), Some(65534)).unwrap();
+    let err = socket::bind(&path, &SocketAccess::default())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, SocketError::Untrusted(_)), "{err}");
+    assert!(err.to_string().contains("owned by uid 65534"), "{err}");
+    let err = credgate_api::connect(&path).await.unwrap_err();
+    let chain = format!("{:?}", err);
+    assert!(chain.contains("owner: 65534"), "{chain}");
+    let unary: Result<pb::PingResponse, _> = credgate_api::unary::call(
+        &path,
+        "/credgate.v1.Admin/Ping",
+        &pb::PingRequest {},
+        Duration::from_secs(5),
+    );
+    assert!(
+        matches!(unary, Err(credgate_api::unary::CallError::Untrusted(_))),
+        "{unary:?}"
+    );
+}

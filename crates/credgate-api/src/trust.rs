@@ -96,7 +96,24 @@ pub fn check_dir(path: &Path, owner: Owner) -> Result<(), TrustError> {
 /// the agent shares it).
 pub fn check_socket(path: &Path) -> Result<(), TrustError> {
     use std::os::unix::fs::FileTypeExt;
-    let meta = metadata(path)?;
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
+    let meta = match std::fs::symlink_metadata(path) {
+        Ok(meta) => meta,
+        // No socket: connecting says so. Its directory, when there is one, must still be one
+        // that nobody else could plant a socket in later.
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            if let Some(dir) = dir.filter(|d| d.exists()) {
+                check_dir(dir, Owner::MeOrRoot)?;
+            }
+            return Ok(());
+        }
+        Err(source) => {
+            return Err(TrustError::Io {
+                path: path.to_owned(),
+                source,
+            })
+        }
+    };
     if meta.file_type().is_symlink() {
         return Err(TrustError::Symlink(path.to_owned()));
     }
@@ -115,7 +132,7 @@ pub fn check_socket(path: &Path) -> Result<(), TrustError> {
             root_too: true,
         });
     }
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+    if let Some(dir) = dir {
         check_dir(dir, Owner::MeOrRoot)?;
     }
     Ok(())

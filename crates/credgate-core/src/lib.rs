@@ -17,6 +17,7 @@ pub mod keyring;
 pub mod pattern;
 pub mod reference;
 pub mod renewal;
+pub mod text;
 pub mod tracking;
 pub mod wire;
 

@@ -13,12 +13,21 @@ pub const LEGACY_DEFAULT_DOMAIN: &str = "index.docker.io";
 const OFFICIAL_PREFIX: &str = "library/";
 const NAME_MAX: usize = 255;
 const TAG_MAX: usize = 128;
+/// The longest digest algorithm and encoded part accepted for an algorithm the OCI spec does
+/// not register (the registered ones have exact lengths, up to 128 for sha512).
+const DIGEST_ALGORITHM_MAX: usize = 64;
+const DIGEST_ENCODED_MAX: usize = 256;
+/// The longest reference accepted, checked before anything else: a name, tag and digest at
+/// their limits, with room for a registry spelled the long way (`index.docker.io`).
+pub const REFERENCE_MAX: usize = 1024;
 
 /// Why a string is not an image reference.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ReferenceError {
     #[error("invalid reference format: empty reference")]
     Empty,
+    #[error("invalid reference format: longer than {REFERENCE_MAX} bytes")]
+    TooLong,
     #[error("invalid reference format: repository name must be lowercase")]
     Uppercase,
     #[error("invalid repository name: cannot be a 64-character hexadecimal string")]
@@ -49,6 +58,9 @@ impl<'a> ImageRef<'a> {
     pub fn parse(input: &'a str) -> Result<Self, ReferenceError> {
         if input.is_empty() {
             return Err(ReferenceError::Empty);
+        }
+        if input.len() > REFERENCE_MAX {
+            return Err(ReferenceError::TooLong);
         }
         if is_identifier(input) {
             return Err(ReferenceError::IdentifierLike);
@@ -333,7 +345,12 @@ fn validate_digest(digest: &str) -> Result<(), ReferenceError> {
             part.as_bytes().first().is_some_and(u8::is_ascii_alphabetic)
                 && part.bytes().all(|x| x.is_ascii_alphanumeric())
         });
-    if !alg_ok || hex.len() < 32 || !hex.bytes().all(|x| x.is_ascii_hexdigit()) {
+    if !alg_ok
+        || alg.len() > DIGEST_ALGORITHM_MAX
+        || hex.len() < 32
+        || hex.len() > DIGEST_ENCODED_MAX
+        || !hex.bytes().all(|x| x.is_ascii_hexdigit())
+    {
         return Err(ReferenceError::InvalidDigest);
     }
     let lower = hex.bytes().all(|x| !x.is_ascii_uppercase());
@@ -354,6 +371,24 @@ mod tests {
     use super::*;
 
     const D: &str = "sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+
+    #[test]
+    fn references_and_digests_have_length_limits() {
+        let long_digest = format!("reg.io/app@sha999:{}", "a".repeat(DIGEST_ENCODED_MAX + 1));
+        assert_eq!(
+            ImageRef::parse(&long_digest),
+            Err(ReferenceError::InvalidDigest)
+        );
+        let ok_digest = format!("reg.io/app@sha999:{}", "a".repeat(DIGEST_ENCODED_MAX));
+        assert!(ImageRef::parse(&ok_digest).is_ok());
+        let long_alg = format!("reg.io/app@{}:{}", "a".repeat(65), "0".repeat(64));
+        assert_eq!(
+            ImageRef::parse(&long_alg),
+            Err(ReferenceError::InvalidDigest)
+        );
+        let huge = format!("reg.io/app@sha999:{}", "a".repeat(4 << 20));
+        assert_eq!(ImageRef::parse(&huge), Err(ReferenceError::TooLong));
+    }
 
     #[test]
     fn normalizes_like_the_kubelet() {

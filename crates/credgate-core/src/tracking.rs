@@ -33,6 +33,21 @@ pub struct Tracker {
 }
 
 impl Tracker {
+    /// How many consumers other than Watch streams (`watch:` names) hold at least one ref.
+    pub fn consumers(&self) -> usize {
+        self.consumers
+            .iter()
+            .filter(|(name, held)| !held.is_empty() && !name.starts_with("watch:"))
+            .count()
+    }
+
+    /// Whether `consumer` holds at least one ref.
+    pub fn has_consumer(&self, consumer: &str) -> bool {
+        self.consumers
+            .get(consumer)
+            .is_some_and(|held| !held.is_empty())
+    }
+
     /// Adds `refs` to what `consumer` holds.
     pub fn track<'a>(
         &mut self,

@@ -85,7 +85,7 @@ pub enum BuildError {
 pub enum LookupError {
     #[error("invalid image reference: {0}")]
     InvalidReference(#[from] ReferenceError),
-    #[error("invalid registry host {0:?}: expected host[:port] without scheme or path")]
+    #[error("invalid registry host {}: expected host[:port] without scheme or path", credgate_core::text::Quoted(.0))]
     InvalidHost(String),
 }
 

@@ -4,7 +4,7 @@
 //! since (a global generation) and every entry it used is still alive for the caller.
 //!
 //! Sharded copy-on-write maps keep reads lock-free and writes cheap; each shard holds a bounded
-//! number of resolutions and starts over when full.
+//! number of resolutions and of bytes of keys and names, and starts over when either is full.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -57,13 +57,27 @@ impl Resolved {
     }
 }
 
-type Shard = HashMap<Box<str>, Arc<Resolved>>;
+#[derive(Default)]
+struct Shard {
+    map: HashMap<Box<str>, Arc<Resolved>>,
+    /// Bytes of the keys and names held.
+    bytes: usize,
+}
+
+/// The bytes a resolution holds beyond its fixed size.
+fn weight(key: &str, resolved: &Resolved) -> usize {
+    key.len() + resolved.name.len()
+}
+
+/// The most bytes of keys and names the whole memo holds, whatever its capacity in entries.
+pub const MEMO_BYTES: usize = 16 << 20;
 
 /// The memo.
 pub struct Memo {
     shards: Box<[ArcSwap<Shard>]>,
     writer: Mutex<()>,
     per_shard: usize,
+    per_shard_bytes: usize,
     /// Bumped whenever any provider cache changes.
     pub generation: Arc<AtomicU64>,
 }
@@ -77,14 +91,20 @@ fn shard_of(key: &str) -> usize {
 }
 
 impl Memo {
-    /// A memo holding about `capacity` resolutions.
+    /// A memo holding about `capacity` resolutions and at most [`MEMO_BYTES`] of keys.
     pub fn new(capacity: usize) -> Self {
+        Self::bounded(capacity, MEMO_BYTES)
+    }
+
+    /// A memo holding about `capacity` resolutions and at most `bytes` of keys and names.
+    pub fn bounded(capacity: usize, bytes: usize) -> Self {
         Memo {
             shards: (0..SHARDS)
                 .map(|_| ArcSwap::from_pointee(Shard::default()))
                 .collect(),
             writer: Mutex::new(()),
             per_shard: capacity.div_ceil(SHARDS).max(1),
+            per_shard_bytes: (bytes / SHARDS).max(1),
             generation: Arc::new(AtomicU64::new(0)),
         }
     }
@@ -97,7 +117,7 @@ impl Memo {
     /// Calls `f` with the resolution for `key` if there is one; lock-free.
     pub fn with<R>(&self, key: &str, f: impl FnOnce(&Resolved) -> R) -> Option<R> {
         let shard = self.shards[shard_of(key)].load();
-        shard.get(key).map(|r| f(r))
+        shard.map.get(key).map(|r| f(r))
     }
 
     /// Remembers a resolution.
@@ -105,15 +125,25 @@ impl Memo {
         let _w = self.writer.lock().unwrap_or_else(|p| p.into_inner());
         let slot = &self.shards[shard_of(key)];
         let current = slot.load();
-        let mut next: Shard = if current.len() >= self.per_shard {
+        let added = weight(key, &resolved);
+        let mut next = if current.map.len() >= self.per_shard
+            || current.bytes + added > self.per_shard_bytes
+        {
             Shard::default()
         } else {
-            current
-                .iter()
-                .map(|(k, v)| (k.clone(), v.clone()))
-                .collect()
+            Shard {
+                map: current
+                    .map
+                    .iter()
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect(),
+                bytes: current.bytes,
+            }
         };
-        next.insert(key.into(), resolved);
+        if let Some(old) = next.map.insert(key.into(), resolved) {
+            next.bytes -= weight(key, &old);
+        }
+        next.bytes += added;
         slot.store(Arc::new(next));
     }
 }
@@ -149,10 +179,31 @@ mod tests {
         for i in 0..10_000 {
             memo.insert(&format!("r.io/app-{i}"), resolved(0, None));
         }
-        let total: usize = memo.shards.iter().map(|s| s.load().len()).sum();
+        let total: usize = memo.shards.iter().map(|s| s.load().map.len()).sum();
         assert!(total <= SHARDS * 2, "{total}");
         memo.insert("r.io/x", resolved(7, None));
         assert_eq!(memo.with("r.io/x", |r| r.generation), Some(7));
         assert_eq!(memo.with("r.io/absent", |r| r.generation), None);
+    }
+
+    #[test]
+    fn long_keys_are_bounded_by_bytes_not_entries() {
+        let budget = 1 << 20;
+        let memo = Memo::bounded(1 << 20, budget);
+        for i in 0..3_000 {
+            let key = format!("r.io/app@sha999:{i:0>1000}");
+            memo.insert(&key, resolved(0, None));
+        }
+        let bytes: usize = memo.shards.iter().map(|s| s.load().bytes).sum();
+        let counted: usize = memo
+            .shards
+            .iter()
+            .map(|s| {
+                let s = s.load();
+                s.map.iter().map(|(k, r)| weight(k, r)).sum::<usize>()
+            })
+            .sum();
+        assert_eq!(bytes, counted, "the running count is true");
+        assert!(bytes <= budget, "{bytes}");
     }
 }

@@ -181,8 +181,37 @@ mod tests {
     #[test]
     fn a_damaged_key_is_a_clear_error() {
         let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join("node.key"), b"short").unwrap();
+        let path = dir.path().join("node.key");
+        std::fs::write(&path, b"short").unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
         let e = NodeKey::load_or_create(dir.path()).unwrap_err();
         assert!(e.to_string().contains("damaged"), "{e}");
+    }
+
+    #[test]
+    fn a_key_others_can_read_or_a_linked_key_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("node.key");
+        std::fs::write(&path, [7u8; 32]).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let e = NodeKey::load_or_create(dir.path()).unwrap_err();
+        assert!(matches!(e, KeyError::Exposed { .. }), "{e}");
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        NodeKey::load_or_create(dir.path()).expect("a private key is used");
+        // A planted link to a key elsewhere is not followed.
+        let other = tempfile::tempdir().unwrap();
+        let linked = other.path().join("state");
+        std::fs::create_dir(&linked).unwrap();
+        std::fs::set_permissions(&linked, std::fs::Permissions::from_mode(0o700)).unwrap();
+        std::os::unix::fs::symlink(&path, linked.join("node.key")).unwrap();
+        let e = NodeKey::load_or_create(&linked).unwrap_err();
+        assert!(e.to_string().contains("symbolic link"), "{e}");
+        // A state directory others can write is refused before anything in it is read.
+        std::fs::set_permissions(&linked, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let e = NodeKey::load_or_create(&linked).unwrap_err();
+        assert!(
+            e.to_string().contains("can be written by other users"),
+            "{e}"
+        );
     }
 }

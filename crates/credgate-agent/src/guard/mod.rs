@@ -109,7 +109,7 @@ pub struct CheckAnswer {
 /// Why a guard call was refused.
 #[derive(Debug, thiserror::Error)]
 pub enum GuardError {
-    #[error("invalid image {image:?}: {error}")]
+    #[error("invalid image {}: {error}", credgate_core::text::Quoted(image))]
     InvalidImage {
         image: String,
         error: ReferenceError,

@@ -269,9 +269,12 @@ impl ImageAccess for Api {
         let req = request.into_inner();
         self.observed(peer, "GetRecord", async {
             let store = self.guard()?.store().map_err(guard_status)?;
-            let r = store
-                .record(&req.image_ref)
-                .ok_or_else(|| Status::not_found(format!("no record of {}", req.image_ref)))?;
+            let r = store.record(&req.image_ref).ok_or_else(|| {
+                Status::not_found(format!(
+                    "no record of {}",
+                    credgate_core::text::Quoted(&req.image_ref)
+                ))
+            })?;
             Ok(Response::new(pb::GetRecordResponse {
                 record: Some(record(&r)),
             }))
