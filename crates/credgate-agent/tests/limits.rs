@@ -494,3 +494,33 @@ async fn the_metrics_listener_bounds_idle_connections() {
         .expect("stopped")
         .unwrap();
 }
+
+/// A message that does not decode (a string field that is not UTF-8) is INVALID_ARGUMENT.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_that_does_not_decode_is_invalid_argument() {
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct NotUtf8 {
+        #[prost(bytes = "vec", tag = "1")]
+        image: Vec<u8>,
+    }
+    let s = Server::start(limits(), CallerAllowlist::default()).await;
+    let socket = s.socket.clone();
+    let r = tokio::task::spawn_blocking(move || {
+        credgate_api::unary::call::<_, pb::LookupResponse>(
+            &socket,
+            "/credgate.v1.Credentials/Lookup",
+            &NotUtf8 {
+                image: vec![0xff, 0xfe, 0xfd],
+            },
+            Duration::from_secs(10),
+        )
+    })
+    .await
+    .unwrap();
+    match r {
+        Err(credgate_api::unary::CallError::Status { code, message }) => {
+            assert_eq!(code, tonic::Code::InvalidArgument as i32, "{message}");
+        }
+        other => panic!("{other:?}"),
+    }
+}

@@ -237,7 +237,7 @@ async fn tenant_b_cannot_use_tenant_a_private_image() {
     for _ in 0..100 {
         let listed = t
             .client
-            .list_records(pb::ListRecordsRequest {})
+            .list_records(pb::ListRecordsRequest::default())
             .await
             .unwrap()
             .into_inner();
@@ -457,7 +457,7 @@ async fn registry_killed_and_restarted_during_verifications() {
     assert_eq!(t.check(vec![b()]).await.0, pb::Decision::MustAuthenticate);
     let listed = t
         .client
-        .list_records(pb::ListRecordsRequest {})
+        .list_records(pb::ListRecordsRequest::default())
         .await
         .unwrap()
         .into_inner();

@@ -106,6 +106,9 @@ pub struct CheckAnswer {
     pub message: String,
 }
 
+/// The longest runtime image ID stored (`sha256:` and 64 hex digits is 71).
+pub const IMAGE_REF_MAX: usize = 512;
+
 /// Why a guard call was refused.
 #[derive(Debug, thiserror::Error)]
 pub enum GuardError {
@@ -116,6 +119,8 @@ pub enum GuardError {
     },
     #[error("{0} is required")]
     Missing(&'static str),
+    #[error("invalid image_ref {}: at most {IMAGE_REF_MAX} bytes, no control characters", credgate_core::text::Quoted(.0))]
+    InvalidImageRef(String),
     /// Carries the whole cause (`read-only file system`, `database or disk is full`): it is
     /// what an operator needs to act, and never holds a secret.
     #[error("the guard's records are unavailable: {}", crate::server::error_chain(&**.0))]
@@ -391,6 +396,9 @@ impl Guard {
         let used = if success {
             if image_ref.is_empty() {
                 return Err(GuardError::Missing("image_ref of a successful pull"));
+            }
+            if image_ref.len() > IMAGE_REF_MAX || image_ref.chars().any(char::is_control) {
+                return Err(GuardError::InvalidImageRef(image_ref.to_owned()));
             }
             let used = used.ok_or(GuardError::Missing("the credential of a successful pull"))?;
             match self.presented(std::slice::from_ref(used)).pop() {

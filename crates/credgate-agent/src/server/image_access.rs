@@ -12,19 +12,34 @@ use crate::guard::{Answer, CredentialIn, Guard, GuardError, PullPolicy};
 
 fn guard_status(e: GuardError) -> Status {
     match e {
-        GuardError::InvalidImage { .. } | GuardError::Missing(_) => {
-            Status::invalid_argument(e.to_string())
-        }
+        GuardError::InvalidImage { .. }
+        | GuardError::InvalidImageRef(_)
+        | GuardError::Missing(_) => Status::invalid_argument(e.to_string()),
         GuardError::Unavailable(_) => Status::failed_precondition(e.to_string()),
         GuardError::Write(_) => Status::unavailable(e.to_string()),
     }
 }
+
+/// Records and intents on a `ListRecords` page by default, and at most.
+const DEFAULT_PAGE: usize = 100;
+const MAX_PAGE: usize = 1000;
+
+/// The longest namespace, object name and uid stored (Kubernetes allows 63, 253 and a UUID).
+const NAMESPACE_MAX: usize = 63;
+const OBJECT_NAME_MAX: usize = 253;
+const UID_MAX: usize = 128;
 
 fn coords(o: Option<pb::ObjectRef>, what: &str) -> Result<Coords, Status> {
     let o = o.ok_or_else(|| Status::invalid_argument(format!("{what} needs its object")))?;
     if o.namespace.is_empty() || o.name.is_empty() {
         return Err(Status::invalid_argument(format!(
             "{what} needs namespace and name"
+        )));
+    }
+    if o.namespace.len() > NAMESPACE_MAX || o.name.len() > OBJECT_NAME_MAX || o.uid.len() > UID_MAX
+    {
+        return Err(Status::invalid_argument(format!(
+            "{what}: namespace, name or uid longer than Kubernetes allows ({NAMESPACE_MAX}, {OBJECT_NAME_MAX}, {UID_MAX})"
         )));
     }
     Ok(Coords {
@@ -242,21 +257,56 @@ impl ImageAccess for Api {
         &self,
         request: Request<pb::ListRecordsRequest>,
     ) -> Result<Response<pb::ListRecordsResponse>, Status> {
-        self.observed(peer(&request), "ListRecords", async {
+        let peer = peer(&request);
+        let req = request.into_inner();
+        self.observed(peer, "ListRecords", async {
             let store = self.guard()?.store().map_err(guard_status)?;
-            Ok(Response::new(pb::ListRecordsResponse {
-                records: store.records().iter().map(|r| record(r)).collect(),
-                intents: store
-                    .intents()
-                    .into_iter()
-                    .map(|(image, i)| pb::PullIntent {
+            let size = match req.page_size {
+                0 => DEFAULT_PAGE,
+                n => (n as usize).min(MAX_PAGE),
+            };
+            // Records then intents, each sorted: an item's key is `r<image ID>` or `i<image>`,
+            // which sort in that same order, and a token is the key of a page's last item.
+            let records = store.records();
+            let intents = store.intents();
+            let keyed = records
+                .iter()
+                .map(|r| (format!("r{}", r.image_ref), Some(r), None))
+                .chain(
+                    intents
+                        .into_iter()
+                        .map(|i| (format!("i{}", i.0), None, Some(i))),
+                );
+            let token = req.page_token;
+            if !(token.is_empty() || token.starts_with('r') || token.starts_with('i')) {
+                return Err(Status::invalid_argument("invalid page_token"));
+            }
+            let after = |key: &String| {
+                token.is_empty()
+                    || (key.as_bytes()[0] == token.as_bytes()[0] && *key > token)
+                    || (key.starts_with('i') && token.starts_with('r'))
+            };
+            let mut answer = pb::ListRecordsResponse::default();
+            let mut last = String::new();
+            for (n, (key, rec, intent)) in keyed.filter(|(k, _, _)| after(k)).enumerate() {
+                if n == size {
+                    answer.next_page_token = last;
+                    break;
+                }
+                if let Some(r) = rec {
+                    answer.records.push(record(r));
+                }
+                if let Some((image, i)) = intent {
+                    answer.intents.push(pb::PullIntent {
                         image,
                         name: i.name,
                         count: i.count,
                         created_unix_ms: i.created_ms,
-                    })
-                    .collect(),
-            }))
+                    });
+                }
+                last = key;
+            }
+            Ok(Response::new(answer))
         })
         .await
     }

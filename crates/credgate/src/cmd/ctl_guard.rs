@@ -234,7 +234,22 @@ pub async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcom
             })?;
         }
         CtlCall::ListRecords => {
-            let r = answer(guard.list_records(pb::ListRecordsRequest {})).await?;
+            // Every page, one after another: one answer never holds them all.
+            let mut r = pb::ListRecordsResponse::default();
+            let mut token = String::new();
+            loop {
+                let page = answer(guard.list_records(pb::ListRecordsRequest {
+                    page_size: 0,
+                    page_token: std::mem::take(&mut token),
+                }))
+                .await?;
+                r.records.extend(page.records);
+                r.intents.extend(page.intents);
+                if page.next_page_token.is_empty() {
+                    break;
+                }
+                token = page.next_page_token;
+            }
             if out == Output::Json {
                 json(&r)?;
             } else {
