@@ -5,6 +5,8 @@ use crate::pattern::{parse_schemeless, PatternError};
 
 /// The most `get` reads from stdin; a server URL is a few dozen bytes.
 pub const MAX_INPUT: usize = 8 * 1024;
+/// The most `store` and `erase` read from stdin (a JSON document with a secret, or a URL).
+pub const MAX_STORE_INPUT: usize = 64 * 1024;
 
 /// Why the input of `get` is not a server URL.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -28,8 +30,8 @@ pub struct ServerUrl<'a> {
     pub host: &'a str,
 }
 
-/// Parses the stdin of `get`: `https://index.docker.io/v1/` → host `index.docker.io`,
-/// `127.0.0.1:5000` unchanged.
+/// Parses the stdin of `get`: `https://index.docker.io/v1/` → host `docker.io` (every Docker
+/// Hub server name is), `127.0.0.1:5000` unchanged.
 pub fn parse_get(input: &[u8]) -> Result<ServerUrl<'_>, HelperInputError> {
     if input.len() > MAX_INPUT {
         return Err(HelperInputError::TooLong);
@@ -46,7 +48,21 @@ pub fn parse_get(input: &[u8]) -> Result<ServerUrl<'_>, HelperInputError> {
         return Err(HelperInputError::Empty);
     }
     parse_schemeless(host).map_err(HelperInputError::Invalid)?;
-    Ok(ServerUrl { url, host })
+    Ok(ServerUrl {
+        url,
+        host: docker_hub(host),
+    })
+}
+
+/// Docker Hub's server names as clients send them (the docker CLI and SDK ask for
+/// `https://index.docker.io/v1/`), as the name images and providers use: `docker.io`.
+fn docker_hub(host: &str) -> &str {
+    match host.to_ascii_lowercase().as_str() {
+        "index.docker.io" | "registry-1.docker.io" | "registry.hub.docker.com" | "docker.io" => {
+            crate::reference::DEFAULT_DOMAIN
+        }
+        _ => host,
+    }
 }
 
 #[cfg(test)]
@@ -60,7 +76,15 @@ mod tests {
     #[test]
     fn server_urls_become_hosts() {
         assert_eq!(host("127.0.0.1:5000\n"), Ok("127.0.0.1:5000"));
-        assert_eq!(host("https://index.docker.io/v1/"), Ok("index.docker.io"));
+        assert_eq!(host("https://index.docker.io/v1/"), Ok("docker.io"));
+        assert_eq!(host("index.docker.io"), Ok("docker.io"));
+        assert_eq!(host("https://registry-1.docker.io"), Ok("docker.io"));
+        assert_eq!(host("registry.hub.docker.com"), Ok("docker.io"));
+        assert_eq!(
+            parse_get(b"https://index.docker.io/v1/").unwrap().url,
+            "https://index.docker.io/v1/",
+            "the ServerURL is echoed as the client sent it"
+        );
         assert_eq!(host("http://reg.example:8080/x"), Ok("reg.example:8080"));
         assert_eq!(host("  quay.io  "), Ok("quay.io"));
         assert_eq!(

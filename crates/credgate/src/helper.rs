@@ -4,8 +4,11 @@
 //! `get` reads a registry `host[:port]` on stdin and prints `{"ServerURL","Username","Secret"}`
 //! for the first credential in try-order; when there is none it prints `credentials not found
 //! in native keychain` and exits 1, so clients carry on anonymously. `store` and `erase`
-//! answer that the store is read-only; `list` prints `{}` (plugins cannot be enumerated).
-//! The agent is found through `CREDGATE_SOCKET`, else the default socket.
+//! answer that the store is read-only; with `CREDGATE_HELPER_ERASE=ignore`, `erase` succeeds
+//! without effect (for logout commands that fail or crash on a refusal). `list` prints `{}`
+//! (plugins cannot be enumerated). Every failure other than "not found" is written to stderr
+//! as well, since some clients hide the helper's stdout. The agent is found through
+//! `CREDGATE_SOCKET`, else the default socket.
 
 use std::io::{Read, Write};
 use std::process::ExitCode;
@@ -26,8 +29,12 @@ fn main() -> ExitCode {
     let verb = args.next().unwrap_or_default();
     let result = match verb.as_str() {
         "get" => get(),
+        "erase" if erase_ignored() => {
+            drain_stdin();
+            Ok(Zeroizing::new(String::new()))
+        }
         "store" | "erase" => {
-            let _ = std::io::stdin().read_to_end(&mut Vec::new());
+            drain_stdin();
             Err("credgate: the credential store is read-only; credentials come from the node's providers".into())
         }
         "list" => Ok(Zeroizing::new("{}".into())),
@@ -44,14 +51,32 @@ fn main() -> ExitCode {
     let mut out = std::io::stdout().lock();
     match result {
         Ok(text) => {
-            let _ = writeln!(out, "{}", *text);
+            if !text.is_empty() {
+                let _ = writeln!(out, "{}", *text);
+            }
             ExitCode::SUCCESS
         }
         Err(text) => {
             let _ = writeln!(out, "{text}");
+            if text != NOT_FOUND {
+                eprintln!("{text}");
+            }
             ExitCode::from(1)
         }
     }
+}
+
+/// `CREDGATE_HELPER_ERASE=ignore`: `erase` succeeds and changes nothing.
+fn erase_ignored() -> bool {
+    std::env::var("CREDGATE_HELPER_ERASE").is_ok_and(|v| v == "ignore")
+}
+
+/// Reads what a client sends to `store` or `erase`, up to a bound, and drops it.
+fn drain_stdin() {
+    let mut sink = Zeroizing::new(Vec::new());
+    let _ = std::io::stdin()
+        .take(helper::MAX_STORE_INPUT as u64)
+        .read_to_end(&mut sink);
 }
 
 fn get() -> Result<Zeroizing<String>, String> {

@@ -208,3 +208,20 @@ fn match_exit_codes() {
     }
     assert_eq!(credgate(&["match", "only-one-arg"]).status.code(), Some(2));
 }
+
+/// `credgate get` with no agent running and nothing to read says so, instead of "no
+/// credentials".
+#[test]
+fn get_without_an_agent_or_a_config_says_so() {
+    let runtime = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_credgate"))
+        .args(["get", "--no-docker-config", "nginx:1.25"])
+        .env_remove("CREDGATE_SOCKET")
+        .env("XDG_RUNTIME_DIR", runtime.path())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = text(&out.stderr);
+    assert!(err.contains("no agent at"), "{err}");
+    assert!(err.contains("credgate serve"), "{err}");
+}

@@ -154,6 +154,80 @@ fn helper_without_an_agent_is_a_clear_error() {
         msg.starts_with("credgate: cannot reach the agent at ") && msg.contains("nobody-here.sock"),
         "{msg}"
     );
+    // The docker CLI hides the helper's stdout: the reason is on stderr too.
+    assert_eq!(text(&out.stderr), msg);
+}
+
+/// Docker Hub as the docker CLI and SDK ask for it (`https://index.docker.io/v1/`) is served by
+/// a provider that matches `docker.io`.
+#[test]
+fn docker_hubs_server_names_are_docker_io() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let bin = d.join("plugins");
+    std::fs::create_dir_all(&bin).unwrap();
+    write_script(
+        &bin.join("hub"),
+        r#"cat >/dev/null
+echo '{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.kubelet.k8s.io/v1","cacheKeyType":"Registry","cacheDuration":"10m","auth":{"docker.io":{"username":"hubuser","password":"hub-Pa55"}}}'"#,
+    );
+    let config = d.join("providers.yaml");
+    std::fs::write(
+        &config,
+        "apiVersion: kubelet.config.k8s.io/v1\nkind: CredentialProviderConfig\nproviders:\n- name: hub\n  matchImages: [docker.io]\n  defaultCacheDuration: 10m\n  apiVersion: credentialprovider.kubelet.k8s.io/v1\n",
+    )
+    .unwrap();
+    let agent = Agent::start(
+        d,
+        &[
+            "--image-credential-provider-config",
+            config.to_str().unwrap(),
+            "--image-credential-provider-bin-dir",
+            bin.to_str().unwrap(),
+        ],
+    );
+    for server in [
+        "https://index.docker.io/v1/",
+        "index.docker.io",
+        "registry-1.docker.io",
+        "docker.io",
+    ] {
+        let out = agent.helper_get(server);
+        assert!(out.status.success(), "{server}: {}", text(&out.stdout));
+        let answer: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(answer["Username"], "hubuser", "{server}");
+        assert_eq!(answer["ServerURL"], server, "echoed as sent");
+    }
+    assert!(agent.stop().success());
+}
+
+#[test]
+fn erase_is_refused_unless_opted_out_and_store_reads_a_bounded_input() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("nobody-here.sock");
+    let helper = |verb: &str, ignore: bool, input: &[u8]| {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_docker-credential-credgate"));
+        cmd.arg(verb)
+            .env("CREDGATE_SOCKET", &socket)
+            .env_remove("CREDGATE_HELPER_ERASE")
+            .stderr(std::process::Stdio::piped());
+        if ignore {
+            cmd.env("CREDGATE_HELPER_ERASE", "ignore");
+        }
+        support::output_with_stdin(&mut cmd, input)
+    };
+    let out = helper("erase", false, b"https://index.docker.io/v1/");
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stdout).contains("read-only"));
+    assert!(text(&out.stderr).contains("read-only"));
+    let out = helper("erase", true, b"https://index.docker.io/v1/");
+    assert!(out.status.success(), "{}", text(&out.stdout));
+    assert!(out.stdout.is_empty());
+    // store stays refused whatever the setting; a huge input is not read whole.
+    let huge = vec![b'{'; 32 << 20];
+    let out = helper("store", true, &huge);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stdout).contains("read-only"));
 }
 
 #[test]

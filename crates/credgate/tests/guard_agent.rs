@@ -98,14 +98,24 @@ async fn every_acknowledged_pull_survives_sigkill() {
     }
     // Restart and read everything back.
     let agent = Agent::start(dir.path(), &[]);
-    let listed = agent
-        .image_access()
-        .await
-        .list_records(pb::ListRecordsRequest {})
-        .await
-        .expect("the store opens after the kills")
-        .into_inner();
-    let stored: HashSet<String> = listed.records.into_iter().map(|r| r.image_ref).collect();
+    let mut client = agent.image_access().await;
+    let mut stored: HashSet<String> = HashSet::new();
+    let mut token = String::new();
+    loop {
+        let page = client
+            .list_records(pb::ListRecordsRequest {
+                page_size: 1000,
+                page_token: token,
+            })
+            .await
+            .expect("the store opens after the kills")
+            .into_inner();
+        stored.extend(page.records.into_iter().map(|r| r.image_ref));
+        if page.next_page_token.is_empty() {
+            break;
+        }
+        token = page.next_page_token;
+    }
     let acked = acked.lock().unwrap();
     assert!(
         acked.len() > 50,
@@ -267,7 +277,7 @@ async fn leftover_intents_are_recovered_after_a_restart() {
         )
     );
     let listed = client
-        .list_records(pb::ListRecordsRequest {})
+        .list_records(pb::ListRecordsRequest::default())
         .await
         .unwrap()
         .into_inner();

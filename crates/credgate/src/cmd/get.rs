@@ -77,6 +77,24 @@ pub async fn run(args: GetArgs) -> Result<Outcome> {
     let (image, rows, warnings) = match agent_socket(&args) {
         Some(socket) => remote(&socket, &args.image, min_valid_for).await?,
         None => {
+            if args.sources.image_credential_provider_config.is_none() {
+                let read = sources(&args.sources)?
+                    .docker_configs
+                    .into_iter()
+                    .filter(|p| p.exists())
+                    .count();
+                let socket = credgate_api::default_socket_path();
+                if read == 0 {
+                    anyhow::bail!(
+                        "no agent at {} and no --image-credential-provider-config or docker config to read: start `credgate serve`, or pass --socket or a provider config",
+                        socket.display()
+                    );
+                }
+                eprintln!(
+                    "warning: no agent at {} and no --image-credential-provider-config: only docker config files were read",
+                    socket.display()
+                );
+            }
             let engine = build_engine(&args.sources)?;
             let request = LookupRequest {
                 image: &args.image,
@@ -217,24 +235,79 @@ fn whole_seconds(t: &str) -> String {
     }
 }
 
-/// Prints aligned columns; nothing when there are no rows.
-pub fn print_table(header: &[&str], rows: &[Vec<String>]) {
-    if rows.is_empty() {
-        return;
-    }
-    let header: Vec<String> = header.iter().map(|h| (*h).to_owned()).collect();
-    let mut widths = vec![0usize; header.len()];
-    for row in std::iter::once(&header).chain(rows) {
-        for (w, cell) in widths.iter_mut().zip(row) {
-            *w = (*w).max(cell.chars().count());
+/// The widest a table cell is shown; longer values (a plugin's username, a consumer name) are
+/// cut, and `-o json` shows them whole.
+const CELL_MAX: usize = 80;
+
+/// A value as a table shows it: control characters escaped, cut after [`CELL_MAX`] characters.
+fn cell(value: &str) -> String {
+    let mut out = String::new();
+    for (n, c) in value.chars().enumerate() {
+        if n == CELL_MAX {
+            out.push('\u{2026}');
+            break;
+        }
+        if c.is_control() {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
         }
     }
-    for row in std::iter::once(&header).chain(rows) {
-        let cells: Vec<String> = row
-            .iter()
-            .zip(&widths)
-            .map(|(c, w)| format!("{c:<w$}"))
-            .collect();
-        println!("{}", cells.join("  ").trim_end());
+    out
+}
+
+/// Aligned columns, one line per row; empty when there are no rows.
+pub fn render_table(header: &[&str], rows: &[Vec<String>]) -> String {
+    if rows.is_empty() {
+        return String::new();
+    }
+    let shown: Vec<Vec<String>> = std::iter::once(header.iter().map(|h| cell(h)).collect())
+        .chain(rows.iter().map(|r| r.iter().map(|c| cell(c)).collect()))
+        .collect();
+    let mut widths = vec![0usize; header.len()];
+    for row in &shown {
+        for (w, c) in widths.iter_mut().zip(row) {
+            *w = (*w).max(c.chars().count());
+        }
+    }
+    let mut out = String::new();
+    for row in &shown {
+        let mut line = String::new();
+        for (c, w) in row.iter().zip(&widths) {
+            line.push_str(c);
+            line.extend(std::iter::repeat_n(' ', w - c.chars().count() + 2));
+        }
+        out.push_str(line.trim_end());
+        out.push('\n');
+    }
+    out
+}
+
+/// Prints aligned columns; nothing when there are no rows.
+pub fn print_table(header: &[&str], rows: &[Vec<String>]) {
+    print!("{}", render_table(header, rows));
+}
+
+#[cfg(test)]
+mod table_tests {
+    use super::*;
+
+    #[test]
+    fn long_and_odd_cells_are_cut_and_escaped_not_a_panic() {
+        let rows = vec![
+            vec!["a".repeat(70_000), "x\ny".into()],
+            vec!["short".into(), "z".into()],
+        ];
+        let text = render_table(&["USER", "NOTE"], &rows);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 3);
+        assert!(
+            lines.iter().all(|l| l.chars().count() < 2 * CELL_MAX),
+            "{text}"
+        );
+        assert!(lines[1].contains('\u{2026}'));
+        assert!(lines[1].ends_with("x\\ny"), "{}", lines[1]);
+        assert!(lines[2].starts_with("short "));
+        assert_eq!(render_table(&["A"], &[]), "");
     }
 }
