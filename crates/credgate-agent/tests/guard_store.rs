@@ -360,3 +360,52 @@ async fn deletes_and_rewrites_survive_reopen_and_compaction() {
         "the last 100 secrets, as written"
     );
 }
+
+/// A store another process (an agent still stopping) holds is reported as in use, not as
+/// damage an operator should delete.
+#[tokio::test]
+async fn a_store_held_by_another_process_is_reported_as_locked() {
+    let dir = tempfile::tempdir().unwrap();
+    let first = Store::open(dir.path()).unwrap();
+    first.apply(intent("reg.io/a:v1"), 1).await.unwrap();
+    let e = match Store::open(dir.path()) {
+        Err(e) => e,
+        Ok(_) => panic!("a second store opened a held file"),
+    };
+    assert!(matches!(e, StoreError::Locked { .. }), "{e}");
+    assert!(e.to_string().contains("in use by another process"), "{e}");
+    assert!(!e.to_string().contains("damaged"), "{e}");
+}
+
+/// A state directory someone else can write, or a link, is refused before anything in it is
+/// opened.
+#[tokio::test]
+async fn an_untrusted_state_directory_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let shared = dir.path().join("shared");
+    std::fs::create_dir(&shared).unwrap();
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let e = match Store::open(&shared) {
+        Err(e) => e,
+        Ok(_) => panic!("opened a store in a world-writable directory"),
+    };
+    assert!(matches!(e, StoreError::Untrusted(_)), "{e}");
+    assert_eq!(
+        std::fs::metadata(&shared).unwrap().permissions().mode() & 0o777,
+        0o777,
+        "refused, not chmod'ed"
+    );
+    let link = dir.path().join("link");
+    let private = dir.path().join("private");
+    std::fs::create_dir(&private).unwrap();
+    std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o700)).unwrap();
+    std::os::unix::fs::symlink(&private, &link).unwrap();
+    assert!(matches!(Store::open(&link), Err(StoreError::Untrusted(_))));
+    // A planted database link inside a private directory is refused too.
+    std::os::unix::fs::symlink("/dev/null", private.join("guard.db")).unwrap();
+    let e = match Store::open(&private) {
+        Err(e) => e,
+        Ok(_) => panic!("followed a planted link"),
+    };
+    assert!(e.to_string().contains("symbolic link"), "{e}");
+}

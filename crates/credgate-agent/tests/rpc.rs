@@ -597,3 +597,24 @@ async fn a_socket_directory_another_user_owns_is_refused_by_agent_and_clients() 
         "{unary:?}"
     );
 }
+
+/// An agent that stops after a newer one has replaced its (stale) socket leaves the newer
+/// socket in place.
+#[tokio::test]
+async fn a_stopping_agent_removes_only_its_own_socket() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("credgate.sock");
+    let old = socket::bind(&path, &SocketAccess::default()).await.unwrap();
+    let old_id = socket::identity(&path);
+    // The old agent stops accepting; a new one starts meanwhile and replaces the socket.
+    drop(old);
+    let new = socket::bind(&path, &SocketAccess::default()).await.unwrap();
+    let new_id = socket::identity(&path);
+    assert_ne!(old_id, new_id);
+    socket::remove_if_ours(&path, old_id);
+    assert!(path.exists(), "the new agent's socket stays");
+    let _client = tokio::net::UnixStream::connect(&path).await.unwrap();
+    let _ = new.accept().await.unwrap();
+    socket::remove_if_ours(&path, new_id);
+    assert!(!path.exists());
+}

@@ -225,3 +225,31 @@ fn get_without_an_agent_or_a_config_says_so() {
     assert!(err.contains("no agent at"), "{err}");
     assert!(err.contains("credgate serve"), "{err}");
 }
+
+/// `credgate serve` does not start on a state directory others can write, or on a link.
+#[test]
+fn serve_refuses_an_untrusted_state_directory() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let shared = dir.path().join("shared");
+    std::fs::create_dir(&shared).unwrap();
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let link = dir.path().join("link");
+    std::os::unix::fs::symlink(&shared, &link).unwrap();
+    for (state, want) in [
+        (&shared, "can be written by other users"),
+        (&link, "symbolic link"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_credgate"))
+            .args(["serve", "--no-docker-config", "--socket"])
+            .arg(dir.path().join("s.sock"))
+            .arg("--state-dir")
+            .arg(state)
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        let err = text(&out.stderr);
+        assert!(err.contains("refusing the state directory"), "{err}");
+        assert!(err.contains(want), "{err}");
+    }
+}
