@@ -61,6 +61,31 @@ impl Sources {
             .collect()
     }
 
+    /// A digest of every byte the sources stand for (the provider config's files and the
+    /// docker config files, with their paths), so that a reload of unchanged files keeps the
+    /// running engine and its caches. `None` when a file cannot be read (a reload then
+    /// rebuilds, and reports what is wrong).
+    pub fn fingerprint(&self) -> Option<[u8; 32]> {
+        use sha2::{Digest, Sha256};
+        let mut h = Sha256::new();
+        let mut add = |path: &std::path::Path| -> Option<()> {
+            let bytes = std::fs::read(path).ok()?;
+            h.update(path.as_os_str().as_encoded_bytes());
+            h.update((bytes.len() as u64).to_be_bytes());
+            h.update(&bytes);
+            Some(())
+        };
+        if let Some(config) = &self.provider_config {
+            for file in credgate_engine::source::config_files(config).ok()? {
+                add(&file)?;
+            }
+        }
+        for path in &self.docker_configs {
+            add(path)?;
+        }
+        Some(h.finalize().into())
+    }
+
     /// Reads every source and builds an engine. Never runs a plugin.
     pub fn build(
         &self,
@@ -94,5 +119,30 @@ impl Sources {
             builder = builder.clock(c);
         }
         builder.build().map_err(SourceError::Build)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each cause is printed once along the chain that operators read.
+    #[test]
+    fn a_bad_docker_config_names_its_cause_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("config.json");
+        std::fs::write(&path, "[1,2]").unwrap();
+        let sources = Sources {
+            docker_configs: vec![path],
+            ..Default::default()
+        };
+        let Err(e) = sources.build(None, None) else {
+            panic!("a bad docker config was accepted")
+        };
+        let chain = crate::server::error_chain(&e);
+        let parts: Vec<&str> = chain.split(": ").collect();
+        let mut seen = std::collections::HashSet::new();
+        assert!(parts.iter().all(|p| seen.insert(*p)), "{chain}");
+        assert!(chain.contains("not a docker config.json"), "{chain}");
     }
 }

@@ -618,3 +618,43 @@ async fn a_stopping_agent_removes_only_its_own_socket() {
     socket::remove_if_ours(&path, new_id);
     assert!(!path.exists());
 }
+
+/// A reload of unchanged files keeps the running engine and its caches: a hundred SIGHUPs
+/// cost no plugin run; a real change still takes effect.
+#[tokio::test]
+async fn reloading_identical_files_keeps_the_caches() {
+    let s = Server::start(|d| {
+        script(d, "one", &answer("alice", SECRET, "Registry"));
+        config(d, &["one"])
+    })
+    .await;
+    let channel = s.channel().await;
+    let mut admin = AdminClient::new(channel.clone());
+    let mut creds = CredentialsClient::new(channel);
+    creds.lookup(lookup("reg.example.com/app")).await.unwrap();
+    assert_eq!(s.runs("one"), 1);
+    for _ in 0..100 {
+        let r = admin
+            .reload(pb::ReloadRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(!r.changed);
+    }
+    creds.lookup(lookup("reg.example.com/app")).await.unwrap();
+    assert_eq!(s.runs("one"), 1, "the cache survived the reloads");
+    // The same provider with another cache duration is a change: rebuilt, cache gone.
+    let path = s.dir.path().join("config.yaml");
+    let text = std::fs::read_to_string(&path)
+        .unwrap()
+        .replace("defaultCacheDuration: 10m", "defaultCacheDuration: 11m");
+    std::fs::write(&path, text).unwrap();
+    let r = admin
+        .reload(pb::ReloadRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(r.changed);
+    creds.lookup(lookup("reg.example.com/app")).await.unwrap();
+    assert_eq!(s.runs("one"), 2);
+}

@@ -169,15 +169,20 @@ impl fmt::Display for GoDuration {
     }
 }
 
-/// A duration for people: rounded to the millisecond (to the microsecond below one), then
-/// written as Go writes durations (`400ms`, `1.5s`, `2m30s`).
+/// A duration for people: rounded to the second from a minute up, to the millisecond from a
+/// millisecond up, else to the microsecond; then written as Go writes durations (`400ms`,
+/// `1.5s`, `2m30s`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Rounded(pub Duration);
 
 impl fmt::Display for Rounded {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let ns = self.0.as_nanos();
-        let unit: u128 = if ns >= 1_000_000 { 1_000_000 } else { 1_000 };
+        let unit: u128 = match ns {
+            n if n >= 60_000_000_000 => 1_000_000_000,
+            n if n >= 1_000_000 => 1_000_000,
+            _ => 1_000,
+        };
         let rounded = (ns + unit / 2) / unit * unit;
         GoDuration(i64::try_from(rounded).unwrap_or(i64::MAX)).fmt(f)
     }
@@ -193,6 +198,8 @@ mod tests {
             (Duration::from_nanos(399_999_997), "400ms"),
             (Duration::from_millis(1500), "1.5s"),
             (Duration::from_secs(150), "2m30s"),
+            (Duration::from_nanos(3_599_999_999_997), "1h0m0s"),
+            (Duration::from_millis(150_400), "2m30s"),
             (Duration::from_nanos(1_234_567_890), "1.235s"),
             (Duration::from_nanos(12_345), "12\u{b5}s"),
             (Duration::ZERO, "0s"),

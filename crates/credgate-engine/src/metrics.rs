@@ -155,10 +155,22 @@ impl ProviderMetrics {
         self.errors.get_or_create(&l).inc();
     }
 
-    /// Failures so far, all reasons.
+    /// Failures under one reason so far.
+    pub fn reason_count(&self, reason: &str) -> u64 {
+        let l: Labels = vec![
+            ("provider", self.name.clone()),
+            ("reason", reason.to_owned()),
+        ];
+        self.errors.get(&l).map_or(0, |c| c.get())
+    }
+
+    /// Failures so far, all reasons but refusals during backoff (no plugin ran for those).
     pub fn error_count(&self) -> u64 {
         let mut total = 0;
-        for reason in crate::error::ProviderError::REASONS {
+        for reason in crate::error::ProviderError::REASONS
+            .iter()
+            .filter(|r| **r != "backoff")
+        {
             let l: Labels = vec![
                 ("provider", self.name.clone()),
                 ("reason", (*reason).to_owned()),

@@ -78,7 +78,10 @@ impl Default for BackoffPolicy {
 pub struct ProviderStatus {
     pub name: String,
     pub runs: u64,
+    /// Failed lookups, refusals during backoff excluded.
     pub errors: u64,
+    /// Lookups refused without a run during backoff.
+    pub refused_in_backoff: u64,
     pub cache_hits: u64,
     pub cache_misses: u64,
     pub cache_entries: usize,
@@ -570,6 +573,7 @@ impl Provider {
             name: self.spec.name.clone(),
             runs: self.metrics.runs.get(),
             errors: self.metrics.error_count(),
+            refused_in_backoff: self.metrics.reason_count("backoff"),
             cache_hits: self.metrics.hits.get(),
             cache_misses: self.metrics.misses.get(),
             cache_entries: self.cache.load().live(self.clock.now()),

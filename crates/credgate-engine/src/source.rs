@@ -23,10 +23,10 @@ pub enum LoadError {
     EmptyDirectory(PathBuf),
     #[error(transparent)]
     Config(#[from] ConfigError),
-    #[error("{path}: {source}")]
+    #[error("{path}: {error}")]
     DockerConfig {
         path: PathBuf,
-        source: DockerConfigError,
+        error: DockerConfigError,
     },
 }
 
@@ -92,9 +92,9 @@ pub fn load_provider_config(path: &Path) -> Result<ProviderConfig, LoadError> {
 /// out.
 pub fn load_docker_config(path: &Path) -> Result<StaticSource, LoadError> {
     let bytes = read(path)?;
-    let items = dockerconfig::parse(&bytes).map_err(|source| LoadError::DockerConfig {
+    let items = dockerconfig::parse(&bytes).map_err(|error| LoadError::DockerConfig {
         path: path.to_owned(),
-        source,
+        error,
     })?;
     let (auth, invalid) = AuthSet::new(items);
     for bad in invalid {

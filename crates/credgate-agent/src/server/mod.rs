@@ -235,6 +235,7 @@ impl Api {
                 name: s.name,
                 runs: s.runs,
                 errors: s.errors,
+                refused_in_backoff: s.refused_in_backoff,
                 cache_entries: s.cache_entries as u64,
                 last_run_unix_ms: unix_ms(s.last_run),
                 last_success_unix_ms: unix_ms(s.last_success),

@@ -569,6 +569,13 @@ async fn repeated_failures_back_off() {
     let status = &e.provider_status()[0];
     assert_eq!(status.consecutive_failures, 2);
     assert!(status.last_error.is_some());
+    // Two runs failed; the four lookups after them were refused without a run.
+    assert_eq!((status.errors, status.refused_in_backoff), (2, 4));
+    // The message says when, rounded as people write it.
+    let msg = got.errors[0].to_string();
+    let when = msg.rsplit("next run allowed in ").next().unwrap();
+    assert!(when.ends_with('m') || when.ends_with('s'), "{msg}");
+    assert!(!when.contains('.'), "{msg}");
 }
 
 on_both_runtimes!(
