@@ -101,14 +101,21 @@ impl Allowlist {
         let mut list = Allowlist::default();
         let mut errors = Vec::new();
         for raw in entries {
-            let entry = raw.trim();
-            if entry.is_empty() {
-                continue;
-            }
+            let entry = raw;
             let bad = |reason: String| AllowlistError {
                 entry: entry.to_owned(),
                 reason,
             };
+            // As the kubelet's: an empty entry or one with surrounding white space is an error,
+            // not something to skip or trim.
+            if entry.is_empty() {
+                errors.push(bad("an entry must not be empty".into()));
+                continue;
+            }
+            if entry.trim() != entry {
+                errors.push(bad("an entry must not have surrounding white space".into()));
+                continue;
+            }
             if let Some(prefix) = entry.strip_suffix("/*") {
                 // Normalize the prefix as the name of an image inside it.
                 let probe = format!("{prefix}/x");
@@ -565,6 +572,10 @@ pub fn decide(
                     }
                     if !fresh(&entry.secrets[i]) {
                         too_old = true;
+                        continue;
+                    }
+                    // As a new secret would, a rotation counts against the name's limit.
+                    if entry.secrets.len() >= MAX_SECRETS_PER_NAME {
                         continue;
                     }
                     return Decision {

@@ -432,3 +432,50 @@ printf '{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.ku
     drop(consume(second.socket.clone()).await);
     assert!(second.stop().success());
 }
+
+/// The agent is not dumpable: its /proc files (environ, mem) belong to root even when it runs
+/// as another user, so other processes of that user cannot read its memory. Needs root to run
+/// the agent as another user.
+#[test]
+fn the_agent_is_not_dumpable() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    use std::time::Duration;
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: running the agent as another user needs root");
+        return;
+    }
+    support::require("setpriv");
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let home = dir.path().join("nobody");
+    std::fs::create_dir(&home).unwrap();
+    std::os::unix::fs::chown(&home, Some(65534), Some(65534)).unwrap();
+    let socket = home.join("credgate.sock");
+    let mut child = std::process::Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+        .arg(env!("CARGO_BIN_EXE_credgate"))
+        .args(["serve", "--no-docker-config", "--socket"])
+        .arg(&socket)
+        .arg("--state-dir")
+        .arg(home.join("state"))
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !socket.exists() {
+        assert!(child.try_wait().unwrap().is_none(), "the agent exited");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the agent did not come up"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let environ = std::fs::metadata(format!("/proc/{}/environ", child.id())).unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+    assert_eq!(
+        environ.uid(),
+        0,
+        "a non-dumpable process's /proc files are root's"
+    );
+}

@@ -253,6 +253,28 @@ fn step9_rotated_secret_allows_and_updates_the_hash() {
 }
 
 #[test]
+fn step9_rotation_is_accepted_only_below_the_secrets_limit() {
+    let names: Vec<String> = (0..MAX_SECRETS_PER_NAME).map(|i| format!("s{i}")).collect();
+    let full: Vec<(&str, &str, u8, i64)> = names
+        .iter()
+        .enumerate()
+        .map(|(i, n)| ("a", n.as_str(), (i % 200) as u8, NOW - 10))
+        .collect();
+    let d = decide_with(secrets_entry(&full), vec![secret("a", "s0", 250)], None);
+    assert_eq!(
+        d.verdict,
+        Verdict::Authenticate(AuthReason::NoMatchingCredential),
+        "at {MAX_SECRETS_PER_NAME} secrets a rotated one is not accepted"
+    );
+    let d = decide_with(
+        secrets_entry(&full[..MAX_SECRETS_PER_NAME - 1]),
+        vec![secret("a", "s0", 250)],
+        None,
+    );
+    assert_eq!(d.verdict, Verdict::Allow(AllowReason::SecretRotated));
+}
+
+#[test]
 fn step9_service_account_must_match_all_coordinates() {
     let entry = NameEntry {
         service_accounts: vec![coords("a", "builder")],
@@ -358,6 +380,19 @@ fn known_flaw_allowlist_is_normalized_on_both_sides() {
     assert!(list.allows(&name("busybox")));
     assert!(!list.allows(&name("quay.io/teams/app")));
     assert!(!list.allows(&name("registry.k8s.io/pause-not")));
+}
+
+#[test]
+fn empty_or_padded_allowlist_entries_are_errors() {
+    let errors = Allowlist::parse(["", " nginx", "ok.io/app", "quay.io/x/* "]).unwrap_err();
+    let entries: Vec<&str> = errors.iter().map(|e| e.entry.as_str()).collect();
+    assert_eq!(entries, ["", " nginx", "quay.io/x/* "]);
+    assert!(errors[0].to_string().contains("empty"), "{}", errors[0]);
+    assert!(
+        errors[1].to_string().contains("white space"),
+        "{}",
+        errors[1]
+    );
 }
 
 #[test]

@@ -33,6 +33,13 @@ fn default_state_dir() -> PathBuf {
 }
 
 pub async fn run(args: ServeArgs) -> Result<Outcome> {
+    // No core dumps and no ptrace by other processes of the same user: the agent's memory
+    // holds credentials.
+    if let Err(e) =
+        rustix::process::set_dumpable_behavior(rustix::process::DumpableBehavior::NotDumpable)
+    {
+        tracing::warn!(error = %e, "cannot mark the agent not dumpable");
+    }
     let sources = super::get::sources(&args.sources)?;
     let renewal = RenewalPolicy {
         margin: args.renew_before,
