@@ -6,6 +6,7 @@
 //! credgate code around it: the floor for `miss`), and over the agent's socket `rpc-hit` and
 //! `helper` (see [`agent`]).
 
+mod adversary;
 mod agent;
 mod guard;
 mod soak;
@@ -116,6 +117,13 @@ pub struct Args {
     /// Stop after this many requests even before --duration (soak).
     #[arg(long, default_value_t = 5_000_000)]
     max_requests: u64,
+    /// Soak in two halves: the mix alone, then the mix beside a hostile local client (idle
+    /// connections, oversized requests, non-reading watches, an endless token endpoint).
+    #[arg(long)]
+    adversarial: bool,
+    /// Silent connections the adversarial phase holds open.
+    #[arg(long, default_value_t = 400)]
+    idle_connections: usize,
     /// How often the agent's RSS, descriptors and children are sampled (soak).
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     sample_every: Duration,

@@ -120,10 +120,33 @@ async fn run(args: &Args, socket: &Path, pid: u32) -> Result<()> {
     };
 
     let budget = Arc::new(AtomicU64::new(args.max_requests));
+    let done = Arc::new(AtomicU64::new(0));
+    // The adversarial phase: the second half of the run, beside the mix.
+    let attack = args.adversarial.then(|| {
+        let (done, socket, refs) = (done.clone(), socket.to_owned(), tracked.clone());
+        let half = args.duration / 2;
+        let idle = args.idle_connections;
+        tokio::spawn(async move {
+            tokio::time::sleep(half).await;
+            let boundary = (started.elapsed(), done.load(Ordering::Relaxed));
+            let plan = crate::adversary::Plan {
+                idle,
+                watch_connections: 10,
+                watch_streams: 200,
+                refs: refs.into_iter().take(10).collect(),
+                oversized: 2,
+                verifiers: 2,
+                limit: half + Duration::from_secs(30),
+            };
+            let attack = crate::adversary::start(&socket, &plan).expect("the attack starts");
+            (boundary, attack)
+        })
+    });
     let mut clients = Vec::new();
     for c in 0..args.clients {
         let channel = credgate_api::connect(socket).await?;
         let budget = budget.clone();
+        let done = done.clone();
         clients.push(tokio::spawn(async move {
             let mut creds = CredentialsClient::new(channel.clone());
             let mut guard = ImageAccessClient::new(channel);
@@ -192,6 +215,7 @@ async fn run(args: &Args, socket: &Path, pid: u32) -> Result<()> {
                     }
                 };
                 lat[kind].push(t.elapsed());
+                done.fetch_add(1, Ordering::Relaxed);
                 if !ok {
                     errors[kind] += 1;
                 }
@@ -209,6 +233,18 @@ async fn run(args: &Args, socket: &Path, pid: u32) -> Result<()> {
         }
     }
     let elapsed = started.elapsed();
+    let total_done = done.load(Ordering::Relaxed);
+    let adversarial = match attack {
+        Some(task) => {
+            let ((at, before), attack) = task.await?;
+            let counts = tokio::task::spawn_blocking(move || attack.stop()).await?;
+            let base_rate = before as f64 / at.as_secs_f64();
+            let attacked_rate =
+                (total_done - before) as f64 / (elapsed - at).as_secs_f64().max(1e-9);
+            Some((at, base_rate, attacked_rate, counts))
+        }
+        None => None,
+    };
     sampler.abort();
     watcher.abort();
     let status = credgate_api::v1::admin_client::AdminClient::new(channel)
@@ -257,8 +293,42 @@ async fn run(args: &Args, socket: &Path, pid: u32) -> Result<()> {
         .find(|s| s.at_s >= args.duration.as_secs() / 5)
         .copied()
         .unwrap_or(end);
+    let adversarial = adversarial.map(|(at, base, attacked, counts)| {
+        let during = |f: fn(&Sample) -> u64| {
+            samples
+                .iter()
+                .filter(|s| s.at_s >= at.as_secs())
+                .map(f)
+                .max()
+                .unwrap_or(0)
+        };
+        let before = |f: fn(&Sample) -> u64| {
+            samples
+                .iter()
+                .filter(|s| s.at_s < at.as_secs())
+                .map(f)
+                .max()
+                .unwrap_or(0)
+        };
+        json!({
+            "started_at_s": at.as_secs_f64(),
+            "mix_per_s_before": base,
+            "mix_per_s_during": attacked,
+            "throughput_ratio": attacked / base,
+            "rss_kb_max_before": before(|s| s.rss_kb),
+            "rss_kb_max_during": during(|s| s.rss_kb),
+            "fds_max_before": before(|s| s.fds as u64),
+            "fds_max_during": during(|s| s.fds as u64),
+            "idle_connections_opened": counts.idle_opened.load(Ordering::Relaxed),
+            "watch_connections_opened": counts.watch_connections_opened.load(Ordering::Relaxed),
+            "oversized_requests": counts.oversized_sent.load(Ordering::Relaxed),
+            "verify_calls": counts.verify_calls.load(Ordering::Relaxed),
+            "token_bytes_served": counts.token_bytes_served.load(Ordering::Relaxed),
+        })
+    });
     let result = json!({
         "scenario": "soak",
+        "adversarial": adversarial,
         "seconds": elapsed.as_secs_f64(),
         "requests": total,
         "requests_per_s": total as f64 / elapsed.as_secs_f64(),
@@ -302,6 +372,24 @@ async fn run(args: &Args, socket: &Path, pid: u32) -> Result<()> {
                 p["name"].as_str().unwrap_or_default(),
                 p["runs"],
                 p["errors"]
+            ));
+        }
+        if let Some(a) = &result["adversarial"].as_object() {
+            text.push_str(&format!(
+                "  adversarial phase from {:.0} s: mix {:.0}/s before, {:.0}/s during (ratio {:.2}); RSS max {} kB before, {} kB during; fds max {} before, {} during\n  attack: {} idle connections opened, {} watch connections, {} oversized requests, {} verify calls, {} token bytes served\n",
+                a["started_at_s"].as_f64().unwrap_or(0.0),
+                a["mix_per_s_before"].as_f64().unwrap_or(0.0),
+                a["mix_per_s_during"].as_f64().unwrap_or(0.0),
+                a["throughput_ratio"].as_f64().unwrap_or(0.0),
+                a["rss_kb_max_before"],
+                a["rss_kb_max_during"],
+                a["fds_max_before"],
+                a["fds_max_during"],
+                a["idle_connections_opened"],
+                a["watch_connections_opened"],
+                a["oversized_requests"],
+                a["verify_calls"],
+                a["token_bytes_served"],
             ));
         }
         text.push_str("  agent RSS/fds/children over time:");

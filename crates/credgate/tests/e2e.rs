@@ -100,8 +100,17 @@ fn skopeo_pulls_through_the_docker_credential_helper() {
     assert_eq!(answer["Secret"], PASSWORD);
     assert_eq!(answer["ServerURL"], registry.host());
 
-    // The plugin now returns a wrong password; a reload starts with empty caches.
+    // The plugin now returns a wrong password; a reload of a changed config starts with empty
+    // caches (one of unchanged files keeps them).
     std::fs::write(d.join("password"), "wrong-password").unwrap();
+    let out = agent.credgate(&["ctl", "reload"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let out = skopeo_inspect(&authfile, &image, &agent.socket);
+    assert!(out.status.success(), "unchanged config: cache kept");
+    assert_eq!(plugin_runs(d), 1);
+    let mut yaml = std::fs::read_to_string(&config).unwrap();
+    yaml.push_str("# changed\n");
+    std::fs::write(&config, yaml).unwrap();
     let out = agent.credgate(&["ctl", "reload"]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let out = skopeo_inspect(&authfile, &image, &agent.socket);

@@ -77,7 +77,9 @@ pub async fn run(args: GetArgs) -> Result<Outcome> {
     let (image, rows, warnings) = match agent_socket(&args) {
         Some(socket) => remote(&socket, &args.image, min_valid_for).await?,
         None => {
-            if args.sources.image_credential_provider_config.is_none() {
+            // An invalid reference is reported as such whatever else is missing.
+            let valid = credgate_core::reference::ImageRef::parse(&args.image).is_ok();
+            if valid && args.sources.image_credential_provider_config.is_none() {
                 let read = sources(&args.sources)?
                     .docker_configs
                     .into_iter()
