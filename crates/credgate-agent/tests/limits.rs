@@ -524,3 +524,58 @@ async fn a_request_that_does_not_decode_is_invalid_argument() {
         other => panic!("{other:?}"),
     }
 }
+
+/// A bad reference just under the message limit is INVALID_ARGUMENT with a short message, on
+/// every RPC that takes one, never an echo of the input.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_is_quoted_short_on_every_rpc_that_takes_a_reference() {
+    let s = Server::start(limits(), CallerAllowlist::default()).await;
+    let channel = credgate_api::connect(&s.socket).await.unwrap();
+    let mut creds = CredentialsClient::new(channel);
+    let bad = format!("Reg.Example.com/{}", "A".repeat(60_000));
+    let check = |r: Result<(), tonic::Status>, what: &str| {
+        let e = r.expect_err(what);
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{what}: {e}");
+        assert!(
+            e.message().len() < 300,
+            "{what}: {} bytes",
+            e.message().len()
+        );
+    };
+    let lookup = pb::LookupRequest {
+        image: bad.clone(),
+        ..Default::default()
+    };
+    check(creds.lookup(lookup).await.map(drop), "Lookup");
+    let host = pb::LookupRequest {
+        image: format!("{}:99", "h".repeat(60_000)),
+        registry_host: true,
+        ..Default::default()
+    };
+    check(creds.lookup(host).await.map(drop), "Lookup of a host");
+    let refs = vec![bad.clone()];
+    check(
+        creds
+            .track(pb::TrackRequest {
+                consumer: "c".into(),
+                refs: refs.clone(),
+            })
+            .await
+            .map(drop),
+        "Track",
+    );
+    check(
+        creds
+            .set_tracked(pb::SetTrackedRequest {
+                consumer: "c".into(),
+                refs: refs.clone(),
+            })
+            .await
+            .map(drop),
+        "SetTracked",
+    );
+    check(
+        creds.watch(pb::WatchRequest { refs }).await.map(drop),
+        "Watch",
+    );
+}

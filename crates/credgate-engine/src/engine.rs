@@ -117,7 +117,9 @@ impl<'a> Subject<'a> {
             });
         }
         let host = req.image;
+        // A DNS name is at most 253 characters; with a port, a few more.
         let valid = !host.is_empty()
+            && host.len() <= 262
             && !host.contains(['/', '@', '?', '#'])
             && !host.bytes().any(|b| b.is_ascii_uppercase())
             && parse_schemeless(host).is_ok_and(|p| p.authority == host && p.path.is_empty());
