@@ -132,6 +132,21 @@ fn still_open(s: &mut StdStream, wait: Duration) -> bool {
     open
 }
 
+/// A lookup on `channel` that waits for the gated plugin, as a task.
+fn gated_lookup(
+    channel: &tonic::transport::Channel,
+) -> JoinHandle<Result<tonic::Response<pb::LookupResponse>, tonic::Status>> {
+    let mut client = CredentialsClient::new(channel.clone());
+    tokio::spawn(async move {
+        client
+            .lookup(pb::LookupRequest {
+                image: "reg.example.com/app:v1".into(),
+                ..Default::default()
+            })
+            .await
+    })
+}
+
 fn limits() -> Limits {
     Limits {
         handshake_timeout: Duration::from_secs(60),
@@ -218,15 +233,7 @@ async fn a_connection_with_no_stream_that_stays_quiet_is_closed_at_the_idle_dead
     assert!(closed);
     // A connection with a call in flight is not idle, however long the call takes.
     let channel = credgate_api::connect(&s.socket).await.unwrap();
-    let mut client = CredentialsClient::new(channel.clone());
-    let call = tokio::spawn(async move {
-        client
-            .lookup(pb::LookupRequest {
-                image: "reg.example.com/app:v1".into(),
-                ..Default::default()
-            })
-            .await
-    });
+    let call = gated_lookup(&channel);
     tokio::time::sleep(Duration::from_millis(900)).await;
     s.release();
     let answer = call.await.unwrap().expect("the slow call was answered");
@@ -237,15 +244,7 @@ async fn a_connection_with_no_stream_that_stays_quiet_is_closed_at_the_idle_dead
 async fn a_slow_miss_does_not_stall_a_ping_on_the_same_connection() {
     let s = Server::start(limits(), CallerAllowlist::default()).await;
     let channel = credgate_api::connect(&s.socket).await.unwrap();
-    let mut client = CredentialsClient::new(channel.clone());
-    let lookup = tokio::spawn(async move {
-        client
-            .lookup(pb::LookupRequest {
-                image: "reg.example.com/app:v1".into(),
-                ..Default::default()
-            })
-            .await
-    });
+    let lookup = gated_lookup(&channel);
     // The plugin waits for `release`; the Ping on the same connection must not.
     tokio::time::sleep(Duration::from_millis(100)).await;
     AdminClient::new(channel)
@@ -318,15 +317,7 @@ async fn a_stop_closes_calls_still_running_at_the_shutdown_deadline() {
     )
     .await;
     let channel = credgate_api::connect(&s.socket).await.unwrap();
-    let mut client = CredentialsClient::new(channel);
-    let call = tokio::spawn(async move {
-        client
-            .lookup(pb::LookupRequest {
-                image: "reg.example.com/app:v1".into(),
-                ..Default::default()
-            })
-            .await
-    });
+    let call = gated_lookup(&channel);
     tokio::time::sleep(Duration::from_millis(100)).await;
     s.stop.send(true).unwrap();
     // The plugin never answers; the server returns anyway.

@@ -67,7 +67,8 @@ pub enum CallError {
     Protocol(&'static str),
 }
 
-fn put_frame(out: &mut Vec<u8>, kind: u8, flags: u8, stream: u32, payload: &[u8]) {
+/// Appends one HTTP/2 frame (9-byte head, then `payload`) to `out`.
+pub fn put_frame(out: &mut Vec<u8>, kind: u8, flags: u8, stream: u32, payload: &[u8]) {
     let len = u32::try_from(payload.len()).expect("frames are small");
     out.extend_from_slice(&len.to_be_bytes()[1..]);
     out.push(kind);

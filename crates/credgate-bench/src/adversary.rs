@@ -324,14 +324,7 @@ fn endless_registry(
 
 const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
-fn frame(out: &mut Vec<u8>, kind: u8, flags: u8, stream: u32, payload: &[u8]) {
-    let len = u32::try_from(payload.len()).expect("small frames");
-    out.extend_from_slice(&len.to_be_bytes()[1..]);
-    out.push(kind);
-    out.push(flags);
-    out.extend_from_slice(&stream.to_be_bytes());
-    out.extend_from_slice(payload);
-}
+use credgate_api::unary::put_frame as frame;
 
 fn request_head(method: &str) -> Vec<u8> {
     credgate_core::hpack::encode([
