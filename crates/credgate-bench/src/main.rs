@@ -121,6 +121,9 @@ pub struct Args {
     /// connections, oversized requests, non-reading watches, an endless token endpoint).
     #[arg(long)]
     adversarial: bool,
+    /// The parts of the adversarial phase to run (idle, watch, oversized, verify).
+    #[arg(long, value_delimiter = ',', default_value = "idle,watch,oversized,verify")]
+    attack: Vec<String>,
     /// Silent connections the adversarial phase holds open.
     #[arg(long, default_value_t = 400)]
     idle_connections: usize,

@@ -125,17 +125,21 @@ async fn run(args: &Args, socket: &Path, pid: u32) -> Result<()> {
     let attack = args.adversarial.then(|| {
         let (done, socket, refs) = (done.clone(), socket.to_owned(), tracked.clone());
         let half = args.duration / 2;
-        let idle = args.idle_connections;
+        let on = |part: &str| args.attack.iter().any(|a| a == part);
+        let idle = if on("idle") { args.idle_connections } else { 0 };
+        let watch_connections = if on("watch") { 10 } else { 0 };
+        let oversized = if on("oversized") { 2 } else { 0 };
+        let verifiers = if on("verify") { 2 } else { 0 };
         tokio::spawn(async move {
             tokio::time::sleep(half).await;
             let boundary = (started.elapsed(), done.load(Ordering::Relaxed));
             let plan = crate::adversary::Plan {
                 idle,
-                watch_connections: 10,
+                watch_connections,
                 watch_streams: 200,
                 refs: refs.into_iter().take(10).collect(),
-                oversized: 2,
-                verifiers: 2,
+                oversized,
+                verifiers,
                 limit: half + Duration::from_secs(30),
             };
             let attack = crate::adversary::start(&socket, &plan).expect("the attack starts");
