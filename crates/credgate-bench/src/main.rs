@@ -122,7 +122,11 @@ pub struct Args {
     #[arg(long)]
     adversarial: bool,
     /// The parts of the adversarial phase to run (idle, watch, oversized, verify).
-    #[arg(long, value_delimiter = ',', default_value = "idle,watch,oversized,verify")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "idle,watch,oversized,verify"
+    )]
     attack: Vec<String>,
     /// Silent connections the adversarial phase holds open.
     #[arg(long, default_value_t = 400)]

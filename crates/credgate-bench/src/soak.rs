@@ -136,7 +136,8 @@ async fn run(args: &Args, socket: &Path, pid: u32) -> Result<()> {
             let plan = crate::adversary::Plan {
                 idle,
                 watch_connections,
-                watch_streams: 200,
+                // The agent's stream limit per connection: more are refused at once.
+                watch_streams: 32,
                 refs: refs.into_iter().take(10).collect(),
                 oversized,
                 verifiers,

@@ -23,6 +23,9 @@ pub enum Outcome {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if matches!(cli.command, Command::Serve(_)) {
+        cmd::serve::limit_malloc_arenas();
+    }
     if !matches!(cli.command, Command::Serve(_)) {
         // A CLI piped into `head` ends quietly when the pipe closes, like other Unix tools.
         // SAFETY: restoring the default disposition of SIGPIPE before any thread starts.
