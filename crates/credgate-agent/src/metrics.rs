@@ -67,6 +67,9 @@ pub struct AgentMetrics {
     pub guard_records: Gauge,
     pub guard_intents: Gauge,
     pub verifications: Family<Labels, Counter>,
+    /// Lookups by caller kind (kubelet, docker-helper, api).
+    pub lookups: Family<Labels, Counter>,
+    callers: Arc<[Counter; 3]>,
     /// Open connections by listener (api, metrics).
     pub connections: Family<Labels, Gauge>,
     /// Connections closed at once or early, by listener and reason (limit, uid_limit,
@@ -75,6 +78,9 @@ pub struct AgentMetrics {
     methods: Arc<HashMap<&'static str, MethodHandles>>,
     decisions: Arc<HashMap<&'static str, Counter>>,
 }
+
+/// Every caller kind lookups are counted by.
+pub const CALLERS: [&str; 3] = ["kubelet", "docker-helper", "api"];
 
 /// Every result of a guard decision.
 pub const DECISIONS: &[&str] = &["allow", "must_authenticate", "refuse", "pull"];
@@ -116,6 +122,7 @@ impl Default for AgentMetrics {
             })
             .collect();
         let guard_decisions: Family<Labels, Counter> = Family::default();
+        let lookups: Family<Labels, Counter> = Family::default();
         let decisions = DECISIONS
             .iter()
             .map(|d| (*d, by_result(&guard_decisions, d)))
@@ -132,6 +139,12 @@ impl Default for AgentMetrics {
             guard_records: Gauge::default(),
             guard_intents: Gauge::default(),
             verifications: Family::default(),
+            callers: Arc::new(CALLERS.map(|c| {
+                lookups
+                    .get_or_create(&vec![("caller", c.to_owned())])
+                    .clone()
+            })),
+            lookups,
             connections: Family::default(),
             connections_closed: Family::default(),
             methods: Arc::new(methods),
@@ -191,6 +204,11 @@ impl AgentMetrics {
             self.verifications.clone(),
         );
         r.register(
+            "lookups",
+            "Lookups by caller kind: kubelet (the credential provider bridge), docker-helper, api",
+            self.lookups.clone(),
+        );
+        r.register(
             "connections",
             "Open connections by listener (api, metrics)",
             self.connections.clone(),
@@ -227,6 +245,12 @@ impl AgentMetrics {
     /// Counts a verification.
     pub fn verification(&self, result: &'static str) {
         by_result(&self.verifications, result).inc();
+    }
+
+    /// Counts a lookup by who asked: `kubelet`, `docker-helper`, anything else is `api`.
+    pub fn lookup_by(&self, caller: &str) {
+        let i = CALLERS.iter().position(|c| *c == caller).unwrap_or(2);
+        self.callers[i].inc();
     }
 
     /// The gauge of open connections of `listener`.

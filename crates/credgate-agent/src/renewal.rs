@@ -316,6 +316,11 @@ impl Renewer {
         })
     }
 
+    /// When credentials are renewed ahead of their expiry.
+    pub fn policy(&self) -> &RenewalPolicy {
+        &self.shared.policy
+    }
+
     /// The last good credentials of a tracked ref.
     pub fn last_good(&self, image: &str) -> Option<Arc<Value>> {
         self.lock().refs.get(image).and_then(|r| r.value.clone())

@@ -53,6 +53,44 @@ impl RenewalPolicy {
             .min(lifetime / 2)
     }
 
+    /// How long a client that asks again only when its copy runs out (the kubelet) may keep
+    /// answers fetched and expiring as `entries` say: until the renewal lead before the
+    /// earliest expiry, so that it never holds a credential past its expiry and asks again once
+    /// the credential is due for renewal. An answer that was not cached (`None`): zero.
+    pub fn client_cache_for(
+        &self,
+        now: Instant,
+        entries: impl IntoIterator<Item = (Instant, Option<Instant>)>,
+    ) -> Duration {
+        entries
+            .into_iter()
+            .map(|(fetched, expires)| match expires {
+                Some(x) => x
+                    .saturating_duration_since(now)
+                    .saturating_sub(self.lead(x.saturating_duration_since(fetched))),
+                None => Duration::ZERO,
+            })
+            .min()
+            .unwrap_or_default()
+    }
+
+    /// The largest renewal lead among `entries` that are within it at `now`: such answers
+    /// are renewed before a client that asks at the lead is served.
+    pub fn due_lead(
+        &self,
+        now: Instant,
+        entries: impl IntoIterator<Item = (Instant, Option<Instant>)>,
+    ) -> Option<Duration> {
+        entries
+            .into_iter()
+            .filter_map(|(fetched, expires)| {
+                let x = expires?;
+                let lead = self.lead(x.saturating_duration_since(fetched));
+                (x.saturating_duration_since(now) <= lead).then_some(lead)
+            })
+            .max()
+    }
+
     /// When to renew a credential fetched at `fetched`. `sample` is a jitter draw in `[0, 1)`.
     pub fn renew_at(&self, fetched: Instant, expires: Option<Instant>, sample: f64) -> Instant {
         let sample = sample.clamp(0.0, 1.0);
@@ -97,6 +135,32 @@ pub fn sample(seed: u64) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_client_caches_until_the_lead_before_the_earliest_expiry() {
+        let p = RenewalPolicy::default();
+        let t0 = Instant::now();
+        let hour = Duration::from_secs(3600);
+        // One hour of life: lead = max(1 min, 10%) = 6 min; at t0 the client keeps it 54 min.
+        let one = [(t0, Some(t0 + hour))];
+        assert_eq!(p.client_cache_for(t0, one), Duration::from_secs(54 * 60));
+        assert_eq!(p.due_lead(t0, one), None);
+        // Inside the lead it is due, and the client may not keep it.
+        let late = t0 + Duration::from_secs(55 * 60);
+        assert_eq!(p.client_cache_for(late, one), Duration::ZERO);
+        assert_eq!(p.due_lead(late, one), Some(Duration::from_secs(360)));
+        // The earliest of several wins; an uncached answer means zero; nothing means zero.
+        let two = [
+            (t0, Some(t0 + hour)),
+            (t0, Some(t0 + Duration::from_secs(600))),
+        ];
+        assert_eq!(p.client_cache_for(t0, two), Duration::from_secs(540));
+        assert_eq!(p.client_cache_for(t0, [(t0, None)]), Duration::ZERO);
+        assert_eq!(p.client_cache_for(t0, []), Duration::ZERO);
+        // Short lives are capped at half: 30 s of life is kept 15 s.
+        let short = [(t0, Some(t0 + Duration::from_secs(30)))];
+        assert_eq!(p.client_cache_for(t0, short), Duration::from_secs(15));
+    }
 
     const MIN: Duration = Duration::from_secs(60);
 

@@ -96,6 +96,13 @@ pub struct CacheKey {
     name: Arc<str>,
 }
 
+impl CacheKey {
+    /// How the response behind this key may be reused.
+    pub fn kind(&self) -> CacheKeyType {
+        self.kind
+    }
+}
+
 /// A borrowed key for lookups; hashes exactly as [`CacheKey`].
 #[derive(Hash)]
 struct KeyRef<'a> {

@@ -100,6 +100,9 @@ pub struct LookupRequest<'a> {
     /// `image` is a registry `host[:port]` (what a docker credential helper is given), not an
     /// image: patterns match it as a host, and plugins are asked about the host itself.
     pub registry_host: bool,
+    /// Only this provider, and no static source: what one provider entry of a kubelet's config
+    /// asks when the kubelet runs the bridge in that provider's place.
+    pub provider: Option<&'a str>,
 }
 
 /// What is being looked up, parsed once.
@@ -418,7 +421,7 @@ impl Engine {
         let mut entries: SmallVec<[(usize, Arc<Entry>); 2]> = SmallVec::new();
         let mut errors = Vec::new();
         for (i, p) in self.inner.providers.iter().enumerate() {
-            if !p.applies(&target) {
+            if !p.applies(&target) || req.provider.is_some_and(|only| only != p.spec.name) {
                 continue;
             }
             let mode = match p.mode(req.service_account) {
@@ -458,6 +461,7 @@ impl Engine {
             subject.default_registry(),
             entries,
             generation,
+            req.provider.is_none(),
         );
         if errors.is_empty() {
             self.remember(req, &resolved);
@@ -499,7 +503,7 @@ impl Engine {
         let fresh_until = self.fresh_until(req.min_valid_for);
         let mut entries: SmallVec<[(usize, Arc<Entry>); 2]> = SmallVec::new();
         for (i, p) in self.inner.providers.iter().enumerate() {
-            if !p.applies(&target) {
+            if !p.applies(&target) || req.provider.is_some_and(|only| only != p.spec.name) {
                 continue;
             }
             let scope = match p.mode(req.service_account) {
@@ -521,6 +525,7 @@ impl Engine {
             subject.default_registry(),
             entries,
             generation,
+            req.provider.is_none(),
         );
         self.remember(req, &resolved);
         Ok(Some(serve(&resolved)))
@@ -533,7 +538,7 @@ impl Engine {
         generation: u64,
         serve: impl FnOnce(&Resolved) -> R,
     ) -> Option<R> {
-        if req.service_account.is_some() || req.registry_host {
+        if req.service_account.is_some() || req.registry_host || req.provider.is_some() {
             return None;
         }
         let fresh_until = self.fresh_until(req.min_valid_for);
@@ -558,6 +563,7 @@ impl Engine {
     fn remember(&self, req: &LookupRequest<'_>, resolved: &Arc<Resolved>) {
         if req.service_account.is_none()
             && !req.registry_host
+            && req.provider.is_none()
             && self.inner.memo.generation() == resolved.generation
         {
             self.inner.memo.insert(req.image, resolved.clone());
@@ -582,6 +588,7 @@ impl Engine {
         default_registry: bool,
         entries: SmallVec<[(usize, Arc<Entry>); 2]>,
         generation: u64,
+        with_statics: bool,
     ) -> Arc<Resolved> {
         let picks = {
             let statics = self
@@ -589,6 +596,7 @@ impl Engine {
                 .statics
                 .iter()
                 .enumerate()
+                .filter(|_| with_statics)
                 .map(|(j, s)| (PickSource::Static(j), &s.auth));
             let dynamic = entries
                 .iter()

@@ -94,6 +94,7 @@ fn get() -> Result<Zeroizing<String>, String> {
     let request = LookupRequest {
         image: host.clone(),
         registry_host: true,
+        caller: "docker-helper".into(),
         ..Default::default()
     };
     let mut answer: LookupResponse =

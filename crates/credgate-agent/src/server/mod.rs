@@ -164,8 +164,13 @@ impl Api {
         result
     }
 
-    async fn lookup_inner(&self, req: pb::LookupRequest) -> Result<pb::LookupResponse, Status> {
-        let sa = req.service_account.map(service_account).transpose()?;
+    async fn lookup_inner(&self, mut req: pb::LookupRequest) -> Result<pb::LookupResponse, Status> {
+        self.agent.metrics().lookup_by(&req.caller);
+        let sa = req
+            .service_account
+            .take()
+            .map(service_account)
+            .transpose()?;
         let mut min_valid_for = Duration::from_millis(req.min_valid_for_ms);
         if req.valid_until_unix_ms > 0 {
             let until = SystemTime::UNIX_EPOCH
@@ -176,11 +181,17 @@ impl Api {
             min_valid_for = min_valid_for.max(wanted);
         }
         let engine = self.agent.engine();
+        if !req.provider.is_empty() {
+            return self
+                .provider_lookup(&engine, &req, sa.as_ref(), min_valid_for)
+                .await;
+        }
         let request = LookupRequest {
             image: &req.image,
             min_valid_for,
             service_account: sa.as_ref(),
             registry_host: req.registry_host,
+            provider: None,
         };
         // A warm cache answers straight into the wire message.
         let served = engine
@@ -218,6 +229,67 @@ impl Api {
             credentials,
             failures,
             last_known_good,
+            ..Default::default()
+        })
+    }
+
+    /// One provider's answer, as one provider entry of a kubelet's config asks for it through
+    /// the bridge, with how long the kubelet may cache it: until the agent's renewal lead
+    /// before the earliest expiry. An answer already within that lead is renewed first, so the
+    /// kubelet, asking again at the lead, gets the renewed credential.
+    async fn provider_lookup(
+        &self,
+        engine: &credgate_engine::Engine,
+        req: &pb::LookupRequest,
+        sa: Option<&ServiceAccount>,
+        min_valid_for: Duration,
+    ) -> Result<pb::LookupResponse, Status> {
+        let name = req.provider.as_str();
+        if !engine.provider_status().iter().any(|p| p.name == name) {
+            return Err(Status::invalid_argument(format!(
+                "no provider {} in the agent's config",
+                credgate_core::text::Quoted(name)
+            )));
+        }
+        let policy = self.agent.renewer().policy().clone();
+        let clock = self.agent.clock().clone();
+        let mut request = LookupRequest {
+            image: &req.image,
+            min_valid_for,
+            service_account: sa,
+            registry_host: false,
+            provider: Some(name),
+        };
+        let invalid = |e: credgate_engine::LookupError| Status::invalid_argument(e.to_string());
+        let mut lookup = engine.lookup(&request).await.map_err(invalid)?;
+        let times =
+            |l: &credgate_engine::Lookup| -> Vec<(std::time::Instant, Option<std::time::Instant>)> {
+                l.entries.iter().map(|e| (e.fetched, e.expires)).collect()
+            };
+        if let Some(lead) = policy.due_lead(clock.now(), times(&lookup)) {
+            request.min_valid_for = min_valid_for.max(lead + Duration::from_millis(1));
+            lookup = engine.lookup(&request).await.map_err(invalid)?;
+        }
+        let cache_for = policy.client_cache_for(clock.now(), times(&lookup));
+        Ok(pb::LookupResponse {
+            image: lookup.image,
+            credentials: lookup.credentials.iter().map(credential).collect(),
+            failures: lookup
+                .errors
+                .iter()
+                .map(|e| pb::ProviderFailure {
+                    provider: e.plugin().to_owned(),
+                    reason: e.reason().to_owned(),
+                    message: e.to_string(),
+                })
+                .collect(),
+            last_known_good: false,
+            cache_key_type: lookup
+                .entries
+                .first()
+                .map(|e| e.key.kind().as_str().to_owned())
+                .unwrap_or_default(),
+            cache_for_ms: i64::try_from(cache_for.as_millis()).unwrap_or(i64::MAX),
         })
     }
 

@@ -1,0 +1,267 @@
+//! `credgate-credential-provider`: a kubelet credential provider plugin answered by the agent.
+//!
+//! The kubelet executes it in a provider's place (`<bin-dir>/<provider name>`, with
+//! `--provider NAME` in the entry's `args`, or the provider's name as the file name of a link
+//! to it), writes one `CredentialProviderRequest` on stdin and reads the response on stdout,
+//! in the request's version. The bridge asks the agent for that provider's credentials for the
+//! image, with the service account the token's claims name (KEP-4412), and answers with every
+//! credential keyed by the pattern it matched, the provider's `cacheKeyType`, and a
+//! `cacheDuration` that ends the agent's renewal lead before the earliest expiry.
+//!
+//! Nothing matches: an empty `auth`, exit 0. The agent unreachable or the provider failed: one
+//! line on stderr, exit 1; with `--fallback-in-process CONFIG --image-credential-provider-bin-dir
+//! DIR` the bridge runs the provider itself with the same engine instead, so a node keeps
+//! pulling while the agent restarts. A secret never reaches stderr.
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Parser;
+use credgate_api::unary::{self, CallError};
+use credgate_api::v1::{self as pb};
+use credgate_core::bridge::{self, AuthEntry, KubeletRequest};
+use credgate_core::wire::CacheKeyType;
+use secrecy::ExposeSecret;
+use zeroize::Zeroizing;
+
+const LOOKUP: &str = "/credgate.v1.Credentials/Lookup";
+/// Longer than a plugin's default timeout (1 minute): a miss runs one. The kubelet's own
+/// deadline for a plugin is also one minute, so it gives up first.
+const TIMEOUT: Duration = Duration::from_secs(90);
+const NAME: &str = "credgate-credential-provider";
+
+#[derive(Parser)]
+#[command(
+    name = NAME,
+    version,
+    about = "A kubelet credential provider plugin answered by the credgate agent"
+)]
+struct Args {
+    /// The agent's provider this entry stands for (default: this program's file name, when it
+    /// is not credgate-credential-provider).
+    #[arg(long, value_name = "NAME")]
+    provider: Option<String>,
+    /// The agent's socket (default: CREDGATE_SOCKET, else the default socket).
+    #[arg(long, value_name = "PATH")]
+    socket: Option<PathBuf>,
+    /// When the agent cannot be reached, run the provider in this process from this provider
+    /// config instead.
+    #[arg(
+        long,
+        value_name = "CONFIG",
+        requires = "image_credential_provider_bin_dir"
+    )]
+    fallback_in_process: Option<PathBuf>,
+    /// The plugin directory of the fallback's config.
+    #[arg(long, value_name = "DIR")]
+    image_credential_provider_bin_dir: Option<PathBuf>,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(&args) {
+        Ok(answer) => {
+            let mut out = std::io::stdout().lock();
+            if out.write_all(&answer).and_then(|()| out.flush()).is_err() {
+                return ExitCode::from(1);
+            }
+            ExitCode::SUCCESS
+        }
+        Err(why) => {
+            eprintln!("{NAME}: {why}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// The provider this process stands for.
+fn provider(args: &Args) -> Result<String, String> {
+    if let Some(p) = args.provider.as_ref().filter(|p| !p.is_empty()) {
+        return Ok(p.clone());
+    }
+    let argv0 = std::env::args_os().next().unwrap_or_default();
+    let file = Path::new(&argv0)
+        .file_name()
+        .and_then(|f| f.to_str())
+        .unwrap_or_default()
+        .to_owned();
+    if file.is_empty() || file == NAME {
+        return Err("no provider: pass --provider NAME in the kubelet config entry's args, or run this program through a link named after the provider".into());
+    }
+    Ok(file)
+}
+
+fn run(args: &Args) -> Result<Zeroizing<Vec<u8>>, String> {
+    let provider = provider(args)?;
+    let mut input = Zeroizing::new(Vec::new());
+    std::io::stdin()
+        .take(bridge::MAX_REQUEST as u64 + 1)
+        .read_to_end(&mut input)
+        .map_err(|e| format!("cannot read the request: {e}"))?;
+    let request = bridge::decode_request(&input).map_err(|e| e.to_string())?;
+    let service_account = match &request.service_account_token {
+        None => None,
+        Some(token) => {
+            let who = bridge::token_subject(token)
+                .ok_or("the service account token names no namespace and name in its claims")?;
+            Some(pb::ServiceAccount {
+                namespace: who.namespace,
+                name: who.name,
+                uid: who.uid,
+                token: token.expose_secret().to_owned(),
+                annotations: request
+                    .service_account_annotations
+                    .iter()
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect(),
+            })
+        }
+    };
+    let lookup = pb::LookupRequest {
+        image: request.image.clone(),
+        service_account,
+        provider: provider.clone(),
+        caller: "kubelet".into(),
+        ..Default::default()
+    };
+    let socket = credgate_api::socket_path(args.socket.as_deref());
+    let answer = match unary::call::<_, pb::LookupResponse>(&socket, LOOKUP, &lookup, TIMEOUT) {
+        Ok(answer) => answer,
+        Err(e @ (CallError::Connect(_) | CallError::Untrusted(_))) => {
+            match (
+                &args.fallback_in_process,
+                &args.image_credential_provider_bin_dir,
+            ) {
+                (Some(config), Some(dir)) => {
+                    return fallback::answer(config, dir, &provider, &request)
+                }
+                _ => {
+                    return Err(format!(
+                        "cannot reach the agent at {}: {e}",
+                        socket.display()
+                    ))
+                }
+            }
+        }
+        Err(CallError::Status { message, .. }) => return Err(format!("lookup failed: {message}")),
+        Err(e) => return Err(format!("lookup failed: {e}")),
+    };
+    respond(&request, &answer)
+}
+
+/// The agent's answer as the kubelet's response; a provider failure with nothing to serve is
+/// an error, as the plugin's own failure would be.
+fn respond(
+    request: &KubeletRequest,
+    answer: &pb::LookupResponse,
+) -> Result<Zeroizing<Vec<u8>>, String> {
+    if answer.credentials.is_empty() {
+        if let Some(f) = answer.failures.first() {
+            return Err(f.message.clone());
+        }
+    }
+    let auth: Vec<AuthEntry<'_>> = answer
+        .credentials
+        .iter()
+        .map(|c| AuthEntry {
+            pattern: &c.pattern,
+            username: &c.username,
+            password: &c.password,
+        })
+        .collect();
+    let key_type = bridge::parse_key_type(&answer.cache_key_type).unwrap_or(CacheKeyType::Image);
+    let cache_for = Duration::from_millis(answer.cache_for_ms.max(0).unsigned_abs());
+    Ok(Zeroizing::new(bridge::encode_response(
+        request.api_version,
+        key_type,
+        cache_for,
+        &auth,
+    )))
+}
+
+/// The provider run in this process, with the same engine, when the agent is away.
+mod fallback {
+    use super::*;
+    use credgate_agent::Sources;
+    use credgate_core::renewal::RenewalPolicy;
+    use credgate_engine::{LookupRequest, ServiceAccount};
+    use secrecy::SecretString;
+
+    pub fn answer(
+        config: &Path,
+        dir: &Path,
+        provider: &str,
+        request: &KubeletRequest,
+    ) -> Result<Zeroizing<Vec<u8>>, String> {
+        let sources = Sources {
+            provider_config: Some(config.to_owned()),
+            bin_dir: Some(dir.to_owned()),
+            ..Default::default()
+        };
+        let engine = sources.build(None, None).map_err(|e| {
+            format!(
+                "the agent is unreachable and the fallback config failed: {}",
+                credgate_agent::server::error_chain(&e)
+            )
+        })?;
+        if !engine.provider_status().iter().any(|p| p.name == provider) {
+            return Err(format!("no provider {provider:?} in {}", config.display()));
+        }
+        let sa = match &request.service_account_token {
+            None => None,
+            Some(token) => {
+                let who = bridge::token_subject(token)
+                    .ok_or("the service account token names no namespace and name in its claims")?;
+                Some(ServiceAccount {
+                    namespace: who.namespace,
+                    name: who.name,
+                    uid: who.uid,
+                    token: SecretString::from(token.expose_secret().to_owned()),
+                    annotations: request.service_account_annotations.clone(),
+                })
+            }
+        };
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| format!("cannot start: {e}"))?;
+        let lookup = runtime
+            .block_on(engine.lookup(&LookupRequest {
+                image: &request.image,
+                service_account: sa.as_ref(),
+                provider: Some(provider),
+                ..Default::default()
+            }))
+            .map_err(|e| e.to_string())?;
+        let now = std::time::Instant::now();
+        let cache_for = RenewalPolicy::default()
+            .client_cache_for(now, lookup.entries.iter().map(|e| (e.fetched, e.expires)));
+        let answer = pb::LookupResponse {
+            image: lookup.image.clone(),
+            credentials: lookup
+                .credentials
+                .iter()
+                .map(credgate_agent::server::credential)
+                .collect(),
+            failures: lookup
+                .errors
+                .iter()
+                .map(|e| pb::ProviderFailure {
+                    provider: e.plugin().to_owned(),
+                    reason: e.reason().to_owned(),
+                    message: e.to_string(),
+                })
+                .collect(),
+            cache_key_type: lookup
+                .entries
+                .first()
+                .map(|e| e.key.kind().as_str().to_owned())
+                .unwrap_or_default(),
+            cache_for_ms: i64::try_from(cache_for.as_millis()).unwrap_or(i64::MAX),
+            ..Default::default()
+        };
+        respond(request, &answer)
+    }
+}
