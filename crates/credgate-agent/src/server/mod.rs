@@ -251,7 +251,7 @@ impl Api {
                 credgate_core::text::Quoted(name)
             )));
         }
-        let policy = self.agent.renewer().policy().clone();
+        let policy = *self.agent.renewer().policy();
         let clock = self.agent.clock().clone();
         let mut request = LookupRequest {
             image: &req.image,
