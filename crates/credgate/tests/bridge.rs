@@ -1,0 +1,331 @@
+//! `credgate-credential-provider` as the kubelet runs it: a real agent (`credgate serve`) with
+//! real plugin scripts, the bridge executed with a request on stdin, its stdout read as the
+//! kubelet reads a plugin's.
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+use support::{output_with_stdin, text, write_script, Agent};
+
+const SECRET: &str = "bridge-Pa55word-not-for-logs";
+const V1: &str = "credentialprovider.kubelet.k8s.io/v1";
+const VERSIONS: [&str; 3] = [
+    "credentialprovider.kubelet.k8s.io/v1alpha1",
+    "credentialprovider.kubelet.k8s.io/v1beta1",
+    V1,
+];
+
+/// A plugin that records each request it gets and answers `user`/SECRET for `pattern`.
+fn plugin(dir: &Path, name: &str, key: &str, pattern: &str, user: &str) {
+    write_script(
+        &dir.join("plugins").join(name),
+        &format!(
+            r#"req=$(cat)
+echo "$req" >> '{runs}'
+version=$(printf '%s' "$req" | sed -n 's/.*"apiVersion":"\([^"]*\)".*/\1/p')
+printf '{{"kind":"CredentialProviderResponse","apiVersion":"%s","cacheKeyType":"{key}","cacheDuration":"10m","auth":{{"{pattern}":{{"username":"{user}","password":"{SECRET}"}}}}}}' "$version""#,
+            runs = dir.join(format!("{name}.runs")).display(),
+        ),
+    );
+}
+
+fn runs(dir: &Path, name: &str) -> Vec<String> {
+    std::fs::read_to_string(dir.join(format!("{name}.runs")))
+        .map(|s| s.lines().map(str::to_owned).collect())
+        .unwrap_or_default()
+}
+
+/// A provider config: `(name, matchImages, wire version, extra YAML)`.
+fn config(dir: &Path, providers: &[(&str, &str, &str, &str)]) -> PathBuf {
+    let mut yaml = String::from(
+        "apiVersion: kubelet.config.k8s.io/v1\nkind: CredentialProviderConfig\nproviders:\n",
+    );
+    for (name, matches, version, extra) in providers {
+        yaml.push_str(&format!(
+            "- name: {name}\n  matchImages: [\"{matches}\"]\n  defaultCacheDuration: 10m\n  apiVersion: {version}\n{extra}"
+        ));
+    }
+    let path = dir.join("providers.yaml");
+    std::fs::write(&path, yaml).unwrap();
+    path
+}
+
+fn start(dir: &Path, providers: &[(&str, &str, &str, &str)]) -> Agent {
+    std::fs::create_dir_all(dir.join("plugins")).unwrap();
+    for (name, matches, _, _) in providers {
+        plugin(dir, name, "Registry", matches, &format!("{name}-user"));
+    }
+    let config = config(dir, providers);
+    Agent::start(
+        dir,
+        &[
+            "--image-credential-provider-config",
+            config.to_str().unwrap(),
+            "--image-credential-provider-bin-dir",
+            dir.join("plugins").to_str().unwrap(),
+        ],
+    )
+}
+
+fn request(version: &str, image: &str) -> String {
+    format!(r#"{{"kind":"CredentialProviderRequest","apiVersion":"{version}","image":"{image}"}}"#)
+}
+
+fn bridge(socket: &Path, args: &[&str], stdin: &str) -> Output {
+    output_with_stdin(
+        Command::new(env!("CARGO_BIN_EXE_credgate-credential-provider"))
+            .args(args)
+            .env("CREDGATE_SOCKET", socket)
+            .stderr(Stdio::piped()),
+        stdin.as_bytes(),
+    )
+}
+
+fn json(out: &Output) -> serde_json::Value {
+    assert!(
+        out.status.success(),
+        "exit {:?}: {}",
+        out.status.code(),
+        text(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn go_seconds(d: &str) -> f64 {
+    // The bridge writes at most minutes and seconds (`8m59.987s`, `0s`).
+    let (m, rest) = d.split_once('m').unwrap_or(("0", d));
+    m.parse::<f64>().unwrap() * 60.0 + rest.trim_end_matches('s').parse::<f64>().unwrap_or(0.0)
+}
+
+#[test]
+fn answers_in_the_requests_version_with_the_providers_key_and_a_duration_inside_expiry() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let agent = start(d, &[("reg", "reg.example.com", V1, "")]);
+    for version in VERSIONS {
+        let out = bridge(
+            &agent.socket,
+            &["--provider", "reg"],
+            &request(version, "reg.example.com/team/app:v1"),
+        );
+        let v = json(&out);
+        assert_eq!(v["kind"], "CredentialProviderResponse");
+        assert_eq!(v["apiVersion"], version);
+        assert_eq!(v["cacheKeyType"], "Registry");
+        let auth = &v["auth"]["reg.example.com"];
+        assert_eq!(
+            (auth["username"].as_str(), auth["password"].as_str()),
+            (Some("reg-user"), Some(SECRET))
+        );
+        // 10 minutes of life, a lead of 1 minute: the kubelet keeps it at most 9 minutes.
+        let secs = go_seconds(v["cacheDuration"].as_str().unwrap());
+        assert!((500.0..=540.0).contains(&secs), "{}", v["cacheDuration"]);
+        assert!(!text(&out.stderr).contains(SECRET));
+    }
+    assert_eq!(
+        runs(d, "reg").len(),
+        1,
+        "one plugin run, then the agent's cache"
+    );
+    // The provider may also be named by the program's file name (a link in the kubelet's
+    // plugin directory).
+    let link = d.join("reg");
+    std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_credgate-credential-provider"), &link).unwrap();
+    let out = output_with_stdin(
+        Command::new(&link)
+            .env("CREDGATE_SOCKET", &agent.socket)
+            .stderr(Stdio::piped()),
+        request(V1, "reg.example.com/x:v1").as_bytes(),
+    );
+    assert_eq!(
+        json(&out)["auth"]["reg.example.com"]["username"],
+        "reg-user"
+    );
+}
+
+#[test]
+fn nothing_matching_is_an_empty_auth_and_exit_0() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = start(dir.path(), &[("reg", "reg.example.com", V1, "")]);
+    let out = bridge(
+        &agent.socket,
+        &["--provider", "reg"],
+        &request(V1, "other.example.com/app:v1"),
+    );
+    let v = json(&out);
+    assert_eq!(v["auth"], serde_json::json!({}));
+    assert_eq!(v["cacheDuration"], "0s");
+    assert!(runs(dir.path(), "reg").is_empty());
+}
+
+#[test]
+fn a_service_account_token_reaches_the_provider_as_the_kubelet_would_send_it() {
+    use base64::Engine as _;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let attributes = "  tokenAttributes:\n    serviceAccountTokenAudience: registry.example.com\n    cacheType: Token\n    requireServiceAccount: true\n    requiredServiceAccountAnnotationKeys: [example.com/role]\n";
+    let agent = start(d, &[("sa", "reg.example.com", V1, attributes)]);
+    let b = |s: &str| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(s);
+    let token = format!(
+        "{}.{}.signature",
+        b(r#"{"alg":"RS256"}"#),
+        b(
+            r#"{"aud":["registry.example.com"],"sub":"system:serviceaccount:team-a:puller","kubernetes.io":{"namespace":"team-a","serviceaccount":{"name":"puller","uid":"0b5e"}}}"#
+        )
+    );
+    let req = format!(
+        r#"{{"kind":"CredentialProviderRequest","apiVersion":"{V1}","image":"reg.example.com/team/app:v1","serviceAccountToken":"{token}","serviceAccountAnnotations":{{"example.com/role":"puller"}}}}"#
+    );
+    let out = bridge(&agent.socket, &["--provider", "sa"], &req);
+    assert_eq!(json(&out)["auth"]["reg.example.com"]["username"], "sa-user");
+    let seen = runs(d, "sa");
+    assert_eq!(seen.len(), 1);
+    let sent: serde_json::Value = serde_json::from_str(&seen[0]).unwrap();
+    assert_eq!(sent["serviceAccountToken"], token.as_str());
+    assert_eq!(
+        sent["serviceAccountAnnotations"]["example.com/role"],
+        "puller"
+    );
+    assert_eq!(sent["image"], "reg.example.com/team/app");
+    assert!(!text(&out.stderr).contains(&token));
+    // Without a token the provider, which requires one, is not run.
+    let out = bridge(
+        &agent.socket,
+        &["--provider", "sa"],
+        &request(V1, "reg.example.com/team/app:v1"),
+    );
+    assert_eq!(json(&out)["auth"], serde_json::json!({}));
+    assert_eq!(runs(d, "sa").len(), 1);
+}
+
+#[test]
+fn agent_down_is_one_line_on_stderr_or_the_fallback_runs_the_provider() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::create_dir_all(d.join("plugins")).unwrap();
+    plugin(d, "reg", "Registry", "reg.example.com", "reg-user");
+    let config = config(d, &[("reg", "reg.example.com", V1, "")]);
+    let nobody = d.join("nobody.sock");
+    let out = bridge(
+        &nobody,
+        &["--provider", "reg"],
+        &request(V1, "reg.example.com/app:v1"),
+    );
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.starts_with("credgate-credential-provider: cannot reach the agent at "),
+        "{err}"
+    );
+    assert!(out.stdout.is_empty());
+    let out = bridge(
+        &nobody,
+        &[
+            "--provider",
+            "reg",
+            "--fallback-in-process",
+            config.to_str().unwrap(),
+            "--image-credential-provider-bin-dir",
+            d.join("plugins").to_str().unwrap(),
+        ],
+        &request(V1, "reg.example.com/app:v1"),
+    );
+    let v = json(&out);
+    assert_eq!(v["auth"]["reg.example.com"]["password"], SECRET);
+    assert_eq!(v["cacheKeyType"], "Registry");
+    assert_eq!(
+        runs(d, "reg").len(),
+        1,
+        "the fallback ran the plugin itself"
+    );
+}
+
+#[test]
+fn a_failing_provider_is_an_error_without_its_secrets() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let agent = start(d, &[("bad", "reg.example.com", V1, "")]);
+    write_script(
+        &d.join("plugins/bad"),
+        &format!(
+            "cat >/dev/null\necho '{{\"password\":\"{SECRET}\"}}'\necho '{SECRET}' >&2\nexit 3"
+        ),
+    );
+    let out = bridge(
+        &agent.socket,
+        &["--provider", "bad"],
+        &request(V1, "reg.example.com/app:v1"),
+    );
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("plugin bad"), "{err}");
+    assert!(!err.contains(SECRET) && !text(&out.stdout).contains(SECRET));
+    // A provider the agent does not have is refused with its name.
+    let out = bridge(
+        &agent.socket,
+        &["--provider", "nope"],
+        &request(V1, "reg.example.com/app:v1"),
+    );
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr).contains("no provider \"nope\""),
+        "{}",
+        text(&out.stderr)
+    );
+    // Garbage on stdin.
+    let out = bridge(&agent.socket, &["--provider", "bad"], "{not json");
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("not a JSON object"));
+}
+
+/// The kubelet's burst: 100 bridge processes at once for 100 images of one registry, behind a
+/// `Registry`-keyed plugin: one plugin run in the agent.
+#[test]
+fn a_burst_of_a_hundred_bridge_processes_costs_one_plugin_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let agent = start(d, &[("reg", "reg.example.com", V1, "")]);
+    // A plugin slow enough that every bridge arrives while its run is pending.
+    write_script(
+        &d.join("plugins/reg"),
+        &format!(
+            r#"cat >/dev/null
+echo run >> '{runs}'
+sleep 0.5
+printf '{{"kind":"CredentialProviderResponse","apiVersion":"{V1}","cacheKeyType":"Registry","cacheDuration":"10m","auth":{{"reg.example.com":{{"username":"u","password":"{SECRET}"}}}}}}'"#,
+            runs = d.join("reg.runs").display()
+        ),
+    );
+    let children: Vec<_> = (0..100)
+        .map(|i| {
+            let mut child = Command::new(env!("CARGO_BIN_EXE_credgate-credential-provider"))
+                .args(["--provider", "reg"])
+                .env("CREDGATE_SOCKET", &agent.socket)
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap();
+            use std::io::Write;
+            child
+                .stdin
+                .take()
+                .unwrap()
+                .write_all(request(V1, &format!("reg.example.com/team/app-{i}:v1")).as_bytes())
+                .unwrap();
+            child
+        })
+        .collect();
+    for child in children {
+        let out = child.wait_with_output().unwrap();
+        assert_eq!(json(&out)["auth"]["reg.example.com"]["username"], "u");
+    }
+    assert_eq!(runs(d, "reg").len(), 1);
+    let status = agent.credgate(&["ctl", "status", "-o", "json"]);
+    let v: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
+    assert_eq!(v["providers"][0]["runs"], 1);
+}
