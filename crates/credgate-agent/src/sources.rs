@@ -43,6 +43,8 @@ pub struct Sources {
     pub default_timeout: Option<Duration>,
     /// Per-provider plugin timeouts.
     pub timeouts: HashMap<String, Duration>,
+    /// Per-provider minimum cache durations (exec-storm protection; none by default).
+    pub min_cache_durations: HashMap<String, Duration>,
 }
 
 impl Sources {
@@ -105,6 +107,7 @@ impl Sources {
                 plugin_dir: dir,
                 default_timeout: self.default_timeout.unwrap_or(defaults.default_timeout),
                 timeouts: self.timeouts.clone(),
+                min_cache_durations: self.min_cache_durations.clone(),
                 ..defaults
             });
         }

@@ -42,6 +42,10 @@ pub struct EngineOptions {
     pub default_timeout: Duration,
     /// Per-provider timeouts, by provider name.
     pub timeouts: HashMap<String, Duration>,
+    /// Per-provider minimum cache durations, by provider name: answers of `0s` or a few
+    /// microseconds (real plugins give both) are kept at least this long, so that a burst
+    /// cannot turn into one plugin run per lookup. Off unless set: the kubelet's semantics.
+    pub min_cache_durations: HashMap<String, Duration>,
     pub limits: OutputLimits,
     /// Entries per provider cache.
     pub cache_capacity: usize,
@@ -58,6 +62,7 @@ impl Default for EngineOptions {
             plugin_dir: PathBuf::new(),
             default_timeout: Duration::from_secs(60),
             timeouts: HashMap::new(),
+            min_cache_durations: HashMap::new(),
             limits: OutputLimits::default(),
             cache_capacity: 4096,
             backoff: BackoffPolicy::default(),
@@ -76,7 +81,7 @@ pub enum BuildError {
     PluginMissing { provider: String, path: PathBuf },
     #[error("plugin binary {path} for provider {provider} is not an executable file")]
     PluginNotExecutable { provider: String, path: PathBuf },
-    #[error("a timeout is set for provider {0}, which the config does not have")]
+    #[error("a timeout or minimum cache duration is set for provider {0}, which the config does not have")]
     UnknownProvider(String),
 }
 
@@ -312,6 +317,7 @@ impl EngineBuilder {
         if let Some(name) = opts
             .timeouts
             .keys()
+            .chain(opts.min_cache_durations.keys())
             .find(|n| !specs.iter().any(|s| &s.name == *n))
         {
             return Err(BuildError::UnknownProvider(name.clone()));
@@ -339,6 +345,11 @@ impl EngineBuilder {
                     .copied()
                     .unwrap_or(opts.default_timeout),
             );
+            let min_cache = opts
+                .min_cache_durations
+                .get(&spec.name)
+                .copied()
+                .unwrap_or_default();
             providers.push(Arc::new(Provider::new(ProviderParts {
                 metrics: self.metrics.provider(&spec.name),
                 spec,
@@ -347,6 +358,7 @@ impl EngineBuilder {
                 runner: runner.clone(),
                 clock: self.clock.clone(),
                 backoff: opts.backoff,
+                min_cache,
                 generation: memo.generation.clone(),
                 max_runs: opts.max_runs_per_provider,
                 global_slots: global_slots.clone(),

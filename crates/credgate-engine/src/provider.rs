@@ -221,6 +221,8 @@ pub struct Provider {
     runner: Arc<dyn PluginRunner>,
     clock: Arc<dyn Clock>,
     backoff: BackoffPolicy,
+    /// Answers are kept at least this long, whatever their `cacheDuration` says.
+    min_cache: Duration,
     generation: Arc<AtomicU64>,
     /// Runs of this provider at once.
     slots: Arc<Semaphore>,
@@ -241,6 +243,8 @@ pub struct ProviderParts {
     pub runner: Arc<dyn PluginRunner>,
     pub clock: Arc<dyn Clock>,
     pub backoff: BackoffPolicy,
+    /// Exec-storm protection: answers are kept at least this long (zero: as they say).
+    pub min_cache: Duration,
     /// Bumped after every cache write, so remembered resolutions are recomputed.
     pub generation: Arc<AtomicU64>,
     /// How many runs of this provider may be in flight at once.
@@ -261,6 +265,7 @@ impl Provider {
             runner: parts.runner,
             clock: parts.clock,
             backoff: parts.backoff,
+            min_cache: parts.min_cache,
             generation: parts.generation,
             slots: Arc::new(Semaphore::new(parts.max_runs.max(1))),
             global_slots: parts.global_slots,
@@ -517,7 +522,8 @@ impl Provider {
         }
         let ttl = response
             .cache_duration
-            .unwrap_or(self.spec.default_cache_duration);
+            .unwrap_or(self.spec.default_cache_duration)
+            .max(self.min_cache);
         let (now, wall) = (self.clock.now(), self.clock.wall());
         let cached = !ttl.is_zero();
         Ok(Arc::new(Entry {

@@ -49,6 +49,7 @@ fn main() -> ExitCode {
             Command::Ctl(args) => cmd::ctl::run(args).await,
             Command::Get(args) => cmd::get::run(args).await,
             Command::CheckConfig(args) => cmd::check::run(args),
+            Command::KubeletConfig(args) => cmd::kubelet_config::run(args),
             Command::Match(args) => cmd::matching::run(args),
         }
     });

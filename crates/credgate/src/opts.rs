@@ -42,6 +42,14 @@ pub enum Command {
         after_help = "Examples:\n  credgate check-config /etc/kubernetes/credential-provider-config.yaml\n  credgate check-config --image-credential-provider-bin-dir /usr/libexec/kubernetes/kubelet-plugins/credential-provider/exec /etc/kubernetes/credential-providers.d"
     )]
     CheckConfig(CheckArgs),
+    /// Print the kubelet CredentialProviderConfig that routes the kubelet through the agent
+    /// (credgate-credential-provider), one entry per provider of the agent's config.
+    #[command(after_help = "Examples:
+  credgate kubelet-config --image-credential-provider-config /etc/credgate/providers.yaml \
+      --image-credential-provider-bin-dir /usr/libexec/credgate/plugins \
+      --link-dir /usr/libexec/kubernetes/kubelet-plugins/credential-provider/exec \
+      > /etc/kubernetes/credential-provider-config.yaml")]
+    KubeletConfig(KubeletConfigArgs),
     /// Does a matchImages/auth pattern match an image? Prints true or false.
     #[command(
         after_help = "Examples:\n  credgate match '*.dkr.ecr.*.amazonaws.com' 123456789012.dkr.ecr.us-east-1.amazonaws.com/app:v1\n  credgate match docker.io nginx:1.25\n  credgate match 'registry.io:5000/team' registry.io:5000/teams/app"
@@ -68,6 +76,30 @@ pub struct SourceArgs {
     /// Plugin timeout, for all (`30s`) or one provider (`ecr=30s`); repeatable. Default 1m.
     #[arg(long, value_name = "[NAME=]DURATION")]
     pub plugin_timeout: Vec<String>,
+    /// Keep a provider's answers at least this long whatever their cacheDuration (`gcr=30s`):
+    /// protection against plugins that answer 0s or microseconds. Repeatable; off by default.
+    #[arg(long, value_name = "NAME=DURATION")]
+    pub min_cache_duration: Vec<String>,
+}
+
+#[derive(Args)]
+pub struct KubeletConfigArgs {
+    /// The agent's provider config (a file or a directory).
+    #[arg(long, value_name = "PATH")]
+    pub image_credential_provider_config: PathBuf,
+    /// The agent's plugin directory: checked to hold every provider's plugin.
+    #[arg(long, value_name = "DIR")]
+    pub image_credential_provider_bin_dir: Option<PathBuf>,
+    /// Make the links the kubelet needs here (its --image-credential-provider-bin-dir): one per
+    /// provider, named after it, to the bridge.
+    #[arg(long, value_name = "DIR")]
+    pub link_dir: Option<PathBuf>,
+    /// The bridge the links point to (default: credgate-credential-provider beside this program).
+    #[arg(long, value_name = "PATH")]
+    pub bridge: Option<PathBuf>,
+    /// The agent's socket, when the kubelet should not use the default.
+    #[arg(long, value_name = "PATH")]
+    pub socket: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]

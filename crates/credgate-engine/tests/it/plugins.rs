@@ -578,6 +578,72 @@ async fn repeated_failures_back_off() {
     assert!(!when.contains('.'), "{msg}");
 }
 
+/// Exec-storm protection: a plugin answering `0s` runs for every lookup unless the provider
+/// has a minimum cache duration; concurrent lookups share one run either way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_minimum_cache_duration_stops_an_exec_storm_and_bursts_share_a_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let body = response(
+        WIRE_V1,
+        "Registry",
+        Some("0s"),
+        &[("registry.example.com", "u", "p")],
+    );
+    counting_plugin(dir.path(), "p", &body);
+    let plain = engine(one_provider(), dir.path());
+    for _ in 0..5 {
+        assert_eq!(plain.lookup(&req(IMG)).await.unwrap().credentials.len(), 1);
+    }
+    assert_eq!(
+        runs_of(dir.path(), "p"),
+        5,
+        "0s means no cache: the kubelet's semantics"
+    );
+    let protected = engine_opts(one_provider(), dir.path(), |o| {
+        o.min_cache_durations
+            .insert("p".into(), Duration::from_secs(30));
+    });
+    for _ in 0..5 {
+        assert_eq!(
+            protected.lookup(&req(IMG)).await.unwrap().credentials.len(),
+            1
+        );
+    }
+    assert_eq!(runs_of(dir.path(), "p"), 6, "one run, then 30 s of cache");
+    // A burst of the same key shares one run whatever the duration.
+    script(
+        dir.path(),
+        "p",
+        &format!(
+            "cat >/dev/null\necho run >> '{}'\nsleep 0.3\ncat <<'EOF'\n{body}\nEOF",
+            dir.path().join("p.runs").display()
+        ),
+    );
+    let fresh = std::sync::Arc::new(engine(one_provider(), dir.path()));
+    let lookups: Vec<_> = (0..20)
+        .map(|_| {
+            let e = fresh.clone();
+            tokio::spawn(async move { e.lookup(&req(IMG)).await.unwrap().credentials.len() })
+        })
+        .collect();
+    for l in lookups {
+        assert_eq!(l.await.unwrap(), 1);
+    }
+    assert_eq!(runs_of(dir.path(), "p"), 7);
+    // An unknown provider is a build error.
+    let e = Engine::builder()
+        .config(one_provider())
+        .options(EngineOptions {
+            plugin_dir: dir.path().to_owned(),
+            min_cache_durations: [("nope".to_owned(), Duration::from_secs(1))].into(),
+            ..Default::default()
+        })
+        .build()
+        .err()
+        .expect("refused");
+    assert!(e.to_string().contains("nope"), "{e}");
+}
+
 on_both_runtimes!(
     succeeds_in_every_wire_version,
     failure_with_secret_on_stdout_never_leaks,

@@ -161,7 +161,24 @@ pub fn sources(args: &SourceArgs) -> Result<Sources> {
         docker_configs,
         default_timeout: Some(default_timeout),
         timeouts,
+        min_cache_durations: min_cache_durations(&args.min_cache_duration)?,
     })
+}
+
+/// `--min-cache-duration NAME=DURATION`, repeatable.
+fn min_cache_durations(flags: &[String]) -> Result<HashMap<String, Duration>> {
+    flags
+        .iter()
+        .map(|flag| {
+            let (name, d) = flag.split_once('=').ok_or_else(|| {
+                anyhow::anyhow!("--min-cache-duration {flag:?}: expected PROVIDER=DURATION")
+            })?;
+            Ok((
+                name.to_owned(),
+                parse_duration(d).map_err(anyhow::Error::msg)?,
+            ))
+        })
+        .collect()
 }
 
 /// Builds an in-process engine from the flags.

@@ -2,5 +2,6 @@ pub mod check;
 pub mod ctl;
 pub mod ctl_guard;
 pub mod get;
+pub mod kubelet_config;
 pub mod matching;
 pub mod serve;

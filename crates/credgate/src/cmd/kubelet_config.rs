@@ -1,0 +1,191 @@
+//! `credgate kubelet-config`: the kubelet `CredentialProviderConfig` that routes the kubelet
+//! through `credgate-credential-provider` for everything the agent's config serves.
+//!
+//! One entry per agent provider, with the same name, `matchImages`, `defaultCacheDuration`,
+//! wire version and `tokenAttributes` (the kubelet mints one token per entry, for that entry's
+//! audience), and `args: [--provider, NAME]`. The kubelet executes `<its bin dir>/<NAME>`, so
+//! its plugin directory needs one link per provider to the bridge: `--link-dir` makes them, and
+//! the output says which are needed either way. The plugins themselves stay in the agent's
+//! directory, run by the agent alone.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use credgate_core::config::{ProviderConfig, TokenCacheType};
+use credgate_engine::source::load_provider_config;
+
+use crate::opts::KubeletConfigArgs;
+use crate::Outcome;
+
+/// A YAML scalar: JSON's quoting is valid YAML.
+fn q(s: &str) -> String {
+    serde_json::to_string(s).expect("a string serializes")
+}
+
+/// The kubelet config for `config`.
+pub fn render(config: &ProviderConfig, socket: Option<&Path>) -> String {
+    let mut out = String::from(
+        "apiVersion: kubelet.config.k8s.io/v1\nkind: CredentialProviderConfig\nproviders:\n",
+    );
+    for p in &config.providers {
+        let patterns: Vec<String> = p.match_images.iter().map(|m| q(m.as_str())).collect();
+        let mut args = vec![q("--provider"), q(&p.name)];
+        if let Some(s) = socket {
+            args.push(q("--socket"));
+            args.push(q(&s.display().to_string()));
+        }
+        let ms =
+            i64::try_from(p.default_cache_duration.as_millis()).unwrap_or(i64::MAX / 1_000_000);
+        let duration = credgate_core::duration::GoDuration(ms.saturating_mul(1_000_000));
+        let _ = write!(
+            out,
+            "  - name: {}\n    matchImages: [{}]\n    defaultCacheDuration: {}\n    apiVersion: {}\n    args: [{}]\n",
+            q(&p.name),
+            patterns.join(", "),
+            q(&duration.to_string()),
+            q(p.api_version.as_str()),
+            args.join(", "),
+        );
+        if let Some(t) = &p.token_attributes {
+            let keys = |k: &[String]| k.iter().map(|x| q(x)).collect::<Vec<_>>().join(", ");
+            let cache = match t.cache_type {
+                TokenCacheType::ServiceAccount => "ServiceAccount",
+                TokenCacheType::Token => "Token",
+            };
+            let _ = write!(
+                out,
+                "    tokenAttributes:\n      serviceAccountTokenAudience: {}\n      cacheType: {}\n      requireServiceAccount: {}\n",
+                q(&t.service_account_token_audience),
+                q(cache),
+                t.require_service_account,
+            );
+            if !t.required_annotation_keys.is_empty() {
+                let _ = writeln!(
+                    out,
+                    "      requiredServiceAccountAnnotationKeys: [{}]",
+                    keys(&t.required_annotation_keys)
+                );
+            }
+            if !t.optional_annotation_keys.is_empty() {
+                let _ = writeln!(
+                    out,
+                    "      optionalServiceAccountAnnotationKeys: [{}]",
+                    keys(&t.optional_annotation_keys)
+                );
+            }
+        }
+    }
+    out
+}
+
+/// The bridge beside this program, where `cargo build` and the packages put it.
+fn default_bridge() -> PathBuf {
+    std::env::current_exe()
+        .ok()
+        .and_then(|p| p.parent().map(|d| d.join("credgate-credential-provider")))
+        .unwrap_or_else(|| PathBuf::from("credgate-credential-provider"))
+}
+
+pub fn run(args: KubeletConfigArgs) -> Result<Outcome> {
+    let config =
+        load_provider_config(&args.image_credential_provider_config).with_context(|| {
+            format!(
+                "invalid provider config {}",
+                args.image_credential_provider_config.display()
+            )
+        })?;
+    if let Some(dir) = &args.image_credential_provider_bin_dir {
+        for p in &config.providers {
+            let plugin = dir.join(&p.name);
+            if !plugin.is_file() {
+                anyhow::bail!(
+                    "plugin binary {} for provider {} does not exist",
+                    plugin.display(),
+                    p.name
+                );
+            }
+        }
+    }
+    let bridge = args.bridge.clone().unwrap_or_else(default_bridge);
+    let mut text = render(&config, args.socket.as_deref());
+    match &args.link_dir {
+        Some(dir) => {
+            std::fs::create_dir_all(dir)
+                .with_context(|| format!("cannot create {}", dir.display()))?;
+            for p in &config.providers {
+                let link = dir.join(&p.name);
+                if std::fs::symlink_metadata(&link).is_ok() {
+                    std::fs::remove_file(&link)
+                        .with_context(|| format!("cannot replace {}", link.display()))?;
+                }
+                std::os::unix::fs::symlink(&bridge, &link)
+                    .with_context(|| format!("cannot link {}", link.display()))?;
+            }
+            let _ = write!(
+                text,
+                "# The kubelet's --image-credential-provider-bin-dir is {}: one link per provider to {}.\n",
+                dir.display(),
+                bridge.display()
+            );
+        }
+        None => {
+            text.push_str("# The kubelet's --image-credential-provider-bin-dir needs one link per provider:\n");
+            for p in &config.providers {
+                let _ = writeln!(
+                    text,
+                    "#   ln -sf {} KUBELET_BIN_DIR/{}",
+                    bridge.display(),
+                    p.name
+                );
+            }
+        }
+    }
+    print!("{text}");
+    Ok(Outcome::Yes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_provider_becomes_an_entry_of_the_bridge() {
+        let yaml = br#"
+apiVersion: kubelet.config.k8s.io/v1
+kind: CredentialProviderConfig
+providers:
+- name: ecr
+  matchImages: ["*.dkr.ecr.*.amazonaws.com", "public.ecr.aws"]
+  defaultCacheDuration: 12h
+  apiVersion: credentialprovider.kubelet.k8s.io/v1
+  args: [get-credentials]
+  env: [{name: AWS_PROFILE, value: node}]
+- name: acr
+  matchImages: ["*.azurecr.io"]
+  defaultCacheDuration: 10m
+  apiVersion: credentialprovider.kubelet.k8s.io/v1
+  tokenAttributes:
+    serviceAccountTokenAudience: api://AzureADTokenExchange
+    cacheType: ServiceAccount
+    requireServiceAccount: true
+    requiredServiceAccountAnnotationKeys: [azure.workload.identity/client-id]
+"#;
+        let config = ProviderConfig::from_slice("in.yaml", yaml).unwrap();
+        let out = render(&config, None);
+        let back = ProviderConfig::from_slice("out.yaml", out.as_bytes()).unwrap();
+        assert_eq!(back.providers.len(), 2);
+        for (a, b) in config.providers.iter().zip(&back.providers) {
+            assert_eq!(a.name, b.name);
+            assert_eq!(a.match_images, b.match_images);
+            assert_eq!(a.default_cache_duration, b.default_cache_duration);
+            assert_eq!(a.api_version, b.api_version);
+            assert_eq!(a.token_attributes, b.token_attributes);
+            assert_eq!(b.args, ["--provider", a.name.as_str()]);
+            assert!(
+                b.env.is_empty(),
+                "the plugin's environment stays with the agent"
+            );
+        }
+    }
+}
