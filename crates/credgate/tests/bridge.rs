@@ -329,3 +329,161 @@ printf '{{"kind":"CredentialProviderResponse","apiVersion":"{V1}","cacheKeyType"
     let v: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
     assert_eq!(v["providers"][0]["runs"], 1);
 }
+
+/// The same config through the bridge (as a kubelet merges its provider entries' answers with
+/// its own docker config) and through `credgate get` in-process gives the same credentials in
+/// the same order, for a table of images over overlapping patterns.
+#[test]
+fn the_bridge_and_credgate_get_agree_on_order() {
+    use credgate_core::keyring::{self, AuthSet};
+    use credgate_core::pattern::{Pattern, Target};
+    use credgate_core::reference::ImageRef;
+    use credgate_core::wire::AuthConfig;
+    use secrecy::{ExposeSecret, SecretString};
+
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::create_dir_all(d.join("plugins")).unwrap();
+    // (provider, matchImages, auth keys it answers with)
+    let providers: [(&str, &str, &[&str]); 3] = [
+        ("p1", "reg.example.com", &["reg.example.com"]),
+        (
+            "p2",
+            "*.example.com",
+            &["*.example.com", "reg.example.com/team"],
+        ),
+        (
+            "p3",
+            "reg.example.com/team",
+            &["reg.example.com/team/app", "reg.example.com"],
+        ),
+    ];
+    for (name, _, keys) in providers {
+        let auth: Vec<String> = keys
+            .iter()
+            .enumerate()
+            .map(|(i, k)| {
+                format!(r#""{k}":{{"username":"{name}-{i}","password":"{name}-{i}-pw"}}"#)
+            })
+            .collect();
+        write_script(
+            &d.join("plugins").join(name),
+            &format!(
+                "cat >/dev/null\nprintf '%s' '{{\"kind\":\"CredentialProviderResponse\",\"apiVersion\":\"{V1}\",\"cacheKeyType\":\"Image\",\"cacheDuration\":\"10m\",\"auth\":{{{}}}}}'",
+                auth.join(",")
+            ),
+        );
+    }
+    let config = config(d, &providers.map(|(n, m, _)| (n, m, V1, "")));
+    let docker = d.join("config.json");
+    std::fs::write(
+        &docker,
+        r#"{"auths":{"reg.example.com":{"username":"docker-0","password":"docker-0-pw"},"https://x.example.com/v1/":{"username":"docker-1","password":"docker-1-pw"}}}"#,
+    )
+    .unwrap();
+    let agent = Agent::start(
+        d,
+        &[
+            "--image-credential-provider-config",
+            config.to_str().unwrap(),
+            "--image-credential-provider-bin-dir",
+            d.join("plugins").to_str().unwrap(),
+        ],
+    );
+    let images = [
+        "reg.example.com/team/app:v1",
+        "reg.example.com/team/db:v2",
+        "reg.example.com/other:v1",
+        "x.example.com/y:v1",
+        "elsewhere.io/z:v1",
+    ];
+    let docker_set = {
+        let v: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&docker).unwrap()).unwrap();
+        let items = v["auths"].as_object().unwrap().iter().map(|(k, a)| {
+            let key = keyring::normalize_key(k).unwrap();
+            (
+                key,
+                AuthConfig {
+                    username: a["username"].as_str().unwrap().to_owned(),
+                    password: SecretString::from(a["password"].as_str().unwrap().to_owned()),
+                },
+            )
+        });
+        AuthSet::new(items).0
+    };
+    for image in images {
+        // The kubelet: every entry whose matchImages match asks its plugin (here: the bridge).
+        let name = ImageRef::parse(image).unwrap().name().to_owned();
+        let target = Target::from_image_name(&name);
+        let mut sets = vec![docker_set.clone()];
+        for (provider, matches, _) in providers {
+            if !Pattern::parse(matches).unwrap().matches(&target) {
+                sets.push(AuthSet::new(Vec::new()).0);
+                continue;
+            }
+            let out = bridge(
+                &agent.socket,
+                &["--provider", provider],
+                &request(V1, &name),
+            );
+            let v = json(&out);
+            let items = v["auth"].as_object().unwrap().iter().map(|(k, a)| {
+                (
+                    k.clone(),
+                    AuthConfig {
+                        username: a["username"].as_str().unwrap().to_owned(),
+                        password: SecretString::from(a["password"].as_str().unwrap().to_owned()),
+                    },
+                )
+            });
+            sets.push(AuthSet::new(items).0);
+        }
+        let sources: Vec<(usize, &AuthSet)> = sets.iter().enumerate().collect();
+        let kubelet: Vec<(String, String)> = keyring::select(&name, &sources)
+            .iter()
+            .map(|(_, e)| {
+                (
+                    e.auth.username.clone(),
+                    e.auth.password.expose_secret().to_owned(),
+                )
+            })
+            .collect();
+        // credgate get, in-process, with the same docker config.
+        let out = Command::new(env!("CARGO_BIN_EXE_credgate"))
+            .args(["get", "-o", "json", "--docker-config"])
+            .arg(&docker)
+            .arg("--image-credential-provider-config")
+            .arg(&config)
+            .arg("--image-credential-provider-bin-dir")
+            .arg(d.join("plugins"))
+            .arg(image)
+            .env_remove("CREDGATE_SOCKET")
+            .output()
+            .unwrap();
+        let got: Vec<(String, String)> = if out.stdout.is_empty() {
+            Vec::new()
+        } else {
+            let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            rows["credentials"]
+                .as_array()
+                .or_else(|| rows.as_array())
+                .unwrap()
+                .iter()
+                .map(|r| {
+                    (
+                        r["username"].as_str().unwrap().to_owned(),
+                        r["password"].as_str().unwrap().to_owned(),
+                    )
+                })
+                .collect()
+        };
+        assert_eq!(kubelet, got, "{image}");
+        if image.starts_with("reg.example.com/team/app") {
+            assert!(
+                kubelet.len() >= 4,
+                "the table exercises overlaps: {kubelet:?}"
+            );
+        }
+    }
+}

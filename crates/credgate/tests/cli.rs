@@ -253,3 +253,60 @@ fn serve_refuses_an_untrusted_state_directory() {
         assert!(err.contains(want), "{err}");
     }
 }
+
+/// `credgate kubelet-config` prints a config `check-config` accepts, with one link per
+/// provider to the bridge in the kubelet's plugin directory, and generating from its own output
+/// gives the same entries and patterns.
+#[test]
+fn kubelet_config_is_valid_and_links_every_provider_to_the_bridge() {
+    let dir = tempfile::tempdir().unwrap();
+    let links = dir.path().join("kubelet-plugins");
+    let out = credgate(&[
+        "kubelet-config",
+        "--image-credential-provider-config",
+        "examples/provider-config.yaml",
+        "--image-credential-provider-bin-dir",
+        "examples/plugins",
+        "--link-dir",
+        links.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let generated = dir.path().join("kubelet.yaml");
+    std::fs::write(&generated, &out.stdout).unwrap();
+    let check = credgate(&[
+        "check-config",
+        generated.to_str().unwrap(),
+        "--image-credential-provider-bin-dir",
+        links.to_str().unwrap(),
+    ]);
+    assert!(
+        check.status.success(),
+        "{}{}",
+        text(&check.stdout),
+        text(&check.stderr)
+    );
+    let link = links.join("credgate-example-plugin");
+    let target = std::fs::read_link(&link).unwrap();
+    assert_eq!(
+        target.file_name().unwrap(),
+        "credgate-credential-provider",
+        "{}",
+        target.display()
+    );
+    // Same entries, same patterns: what the agent's config matches, the kubelet's does.
+    let original = text(
+        &credgate(&[
+            "kubelet-config",
+            "--image-credential-provider-config",
+            generated.to_str().unwrap(),
+        ])
+        .stdout,
+    );
+    let lines = |t: &str| -> Vec<String> {
+        t.lines()
+            .filter(|l| l.contains("matchImages") || l.contains("- name"))
+            .map(str::to_owned)
+            .collect()
+    };
+    assert_eq!(lines(&original), lines(&text(&out.stdout)), "a fixed point");
+}
