@@ -158,6 +158,136 @@ pub fn rpc_hit(args: &Args) -> Result<()> {
     Ok(())
 }
 
+/// A process, `stdin` written to it, timed to its exit; its stdout when it succeeded.
+fn timed(cmd: &mut Command, stdin: &[u8]) -> Result<(Duration, Vec<u8>)> {
+    let started = Instant::now();
+    let mut child = cmd
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    child.stdin.take().context("stdin")?.write_all(stdin)?;
+    let out = child.wait_with_output()?;
+    let took = started.elapsed();
+    ensure!(
+        out.status.success(),
+        "{:?} failed: {}",
+        cmd.get_program(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok((took, out.stdout))
+}
+
+fn kubelet_request(image: &str) -> Vec<u8> {
+    format!(r#"{{"kind":"CredentialProviderRequest","apiVersion":"credentialprovider.kubelet.k8s.io/v1","image":"{image}"}}"#).into_bytes()
+}
+
+/// `credgate-credential-provider`: one exec against the warm agent beside a do-nothing run of
+/// the same binary; then, on a cold agent, 100 bridge processes at once for 100 images of one
+/// registry beside 100 do-nothing processes at once.
+pub fn bridge(args: &Args) -> Result<()> {
+    let bridge = std::env::current_exe()?
+        .parent()
+        .context("program has a directory")?
+        .join("credgate-credential-provider");
+    ensure!(
+        bridge.is_file(),
+        "{} not found: build it first (cargo build --release --bin credgate-credential-provider)",
+        bridge.display()
+    );
+    let provider = "credgate-static-plugin";
+    let run = |socket: &Path, image: &str| {
+        timed(
+            Command::new(&bridge)
+                .args(["--provider", provider])
+                .env("CREDGATE_SOCKET", socket),
+            &kubelet_request(image),
+        )
+    };
+    let nothing = || timed(Command::new(&bridge).arg("--version"), b"");
+    let served = serve(args)?;
+    let mut exec = Vec::with_capacity(args.n);
+    let mut idle = Vec::with_capacity(args.n);
+    for i in 0..10 + args.n {
+        let (b, out) = run(&served.socket, &args.image)?;
+        let answer: serde_json::Value = serde_json::from_slice(&out)?;
+        ensure!(
+            answer["auth"].as_object().is_some_and(|a| !a.is_empty()),
+            "the bridge answered no credential"
+        );
+        let (n, _) = nothing()?;
+        if i >= 10 {
+            exec.push(b);
+            idle.push(n);
+        }
+    }
+    let ms = |d: Duration| (d.as_secs_f64() * 1e6).round() / 1e3;
+    let (e50, n50) = (percentile(&mut exec, 0.5), percentile(&mut idle, 0.5));
+    emit(
+        args,
+        json!({
+            "scenario": "bridge", "part": "exec", "n": args.n,
+            "bridge_p50_ms": ms(e50), "bridge_p99_ms": ms(percentile(&mut exec, 0.99)),
+            "nothing_p50_ms": ms(n50), "nothing_p99_ms": ms(percentile(&mut idle, 0.99)),
+            "p50_ratio": ((e50.as_secs_f64() / n50.as_secs_f64()) * 1000.0).round() / 1000.0,
+        }),
+    );
+    drop(served);
+    for rep in 0..args.reps {
+        let cold = serve(args)?;
+        let burst = |spawn: &dyn Fn(usize) -> Result<std::process::Child>| -> Result<Duration> {
+            let started = Instant::now();
+            let children = (0..100).map(spawn).collect::<Result<Vec<_>>>()?;
+            for c in children {
+                let out = c.wait_with_output()?;
+                ensure!(
+                    out.status.success(),
+                    "a burst process failed: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+            Ok(started.elapsed())
+        };
+        let spawn_bridge = |i: usize| -> Result<std::process::Child> {
+            let mut child = Command::new(&bridge)
+                .args(["--provider", provider])
+                .env("CREDGATE_SOCKET", &cold.socket)
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()?;
+            let image = args.image_template.replace("{i}", &i.to_string());
+            child
+                .stdin
+                .take()
+                .context("stdin")?
+                .write_all(&kubelet_request(&image))?;
+            Ok(child)
+        };
+        let spawn_nothing = |_: usize| -> Result<std::process::Child> {
+            Ok(Command::new(&bridge)
+                .arg("--version")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()?)
+        };
+        let starts = burst(&spawn_nothing)?;
+        let wall = burst(&spawn_bridge)?;
+        let runs = cold.agent.engine().total_runs();
+        let budget = e50 + starts;
+        emit(
+            args,
+            json!({
+                "scenario": "bridge", "part": "burst", "rep": rep, "processes": 100,
+                "plugin_runs": runs, "wall_ms": ms(wall), "hundred_starts_ms": ms(starts),
+                "single_exec_p50_ms": ms(e50),
+                "ratio_to_exec_plus_starts": ((wall.as_secs_f64() / budget.as_secs_f64()) * 1000.0).round() / 1000.0,
+            }),
+        );
+    }
+    Ok(())
+}
+
 fn helper_path(args: &Args) -> Result<PathBuf> {
     let path = match &args.helper {
         Some(p) => p.clone(),

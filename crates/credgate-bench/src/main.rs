@@ -37,6 +37,9 @@ enum Scenario {
     Rawexec,
     RpcHit,
     Helper,
+    /// credgate-credential-provider (the kubelet bridge) beside a do-nothing run, and a burst
+    /// of 100 bridge processes for 100 images of one registry.
+    Bridge,
     GuardCheck,
     GuardRecord,
     GuardOpen,
@@ -156,6 +159,7 @@ fn main() -> Result<()> {
         Scenario::Rawexec => rawexec(&args),
         Scenario::RpcHit => agent::rpc_hit(&args),
         Scenario::Helper => agent::helper(&args),
+        Scenario::Bridge => agent::bridge(&args),
         Scenario::GuardCheck => guard::check(&args),
         Scenario::GuardRecord => guard::record(&args),
         Scenario::GuardOpen => guard::open(&args),
