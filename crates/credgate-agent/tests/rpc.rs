@@ -658,3 +658,32 @@ async fn reloading_identical_files_keeps_the_caches() {
     creds.lookup(lookup("reg.example.com/app")).await.unwrap();
     assert_eq!(s.runs("one"), 2);
 }
+
+/// Lookups are counted by who asks: the kubelet bridge, the docker helper, other API clients.
+#[tokio::test]
+async fn lookups_are_counted_by_caller_kind() {
+    let s = Server::start(|d| {
+        script(d, "one", &answer("alice", SECRET, "Registry"));
+        config(d, &["one"])
+    })
+    .await;
+    let mut creds = CredentialsClient::new(s.channel().await);
+    for (caller, n) in [("kubelet", 3), ("docker-helper", 2), ("", 1), ("something-else", 1)] {
+        for _ in 0..n {
+            creds
+                .lookup(pb::LookupRequest {
+                    image: "reg.example.com/app".into(),
+                    caller: caller.into(),
+                    ..Default::default()
+                })
+                .await
+                .unwrap();
+        }
+    }
+    let text = credgate_agent::metrics::render(s.agent.registry());
+    for (caller, n) in [("kubelet", 3), ("docker-helper", 2), ("api", 2)] {
+        let line = format!("credgate_lookups_total{{caller=\"{caller}\"}} {n}");
+        assert!(text.contains(&line), "{line} in\n{text}");
+    }
+    assert!(!text.contains(SECRET));
+}
