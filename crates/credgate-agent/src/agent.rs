@@ -220,6 +220,16 @@ impl Agent {
         &self.inner.registry
     }
 
+    /// Sets the gauges computed on demand (late renewals, the guard store's availability);
+    /// called before each scrape.
+    pub fn refresh_gauges(&self) {
+        let m = &self.inner.metrics;
+        m.tracked_refs_due
+            .set(i64::try_from(self.inner.renewer.due_count()).unwrap_or(i64::MAX));
+        let available = self.inner.guard.as_ref().is_none_or(|g| g.store().is_ok());
+        m.guard_store_available.set(i64::from(available));
+    }
+
     pub fn sources(&self) -> &Sources {
         &self.inner.sources
     }

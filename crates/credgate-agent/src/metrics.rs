@@ -57,6 +57,10 @@ struct MethodHandles {
 pub struct AgentMetrics {
     pub renewals: Family<Labels, Counter>,
     pub tracked_refs: Gauge,
+    /// Tracked refs within their renewal lead of expiry (renewal late), at the last scrape.
+    pub tracked_refs_due: Gauge,
+    /// 1 when the guard's store is readable (or the guard is off), 0 when it is not.
+    pub guard_store_available: Gauge,
     pub watchers: Gauge,
     /// Watch streams ended because their client did not read.
     pub watchers_dropped: Counter,
@@ -130,6 +134,8 @@ impl Default for AgentMetrics {
         AgentMetrics {
             renewals: Family::default(),
             tracked_refs: Gauge::default(),
+            tracked_refs_due: Gauge::default(),
+            guard_store_available: Gauge::default(),
             watchers: Gauge::default(),
             watchers_dropped: Counter::default(),
             rpcs,
@@ -166,6 +172,16 @@ impl AgentMetrics {
             "tracked_refs",
             "Refs tracked for renewal, including those in their grace period",
             self.tracked_refs.clone(),
+        );
+        r.register(
+            "tracked_refs_due",
+            "Tracked refs whose credentials are within their renewal lead of expiry (renewal is late)",
+            self.tracked_refs_due.clone(),
+        );
+        r.register(
+            "guard_store_available",
+            "1 when the image access guard's store is readable (or the guard is off), else 0",
+            self.guard_store_available.clone(),
         );
         r.register("watch_streams", "Open Watch streams", self.watchers.clone());
         r.register(

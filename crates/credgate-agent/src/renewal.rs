@@ -316,6 +316,22 @@ impl Renewer {
         })
     }
 
+    /// Tracked refs whose credentials are within their renewal lead of expiry now: renewal
+    /// is late for them (failing, or in backoff).
+    pub fn due_count(&self) -> usize {
+        let now = self.shared.clock.now();
+        let policy = self.shared.policy;
+        self.lock()
+            .refs
+            .values()
+            .filter(|r| {
+                policy
+                    .due_lead(now, r.entries.iter().map(|e| (e.fetched, e.expires)))
+                    .is_some()
+            })
+            .count()
+    }
+
     /// When credentials are renewed ahead of their expiry.
     pub fn policy(&self) -> &RenewalPolicy {
         &self.shared.policy

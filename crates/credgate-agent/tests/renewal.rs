@@ -345,3 +345,20 @@ async fn tracking_is_bounded_in_names_refs_and_consumers() {
         .track("c0", &refs(&["reg.example.com/b:v1"]))
         .unwrap();
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_ref_whose_renewal_is_late_is_counted_due() {
+    let f = start(TokenPlugin::new("Image", "10m"), policy());
+    let image = "reg.example.com/team/app:v1";
+    f.renewer.track("c", &refs(&[image])).unwrap();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert!(password(&f, image).is_some());
+    assert_eq!(f.renewer.due_count(), 0, "fresh");
+    f.plugin.failing.store(true, Ordering::SeqCst);
+    // Renewal starts a minute before expiry and keeps failing: inside the lead, it is due.
+    tokio::time::sleep(9 * MIN + Duration::from_secs(30)).await;
+    assert_eq!(f.renewer.due_count(), 1);
+    f.plugin.failing.store(false, Ordering::SeqCst);
+    tokio::time::sleep(2 * MIN).await;
+    assert_eq!(f.renewer.due_count(), 0, "renewed once the plugin recovers");
+}

@@ -668,7 +668,12 @@ async fn lookups_are_counted_by_caller_kind() {
     })
     .await;
     let mut creds = CredentialsClient::new(s.channel().await);
-    for (caller, n) in [("kubelet", 3), ("docker-helper", 2), ("", 1), ("something-else", 1)] {
+    for (caller, n) in [
+        ("kubelet", 3),
+        ("docker-helper", 2),
+        ("", 1),
+        ("something-else", 1),
+    ] {
         for _ in 0..n {
             creds
                 .lookup(pb::LookupRequest {

@@ -128,7 +128,10 @@ pub async fn run(args: ServeArgs) -> Result<Outcome> {
             .with_context(|| format!("cannot listen for metrics on {addr}"))?;
         tracing::info!(addr = %listener.local_addr()?, "serving metrics at /metrics");
         let scraped = agent.clone();
-        let render: metrics::Render = Arc::new(move || metrics::render(scraped.registry()));
+        let render: metrics::Render = Arc::new(move || {
+            scraped.refresh_gauges();
+            metrics::render(scraped.registry())
+        });
         let mut stop = stop_rx.clone();
         let counters = agent.metrics().clone();
         tokio::spawn(metrics::serve(

@@ -1,0 +1,134 @@
+//! The deployment files: the Prometheus rules pass `promtool check rules`, and every metric
+//! the rules and the Grafana dashboard name is one the agent really exports; the image builds
+//! with podman and runs.
+
+mod support;
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use support::text;
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// The sample names the agent exposes, from a running agent's `/metrics`.
+fn exported() -> BTreeSet<String> {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::create_dir_all(d.join("plugins")).unwrap();
+    support::write_script(
+        &d.join("plugins/p"),
+        r#"cat >/dev/null; echo '{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.kubelet.k8s.io/v1","cacheKeyType":"Image","cacheDuration":"1m","auth":{"reg.io":{"username":"u","password":"p"}}}'"#,
+    );
+    let config = d.join("p.yaml");
+    std::fs::write(&config, "apiVersion: kubelet.config.k8s.io/v1\nkind: CredentialProviderConfig\nproviders:\n- name: p\n  matchImages: [reg.io]\n  defaultCacheDuration: 1m\n  apiVersion: credentialprovider.kubelet.k8s.io/v1\n").unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let agent = support::Agent::start(
+        d,
+        &[
+            "--image-credential-provider-config",
+            config.to_str().unwrap(),
+            "--image-credential-provider-bin-dir",
+            d.join("plugins").to_str().unwrap(),
+            "--metrics-addr",
+            &addr,
+        ],
+    );
+    assert!(agent.credgate(&["get", "reg.io/app"]).status.success());
+    let body = {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(&addr).unwrap();
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        out
+    };
+    let mut names = BTreeSet::new();
+    for line in body.lines() {
+        let Some(rest) = line.strip_prefix("# TYPE ") else {
+            continue;
+        };
+        let mut parts = rest.split_whitespace();
+        let (name, kind) = (parts.next().unwrap(), parts.next().unwrap());
+        match kind {
+            "counter" => {
+                names.insert(format!("{name}_total"));
+            }
+            "histogram" => {
+                for s in ["_bucket", "_sum", "_count"] {
+                    names.insert(format!("{name}{s}"));
+                }
+            }
+            _ => {
+                names.insert(name.to_owned());
+            }
+        }
+    }
+    assert!(names.contains("credgate_lookups_total"), "{body}");
+    names
+}
+
+/// The `credgate_*` names a file uses.
+fn used(path: &Path) -> BTreeSet<String> {
+    let content = std::fs::read_to_string(path).unwrap();
+    let mut out = BTreeSet::new();
+    let bytes = content.as_bytes();
+    let mut i = 0;
+    while let Some(at) = content[i..].find("credgate_") {
+        let start = i + at;
+        let mut end = start;
+        while end < bytes.len() && (bytes[end].is_ascii_alphanumeric() || bytes[end] == b'_') {
+            end += 1;
+        }
+        out.insert(content[start..end].to_owned());
+        i = end;
+    }
+    out
+}
+
+#[test]
+fn alerting_rules_and_the_dashboard_name_metrics_the_agent_exports() {
+    let exported = exported();
+    for file in [
+        "deploy/prometheus-rules.yaml",
+        "deploy/grafana-dashboard.json",
+    ] {
+        let names = used(&repo().join(file));
+        assert!(names.len() >= 5, "{file}: {names:?}");
+        let unknown: Vec<&String> = names.iter().filter(|n| !exported.contains(*n)).collect();
+        assert!(
+            unknown.is_empty(),
+            "{file} names {unknown:?}, not exported: {exported:?}"
+        );
+    }
+    let dashboard: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(repo().join("deploy/grafana-dashboard.json")).unwrap(),
+    )
+    .unwrap();
+    assert!(dashboard["panels"].as_array().unwrap().len() >= 8);
+    match Command::new("promtool")
+        .args(["check", "rules"])
+        .arg(repo().join("deploy/prometheus-rules.yaml"))
+        .output()
+    {
+        Ok(out) => assert!(
+            out.status.success(),
+            "{}{}",
+            text(&out.stdout),
+            text(&out.stderr)
+        ),
+        Err(_) => {
+            // scripts/test installs Debian's prometheus (promtool) when it runs as root.
+            eprintln!("skipped: promtool is not installed (apt-get install prometheus)");
+        }
+    }
+}
