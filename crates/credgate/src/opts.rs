@@ -100,6 +100,13 @@ pub struct KubeletConfigArgs {
     /// The agent's socket, when the kubelet should not use the default.
     #[arg(long, value_name = "PATH")]
     pub socket: Option<PathBuf>,
+    /// With --link-dir: copy the bridge there first (as credgate-credential-provider) and link
+    /// to that copy (what a DaemonSet's init container does: the host needs its own copy).
+    #[arg(long, requires = "link_dir")]
+    pub install: bool,
+    /// Write the config to this file (atomically) instead of stdout.
+    #[arg(long, value_name = "FILE")]
+    pub output: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]

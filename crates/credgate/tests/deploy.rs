@@ -132,3 +132,79 @@ fn alerting_rules_and_the_dashboard_name_metrics_the_agent_exports() {
         }
     }
 }
+
+/// The image (deploy/Containerfile through scripts/image) builds with Debian's podman from the
+/// test build's binaries and holds everything they need to run: `podman run IMAGE --version`,
+/// or, where the sandbox's container runtime cannot start a container (crun refused to set
+/// rlimits on the machine this was written on), the same commands chrooted into the image's
+/// mounted root file system. Needs root and podman.
+#[test]
+fn the_image_builds_and_its_binaries_run() {
+    if !is_root() {
+        eprintln!("skipped: building images with podman (rootful, vfs) needs root");
+        return;
+    }
+    if Command::new("podman").arg("--version").output().is_err() {
+        eprintln!("skipped: podman is not installed (apt-get install podman)");
+        return;
+    }
+    let bin_dir = support::bin_dir();
+    let tag = format!("localhost/credgate-test:{}", std::process::id());
+    let podman = |args: &[&str]| {
+        Command::new("podman")
+            .args(["--storage-driver", "vfs"])
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let built = Command::new(repo().join("scripts/image"))
+        .arg(&bin_dir)
+        .arg(&tag)
+        .env("PODMAN_OPTS", "--storage-driver vfs")
+        .output()
+        .unwrap();
+    assert!(built.status.success(), "{}", text(&built.stderr));
+    let run = podman(&["run", "--rm", "--network", "none", &tag, "--version"]);
+    let version = if run.status.success() {
+        text(&run.stdout)
+    } else {
+        let why = text(&run.stderr);
+        eprintln!(
+            "podman run refused here ({}); checking the image's root file system through chroot",
+            why.trim()
+        );
+        let mounted = podman(&["image", "mount", &tag]);
+        assert!(mounted.status.success(), "{}", text(&mounted.stderr));
+        let root = text(&mounted.stdout).trim().to_owned();
+        let chrooted = |args: &[&str]| {
+            let out = Command::new("chroot")
+                .arg(&root)
+                .args(args)
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "{args:?}: {}", text(&out.stderr));
+            text(&out.stdout)
+        };
+        let v = chrooted(&["/usr/local/bin/credgate", "--version"]);
+        assert!(
+            chrooted(&["/usr/local/bin/credgate-credential-provider", "--version"])
+                .starts_with("credgate-credential-provider ")
+        );
+        assert!(
+            chrooted(&["/usr/local/bin/docker-credential-credgate", "version"])
+                .starts_with("docker-credential-credgate ")
+        );
+        let _ = podman(&["image", "unmount", &tag]);
+        v
+    };
+    let _ = podman(&["rmi", "-f", &tag]);
+    assert_eq!(
+        version.trim(),
+        concat!("credgate ", env!("CARGO_PKG_VERSION"))
+    );
+}
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}

@@ -107,12 +107,23 @@ pub fn run(args: KubeletConfigArgs) -> Result<Outcome> {
             }
         }
     }
-    let bridge = args.bridge.clone().unwrap_or_else(default_bridge);
+    let mut bridge = args.bridge.clone().unwrap_or_else(default_bridge);
     let mut text = render(&config, args.socket.as_deref());
     match &args.link_dir {
         Some(dir) => {
             std::fs::create_dir_all(dir)
                 .with_context(|| format!("cannot create {}", dir.display()))?;
+            if args.install {
+                let copy = dir.join("credgate-credential-provider");
+                write_atomically(
+                    &copy,
+                    &std::fs::read(&bridge)
+                        .with_context(|| format!("cannot read {}", bridge.display()))?,
+                    0o755,
+                )?;
+                // Links relative to their directory: valid wherever the directory is mounted.
+                bridge = PathBuf::from("credgate-credential-provider");
+            }
             for p in &config.providers {
                 let link = dir.join(&p.name);
                 if std::fs::symlink_metadata(&link).is_ok() {
@@ -141,8 +152,20 @@ pub fn run(args: KubeletConfigArgs) -> Result<Outcome> {
             }
         }
     }
-    print!("{text}");
+    match &args.output {
+        Some(file) => write_atomically(file, text.as_bytes(), 0o644)?,
+        None => print!("{text}"),
+    }
     Ok(Outcome::Yes)
+}
+
+/// Writes `bytes` to a temporary file beside `path` and renames it into place.
+fn write_atomically(path: &Path, bytes: &[u8], mode: u32) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
+    std::fs::write(&tmp, bytes).with_context(|| format!("cannot write {}", tmp.display()))?;
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(mode))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("cannot replace {}", path.display()))
 }
 
 #[cfg(test)]
