@@ -133,9 +133,9 @@ pub fn run(args: KubeletConfigArgs) -> Result<Outcome> {
                 std::os::unix::fs::symlink(&bridge, &link)
                     .with_context(|| format!("cannot link {}", link.display()))?;
             }
-            let _ = write!(
+            let _ = writeln!(
                 text,
-                "# The kubelet's --image-credential-provider-bin-dir is {}: one link per provider to {}.\n",
+                "# The kubelet's --image-credential-provider-bin-dir is {}: one link per provider to {}.",
                 dir.display(),
                 bridge.display()
             );
