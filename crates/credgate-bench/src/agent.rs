@@ -305,22 +305,12 @@ fn helper_path(args: &Args) -> Result<PathBuf> {
 }
 
 fn run_helper(helper: &Path, socket: &Path, verb: &str, stdin: &[u8]) -> Result<Duration> {
-    let started = Instant::now();
-    let mut child = Command::new(helper)
-        .arg(verb)
-        .env("CREDGATE_SOCKET", socket)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()?;
-    child.stdin.take().context("stdin")?.write_all(stdin)?;
-    let out = child.wait_with_output()?;
-    let took = started.elapsed();
-    ensure!(
-        out.status.success(),
-        "helper {verb} failed: {}",
-        String::from_utf8_lossy(&out.stdout)
-    );
+    let (took, _) = timed(
+        Command::new(helper)
+            .arg(verb)
+            .env("CREDGATE_SOCKET", socket),
+        stdin,
+    )?;
     Ok(took)
 }
 

@@ -238,30 +238,7 @@ mod fallback {
         let now = std::time::Instant::now();
         let cache_for = RenewalPolicy::default()
             .client_cache_for(now, lookup.entries.iter().map(|e| (e.fetched, e.expires)));
-        let answer = pb::LookupResponse {
-            image: lookup.image.clone(),
-            credentials: lookup
-                .credentials
-                .iter()
-                .map(credgate_agent::server::credential)
-                .collect(),
-            failures: lookup
-                .errors
-                .iter()
-                .map(|e| pb::ProviderFailure {
-                    provider: e.plugin().to_owned(),
-                    reason: e.reason().to_owned(),
-                    message: e.to_string(),
-                })
-                .collect(),
-            cache_key_type: lookup
-                .entries
-                .first()
-                .map(|e| e.key.kind().as_str().to_owned())
-                .unwrap_or_default(),
-            cache_for_ms: i64::try_from(cache_for.as_millis()).unwrap_or(i64::MAX),
-            ..Default::default()
-        };
+        let answer = credgate_agent::server::provider_answer(&lookup, cache_for);
         respond(request, &answer)
     }
 }

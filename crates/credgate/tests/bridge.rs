@@ -166,7 +166,14 @@ fn a_service_account_token_reaches_the_provider_as_the_kubelet_would_send_it() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let attributes = "  tokenAttributes:\n    serviceAccountTokenAudience: registry.example.com\n    cacheType: Token\n    requireServiceAccount: true\n    requiredServiceAccountAnnotationKeys: [example.com/role]\n";
-    let agent = start(d, &[("sa", "reg.example.com", V1, attributes)]);
+    let second = "  tokenAttributes:\n    serviceAccountTokenAudience: second-audience\n    cacheType: ServiceAccount\n    requireServiceAccount: true\n";
+    let agent = start(
+        d,
+        &[
+            ("sa", "reg.example.com", V1, attributes),
+            ("sa2", "reg.example.com", V1, second),
+        ],
+    );
     let b = |s: &str| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(s);
     let token = format!(
         "{}.{}.signature",
@@ -190,6 +197,30 @@ fn a_service_account_token_reaches_the_provider_as_the_kubelet_would_send_it() {
     );
     assert_eq!(sent["image"], "reg.example.com/team/app");
     assert!(!text(&out.stderr).contains(&token));
+    // A second entry with another audience: the kubelet mints it another token, and that
+    // provider, and only it, receives it.
+    let token2 = format!(
+        "{}.{}.signature",
+        b(r#"{"alg":"RS256"}"#),
+        b(r#"{"aud":["second-audience"],"sub":"system:serviceaccount:team-a:puller"}"#)
+    );
+    let req2 = format!(
+        r#"{{"kind":"CredentialProviderRequest","apiVersion":"{V1}","image":"reg.example.com/team/app:v1","serviceAccountToken":"{token2}"}}"#
+    );
+    let out = bridge(&agent.socket, &["--provider", "sa2"], &req2);
+    assert_eq!(
+        json(&out)["auth"]["reg.example.com"]["username"],
+        "sa2-user"
+    );
+    let seen2 = runs(d, "sa2");
+    assert_eq!(seen2.len(), 1);
+    let sent2: serde_json::Value = serde_json::from_str(&seen2[0]).unwrap();
+    assert_eq!(sent2["serviceAccountToken"], token2.as_str());
+    assert_eq!(
+        runs(d, "sa").len(),
+        1,
+        "the first provider never saw the second token"
+    );
     // Without a token the provider, which requires one, is not run.
     let out = bridge(
         &agent.socket,

@@ -51,6 +51,35 @@ pub fn credential_ref(c: &CredentialRef<'_>) -> pb::Credential {
     }
 }
 
+/// The wire form of a provider's failure.
+pub fn failure(e: &credgate_engine::ProviderError) -> pb::ProviderFailure {
+    pb::ProviderFailure {
+        provider: e.plugin().to_owned(),
+        reason: e.reason().to_owned(),
+        message: e.to_string(),
+    }
+}
+
+/// One provider's answer for the kubelet bridge: its credentials and failures, how its answer
+/// may be reused, and how long a client may keep it.
+pub fn provider_answer(
+    lookup: &credgate_engine::Lookup,
+    cache_for: Duration,
+) -> pb::LookupResponse {
+    pb::LookupResponse {
+        image: lookup.image.clone(),
+        credentials: lookup.credentials.iter().map(credential).collect(),
+        failures: lookup.errors.iter().map(failure).collect(),
+        last_known_good: false,
+        cache_key_type: lookup
+            .entries
+            .first()
+            .map(|e| e.key.kind().as_str().to_owned())
+            .unwrap_or_default(),
+        cache_for_ms: i64::try_from(cache_for.as_millis()).unwrap_or(i64::MAX),
+    }
+}
+
 fn track_status(e: TrackError) -> Status {
     Status::invalid_argument(e.to_string())
 }
@@ -208,15 +237,7 @@ impl Api {
             .lookup(&request)
             .await
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
-        let failures: Vec<pb::ProviderFailure> = lookup
-            .errors
-            .iter()
-            .map(|e| pb::ProviderFailure {
-                provider: e.plugin().to_owned(),
-                reason: e.reason().to_owned(),
-                message: e.to_string(),
-            })
-            .collect();
+        let failures: Vec<pb::ProviderFailure> = lookup.errors.iter().map(failure).collect();
         let fallback = (!failures.is_empty() && sa.is_none() && !req.registry_host)
             .then(|| self.agent.renewer().last_good(&req.image))
             .flatten();
@@ -271,26 +292,7 @@ impl Api {
             lookup = engine.lookup(&request).await.map_err(invalid)?;
         }
         let cache_for = policy.client_cache_for(clock.now(), times(&lookup));
-        Ok(pb::LookupResponse {
-            image: lookup.image,
-            credentials: lookup.credentials.iter().map(credential).collect(),
-            failures: lookup
-                .errors
-                .iter()
-                .map(|e| pb::ProviderFailure {
-                    provider: e.plugin().to_owned(),
-                    reason: e.reason().to_owned(),
-                    message: e.to_string(),
-                })
-                .collect(),
-            last_known_good: false,
-            cache_key_type: lookup
-                .entries
-                .first()
-                .map(|e| e.key.kind().as_str().to_owned())
-                .unwrap_or_default(),
-            cache_for_ms: i64::try_from(cache_for.as_millis()).unwrap_or(i64::MAX),
-        })
+        Ok(provider_answer(&lookup, cache_for))
     }
 
     fn status_inner(&self) -> pb::StatusResponse {
