@@ -576,9 +576,9 @@ async fn repeated_failures_back_off() {
     let when = msg.rsplit("next run allowed in ").next().unwrap();
     assert!(when.ends_with('m') || when.ends_with('s'), "{msg}");
     // At most milliseconds: never `29.999996s`.
-    let decimals = when
-        .split_once('.')
-        .map_or(0, |(_, f)| f.chars().take_while(char::is_ascii_digit).count());
+    let decimals = when.split_once('.').map_or(0, |(_, f)| {
+        f.chars().take_while(char::is_ascii_digit).count()
+    });
     assert!(decimals <= 3, "{msg}");
 }
 
