@@ -8,6 +8,7 @@
 
 pub mod agent;
 pub mod conn;
+pub mod cri;
 pub mod guard;
 pub mod metrics;
 pub mod renewal;

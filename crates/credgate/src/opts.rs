@@ -211,6 +211,18 @@ pub struct ServeArgs {
     /// An API connection with no call open that has sent nothing for this long is closed.
     #[arg(long, value_name = "DURATION", value_parser = parse_duration, default_value = "5m")]
     pub idle_timeout: Duration,
+    /// Serve a CRI image-service proxy here (the kubelet's --image-service-endpoint): every
+    /// call is forwarded to --cri-runtime-endpoint and its answer returned unchanged. Off
+    /// unless given.
+    #[arg(long, value_name = "PATH")]
+    pub cri_proxy_socket: Option<PathBuf>,
+    /// The container runtime the CRI proxy forwards to.
+    #[arg(
+        long,
+        value_name = "ENDPOINT",
+        default_value = "unix:///run/containerd/containerd.sock"
+    )]
+    pub cri_runtime_endpoint: String,
     /// A stop (SIGTERM, SIGINT) waits this long for calls in flight, then closes their
     /// connections and exits.
     #[arg(long, value_name = "DURATION", value_parser = parse_duration, default_value = "10s")]

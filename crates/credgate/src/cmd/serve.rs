@@ -144,6 +144,23 @@ pub async fn run(args: ServeArgs) -> Result<Outcome> {
             },
         ));
     }
+    let mut cri_proxy = None;
+    if let Some(path) = &args.cri_proxy_socket {
+        let listener = socket::bind(path, &SocketAccess { group: None })
+            .await
+            .with_context(|| format!("cannot serve the CRI proxy on {}", path.display()))?;
+        let runtime = credgate_agent::cri::endpoint_path(&args.cri_runtime_endpoint);
+        tracing::info!(socket = %path.display(), runtime = %runtime.display(), "serving the CRI image-service proxy");
+        let stop = stop_rx.clone();
+        let timeout = limits.shutdown_timeout;
+        cri_proxy = Some((
+            path.clone(),
+            socket::identity(path),
+            tokio::spawn(async move {
+                credgate_agent::cri::serve(listener, &runtime, timeout, stop).await;
+            }),
+        ));
+    }
     tokio::spawn(signals(agent.clone(), stop_tx)?);
     tracing::info!(
         socket = %socket_path.display(),
@@ -156,6 +173,10 @@ pub async fn run(args: ServeArgs) -> Result<Outcome> {
     // the listener's readiness woke, instead of that worker waking this thread to accept.
     let served = tokio::spawn(server::serve_with(agent, listener, limits, stop_rx)).await;
     socket::remove_if_ours(&socket_path, bound);
+    if let Some((path, id, task)) = cri_proxy {
+        let _ = task.await;
+        socket::remove_if_ours(&path, id);
+    }
     renewal_task.abort();
     served.context("the API server failed")?;
     tracing::info!("credgate agent stopped");

@@ -1,0 +1,228 @@
+//! The CRI image-service proxy: the kubelet's `--image-service-endpoint` points at the agent,
+//! which forwards every call to the container runtime and returns its answer unchanged.
+//!
+//! Calls pass through as HTTP/2 requests, their bodies and answers streamed frame by frame and
+//! never decoded, so a method credgate has no code for (a newer kubelet's) reaches the runtime
+//! as it is, and the runtime's status codes and messages come back as they are. The runtime
+//! unreachable: `UNAVAILABLE` with what failed. A call never outlives the caller's own
+//! deadline (`grpc-timeout`).
+
+use std::convert::Infallible;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::time::Duration;
+
+use http_body_util::BodyExt;
+use hyper::body::{Bytes, Incoming};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::{watch, Mutex};
+use tokio::task::JoinSet;
+
+use crate::conn::{self, Throttle};
+
+/// A body of either side.
+type Body =
+    http_body_util::combinators::UnsyncBoxBody<Bytes, Box<dyn std::error::Error + Send + Sync>>;
+
+/// The longest a call may take when the caller sets no deadline.
+const DEFAULT_DEADLINE: Duration = Duration::from_secs(300);
+
+static ACCEPT_ERRORS: Throttle = Throttle::new(Duration::from_secs(10));
+
+/// `unix:///run/containerd/containerd.sock` (or a bare path) as a socket path.
+pub fn endpoint_path(endpoint: &str) -> PathBuf {
+    PathBuf::from(endpoint.strip_prefix("unix://").unwrap_or(endpoint))
+}
+
+/// One HTTP/2 connection to the runtime, made on first use and again after it fails.
+struct Runtime {
+    path: PathBuf,
+    sender: Mutex<Option<hyper::client::conn::http2::SendRequest<Body>>>,
+    tasks: std::sync::Mutex<JoinSet<()>>,
+}
+
+impl Runtime {
+    async fn sender(&self) -> std::io::Result<hyper::client::conn::http2::SendRequest<Body>> {
+        let mut slot = self.sender.lock().await;
+        if let Some(s) = slot.as_ref().filter(|s| !s.is_closed()) {
+            return Ok(s.clone());
+        }
+        let stream = UnixStream::connect(&self.path).await?;
+        let (sender, connection) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+            .timer(TokioTimer::new())
+            .handshake(TokioIo::new(stream))
+            .await
+            .map_err(std::io::Error::other)?;
+        self.tasks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .spawn(async move {
+                if let Err(e) = connection.await {
+                    tracing::debug!(error = %e, "runtime connection ended");
+                }
+            });
+        *slot = Some(sender.clone());
+        Ok(sender)
+    }
+}
+
+/// A gRPC status as a trailers-only answer.
+fn status(code: tonic::Code, message: String) -> hyper::Response<Body> {
+    tonic::Status::new(code, message)
+        .into_http::<tonic::body::Body>()
+        .map(|b| b.map_err(|e| Box::new(e) as _).boxed_unsync())
+}
+
+/// The caller's deadline from `grpc-timeout` (`120S`, `500m`, ...).
+fn deadline(headers: &hyper::HeaderMap) -> Duration {
+    let Some(v) = headers.get("grpc-timeout").and_then(|v| v.to_str().ok()) else {
+        return DEFAULT_DEADLINE;
+    };
+    let (n, unit) = v.split_at(v.len().saturating_sub(1));
+    let Ok(n) = n.parse::<u64>() else {
+        return DEFAULT_DEADLINE;
+    };
+    match unit {
+        "H" => Duration::from_secs(n.saturating_mul(3600)),
+        "M" => Duration::from_secs(n.saturating_mul(60)),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => DEFAULT_DEADLINE,
+    }
+}
+
+/// Forwards one call to the runtime.
+async fn forward(runtime: &Runtime, request: hyper::Request<Incoming>) -> hyper::Response<Body> {
+    let limit = deadline(request.headers());
+    let call = async {
+        let mut sender = match runtime.sender().await {
+            Ok(s) => s,
+            Err(e) => {
+                return status(
+                    tonic::Code::Unavailable,
+                    format!(
+                        "credgate: cannot reach the container runtime at {}: {e}",
+                        runtime.path.display()
+                    ),
+                )
+            }
+        };
+        let (parts, body) = request.into_parts();
+        let outbound =
+            hyper::Request::from_parts(parts, body.map_err(|e| Box::new(e) as _).boxed_unsync());
+        match sender.send_request(outbound).await {
+            Ok(answer) => answer.map(|b| b.map_err(|e| Box::new(e) as _).boxed_unsync()),
+            Err(e) => status(
+                tonic::Code::Unavailable,
+                format!("credgate: the container runtime's connection failed: {e}"),
+            ),
+        }
+    };
+    match tokio::time::timeout(limit, call).await {
+        Ok(answer) => answer,
+        Err(_) => status(
+            tonic::Code::DeadlineExceeded,
+            "credgate: the container runtime did not answer within the caller's deadline".into(),
+        ),
+    }
+}
+
+/// Serves the proxy on `listener`, forwarding to the runtime at `runtime`, until `shutdown`
+/// turns true; then stops accepting and lets calls in flight finish for at most
+/// `shutdown_timeout`.
+pub async fn serve(
+    listener: UnixListener,
+    runtime: &Path,
+    shutdown_timeout: Duration,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let runtime = std::sync::Arc::new(Runtime {
+        path: runtime.to_owned(),
+        sender: Mutex::new(None),
+        tasks: std::sync::Mutex::new(JoinSet::new()),
+    });
+    let builder = std::sync::Arc::new({
+        let mut b = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+        b.timer(TokioTimer::new())
+            .max_concurrent_streams(256)
+            .max_header_list_size(64 << 10);
+        b
+    });
+    let mut connections = JoinSet::new();
+    loop {
+        let stream = tokio::select! {
+            () = async { let _ = shutdown.wait_for(|s| *s).await; } => break,
+            Some(_) = connections.join_next(), if !connections.is_empty() => continue,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    conn::accept_failed("cri-proxy", &ACCEPT_ERRORS, &e).await;
+                    continue;
+                }
+            },
+        };
+        let runtime = runtime.clone();
+        let service = hyper::service::service_fn(move |request: hyper::Request<Incoming>| {
+            let runtime = runtime.clone();
+            async move { Ok::<_, Infallible>(forward(&runtime, request).await) }
+        });
+        let connection = builder.serve_connection(TokioIo::new(stream), service);
+        let mut stop = shutdown.clone();
+        connections.spawn(async move {
+            let mut connection: Pin<Box<_>> = Box::pin(connection);
+            tokio::select! {
+                ended = connection.as_mut() => {
+                    if let Err(e) = ended {
+                        tracing::debug!(error = %e, "CRI proxy connection ended with an error");
+                    }
+                }
+                () = async { let _ = stop.wait_for(|s| *s).await; } => {
+                    connection.as_mut().graceful_shutdown();
+                    let _ = connection.await;
+                }
+            }
+        });
+    }
+    drop(listener);
+    if tokio::time::timeout(shutdown_timeout, async {
+        while connections.join_next().await.is_some() {}
+    })
+    .await
+    .is_err()
+    {
+        connections.shutdown().await;
+    }
+    let tasks = std::mem::take(&mut *runtime.tasks.lock().unwrap_or_else(|p| p.into_inner()));
+    drop(tasks);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_timeouts_parse_and_anything_else_is_the_default() {
+        let mut h = hyper::HeaderMap::new();
+        assert_eq!(deadline(&h), DEFAULT_DEADLINE);
+        for (v, want) in [
+            ("120S", Duration::from_secs(120)),
+            ("2M", Duration::from_secs(120)),
+            ("1H", Duration::from_secs(3600)),
+            ("500m", Duration::from_millis(500)),
+            ("7u", Duration::from_micros(7)),
+            ("9n", Duration::from_nanos(9)),
+            ("x", DEFAULT_DEADLINE),
+            ("12Q", DEFAULT_DEADLINE),
+        ] {
+            h.insert("grpc-timeout", v.parse().unwrap());
+            assert_eq!(deadline(&h), want, "{v}");
+        }
+        assert_eq!(
+            endpoint_path("unix:///run/containerd/containerd.sock"),
+            PathBuf::from("/run/containerd/containerd.sock")
+        );
+    }
+}

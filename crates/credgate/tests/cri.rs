@@ -1,0 +1,357 @@
+//! The CRI image-service proxy against Debian's containerd (its CRI plugin, the native
+//! snapshotter, a private root, state and socket in a temporary directory) and Debian's
+//! docker-registry with htpasswd: calls through `credgate serve --cri-proxy-socket` get the
+//! runtime's own answers and status codes. Needs root (containerd) and containerd installed
+//! (`scripts/test` installs it).
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use support::{oci_image, push, Agent, Registry};
+use tonic::transport::Channel;
+
+const USER: &str = "cri-user";
+const PASSWORD: &str = "cri-Pa55word-not-for-logs";
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct ImageSpec {
+    #[prost(string, tag = "1")]
+    image: String,
+}
+#[derive(Clone, PartialEq, prost::Message)]
+struct AuthConfig {
+    #[prost(string, tag = "1")]
+    username: String,
+    #[prost(string, tag = "2")]
+    password: String,
+}
+#[derive(Clone, PartialEq, prost::Message)]
+struct PullImageRequest {
+    #[prost(message, optional, tag = "1")]
+    image: Option<ImageSpec>,
+    #[prost(message, optional, tag = "2")]
+    auth: Option<AuthConfig>,
+}
+#[derive(Clone, PartialEq, prost::Message)]
+struct PullImageResponse {
+    #[prost(string, tag = "1")]
+    image_ref: String,
+}
+#[derive(Clone, PartialEq, prost::Message)]
+struct Image {
+    #[prost(string, tag = "1")]
+    id: String,
+    #[prost(string, repeated, tag = "2")]
+    repo_tags: Vec<String>,
+}
+#[derive(Clone, PartialEq, prost::Message)]
+struct ListImagesRequest {}
+#[derive(Clone, PartialEq, prost::Message)]
+struct ListImagesResponse {
+    #[prost(message, repeated, tag = "1")]
+    images: Vec<Image>,
+}
+#[derive(Clone, PartialEq, prost::Message)]
+struct ImageStatusRequest {
+    #[prost(message, optional, tag = "1")]
+    image: Option<ImageSpec>,
+}
+#[derive(Clone, PartialEq, prost::Message)]
+struct ImageStatusResponse {
+    #[prost(message, optional, tag = "1")]
+    image: Option<Image>,
+}
+#[derive(Clone, PartialEq, prost::Message)]
+struct Empty {}
+#[derive(Clone, PartialEq, prost::Message)]
+struct FilesystemUsage {
+    #[prost(int64, tag = "1")]
+    timestamp: i64,
+}
+#[derive(Clone, PartialEq, prost::Message)]
+struct ImageFsInfoResponse {
+    #[prost(message, repeated, tag = "1")]
+    image_filesystems: Vec<FilesystemUsage>,
+}
+
+/// Debian's containerd with its CRI plugin in a temporary directory.
+struct Containerd {
+    child: Child,
+    socket: PathBuf,
+}
+
+impl Containerd {
+    fn start(dir: &Path, registry: Option<&Registry>) -> Containerd {
+        let base = dir.join("containerd");
+        let certs = base.join("certs.d");
+        std::fs::create_dir_all(&certs).unwrap();
+        if let Some(r) = registry {
+            let host = r.host();
+            std::fs::create_dir_all(certs.join(&host)).unwrap();
+            std::fs::write(
+                certs.join(&host).join("hosts.toml"),
+                format!("server = \"http://{host}\"\n[host.\"http://{host}\"]\n  capabilities = [\"pull\", \"resolve\"]\n"),
+            )
+            .unwrap();
+        }
+        let socket = base.join("containerd.sock");
+        let config = base.join("config.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "version = 2\nroot = \"{b}/root\"\nstate = \"{b}/state\"\n[grpc]\n  address = \"{s}\"\n[plugins.\"io.containerd.grpc.v1.cri\".containerd]\n  snapshotter = \"native\"\n[plugins.\"io.containerd.grpc.v1.cri\".registry]\n  config_path = \"{c}\"\n[plugins.\"io.containerd.grpc.v1.cri\".cni]\n  bin_dir = \"{b}/cni\"\n  conf_dir = \"{b}/cni.d\"\n",
+                b = base.display(),
+                s = socket.display(),
+                c = certs.display(),
+            ),
+        )
+        .unwrap();
+        let child = Command::new("containerd")
+            .arg("--config")
+            .arg(&config)
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(base.join("log")).unwrap())
+            .spawn()
+            .expect("containerd starts");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !socket.exists() {
+            assert!(Instant::now() < deadline, "containerd did not come up");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Containerd { child, socket }
+    }
+}
+
+impl Drop for Containerd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Whether this machine can run the tests; says why not when it cannot.
+fn can_run() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: containerd needs root");
+        return false;
+    }
+    if Command::new("containerd")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        eprintln!("skipped: containerd is not installed (apt-get install containerd)");
+        return false;
+    }
+    true
+}
+
+fn proxy_agent(dir: &Path, runtime: &Path) -> (Agent, PathBuf) {
+    let proxy = dir.join("cri.sock");
+    let agent = Agent::start(
+        dir,
+        &[
+            "--cri-proxy-socket",
+            proxy.to_str().unwrap(),
+            "--cri-runtime-endpoint",
+            &format!("unix://{}", runtime.display()),
+        ],
+    );
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !proxy.exists() {
+        assert!(Instant::now() < deadline, "the CRI proxy did not come up");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    (agent, proxy)
+}
+
+async fn call<Req, Resp>(
+    socket: &Path,
+    method: &'static str,
+    req: Req,
+) -> Result<Resp, tonic::Status>
+where
+    Req: prost::Message + Send + Sync + 'static,
+    Resp: prost::Message + Default + Send + Sync + 'static,
+{
+    let channel: Channel = credgate_api::connect(socket).await.unwrap();
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready().await.unwrap();
+    grpc.unary(
+        tonic::Request::new(req),
+        tonic::codegen::http::uri::PathAndQuery::from_static(method),
+        tonic_prost::ProstCodec::default(),
+    )
+    .await
+    .map(tonic::Response::into_inner)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn image_service_calls_pass_through_with_the_runtimes_answers() {
+    if !can_run() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let containerd = Containerd::start(dir.path(), None);
+    let (agent, proxy) = proxy_agent(dir.path(), &containerd.socket);
+    for socket in [&containerd.socket, &proxy] {
+        let list: ListImagesResponse = call(
+            socket,
+            "/runtime.v1.ImageService/ListImages",
+            ListImagesRequest {},
+        )
+        .await
+        .expect("ListImages");
+        assert!(list.images.is_empty());
+        let status: ImageStatusResponse = call(
+            socket,
+            "/runtime.v1.ImageService/ImageStatus",
+            ImageStatusRequest {
+                image: Some(ImageSpec {
+                    image: "docker.io/library/absent:1".into(),
+                }),
+            },
+        )
+        .await
+        .expect("ImageStatus");
+        assert!(status.image.is_none());
+        let fs: ImageFsInfoResponse =
+            call(socket, "/runtime.v1.ImageService/ImageFsInfo", Empty {})
+                .await
+                .expect("ImageFsInfo");
+        assert!(!fs.image_filesystems.is_empty());
+    }
+    // A method credgate has no code for: the runtime's own answer, not credgate's.
+    let direct = call::<Empty, Empty>(
+        &containerd.socket,
+        "/runtime.v1.ImageService/NoSuchMethod",
+        Empty {},
+    )
+    .await
+    .unwrap_err();
+    let proxied = call::<Empty, Empty>(&proxy, "/runtime.v1.ImageService/NoSuchMethod", Empty {})
+        .await
+        .unwrap_err();
+    assert_eq!(direct.code(), tonic::Code::Unimplemented);
+    assert_eq!(
+        (proxied.code(), proxied.message()),
+        (direct.code(), direct.message())
+    );
+    // So does a status error: a pull of an image that does not exist.
+    let direct = call::<PullImageRequest, PullImageResponse>(
+        &containerd.socket,
+        "/runtime.v1.ImageService/PullImage",
+        PullImageRequest {
+            image: Some(ImageSpec {
+                image: "127.0.0.1:1/nothing/here:v1".into(),
+            }),
+            auth: None,
+        },
+    )
+    .await
+    .unwrap_err();
+    let proxied = call::<PullImageRequest, PullImageResponse>(
+        &proxy,
+        "/runtime.v1.ImageService/PullImage",
+        PullImageRequest {
+            image: Some(ImageSpec {
+                image: "127.0.0.1:1/nothing/here:v1".into(),
+            }),
+            auth: None,
+        },
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(proxied.code(), direct.code(), "{proxied:?} vs {direct:?}");
+    assert!(agent.stop().success());
+    assert!(!proxy.exists(), "the proxy's socket is removed at stop");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runtime_that_cannot_be_reached_is_unavailable() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_agent, proxy) = proxy_agent(dir.path(), &dir.path().join("no-runtime.sock"));
+    let e = call::<ListImagesRequest, ListImagesResponse>(
+        &proxy,
+        "/runtime.v1.ImageService/ListImages",
+        ListImagesRequest {},
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unavailable);
+    assert!(
+        e.message().contains("cannot reach the container runtime"),
+        "{}",
+        e.message()
+    );
+}
+
+/// A pull with the registry's credentials through the proxy: containerd has the image; with
+/// wrong ones or none the pull fails with the runtime's own error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pulls_through_the_proxy_reach_the_registry_with_their_credentials() {
+    if !can_run() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let registry = Registry::start(d, USER, PASSWORD);
+    oci_image(d);
+    push(d, &registry, "team/app", USER, PASSWORD);
+    let containerd = Containerd::start(d, Some(&registry));
+    let (agent, proxy) = proxy_agent(d, &containerd.socket);
+    let image = format!("{}/team/app:v1", registry.host());
+    let pull = |password: Option<&str>| PullImageRequest {
+        image: Some(ImageSpec {
+            image: image.clone(),
+        }),
+        auth: password.map(|p| AuthConfig {
+            username: USER.into(),
+            password: p.into(),
+        }),
+    };
+    for bad in [None, Some("wrong-password")] {
+        let e =
+            call::<_, PullImageResponse>(&proxy, "/runtime.v1.ImageService/PullImage", pull(bad))
+                .await
+                .unwrap_err();
+        assert_ne!(e.code(), tonic::Code::Ok);
+        assert!(
+            !e.message().contains("credgate"),
+            "the runtime's error: {}",
+            e.message()
+        );
+    }
+    let pulled: PullImageResponse = call(
+        &proxy,
+        "/runtime.v1.ImageService/PullImage",
+        pull(Some(PASSWORD)),
+    )
+    .await
+    .expect("the pull with the right credentials succeeds");
+    assert!(
+        pulled.image_ref.starts_with("sha256:"),
+        "{}",
+        pulled.image_ref
+    );
+    let list: ListImagesResponse = call(
+        &containerd.socket,
+        "/runtime.v1.ImageService/ListImages",
+        ListImagesRequest {},
+    )
+    .await
+    .unwrap();
+    assert!(
+        list.images.iter().any(|i| i.repo_tags.contains(&image)),
+        "{list:?}"
+    );
+    let log = agent.log_text();
+    assert!(
+        !log.contains(PASSWORD),
+        "the password reached the agent's log"
+    );
+}
