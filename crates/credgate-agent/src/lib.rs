@@ -7,6 +7,7 @@
 //! [`Agent::reload`] and the shutdown channel.
 
 pub mod agent;
+pub mod captured;
 pub mod conn;
 pub mod cri;
 pub mod guard;

@@ -129,6 +129,15 @@ impl NodeKey {
         self.id
     }
 
+    /// A 32-byte key for another purpose, derived from this one under `label` (so that losing
+    /// or replacing the node key makes what it sealed unreadable too).
+    pub fn derive(&self, label: &[u8]) -> zeroize::Zeroizing<[u8; 32]> {
+        let mut mac = self.mac.clone();
+        mac.update(b"credgate derived key\0");
+        mac.update(label);
+        zeroize::Zeroizing::new(mac.finalize().into_bytes().into())
+    }
+
     /// The keyed hash of a registry credential's content.
     pub fn hash(&self, username: &str, password: &str) -> CredentialHash {
         let mut mac = self.mac.clone();

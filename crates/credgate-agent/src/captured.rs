@@ -1,0 +1,419 @@
+//! Pull credentials captured from the kubelet's `PullImage` calls (through the CRI proxy), kept
+//! per image repository so that consumers that fetch layers after the pull (lazy-pull
+//! snapshotters) get them, and sealed in the state directory so that they survive restarts.
+//!
+//! The file (`captured.sealed`, 0600) is ChaCha20-Poly1305 under a key derived from the node
+//! key: a lost or replaced node key makes it unreadable, and then it is discarded with a
+//! warning, never served as garbage. It is written, fsynced and renamed into place before the
+//! proxy answers the pull.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, SystemTime};
+
+use chacha20poly1305::aead::{Aead, AeadCore, KeyInit, OsRng};
+use chacha20poly1305::{ChaCha20Poly1305, Key, Nonce};
+use secrecy::{ExposeSecret, SecretString};
+use serde::{Deserialize, Serialize};
+use zeroize::Zeroizing;
+
+use crate::guard::keys::NodeKey;
+
+const MAGIC: &[u8; 8] = b"CGCAPT1\n";
+const FILE: &str = "captured.sealed";
+const KEY_LABEL: &[u8] = b"captured pull credentials v1";
+
+/// One captured credential.
+#[derive(Clone)]
+pub struct Credential {
+    /// The pod's namespace (empty when the pull carried no sandbox config).
+    pub namespace: String,
+    pub username: String,
+    pub password: SecretString,
+    /// When it was captured (Unix ms).
+    pub captured_ms: i64,
+}
+
+impl std::fmt::Debug for Credential {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Credential")
+            .field("namespace", &self.namespace)
+            .field("username", &self.username)
+            .field("password", &"<redacted>")
+            .field("captured_ms", &self.captured_ms)
+            .finish()
+    }
+}
+
+/// What the sealed file holds, in the clear only inside this process.
+#[derive(Serialize, Deserialize)]
+struct Stored {
+    repository: String,
+    namespace: String,
+    username: String,
+    password: String,
+    captured_ms: i64,
+}
+
+/// Why the captured credentials could not be written.
+#[derive(Debug, thiserror::Error)]
+pub enum CaptureError {
+    #[error("cannot write the captured credentials to {path}: {source}")]
+    Write {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("the node key is unavailable: {0}")]
+    Key(String),
+}
+
+/// The captured credentials, by normalized repository (`registry.example.com/team/app`).
+pub struct Captured {
+    dir: PathBuf,
+    key: Zeroizing<[u8; 32]>,
+    key_id: u32,
+    max_age: Option<Duration>,
+    by_repository: Mutex<BTreeMap<String, Credential>>,
+}
+
+fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
+
+impl Captured {
+    /// Opens the sealed file in `state_dir` (the node key's directory). A file sealed under
+    /// another key, or damaged, is discarded with a warning.
+    pub fn open(state_dir: &Path, max_age: Option<Duration>) -> Result<Captured, CaptureError> {
+        let node = NodeKey::load_or_create(state_dir)
+            .map_err(|e| CaptureError::Key(crate::server::error_chain(&e)))?;
+        let captured = Captured {
+            dir: state_dir.to_owned(),
+            key: node.derive(KEY_LABEL),
+            key_id: node.id(),
+            max_age,
+            by_repository: Mutex::new(BTreeMap::new()),
+        };
+        let path = captured.path();
+        match std::fs::read(&path) {
+            Ok(bytes) => match captured.unseal(&bytes) {
+                Some(entries) => *captured.lock() = entries,
+                None => {
+                    tracing::warn!(
+                        path = %path.display(),
+                        "captured pull credentials sealed under another node key (or damaged): discarded"
+                    );
+                    let _ = std::fs::remove_file(&path);
+                }
+            },
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => {
+                tracing::warn!(path = %path.display(), error = %e, "cannot read the captured pull credentials")
+            }
+        }
+        captured.expire();
+        Ok(captured)
+    }
+
+    fn path(&self) -> PathBuf {
+        self.dir.join(FILE)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Credential>> {
+        self.by_repository.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn cipher(&self) -> ChaCha20Poly1305 {
+        ChaCha20Poly1305::new(Key::from_slice(&*self.key))
+    }
+
+    fn unseal(&self, bytes: &[u8]) -> Option<BTreeMap<String, Credential>> {
+        let rest = bytes.strip_prefix(MAGIC)?;
+        let (id, rest) = rest.split_at_checked(4)?;
+        if u32::from_be_bytes(id.try_into().ok()?) != self.key_id {
+            return None;
+        }
+        let (nonce, sealed) = rest.split_at_checked(12)?;
+        let plain = Zeroizing::new(
+            self.cipher()
+                .decrypt(Nonce::from_slice(nonce), sealed)
+                .ok()?,
+        );
+        let stored: Vec<Stored> = serde_json::from_slice(&plain).ok()?;
+        Some(
+            stored
+                .into_iter()
+                .map(|s| {
+                    (
+                        s.repository,
+                        Credential {
+                            namespace: s.namespace,
+                            username: s.username,
+                            password: SecretString::from(s.password),
+                            captured_ms: s.captured_ms,
+                        },
+                    )
+                })
+                .collect(),
+        )
+    }
+
+    /// Seals `entries` and replaces the file: written, fsynced, renamed, the directory fsynced.
+    fn persist(&self, entries: &BTreeMap<String, Credential>) -> Result<(), CaptureError> {
+        let stored: Vec<Stored> = entries
+            .iter()
+            .map(|(repository, c)| Stored {
+                repository: repository.clone(),
+                namespace: c.namespace.clone(),
+                username: c.username.clone(),
+                password: c.password.expose_secret().to_owned(),
+                captured_ms: c.captured_ms,
+            })
+            .collect();
+        let plain = Zeroizing::new(serde_json::to_vec(&stored).expect("entries serialize"));
+        for s in stored {
+            drop(Zeroizing::new(s.password));
+        }
+        let nonce = ChaCha20Poly1305::generate_nonce(&mut OsRng);
+        let sealed = self
+            .cipher()
+            .encrypt(&nonce, plain.as_slice())
+            .expect("sealing a buffer cannot fail");
+        let path = self.path();
+        let tmp = self.dir.join(format!("{FILE}.{}.tmp", std::process::id()));
+        let write = || -> std::io::Result<()> {
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .custom_flags(libc::O_NOFOLLOW)
+                .open(&tmp)?;
+            f.write_all(MAGIC)?;
+            f.write_all(&self.key_id.to_be_bytes())?;
+            f.write_all(&nonce)?;
+            f.write_all(&sealed)?;
+            f.sync_all()?;
+            std::fs::rename(&tmp, &path)?;
+            std::fs::File::open(&self.dir)?.sync_all()
+        };
+        write().map_err(|source| {
+            let _ = std::fs::remove_file(&tmp);
+            CaptureError::Write {
+                path: path.clone(),
+                source,
+            }
+        })
+    }
+
+    /// Keeps `credential` for `repository`, replacing what was there, on disk before it
+    /// returns.
+    pub fn capture(&self, repository: &str, credential: Credential) -> Result<(), CaptureError> {
+        let mut entries = self.lock();
+        let mut next = entries.clone();
+        next.insert(repository.to_owned(), credential);
+        self.persist(&next)?;
+        *entries = next;
+        Ok(())
+    }
+
+    /// Drops the credential of `repository`; whether there was one.
+    pub fn forget(&self, repository: &str) -> Result<bool, CaptureError> {
+        let mut entries = self.lock();
+        if !entries.contains_key(repository) {
+            return Ok(false);
+        }
+        let mut next = entries.clone();
+        next.remove(repository);
+        self.persist(&next)?;
+        *entries = next;
+        Ok(true)
+    }
+
+    /// Drops credentials older than the maximum age.
+    pub fn expire(&self) {
+        let Some(max) = self.max_age else { return };
+        let oldest = now_ms() - i64::try_from(max.as_millis()).unwrap_or(i64::MAX);
+        let stale: Vec<String> = self
+            .lock()
+            .iter()
+            .filter(|(_, c)| c.captured_ms < oldest)
+            .map(|(r, _)| r.clone())
+            .collect();
+        for r in stale {
+            if let Err(e) = self.forget(&r) {
+                tracing::warn!(error = %e, "cannot drop an expired captured credential");
+            }
+        }
+    }
+
+    /// The credential captured for the repository `name` (a normalized image name).
+    pub fn for_repository(&self, name: &str) -> Option<Credential> {
+        self.lock().get(name).cloned()
+    }
+
+    /// The credential captured most recently for any repository of `host` (what a docker
+    /// credential helper, which is told only the host, is answered).
+    pub fn for_host(&self, host: &str) -> Option<(String, Credential)> {
+        self.lock()
+            .iter()
+            .filter(|(r, _)| r.split('/').next() == Some(host))
+            .max_by_key(|(_, c)| c.captured_ms)
+            .map(|(r, c)| (r.clone(), c.clone()))
+    }
+
+    /// Every captured credential, by repository.
+    pub fn list(&self) -> Vec<(String, Credential)> {
+        self.lock()
+            .iter()
+            .map(|(r, c)| (r.clone(), c.clone()))
+            .collect()
+    }
+}
+
+/// A credential as `PullImage.auth` carries it: username and password, `auth` (base64 of
+/// `user:password`), an identity token or a registry token.
+pub fn from_auth(
+    username: String,
+    password: String,
+    auth: &str,
+    identity_token: String,
+    registry_token: String,
+) -> Option<(String, SecretString)> {
+    use base64::Engine as _;
+    if !username.is_empty() || !password.is_empty() {
+        return Some((username, SecretString::from(password)));
+    }
+    if !auth.is_empty() {
+        let decoded = Zeroizing::new(
+            base64::engine::general_purpose::STANDARD
+                .decode(auth.trim())
+                .ok()?,
+        );
+        let text = std::str::from_utf8(&decoded).ok()?;
+        let (u, p) = text.split_once(':')?;
+        return Some((u.to_owned(), SecretString::from(p.to_owned())));
+    }
+    if !registry_token.is_empty() {
+        return Some((String::new(), SecretString::from(registry_token)));
+    }
+    if !identity_token.is_empty() {
+        return Some(("<token>".to_owned(), SecretString::from(identity_token)));
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn cred(ns: &str, user: &str, pass: &str, at: i64) -> Credential {
+        Credential {
+            namespace: ns.into(),
+            username: user.into(),
+            password: SecretString::from(pass.to_owned()),
+            captured_ms: at,
+        }
+    }
+
+    fn private_dir() -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
+        dir
+    }
+
+    #[test]
+    fn sealed_across_reopen_unreadable_in_the_clear_and_dropped_with_another_key() {
+        let dir = private_dir();
+        let c = Captured::open(dir.path(), None).unwrap();
+        c.capture(
+            "reg.io/team/app",
+            cred("team-a", "alice", "s3cret-pw", now_ms()),
+        )
+        .unwrap();
+        c.capture(
+            "reg.io/team/db",
+            cred("team-a", "bob", "other-pw", now_ms() + 1),
+        )
+        .unwrap();
+        let file = std::fs::read(dir.path().join(FILE)).unwrap();
+        assert!(!file.windows(9).any(|w| w == b"s3cret-pw"));
+        assert!(!file.windows(5).any(|w| w == b"alice"));
+        let mode = std::fs::metadata(dir.path().join(FILE))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600);
+        let again = Captured::open(dir.path(), None).unwrap();
+        let got = again.for_repository("reg.io/team/app").unwrap();
+        assert_eq!(
+            (got.username.as_str(), got.password.expose_secret()),
+            ("alice", "s3cret-pw")
+        );
+        assert_eq!(
+            again.for_host("reg.io").unwrap().0,
+            "reg.io/team/db",
+            "the most recent"
+        );
+        assert!(again.for_host("other.io").is_none());
+        assert!(!format!("{got:?}").contains("s3cret-pw"));
+        // A replaced node key: the file is discarded, not served.
+        std::fs::write(dir.path().join("node.key"), [9u8; 32]).unwrap();
+        let replaced = Captured::open(dir.path(), None).unwrap();
+        assert!(replaced.list().is_empty());
+        assert!(!dir.path().join(FILE).exists());
+    }
+
+    #[test]
+    fn forgetting_and_expiry() {
+        let dir = private_dir();
+        let c = Captured::open(dir.path(), Some(Duration::from_secs(60))).unwrap();
+        c.capture("reg.io/a", cred("", "u", "p", now_ms())).unwrap();
+        c.capture("reg.io/old", cred("", "u", "p", now_ms() - 120_000))
+            .unwrap();
+        c.expire();
+        assert!(c.for_repository("reg.io/old").is_none());
+        assert!(c.forget("reg.io/a").unwrap());
+        assert!(!c.forget("reg.io/a").unwrap());
+        assert!(Captured::open(dir.path(), None).unwrap().list().is_empty());
+    }
+
+    #[test]
+    fn every_form_of_auth_config_is_read() {
+        use base64::Engine as _;
+        let b64 = base64::engine::general_purpose::STANDARD.encode("user:pa:ss");
+        let (u, p) = from_auth(
+            String::new(),
+            String::new(),
+            &b64,
+            String::new(),
+            String::new(),
+        )
+        .unwrap();
+        assert_eq!((u.as_str(), p.expose_secret()), ("user", "pa:ss"));
+        let (u, p) = from_auth("a".into(), "b".into(), "", String::new(), String::new()).unwrap();
+        assert_eq!((u.as_str(), p.expose_secret()), ("a", "b"));
+        let (u, _) = from_auth(
+            String::new(),
+            String::new(),
+            "",
+            "idt".into(),
+            String::new(),
+        )
+        .unwrap();
+        assert_eq!(u, "<token>");
+        assert!(from_auth(
+            String::new(),
+            String::new(),
+            "",
+            String::new(),
+            String::new()
+        )
+        .is_none());
+    }
+}
