@@ -131,6 +131,8 @@ struct Inner {
     watch_send_timeout: std::time::Duration,
     started: SystemTime,
     loaded: Mutex<SystemTime>,
+    /// Pull credentials captured by the CRI proxy, when it runs.
+    captured: std::sync::OnceLock<Arc<crate::captured::Captured>>,
     /// Held during a reload; the fingerprint of the sources the running engine was built from.
     reload: Mutex<Option<[u8; 32]>>,
 }
@@ -180,6 +182,7 @@ impl Agent {
                 started: now,
                 loaded: Mutex::new(now),
                 reload: Mutex::new(fingerprint),
+                captured: std::sync::OnceLock::new(),
                 callers: options.callers,
                 watch_send_timeout: options
                     .watch_send_timeout
@@ -218,6 +221,16 @@ impl Agent {
     /// Every metric family, the engine's included.
     pub fn registry(&self) -> &Registry {
         &self.inner.registry
+    }
+
+    /// Serves the pull credentials the CRI proxy captures (set once, when the proxy starts).
+    pub fn set_captured(&self, captured: Arc<crate::captured::Captured>) {
+        let _ = self.inner.captured.set(captured);
+    }
+
+    /// The captured pull credentials, when the CRI proxy runs.
+    pub fn captured(&self) -> Option<&Arc<crate::captured::Captured>> {
+        self.inner.captured.get()
     }
 
     /// Sets the gauges computed on demand (late renewals, the guard store's availability);

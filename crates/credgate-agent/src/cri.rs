@@ -94,31 +94,229 @@ fn deadline(headers: &hyper::HeaderMap) -> Duration {
     }
 }
 
+/// The one method whose messages the proxy reads.
+const PULL_IMAGE: &str = "/runtime.v1.ImageService/PullImage";
+/// The most of a `PullImage` request or answer the proxy buffers (both are small messages).
+const MAX_PULL_MESSAGE: usize = 1 << 20;
+
+/// The fields of the CRI messages the proxy reads (field numbers of `runtime.v1`'s
+/// `api.proto`); everything else in them passes through untouched.
+mod wire {
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct ImageSpec {
+        #[prost(string, tag = "1")]
+        pub image: String,
+    }
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct AuthConfig {
+        #[prost(string, tag = "1")]
+        pub username: String,
+        #[prost(string, tag = "2")]
+        pub password: String,
+        #[prost(string, tag = "3")]
+        pub auth: String,
+        #[prost(string, tag = "4")]
+        pub server_address: String,
+        #[prost(string, tag = "5")]
+        pub identity_token: String,
+        #[prost(string, tag = "6")]
+        pub registry_token: String,
+    }
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct PodSandboxMetadata {
+        #[prost(string, tag = "1")]
+        pub name: String,
+        #[prost(string, tag = "2")]
+        pub uid: String,
+        #[prost(string, tag = "3")]
+        pub namespace: String,
+    }
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct PodSandboxConfig {
+        #[prost(message, optional, tag = "1")]
+        pub metadata: Option<PodSandboxMetadata>,
+    }
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct PullImageRequest {
+        #[prost(message, optional, tag = "1")]
+        pub image: Option<ImageSpec>,
+        #[prost(message, optional, tag = "2")]
+        pub auth: Option<AuthConfig>,
+        #[prost(message, optional, tag = "3")]
+        pub sandbox_config: Option<PodSandboxConfig>,
+    }
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct PullImageResponse {
+        #[prost(string, tag = "1")]
+        pub image_ref: String,
+    }
+}
+
+/// The message of an uncompressed gRPC frame.
+fn grpc_message(frame: &[u8]) -> Option<&[u8]> {
+    let (&flag, rest) = frame.split_first()?;
+    if flag != 0 {
+        return None;
+    }
+    let (len, msg) = rest.split_at_checked(4)?;
+    let len = u32::from_be_bytes(len.try_into().ok()?) as usize;
+    msg.get(..len)
+}
+
+/// What a pull with credentials captured, to keep once the runtime said it succeeded.
+struct Pull {
+    repository: String,
+    credential: crate::captured::Credential,
+}
+
+fn pull_of(message: &[u8]) -> Option<Pull> {
+    use prost::Message as _;
+    let req = wire::PullImageRequest::decode(message).ok()?;
+    let image = req.image?.image;
+    let repository = credgate_core::reference::ImageRef::parse(&image)
+        .ok()?
+        .name()
+        .to_owned();
+    let auth = req.auth?;
+    let (username, password) = crate::captured::from_auth(
+        auth.username,
+        auth.password,
+        &auth.auth,
+        auth.identity_token,
+        auth.registry_token,
+    )?;
+    let namespace = req
+        .sandbox_config
+        .and_then(|s| s.metadata)
+        .map(|m| m.namespace)
+        .unwrap_or_default();
+    Some(Pull {
+        repository,
+        credential: crate::captured::Credential {
+            namespace,
+            username,
+            password,
+            captured_ms: std::time::SystemTime::now()
+                .duration_since(std::time::SystemTime::UNIX_EPOCH)
+                .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX)),
+        },
+    })
+}
+
+/// A `PullImage`: read whole (bounded), forwarded, its answer read whole; when the runtime
+/// says it succeeded, the credential it carried is captured (on disk) before the answer
+/// goes back.
+async fn pull(
+    runtime: &Runtime,
+    captured: &crate::captured::Captured,
+    request: hyper::Request<Incoming>,
+) -> hyper::Response<Body> {
+    let (parts, body) = request.into_parts();
+    let Ok(collected) = http_body_util::Limited::new(body, MAX_PULL_MESSAGE)
+        .collect()
+        .await
+    else {
+        return status(
+            tonic::Code::ResourceExhausted,
+            format!(
+                "credgate: a PullImage request larger than {} KiB",
+                MAX_PULL_MESSAGE >> 10
+            ),
+        );
+    };
+    let bytes = collected.to_bytes();
+    let capture = grpc_message(&bytes).and_then(pull_of);
+    let outbound = hyper::Request::from_parts(
+        parts,
+        http_body_util::Full::new(bytes)
+            .map_err(|never| match never {})
+            .boxed_unsync(),
+    );
+    let mut sender = match runtime.sender().await {
+        Ok(s) => s,
+        Err(e) => return unreachable_runtime(runtime, &e),
+    };
+    let answer = match sender.send_request(outbound).await {
+        Ok(a) => a,
+        Err(e) => return broken_runtime(&e),
+    };
+    let (parts, body) = answer.into_parts();
+    let Ok(collected) = http_body_util::Limited::new(body, MAX_PULL_MESSAGE)
+        .collect()
+        .await
+    else {
+        return status(
+            tonic::Code::Unavailable,
+            "credgate: the runtime's PullImage answer was cut short or too large".into(),
+        );
+    };
+    let trailers = collected.trailers().cloned();
+    let code = trailers
+        .as_ref()
+        .and_then(|t| t.get("grpc-status"))
+        .or_else(|| parts.headers.get("grpc-status"))
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<i32>().ok());
+    let data = collected.to_bytes();
+    if let (Some(0), Some(pull)) = (code, capture) {
+        use prost::Message as _;
+        let pulled = grpc_message(&data)
+            .and_then(|m| wire::PullImageResponse::decode(m).ok())
+            .is_some_and(|r| !r.image_ref.is_empty());
+        if pulled {
+            match captured.capture(&pull.repository, pull.credential) {
+                Ok(()) => {
+                    tracing::info!(repository = %pull.repository, "pull credentials captured")
+                }
+                Err(e) => tracing::error!(error = %e, "pull credentials not captured"),
+            }
+        }
+    }
+    let body = http_body_util::Full::new(data)
+        .map_err(|never| match never {})
+        .with_trailers(async move { trailers.map(Ok) })
+        .boxed_unsync();
+    hyper::Response::from_parts(parts, body)
+}
+
+fn unreachable_runtime(runtime: &Runtime, e: &std::io::Error) -> hyper::Response<Body> {
+    status(
+        tonic::Code::Unavailable,
+        format!(
+            "credgate: cannot reach the container runtime at {}: {e}",
+            runtime.path.display()
+        ),
+    )
+}
+
+fn broken_runtime(e: &hyper::Error) -> hyper::Response<Body> {
+    status(
+        tonic::Code::Unavailable,
+        format!("credgate: the container runtime's connection failed: {e}"),
+    )
+}
+
 /// Forwards one call to the runtime.
-async fn forward(runtime: &Runtime, request: hyper::Request<Incoming>) -> hyper::Response<Body> {
+async fn forward(
+    runtime: &Runtime,
+    captured: Option<&crate::captured::Captured>,
+    request: hyper::Request<Incoming>,
+) -> hyper::Response<Body> {
     let limit = deadline(request.headers());
     let call = async {
+        if let Some(captured) = captured.filter(|_| request.uri().path() == PULL_IMAGE) {
+            return pull(runtime, captured, request).await;
+        }
         let mut sender = match runtime.sender().await {
             Ok(s) => s,
-            Err(e) => {
-                return status(
-                    tonic::Code::Unavailable,
-                    format!(
-                        "credgate: cannot reach the container runtime at {}: {e}",
-                        runtime.path.display()
-                    ),
-                )
-            }
+            Err(e) => return unreachable_runtime(runtime, &e),
         };
         let (parts, body) = request.into_parts();
         let outbound =
             hyper::Request::from_parts(parts, body.map_err(|e| Box::new(e) as _).boxed_unsync());
         match sender.send_request(outbound).await {
             Ok(answer) => answer.map(|b| b.map_err(|e| Box::new(e) as _).boxed_unsync()),
-            Err(e) => status(
-                tonic::Code::Unavailable,
-                format!("credgate: the container runtime's connection failed: {e}"),
-            ),
+            Err(e) => broken_runtime(&e),
         }
     };
     match tokio::time::timeout(limit, call).await {
@@ -136,6 +334,7 @@ async fn forward(runtime: &Runtime, request: hyper::Request<Incoming>) -> hyper:
 pub async fn serve(
     listener: UnixListener,
     runtime: &Path,
+    captured: Option<std::sync::Arc<crate::captured::Captured>>,
     shutdown_timeout: Duration,
     mut shutdown: watch::Receiver<bool>,
 ) {
@@ -165,9 +364,11 @@ pub async fn serve(
             },
         };
         let runtime = runtime.clone();
+        let captured = captured.clone();
         let service = hyper::service::service_fn(move |request: hyper::Request<Incoming>| {
             let runtime = runtime.clone();
-            async move { Ok::<_, Infallible>(forward(&runtime, request).await) }
+            let captured = captured.clone();
+            async move { Ok::<_, Infallible>(forward(&runtime, captured.as_deref(), request).await) }
         });
         let connection = builder.serve_connection(TokioIo::new(stream), service);
         let mut stop = shutdown.clone();

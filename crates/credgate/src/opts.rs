@@ -216,6 +216,9 @@ pub struct ServeArgs {
     /// unless given.
     #[arg(long, value_name = "PATH")]
     pub cri_proxy_socket: Option<PathBuf>,
+    /// Drop a captured pull credential this long after its capture (off unless given).
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub captured_credential_max_age: Option<Duration>,
     /// The container runtime the CRI proxy forwards to.
     #[arg(
         long,

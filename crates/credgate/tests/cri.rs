@@ -29,11 +29,25 @@ struct AuthConfig {
     password: String,
 }
 #[derive(Clone, PartialEq, prost::Message)]
+struct PodSandboxMetadata {
+    #[prost(string, tag = "1")]
+    name: String,
+    #[prost(string, tag = "3")]
+    namespace: String,
+}
+#[derive(Clone, PartialEq, prost::Message)]
+struct PodSandboxConfig {
+    #[prost(message, optional, tag = "1")]
+    metadata: Option<PodSandboxMetadata>,
+}
+#[derive(Clone, PartialEq, prost::Message)]
 struct PullImageRequest {
     #[prost(message, optional, tag = "1")]
     image: Option<ImageSpec>,
     #[prost(message, optional, tag = "2")]
     auth: Option<AuthConfig>,
+    #[prost(message, optional, tag = "3")]
+    sandbox_config: Option<PodSandboxConfig>,
 }
 #[derive(Clone, PartialEq, prost::Message)]
 struct PullImageResponse {
@@ -249,7 +263,7 @@ async fn image_service_calls_pass_through_with_the_runtimes_answers() {
             image: Some(ImageSpec {
                 image: "127.0.0.1:1/nothing/here:v1".into(),
             }),
-            auth: None,
+            ..Default::default()
         },
     )
     .await
@@ -261,7 +275,7 @@ async fn image_service_calls_pass_through_with_the_runtimes_answers() {
             image: Some(ImageSpec {
                 image: "127.0.0.1:1/nothing/here:v1".into(),
             }),
-            auth: None,
+            ..Default::default()
         },
     )
     .await
@@ -313,6 +327,12 @@ async fn pulls_through_the_proxy_reach_the_registry_with_their_credentials() {
             username: USER.into(),
             password: p.into(),
         }),
+        sandbox_config: Some(PodSandboxConfig {
+            metadata: Some(PodSandboxMetadata {
+                name: "app-0".into(),
+                namespace: "team-a".into(),
+            }),
+        }),
     };
     for bad in [None, Some("wrong-password")] {
         let e =
@@ -353,5 +373,65 @@ async fn pulls_through_the_proxy_reach_the_registry_with_their_credentials() {
     assert!(
         !log.contains(PASSWORD),
         "the password reached the agent's log"
+    );
+
+    // The credential of the pull is served for another tag of the repository, to `Lookup` and
+    // to the docker helper (by host), first in the list.
+    let other_tag = format!("{}/team/app:v2", registry.host());
+    let captured = |agent: &Agent| -> serde_json::Value {
+        let out = agent.credgate(&["ctl", "lookup", "-o", "json", &other_tag]);
+        // Exit 1 (and the JSON answer) when there is no credential at all.
+        assert!(
+            matches!(out.status.code(), Some(0 | 1)),
+            "{}{}",
+            support::text(&out.stdout),
+            support::text(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap_or_default()
+    };
+    let v = captured(&agent);
+    let first = &v["credentials"][0];
+    assert_eq!(first["source_kind"], "captured", "{v}");
+    assert_eq!(first["source"], "team-a");
+    assert_eq!(
+        (first["username"].as_str(), first["password"].as_str()),
+        (Some(USER), Some(PASSWORD))
+    );
+    let helper = agent.helper_get(&registry.host());
+    assert!(helper.status.success(), "{}", support::text(&helper.stdout));
+    let answer: serde_json::Value = serde_json::from_slice(&helper.stdout).unwrap();
+    assert_eq!(answer["Secret"], PASSWORD);
+    // Sealed on disk: no password in the clear.
+    let sealed = std::fs::read(d.join("state/captured.sealed")).unwrap();
+    assert!(!sealed
+        .windows(PASSWORD.len())
+        .any(|w| w == PASSWORD.as_bytes()));
+    // SIGKILL right after the acknowledged pull, then a restart: still served, with no pull.
+    let args = [
+        "--cri-proxy-socket".to_owned(),
+        proxy.display().to_string(),
+        "--cri-runtime-endpoint".to_owned(),
+        format!("unix://{}", containerd.socket.display()),
+    ];
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    drop(agent);
+    let agent = Agent::start(d, &args);
+    let v = captured(&agent);
+    assert_eq!(v["credentials"][0]["password"], PASSWORD, "{v}");
+    // A replaced node key: the sealed credentials are dropped with a warning, never served.
+    drop(agent);
+    std::fs::write(d.join("state/node.key"), [7u8; 32]).unwrap();
+    let agent = Agent::start(d, &args);
+    let v = captured(&agent);
+    assert!(
+        v["credentials"]
+            .as_array()
+            .is_none_or(|c| c.iter().all(|c| c["source_kind"] != "captured")),
+        "{v}"
+    );
+    assert!(
+        agent.log_text().contains("discarded"),
+        "{}",
+        agent.log_text()
     );
 }

@@ -223,14 +223,15 @@ impl Api {
             provider: None,
         };
         // A warm cache answers straight into the wire message.
-        let served = engine
+        let mut served = engine
             .lookup_cached_named(&request, |image, creds| pb::LookupResponse {
                 image: image.to_owned(),
                 credentials: creds.iter().map(credential_ref).collect(),
                 ..Default::default()
             })
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
-        if let Some(answer) = served {
+        if let Some(mut answer) = served.take() {
+            self.with_captured(&mut answer, req.registry_host);
             return Ok(answer);
         }
         let lookup = engine
@@ -245,13 +246,44 @@ impl Api {
             Some(v) => (v.credentials.iter().map(credential).collect(), true),
             None => (lookup.credentials.iter().map(credential).collect(), false),
         };
-        Ok(pb::LookupResponse {
+        let mut answer = pb::LookupResponse {
             image: lookup.image,
             credentials,
             failures,
             last_known_good,
             ..Default::default()
-        })
+        };
+        self.with_captured(&mut answer, req.registry_host);
+        Ok(answer)
+    }
+
+    /// Puts the pull credential the CRI proxy captured for the image's repository (for a
+    /// registry host: the one captured most recently for any repository of it) first, as the
+    /// kubelet tries a pod's pull secrets before the node's credentials.
+    fn with_captured(&self, answer: &mut pb::LookupResponse, registry_host: bool) {
+        let Some(captured) = self.agent.captured() else {
+            return;
+        };
+        let found = if registry_host {
+            captured.for_host(&answer.image)
+        } else {
+            captured
+                .for_repository(&answer.image)
+                .map(|c| (answer.image.clone(), c))
+        };
+        if let Some((repository, c)) = found {
+            answer.credentials.insert(
+                0,
+                pb::Credential {
+                    source_kind: "captured".into(),
+                    source: c.namespace,
+                    pattern: repository,
+                    username: c.username,
+                    password: c.password.expose_secret().to_owned(),
+                    expires_at_unix_ms: 0,
+                },
+            );
+        }
     }
 
     /// One provider's answer, as one provider entry of a kubelet's config asks for it through

@@ -150,6 +150,11 @@ pub async fn run(args: ServeArgs) -> Result<Outcome> {
             .await
             .with_context(|| format!("cannot serve the CRI proxy on {}", path.display()))?;
         let runtime = credgate_agent::cri::endpoint_path(&args.cri_runtime_endpoint);
+        let captured = Arc::new(
+            credgate_agent::captured::Captured::open(&state_dir, args.captured_credential_max_age)
+                .context("cannot keep captured pull credentials")?,
+        );
+        agent.set_captured(captured.clone());
         tracing::info!(socket = %path.display(), runtime = %runtime.display(), "serving the CRI image-service proxy");
         let stop = stop_rx.clone();
         let timeout = limits.shutdown_timeout;
@@ -157,7 +162,7 @@ pub async fn run(args: ServeArgs) -> Result<Outcome> {
             path.clone(),
             socket::identity(path),
             tokio::spawn(async move {
-                credgate_agent::cri::serve(listener, &runtime, timeout, stop).await;
+                credgate_agent::cri::serve(listener, &runtime, Some(captured), timeout, stop).await;
             }),
         ));
     }
