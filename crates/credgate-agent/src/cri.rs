@@ -150,6 +150,200 @@ mod wire {
         #[prost(string, tag = "1")]
         pub image_ref: String,
     }
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct RemoveImageRequest {
+        #[prost(message, optional, tag = "1")]
+        pub image: Option<ImageSpec>,
+    }
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct ImageStatusRequest {
+        #[prost(message, optional, tag = "1")]
+        pub image: Option<ImageSpec>,
+    }
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Image {
+        #[prost(string, tag = "1")]
+        pub id: String,
+        #[prost(string, repeated, tag = "2")]
+        pub repo_tags: Vec<String>,
+        #[prost(string, repeated, tag = "3")]
+        pub repo_digests: Vec<String>,
+    }
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct ImageStatusResponse {
+        #[prost(message, optional, tag = "1")]
+        pub image: Option<Image>,
+    }
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct ListImagesRequest {}
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct ListImagesResponse {
+        #[prost(message, repeated, tag = "1")]
+        pub images: Vec<Image>,
+    }
+}
+
+const REMOVE_IMAGE: &str = "/runtime.v1.ImageService/RemoveImage";
+
+/// The repositories an image is known by (from its tags and digests).
+fn repositories(image: &wire::Image) -> Vec<String> {
+    let mut out: Vec<String> = image
+        .repo_tags
+        .iter()
+        .chain(&image.repo_digests)
+        .filter_map(|r| credgate_core::reference::ImageRef::parse(r).ok())
+        .map(|r| r.name().to_owned())
+        .collect();
+    out.sort();
+    out.dedup();
+    out
+}
+
+/// One unary call of our own to the runtime: the status code and the answer's message.
+async fn ask<M: prost::Message, R: prost::Message + Default>(
+    runtime: &Runtime,
+    method: &str,
+    message: &M,
+) -> Option<R> {
+    let mut frame = vec![0u8];
+    frame.extend_from_slice(&u32::try_from(message.encoded_len()).ok()?.to_be_bytes());
+    message.encode(&mut frame).ok()?;
+    let request = hyper::Request::post(method)
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(
+            http_body_util::Full::new(Bytes::from(frame))
+                .map_err(|never| match never {})
+                .boxed_unsync(),
+        )
+        .ok()?;
+    let mut sender = runtime.sender().await.ok()?;
+    let answer = sender.send_request(request).await.ok()?;
+    let (parts, body) = answer.into_parts();
+    let collected = http_body_util::Limited::new(body, MAX_PULL_MESSAGE)
+        .collect()
+        .await
+        .ok()?;
+    let ok = collected
+        .trailers()
+        .and_then(|t| t.get("grpc-status"))
+        .or_else(|| parts.headers.get("grpc-status"))
+        .is_some_and(|v| v == "0");
+    if !ok {
+        return None;
+    }
+    R::decode(grpc_message(&collected.to_bytes())?).ok()
+}
+
+/// A `RemoveImage`: the image's repositories are read first (the request may name it by ID);
+/// when the runtime removed it, a repository of which it has no image left loses its
+/// captured credential.
+async fn remove(
+    runtime: &Runtime,
+    captured: &crate::captured::Captured,
+    request: hyper::Request<Incoming>,
+) -> hyper::Response<Body> {
+    use prost::Message as _;
+    let (parts, body) = request.into_parts();
+    let Ok(collected) = http_body_util::Limited::new(body, MAX_PULL_MESSAGE)
+        .collect()
+        .await
+    else {
+        return status(
+            tonic::Code::ResourceExhausted,
+            format!(
+                "credgate: a RemoveImage request larger than {} KiB",
+                MAX_PULL_MESSAGE >> 10
+            ),
+        );
+    };
+    let bytes = collected.to_bytes();
+    let named = grpc_message(&bytes)
+        .and_then(|m| wire::RemoveImageRequest::decode(m).ok())
+        .and_then(|r| r.image);
+    let before: Vec<String> = match named {
+        Some(spec) => ask::<_, wire::ImageStatusResponse>(
+            runtime,
+            "/runtime.v1.ImageService/ImageStatus",
+            &wire::ImageStatusRequest { image: Some(spec) },
+        )
+        .await
+        .and_then(|s| s.image)
+        .map(|i| repositories(&i))
+        .unwrap_or_default(),
+        None => Vec::new(),
+    };
+    let (answer, code) = exchange(runtime, parts, bytes).await;
+    if code == Some(0) && !before.is_empty() {
+        if let Some(left) = ask::<_, wire::ListImagesResponse>(
+            runtime,
+            "/runtime.v1.ImageService/ListImages",
+            &wire::ListImagesRequest {},
+        )
+        .await
+        {
+            let remaining: Vec<String> = left.images.iter().flat_map(repositories).collect();
+            for repo in before.iter().filter(|r| !remaining.contains(r)) {
+                match captured.forget(repo) {
+                    Ok(true) => {
+                        tracing::info!(repository = %repo, "captured pull credentials dropped: no image of the repository is left")
+                    }
+                    Ok(false) => {}
+                    Err(e) => tracing::error!(error = %e, "cannot drop captured pull credentials"),
+                }
+            }
+        }
+    }
+    answer
+}
+
+/// Forwards a call whose request was read whole and reads its answer whole: the answer to
+/// return, and its gRPC status code.
+async fn exchange(
+    runtime: &Runtime,
+    parts: hyper::http::request::Parts,
+    bytes: Bytes,
+) -> (hyper::Response<Body>, Option<i32>) {
+    let outbound = hyper::Request::from_parts(
+        parts,
+        http_body_util::Full::new(bytes)
+            .map_err(|never| match never {})
+            .boxed_unsync(),
+    );
+    let mut sender = match runtime.sender().await {
+        Ok(s) => s,
+        Err(e) => return (unreachable_runtime(runtime, &e), None),
+    };
+    let answer = match sender.send_request(outbound).await {
+        Ok(a) => a,
+        Err(e) => return (broken_runtime(&e), None),
+    };
+    let (parts, body) = answer.into_parts();
+    let Ok(collected) = http_body_util::Limited::new(body, MAX_PULL_MESSAGE)
+        .collect()
+        .await
+    else {
+        return (
+            status(
+                tonic::Code::Unavailable,
+                "credgate: the runtime's answer was cut short or too large".into(),
+            ),
+            None,
+        );
+    };
+    let trailers = collected.trailers().cloned();
+    let code = trailers
+        .as_ref()
+        .and_then(|t| t.get("grpc-status"))
+        .or_else(|| parts.headers.get("grpc-status"))
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<i32>().ok());
+    let data = collected.to_bytes();
+    let body = http_body_util::Full::new(data)
+        .map_err(|never| match never {})
+        .with_trailers(async move { trailers.map(Ok) })
+        .boxed_unsync();
+    (hyper::Response::from_parts(parts, body), code)
 }
 
 /// The message of an uncompressed gRPC frame.
@@ -226,50 +420,28 @@ async fn pull(
     };
     let bytes = collected.to_bytes();
     let capture = grpc_message(&bytes).and_then(pull_of);
-    let outbound = hyper::Request::from_parts(
-        parts,
-        http_body_util::Full::new(bytes)
-            .map_err(|never| match never {})
-            .boxed_unsync(),
-    );
-    let mut sender = match runtime.sender().await {
-        Ok(s) => s,
-        Err(e) => return unreachable_runtime(runtime, &e),
+    let (answer, code) = exchange(runtime, parts, bytes).await;
+    let (Some(0), Some(pull)) = (code, capture) else {
+        return answer;
     };
-    let answer = match sender.send_request(outbound).await {
-        Ok(a) => a,
-        Err(e) => return broken_runtime(&e),
-    };
+    // The answer is buffered: read its image_ref, then hand it back unchanged.
     let (parts, body) = answer.into_parts();
-    let Ok(collected) = http_body_util::Limited::new(body, MAX_PULL_MESSAGE)
-        .collect()
-        .await
-    else {
+    let Ok(collected) = body.collect().await else {
         return status(
-            tonic::Code::Unavailable,
-            "credgate: the runtime's PullImage answer was cut short or too large".into(),
+            tonic::Code::Internal,
+            "credgate: cannot re-read the runtime's answer".into(),
         );
     };
     let trailers = collected.trailers().cloned();
-    let code = trailers
-        .as_ref()
-        .and_then(|t| t.get("grpc-status"))
-        .or_else(|| parts.headers.get("grpc-status"))
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<i32>().ok());
     let data = collected.to_bytes();
-    if let (Some(0), Some(pull)) = (code, capture) {
-        use prost::Message as _;
-        let pulled = grpc_message(&data)
-            .and_then(|m| wire::PullImageResponse::decode(m).ok())
-            .is_some_and(|r| !r.image_ref.is_empty());
-        if pulled {
-            match captured.capture(&pull.repository, pull.credential) {
-                Ok(()) => {
-                    tracing::info!(repository = %pull.repository, "pull credentials captured")
-                }
-                Err(e) => tracing::error!(error = %e, "pull credentials not captured"),
-            }
+    use prost::Message as _;
+    let pulled = grpc_message(&data)
+        .and_then(|m| wire::PullImageResponse::decode(m).ok())
+        .is_some_and(|r| !r.image_ref.is_empty());
+    if pulled {
+        match captured.capture(&pull.repository, pull.credential) {
+            Ok(()) => tracing::info!(repository = %pull.repository, "pull credentials captured"),
+            Err(e) => tracing::error!(error = %e, "pull credentials not captured"),
         }
     }
     let body = http_body_util::Full::new(data)
@@ -304,8 +476,12 @@ async fn forward(
 ) -> hyper::Response<Body> {
     let limit = deadline(request.headers());
     let call = async {
-        if let Some(captured) = captured.filter(|_| request.uri().path() == PULL_IMAGE) {
-            return pull(runtime, captured, request).await;
+        if let Some(captured) = captured {
+            match request.uri().path() {
+                PULL_IMAGE => return pull(runtime, captured, request).await,
+                REMOVE_IMAGE => return remove(runtime, captured, request).await,
+                _ => {}
+            }
         }
         let mut sender = match runtime.sender().await {
             Ok(s) => s,

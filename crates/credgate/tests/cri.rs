@@ -81,6 +81,11 @@ struct ImageStatusResponse {
 #[derive(Clone, PartialEq, prost::Message)]
 struct Empty {}
 #[derive(Clone, PartialEq, prost::Message)]
+struct RemoveImageRequest {
+    #[prost(message, optional, tag = "1")]
+    image: Option<ImageSpec>,
+}
+#[derive(Clone, PartialEq, prost::Message)]
 struct FilesystemUsage {
     #[prost(int64, tag = "1")]
     timestamp: i64,
@@ -433,5 +438,37 @@ async fn pulls_through_the_proxy_reach_the_registry_with_their_credentials() {
         agent.log_text().contains("discarded"),
         "{}",
         agent.log_text()
+    );
+
+    // Pulled again, then removed by its ID: no image of the repository is left, so its
+    // captured credential goes.
+    let again: PullImageResponse = call(
+        &proxy,
+        "/runtime.v1.ImageService/PullImage",
+        pull(Some(PASSWORD)),
+    )
+    .await
+    .expect("pull");
+    assert_eq!(
+        captured(&agent)["credentials"][0]["source_kind"],
+        "captured"
+    );
+    let _: Empty = call(
+        &proxy,
+        "/runtime.v1.ImageService/RemoveImage",
+        RemoveImageRequest {
+            image: Some(ImageSpec {
+                image: again.image_ref.clone(),
+            }),
+        },
+    )
+    .await
+    .expect("RemoveImage");
+    let v = captured(&agent);
+    assert!(
+        v["credentials"]
+            .as_array()
+            .is_none_or(|c| c.iter().all(|c| c["source_kind"] != "captured")),
+        "{v}"
     );
 }
