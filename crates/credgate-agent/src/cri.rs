@@ -199,7 +199,7 @@ fn repositories(image: &wire::Image) -> Vec<String> {
     out
 }
 
-/// One unary call of our own to the runtime: the status code and the answer's message.
+/// One unary call of our own to the runtime: its answer's message when it succeeded.
 async fn ask<M: prost::Message, R: prost::Message + Default>(
     runtime: &Runtime,
     method: &str,
@@ -208,31 +208,17 @@ async fn ask<M: prost::Message, R: prost::Message + Default>(
     let mut frame = vec![0u8];
     frame.extend_from_slice(&u32::try_from(message.encoded_len()).ok()?.to_be_bytes());
     message.encode(&mut frame).ok()?;
-    let request = hyper::Request::post(method)
+    let (parts, ()) = hyper::Request::post(method)
         .header("content-type", "application/grpc")
         .header("te", "trailers")
-        .body(
-            http_body_util::Full::new(Bytes::from(frame))
-                .map_err(|never| match never {})
-                .boxed_unsync(),
-        )
-        .ok()?;
-    let mut sender = runtime.sender().await.ok()?;
-    let answer = sender.send_request(request).await.ok()?;
-    let (parts, body) = answer.into_parts();
-    let collected = http_body_util::Limited::new(body, MAX_PULL_MESSAGE)
-        .collect()
-        .await
-        .ok()?;
-    let ok = collected
-        .trailers()
-        .and_then(|t| t.get("grpc-status"))
-        .or_else(|| parts.headers.get("grpc-status"))
-        .is_some_and(|v| v == "0");
-    if !ok {
+        .body(())
+        .ok()?
+        .into_parts();
+    let whole = exchange(runtime, parts, Bytes::from(frame)).await.ok()?;
+    if whole.code() != Some(0) {
         return None;
     }
-    R::decode(grpc_message(&collected.to_bytes())?).ok()
+    R::decode(grpc_message(&whole.data)?).ok()
 }
 
 /// A `RemoveImage`: the image's repositories are read first (the request may name it by ID);
@@ -244,20 +230,10 @@ async fn remove(
     request: hyper::Request<Incoming>,
 ) -> hyper::Response<Body> {
     use prost::Message as _;
-    let (parts, body) = request.into_parts();
-    let Ok(collected) = http_body_util::Limited::new(body, MAX_PULL_MESSAGE)
-        .collect()
-        .await
-    else {
-        return status(
-            tonic::Code::ResourceExhausted,
-            format!(
-                "credgate: a RemoveImage request larger than {} KiB",
-                MAX_PULL_MESSAGE >> 10
-            ),
-        );
+    let (parts, bytes) = match read_whole(request, "RemoveImage").await {
+        Ok(read) => read,
+        Err(refused) => return refused,
     };
-    let bytes = collected.to_bytes();
     let named = grpc_message(&bytes)
         .and_then(|m| wire::RemoveImageRequest::decode(m).ok())
         .and_then(|r| r.image);
@@ -273,8 +249,11 @@ async fn remove(
         .unwrap_or_default(),
         None => Vec::new(),
     };
-    let (answer, code) = exchange(runtime, parts, bytes).await;
-    if code == Some(0) && !before.is_empty() {
+    let whole = match exchange(runtime, parts, bytes).await {
+        Ok(whole) => whole,
+        Err(refused) => return refused,
+    };
+    if whole.code() == Some(0) && !before.is_empty() {
         if let Some(left) = ask::<_, wire::ListImagesResponse>(
             runtime,
             "/runtime.v1.ImageService/ListImages",
@@ -294,56 +273,96 @@ async fn remove(
             }
         }
     }
-    answer
+    whole.into_response()
 }
 
-/// Forwards a call whose request was read whole and reads its answer whole: the answer to
-/// return, and its gRPC status code.
+/// An answer read whole: its head, its message bytes, its trailers.
+struct Whole {
+    parts: hyper::http::response::Parts,
+    data: Bytes,
+    trailers: Option<hyper::HeaderMap>,
+}
+
+impl Whole {
+    /// The gRPC status code (in the trailers, or in the head of a trailers-only answer).
+    fn code(&self) -> Option<i32> {
+        self.trailers
+            .as_ref()
+            .and_then(|t| t.get("grpc-status"))
+            .or_else(|| self.parts.headers.get("grpc-status"))
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse().ok())
+    }
+
+    /// The answer as the runtime gave it.
+    fn into_response(self) -> hyper::Response<Body> {
+        let trailers = self.trailers;
+        let body = http_body_util::Full::new(self.data)
+            .map_err(|never| match never {})
+            .with_trailers(async move { trailers.map(Ok) })
+            .boxed_unsync();
+        hyper::Response::from_parts(self.parts, body)
+    }
+}
+
+/// A request body read whole, within the bound; an answer to give instead when it is over.
+async fn read_whole(
+    request: hyper::Request<Incoming>,
+    what: &str,
+) -> Result<(hyper::http::request::Parts, Bytes), hyper::Response<Body>> {
+    let (parts, body) = request.into_parts();
+    match http_body_util::Limited::new(body, MAX_PULL_MESSAGE)
+        .collect()
+        .await
+    {
+        Ok(collected) => Ok((parts, collected.to_bytes())),
+        Err(_) => Err(status(
+            tonic::Code::ResourceExhausted,
+            format!(
+                "credgate: a {what} request larger than {} KiB",
+                MAX_PULL_MESSAGE >> 10
+            ),
+        )),
+    }
+}
+
+/// Forwards a call whose request was read whole and reads its answer whole (bounded); an
+/// answer to give instead when the runtime cannot be reached or its answer is too large.
 async fn exchange(
     runtime: &Runtime,
     parts: hyper::http::request::Parts,
     bytes: Bytes,
-) -> (hyper::Response<Body>, Option<i32>) {
+) -> Result<Whole, hyper::Response<Body>> {
     let outbound = hyper::Request::from_parts(
         parts,
         http_body_util::Full::new(bytes)
             .map_err(|never| match never {})
             .boxed_unsync(),
     );
-    let mut sender = match runtime.sender().await {
-        Ok(s) => s,
-        Err(e) => return (unreachable_runtime(runtime, &e), None),
-    };
-    let answer = match sender.send_request(outbound).await {
-        Ok(a) => a,
-        Err(e) => return (broken_runtime(&e), None),
-    };
+    let mut sender = runtime
+        .sender()
+        .await
+        .map_err(|e| unreachable_runtime(runtime, &e))?;
+    let answer = sender
+        .send_request(outbound)
+        .await
+        .map_err(|e| broken_runtime(&e))?;
     let (parts, body) = answer.into_parts();
-    let Ok(collected) = http_body_util::Limited::new(body, MAX_PULL_MESSAGE)
+    let collected = http_body_util::Limited::new(body, MAX_PULL_MESSAGE)
         .collect()
         .await
-    else {
-        return (
+        .map_err(|_| {
             status(
                 tonic::Code::Unavailable,
                 "credgate: the runtime's answer was cut short or too large".into(),
-            ),
-            None,
-        );
-    };
+            )
+        })?;
     let trailers = collected.trailers().cloned();
-    let code = trailers
-        .as_ref()
-        .and_then(|t| t.get("grpc-status"))
-        .or_else(|| parts.headers.get("grpc-status"))
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<i32>().ok());
-    let data = collected.to_bytes();
-    let body = http_body_util::Full::new(data)
-        .map_err(|never| match never {})
-        .with_trailers(async move { trailers.map(Ok) })
-        .boxed_unsync();
-    (hyper::Response::from_parts(parts, body), code)
+    Ok(Whole {
+        parts,
+        data: collected.to_bytes(),
+        trailers,
+    })
 }
 
 /// The message of an uncompressed gRPC frame.
@@ -405,50 +424,30 @@ async fn pull(
     captured: &crate::captured::Captured,
     request: hyper::Request<Incoming>,
 ) -> hyper::Response<Body> {
-    let (parts, body) = request.into_parts();
-    let Ok(collected) = http_body_util::Limited::new(body, MAX_PULL_MESSAGE)
-        .collect()
-        .await
-    else {
-        return status(
-            tonic::Code::ResourceExhausted,
-            format!(
-                "credgate: a PullImage request larger than {} KiB",
-                MAX_PULL_MESSAGE >> 10
-            ),
-        );
+    let (parts, bytes) = match read_whole(request, "PullImage").await {
+        Ok(read) => read,
+        Err(refused) => return refused,
     };
-    let bytes = collected.to_bytes();
     let capture = grpc_message(&bytes).and_then(pull_of);
-    let (answer, code) = exchange(runtime, parts, bytes).await;
-    let (Some(0), Some(pull)) = (code, capture) else {
-        return answer;
+    let whole = match exchange(runtime, parts, bytes).await {
+        Ok(whole) => whole,
+        Err(refused) => return refused,
     };
-    // The answer is buffered: read its image_ref, then hand it back unchanged.
-    let (parts, body) = answer.into_parts();
-    let Ok(collected) = body.collect().await else {
-        return status(
-            tonic::Code::Internal,
-            "credgate: cannot re-read the runtime's answer".into(),
-        );
-    };
-    let trailers = collected.trailers().cloned();
-    let data = collected.to_bytes();
-    use prost::Message as _;
-    let pulled = grpc_message(&data)
-        .and_then(|m| wire::PullImageResponse::decode(m).ok())
-        .is_some_and(|r| !r.image_ref.is_empty());
-    if pulled {
-        match captured.capture(&pull.repository, pull.credential) {
-            Ok(()) => tracing::info!(repository = %pull.repository, "pull credentials captured"),
-            Err(e) => tracing::error!(error = %e, "pull credentials not captured"),
+    if let (Some(0), Some(pull)) = (whole.code(), capture) {
+        use prost::Message as _;
+        let pulled = grpc_message(&whole.data)
+            .and_then(|m| wire::PullImageResponse::decode(m).ok())
+            .is_some_and(|r| !r.image_ref.is_empty());
+        if pulled {
+            match captured.capture(&pull.repository, pull.credential) {
+                Ok(()) => {
+                    tracing::info!(repository = %pull.repository, "pull credentials captured")
+                }
+                Err(e) => tracing::error!(error = %e, "pull credentials not captured"),
+            }
         }
     }
-    let body = http_body_util::Full::new(data)
-        .map_err(|never| match never {})
-        .with_trailers(async move { trailers.map(Ok) })
-        .boxed_unsync();
-    hyper::Response::from_parts(parts, body)
+    whole.into_response()
 }
 
 fn unreachable_runtime(runtime: &Runtime, e: &std::io::Error) -> hyper::Response<Body> {
