@@ -266,6 +266,21 @@ impl Captured {
             .map(|(r, c)| (r.clone(), c.clone()))
     }
 
+    /// A name for a captured credential in the guard's records (`PullImage` carries no
+    /// secret name): `cri-pull-` and a MAC of its content under the sealing key, so that the
+    /// name reveals nothing that could test password guesses.
+    pub fn name_for(&self, credential: &Credential) -> String {
+        use hmac::Mac as _;
+        let mut mac = <hmac::Hmac<sha2::Sha256> as hmac::Mac>::new_from_slice(&*self.key)
+            .expect("HMAC takes any key length");
+        mac.update(b"guard record name\0");
+        mac.update(credential.username.as_bytes());
+        mac.update(&[0]);
+        mac.update(credential.password.expose_secret().as_bytes());
+        let tag = mac.finalize().into_bytes();
+        format!("cri-pull-{}", hex::encode(&tag[..6]))
+    }
+
     /// Every captured credential, by repository.
     pub fn list(&self) -> Vec<(String, Credential)> {
         self.lock()

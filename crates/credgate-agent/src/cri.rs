@@ -376,10 +376,15 @@ fn grpc_message(frame: &[u8]) -> Option<&[u8]> {
     msg.get(..len)
 }
 
-/// What a pull with credentials captured, to keep once the runtime said it succeeded.
+/// What a `PullImage` asks: the image, and the credential it carries, to keep (and record)
+/// once the runtime says it succeeded.
 struct Pull {
+    image: String,
     repository: String,
-    credential: crate::captured::Credential,
+    /// `None`: a pull without credentials (anonymous or the runtime's own).
+    credential: Option<crate::captured::Credential>,
+    /// Whether the pull came with a pod's sandbox config.
+    in_pod: bool,
 }
 
 fn pull_of(message: &[u8]) -> Option<Pull> {
@@ -390,30 +395,56 @@ fn pull_of(message: &[u8]) -> Option<Pull> {
         .ok()?
         .name()
         .to_owned();
-    let auth = req.auth?;
-    let (username, password) = crate::captured::from_auth(
-        auth.username,
-        auth.password,
-        &auth.auth,
-        auth.identity_token,
-        auth.registry_token,
-    )?;
-    let namespace = req
-        .sandbox_config
-        .and_then(|s| s.metadata)
-        .map(|m| m.namespace)
-        .unwrap_or_default();
+    let metadata = req.sandbox_config.and_then(|s| s.metadata);
+    let in_pod = metadata.is_some();
+    let namespace = metadata.map(|m| m.namespace).unwrap_or_default();
+    let credential = req.auth.and_then(|auth| {
+        crate::captured::from_auth(
+            auth.username,
+            auth.password,
+            &auth.auth,
+            auth.identity_token,
+            auth.registry_token,
+        )
+    });
     Some(Pull {
+        image,
         repository,
-        credential: crate::captured::Credential {
+        credential: credential.map(|(username, password)| crate::captured::Credential {
             namespace,
             username,
             password,
             captured_ms: std::time::SystemTime::now()
                 .duration_since(std::time::SystemTime::UNIX_EPOCH)
                 .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX)),
-        },
+        }),
+        in_pod,
     })
+}
+
+/// How the image access guard records a pull: a pull with a credential as a secret of the
+/// pod's namespace named after its content (`PullImage` carries no secret name; the guard
+/// matches by content across names anyway); one without as node-wide. A pull with a
+/// credential but no pod is never recorded as node-wide: its result is not recorded at all,
+/// and the intent keeps the image requiring authentication.
+fn recorded_as(
+    pull: &Pull,
+    captured: &crate::captured::Captured,
+) -> Option<crate::guard::CredentialIn> {
+    use crate::guard::CredentialIn;
+    match &pull.credential {
+        None => Some(CredentialIn::NodeWide),
+        Some(_) if !pull.in_pod => None,
+        Some(c) => Some(CredentialIn::Secret {
+            coords: credgate_core::guard::Coords {
+                namespace: c.namespace.clone(),
+                name: captured.name_for(c),
+                uid: String::new(),
+            },
+            username: c.username.clone(),
+            password: c.password.clone(),
+        }),
+    }
 }
 
 /// A `PullImage`: read whole (bounded), forwarded, its answer read whole; when the runtime
@@ -422,29 +453,49 @@ fn pull_of(message: &[u8]) -> Option<Pull> {
 async fn pull(
     runtime: &Runtime,
     captured: &crate::captured::Captured,
+    guard: Option<&crate::guard::Guard>,
     request: hyper::Request<Incoming>,
 ) -> hyper::Response<Body> {
     let (parts, bytes) = match read_whole(request, "PullImage").await {
         Ok(read) => read,
         Err(refused) => return refused,
     };
-    let capture = grpc_message(&bytes).and_then(pull_of);
+    let asked = grpc_message(&bytes).and_then(pull_of);
+    // The intent is on disk before the runtime starts pulling.
+    if let (Some(guard), Some(pull)) = (guard, &asked) {
+        if let Err(e) = guard.record_intent(&pull.image).await {
+            tracing::error!(error = %crate::server::error_chain(&e), "pull intent not recorded");
+        }
+    }
     let whole = match exchange(runtime, parts, bytes).await {
         Ok(whole) => whole,
         Err(refused) => return refused,
     };
-    if let (Some(0), Some(pull)) = (whole.code(), capture) {
-        use prost::Message as _;
-        let pulled = grpc_message(&whole.data)
-            .and_then(|m| wire::PullImageResponse::decode(m).ok())
-            .is_some_and(|r| !r.image_ref.is_empty());
-        if pulled {
-            match captured.capture(&pull.repository, pull.credential) {
-                Ok(()) => {
-                    tracing::info!(repository = %pull.repository, "pull credentials captured")
-                }
-                Err(e) => tracing::error!(error = %e, "pull credentials not captured"),
-            }
+    let Some(pull) = asked else {
+        return whole.into_response();
+    };
+    use prost::Message as _;
+    let image_ref = (whole.code() == Some(0))
+        .then(|| grpc_message(&whole.data))
+        .flatten()
+        .and_then(|m| wire::PullImageResponse::decode(m).ok())
+        .map(|r| r.image_ref)
+        .filter(|r| !r.is_empty());
+    if let Some(guard) = guard {
+        let used = recorded_as(&pull, captured);
+        let result = match (&image_ref, &used) {
+            (Some(id), Some(used)) => guard.record_result(&pull.image, id, true, Some(used)).await,
+            (Some(_), None) => Ok(()),
+            (None, _) => guard.record_result(&pull.image, "", false, None).await,
+        };
+        if let Err(e) = result {
+            tracing::error!(error = %crate::server::error_chain(&e), "pull result not recorded");
+        }
+    }
+    if let (Some(_), Some(credential)) = (&image_ref, pull.credential) {
+        match captured.capture(&pull.repository, credential) {
+            Ok(()) => tracing::info!(repository = %pull.repository, "pull credentials captured"),
+            Err(e) => tracing::error!(error = %e, "pull credentials not captured"),
         }
     }
     whole.into_response()
@@ -471,13 +522,14 @@ fn broken_runtime(e: &hyper::Error) -> hyper::Response<Body> {
 async fn forward(
     runtime: &Runtime,
     captured: Option<&crate::captured::Captured>,
+    guard: Option<&crate::guard::Guard>,
     request: hyper::Request<Incoming>,
 ) -> hyper::Response<Body> {
     let limit = deadline(request.headers());
     let call = async {
         if let Some(captured) = captured {
             match request.uri().path() {
-                PULL_IMAGE => return pull(runtime, captured, request).await,
+                PULL_IMAGE => return pull(runtime, captured, guard, request).await,
                 REMOVE_IMAGE => return remove(runtime, captured, request).await,
                 _ => {}
             }
@@ -510,6 +562,7 @@ pub async fn serve(
     listener: UnixListener,
     runtime: &Path,
     captured: Option<std::sync::Arc<crate::captured::Captured>>,
+    guard: Option<crate::guard::Guard>,
     shutdown_timeout: Duration,
     mut shutdown: watch::Receiver<bool>,
 ) {
@@ -540,10 +593,16 @@ pub async fn serve(
         };
         let runtime = runtime.clone();
         let captured = captured.clone();
+        let guard = guard.clone();
         let service = hyper::service::service_fn(move |request: hyper::Request<Incoming>| {
             let runtime = runtime.clone();
             let captured = captured.clone();
-            async move { Ok::<_, Infallible>(forward(&runtime, captured.as_deref(), request).await) }
+            let guard = guard.clone();
+            async move {
+                Ok::<_, Infallible>(
+                    forward(&runtime, captured.as_deref(), guard.as_ref(), request).await,
+                )
+            }
         });
         let connection = builder.serve_connection(TokioIo::new(stream), service);
         let mut stop = shutdown.clone();

@@ -406,6 +406,45 @@ async fn pulls_through_the_proxy_reach_the_registry_with_their_credentials() {
     assert!(helper.status.success(), "{}", support::text(&helper.stdout));
     let answer: serde_json::Value = serde_json::from_slice(&helper.stdout).unwrap();
     assert_eq!(answer["Secret"], PASSWORD);
+    // The image access guard recorded the pull: another namespace's different secret must
+    // authenticate; the same secret content under another name is allowed.
+    let check = |secret: &str| {
+        agent.credgate(&[
+            "ctl",
+            "check-access",
+            &image,
+            "--image-ref",
+            &pulled.image_ref,
+            "--secret",
+            secret,
+        ])
+    };
+    let other = check(&format!("team-b/regcred/77aa={USER}:some-other-password"));
+    assert_eq!(
+        other.status.code(),
+        Some(1),
+        "{}",
+        support::text(&other.stdout)
+    );
+    assert!(
+        support::text(&other.stdout).contains("MUST_AUTHENTICATE"),
+        "{}",
+        support::text(&other.stdout)
+    );
+    let same = check(&format!("team-b/copy/88bb={USER}:{PASSWORD}"));
+    assert!(
+        same.status.success(),
+        "{}{}",
+        support::text(&same.stdout),
+        support::text(&same.stderr)
+    );
+    let records = agent.credgate(&["ctl", "list-records", "-o", "json"]);
+    let listed = support::text(&records.stdout);
+    assert!(
+        listed.contains("team-a") && listed.contains("cri-pull-"),
+        "{listed}"
+    );
+    assert!(!listed.contains(PASSWORD));
     // Sealed on disk: no password in the clear.
     let sealed = std::fs::read(d.join("state/captured.sealed")).unwrap();
     assert!(!sealed

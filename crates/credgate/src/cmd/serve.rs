@@ -155,6 +155,7 @@ pub async fn run(args: ServeArgs) -> Result<Outcome> {
                 .context("cannot keep captured pull credentials")?,
         );
         agent.set_captured(captured.clone());
+        let guard = agent.guard().cloned();
         tracing::info!(socket = %path.display(), runtime = %runtime.display(), "serving the CRI image-service proxy");
         let stop = stop_rx.clone();
         let timeout = limits.shutdown_timeout;
@@ -162,7 +163,15 @@ pub async fn run(args: ServeArgs) -> Result<Outcome> {
             path.clone(),
             socket::identity(path),
             tokio::spawn(async move {
-                credgate_agent::cri::serve(listener, &runtime, Some(captured), timeout, stop).await;
+                credgate_agent::cri::serve(
+                    listener,
+                    &runtime,
+                    Some(captured),
+                    guard,
+                    timeout,
+                    stop,
+                )
+                .await;
             }),
         ));
     }
