@@ -281,6 +281,11 @@ impl Captured {
         format!("cri-pull-{}", hex::encode(&tag[..6]))
     }
 
+    /// How long a credential is kept, when there is a limit.
+    pub fn max_age(&self) -> Option<Duration> {
+        self.max_age
+    }
+
     /// Every captured credential, by repository.
     pub fn list(&self) -> Vec<(String, Credential)> {
         self.lock()

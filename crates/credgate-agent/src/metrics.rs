@@ -34,6 +34,8 @@ pub const METHODS: &[&str] = &[
     "Version",
     "Status",
     "Reload",
+    "ListCaptured",
+    "ForgetCaptured",
     "CheckAccess",
     "RecordPullIntent",
     "RecordPullResult",

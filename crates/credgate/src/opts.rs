@@ -359,6 +359,18 @@ pub enum CtlCall {
     Reload,
     /// Admin.Ping: an empty call.
     Ping,
+    /// Admin.ListCaptured / ForgetCaptured: the pull credentials the CRI proxy captured
+    /// (never their secrets); `captured forget REPO` drops one.
+    Captured {
+        #[command(subcommand)]
+        action: Option<CapturedAction>,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum CapturedAction {
+    /// Drop the captured credential of a repository (or of any image of it).
+    Forget { repository: String },
 }
 
 #[derive(Args)]

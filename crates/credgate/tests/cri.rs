@@ -406,6 +406,26 @@ async fn pulls_through_the_proxy_reach_the_registry_with_their_credentials() {
     assert!(helper.status.success(), "{}", support::text(&helper.stdout));
     let answer: serde_json::Value = serde_json::from_slice(&helper.stdout).unwrap();
     assert_eq!(answer["Secret"], PASSWORD);
+    // `ctl captured` lists it, never its secret; `forget` of another repository drops nothing.
+    let listed = agent.credgate(&["ctl", "captured", "-o", "json"]);
+    let text = support::text(&listed.stdout);
+    assert!(listed.status.success(), "{}", support::text(&listed.stderr));
+    assert!(
+        text.contains(&format!("{}/team/app", registry.host())) && text.contains("team-a"),
+        "{text}"
+    );
+    assert!(!text.contains(PASSWORD));
+    let none = agent.credgate(&[
+        "ctl",
+        "captured",
+        "forget",
+        &format!("{}/team/other", registry.host()),
+    ]);
+    assert!(
+        support::text(&none.stdout).contains("nothing captured"),
+        "{}",
+        support::text(&none.stdout)
+    );
     // The image access guard recorded the pull: another namespace's different secret must
     // authenticate; the same secret content under another name is allowed.
     let check = |secret: &str| {

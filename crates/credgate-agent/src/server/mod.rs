@@ -613,6 +613,62 @@ impl Admin for Api {
     ) -> Result<Response<pb::PingResponse>, Status> {
         Ok(Response::new(pb::PingResponse {}))
     }
+
+    async fn list_captured(
+        &self,
+        request: Request<pb::ListCapturedRequest>,
+    ) -> Result<Response<pb::ListCapturedResponse>, Status> {
+        self.observed(peer(&request), "ListCaptured", async {
+            let Some(captured) = self.agent.captured() else {
+                return Ok(Response::new(pb::ListCapturedResponse::default()));
+            };
+            let age = captured
+                .max_age()
+                .map(|a| i64::try_from(a.as_millis()).unwrap_or(i64::MAX));
+            let list = captured
+                .list()
+                .into_iter()
+                .map(|(repository, c)| pb::CapturedCredential {
+                    repository,
+                    namespace: c.namespace,
+                    username: c.username,
+                    captured_unix_ms: c.captured_ms,
+                    expires_unix_ms: age.map_or(0, |a| c.captured_ms.saturating_add(a)),
+                })
+                .collect();
+            Ok(Response::new(pb::ListCapturedResponse { captured: list }))
+        })
+        .await
+    }
+
+    async fn forget_captured(
+        &self,
+        request: Request<pb::ForgetCapturedRequest>,
+    ) -> Result<Response<pb::ForgetCapturedResponse>, Status> {
+        let peer = peer(&request);
+        let req = request.into_inner();
+        self.observed(peer, "ForgetCaptured", async {
+            let Some(captured) = self.agent.captured() else {
+                return Err(Status::failed_precondition(
+                    "the CRI proxy does not run on this agent (--cri-proxy-socket)",
+                ));
+            };
+            let repository = credgate_core::reference::ImageRef::parse(&req.repository)
+                .map_err(|e| {
+                    Status::invalid_argument(format!(
+                        "invalid repository {}: {e}",
+                        credgate_core::text::Quoted(&req.repository)
+                    ))
+                })?
+                .name()
+                .to_owned();
+            let forgotten = captured
+                .forget(&repository)
+                .map_err(|e| Status::unavailable(e.to_string()))?;
+            Ok(Response::new(pb::ForgetCapturedResponse { forgotten }))
+        })
+        .await
+    }
 }
 
 /// `outer: inner: root`, one line.

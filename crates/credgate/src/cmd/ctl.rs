@@ -269,6 +269,47 @@ async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcome> {
             let r = answer(admin.ping(pb::PingRequest {})).await?;
             show(out, &r, |_| "pong".to_owned())?;
         }
+        CtlCall::Captured { action: None } => {
+            let r = answer(admin.list_captured(pb::ListCapturedRequest {})).await?;
+            if out == Output::Json {
+                json(&r)?;
+            } else {
+                let rows: Vec<Vec<String>> = r
+                    .captured
+                    .iter()
+                    .map(|c| {
+                        vec![
+                            c.repository.clone(),
+                            if c.namespace.is_empty() {
+                                "-".into()
+                            } else {
+                                c.namespace.clone()
+                            },
+                            c.username.clone(),
+                            time_ms(c.captured_unix_ms),
+                            time_ms(c.expires_unix_ms),
+                        ]
+                    })
+                    .collect();
+                print_table(
+                    &["REPOSITORY", "NAMESPACE", "USERNAME", "CAPTURED", "EXPIRES"],
+                    &rows,
+                );
+            }
+        }
+        CtlCall::Captured {
+            action: Some(crate::opts::CapturedAction::Forget { repository }),
+        } => {
+            let r = answer(admin.forget_captured(pb::ForgetCapturedRequest { repository })).await?;
+            show(out, &r, |r| {
+                if r.forgotten {
+                    "forgotten"
+                } else {
+                    "nothing captured for it"
+                }
+                .to_owned()
+            })?;
+        }
     }
     Ok(Outcome::Yes)
 }
