@@ -8,7 +8,7 @@
 //! deadline (`grpc-timeout`).
 
 use std::convert::Infallible;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::pin::Pin;
 use std::time::Duration;
 
@@ -555,21 +555,72 @@ async fn forward(
     }
 }
 
+/// How the proxy runs.
+pub struct ProxyOptions {
+    /// The runtime's socket.
+    pub runtime: PathBuf,
+    /// Where pull credentials are captured; none captured when `None`.
+    pub captured: Option<std::sync::Arc<crate::captured::Captured>>,
+    /// The image access guard the pulls are recorded in, when it is enabled.
+    pub guard: Option<crate::guard::Guard>,
+    /// How long a stop waits for calls in flight.
+    pub shutdown_timeout: Duration,
+    /// How often the runtime's image list is checked against the captured credentials.
+    pub check_every: Duration,
+}
+
 /// Serves the proxy on `listener`, forwarding to the runtime at `runtime`, until `shutdown`
 /// turns true; then stops accepting and lets calls in flight finish for at most
 /// `shutdown_timeout`.
 pub async fn serve(
     listener: UnixListener,
-    runtime: &Path,
-    captured: Option<std::sync::Arc<crate::captured::Captured>>,
-    guard: Option<crate::guard::Guard>,
-    shutdown_timeout: Duration,
+    options: ProxyOptions,
     mut shutdown: watch::Receiver<bool>,
 ) {
+    let ProxyOptions {
+        runtime,
+        captured,
+        guard,
+        shutdown_timeout,
+        check_every,
+    } = options;
     let runtime = std::sync::Arc::new(Runtime {
-        path: runtime.to_owned(),
+        path: runtime,
         sender: Mutex::new(None),
         tasks: std::sync::Mutex::new(JoinSet::new()),
+    });
+    // Removals that bypass the proxy (crictl rmi, the runtime's own garbage collection): the
+    // runtime's image list, checked periodically, drops what no image is left of.
+    let sweeper = captured.clone().map(|captured| {
+        let runtime = runtime.clone();
+        let mut stop = shutdown.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    () = tokio::time::sleep(check_every) => {}
+                    () = async { let _ = stop.wait_for(|s| *s).await; } => return,
+                }
+                captured.expire();
+                let Some(list) = ask::<_, wire::ListImagesResponse>(
+                    &runtime,
+                    "/runtime.v1.ImageService/ListImages",
+                    &wire::ListImagesRequest {},
+                )
+                .await
+                else {
+                    continue;
+                };
+                let remaining: Vec<String> = list.images.iter().flat_map(repositories).collect();
+                for (repo, _) in captured.list() {
+                    if !remaining.contains(&repo) {
+                        match captured.forget(&repo) {
+                            Ok(_) => tracing::info!(repository = %repo, "captured pull credentials dropped: the runtime has no image of the repository"),
+                            Err(e) => tracing::error!(error = %e, "cannot drop captured pull credentials"),
+                        }
+                    }
+                }
+            }
+        })
     });
     let builder = std::sync::Arc::new({
         let mut b = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
@@ -629,6 +680,10 @@ pub async fn serve(
     .is_err()
     {
         connections.shutdown().await;
+    }
+    if let Some(sweeper) = sweeper {
+        sweeper.abort();
+        let _ = sweeper.await;
     }
     let tasks = std::mem::take(&mut *runtime.tasks.lock().unwrap_or_else(|p| p.into_inner()));
     drop(tasks);

@@ -219,6 +219,10 @@ pub struct ServeArgs {
     /// Drop a captured pull credential this long after its capture (off unless given).
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     pub captured_credential_max_age: Option<Duration>,
+    /// How often the CRI proxy checks the runtime's images and drops captured credentials of
+    /// repositories it has no image of any more (removals that bypass the proxy).
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration, default_value = "5m")]
+    pub captured_check_interval: Duration,
     /// The container runtime the CRI proxy forwards to.
     #[arg(
         long,

@@ -476,6 +476,8 @@ async fn pulls_through_the_proxy_reach_the_registry_with_their_credentials() {
         proxy.display().to_string(),
         "--cri-runtime-endpoint".to_owned(),
         format!("unix://{}", containerd.socket.display()),
+        "--captured-check-interval".to_owned(),
+        "200ms".to_owned(),
     ];
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     drop(agent);
@@ -530,4 +532,41 @@ async fn pulls_through_the_proxy_reach_the_registry_with_their_credentials() {
             .is_none_or(|c| c.iter().all(|c| c["source_kind"] != "captured")),
         "{v}"
     );
+
+    // A removal that bypasses the proxy (straight to the runtime) is found by the periodic
+    // check of the runtime's images.
+    let third: PullImageResponse = call(
+        &proxy,
+        "/runtime.v1.ImageService/PullImage",
+        pull(Some(PASSWORD)),
+    )
+    .await
+    .expect("pull");
+    assert_eq!(
+        captured(&agent)["credentials"][0]["source_kind"],
+        "captured"
+    );
+    let _: Empty = call(
+        &containerd.socket,
+        "/runtime.v1.ImageService/RemoveImage",
+        RemoveImageRequest {
+            image: Some(ImageSpec {
+                image: third.image_ref.clone(),
+            }),
+        },
+    )
+    .await
+    .expect("RemoveImage straight to containerd");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let v = captured(&agent);
+        let gone = v["credentials"]
+            .as_array()
+            .is_none_or(|c| c.iter().all(|c| c["source_kind"] != "captured"));
+        if gone {
+            break;
+        }
+        assert!(Instant::now() < deadline, "still captured: {v}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }

@@ -158,21 +158,17 @@ pub async fn run(args: ServeArgs) -> Result<Outcome> {
         let guard = agent.guard().cloned();
         tracing::info!(socket = %path.display(), runtime = %runtime.display(), "serving the CRI image-service proxy");
         let stop = stop_rx.clone();
-        let timeout = limits.shutdown_timeout;
+        let options = credgate_agent::cri::ProxyOptions {
+            runtime,
+            captured: Some(captured),
+            guard,
+            shutdown_timeout: limits.shutdown_timeout,
+            check_every: args.captured_check_interval,
+        };
         cri_proxy = Some((
             path.clone(),
             socket::identity(path),
-            tokio::spawn(async move {
-                credgate_agent::cri::serve(
-                    listener,
-                    &runtime,
-                    Some(captured),
-                    guard,
-                    timeout,
-                    stop,
-                )
-                .await;
-            }),
+            tokio::spawn(credgate_agent::cri::serve(listener, options, stop)),
         ));
     }
     tokio::spawn(signals(agent.clone(), stop_tx)?);
