@@ -161,6 +161,31 @@ pub async fn accept_failed(what: &'static str, throttle: &Throttle, e: &io::Erro
     tokio::time::sleep(ACCEPT_PAUSE).await;
 }
 
+/// The next connection a listener accepts, reaping finished connection tasks meanwhile (so
+/// that `connections` holds only live ones) and pausing on accept errors; `None` once
+/// `shutdown` turns true.
+pub async fn next_connection<S, A, F>(
+    what: &'static str,
+    throttle: &Throttle,
+    shutdown: &mut tokio::sync::watch::Receiver<bool>,
+    connections: &mut tokio::task::JoinSet<()>,
+    mut accept: impl FnMut() -> F,
+) -> Option<S>
+where
+    F: std::future::Future<Output = io::Result<(S, A)>>,
+{
+    loop {
+        tokio::select! {
+            () = async { let _ = shutdown.wait_for(|s| *s).await; } => return None,
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+            accepted = accept() => match accepted {
+                Ok((stream, _)) => return Some(stream),
+                Err(e) => accept_failed(what, throttle, &e).await,
+            },
+        }
+    }
+}
+
 /// How much a connection's peer sent, and when it last sent something.
 pub struct Activity {
     origin: Instant,

@@ -630,18 +630,15 @@ pub async fn serve(
         b
     });
     let mut connections = JoinSet::new();
-    loop {
-        let stream = tokio::select! {
-            () = async { let _ = shutdown.wait_for(|s| *s).await; } => break,
-            Some(_) = connections.join_next(), if !connections.is_empty() => continue,
-            accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
-                Err(e) => {
-                    conn::accept_failed("cri-proxy", &ACCEPT_ERRORS, &e).await;
-                    continue;
-                }
-            },
-        };
+    while let Some(stream) = conn::next_connection(
+        "cri-proxy",
+        &ACCEPT_ERRORS,
+        &mut shutdown,
+        &mut connections,
+        || listener.accept(),
+    )
+    .await
+    {
         let runtime = runtime.clone();
         let captured = captured.clone();
         let guard = guard.clone();

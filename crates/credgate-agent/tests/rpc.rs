@@ -544,7 +544,16 @@ printf '{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.ku
         assert_eq!(e.credentials.len(), 1);
         events += 1;
     }
-    assert_eq!(metrics.watchers.get(), 1, "only the reading client is left");
+    // The drop is counted just before the stuck stream's subscription is released.
+    let released = tokio::time::Instant::now() + Duration::from_secs(10);
+    while metrics.watchers.get() != 1 {
+        assert!(
+            tokio::time::Instant::now() < released,
+            "only the reading client is left: {}",
+            metrics.watchers.get()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     // The reading client is unaffected: changes keep coming.
     let mut after = 0;
     while after < 20 {

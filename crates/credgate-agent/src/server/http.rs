@@ -76,19 +76,15 @@ pub(super) async fn serve(
     );
     let open = metrics.open_connections("api");
     let mut connections = JoinSet::new();
-    loop {
-        let stream = tokio::select! {
-            () = async { let _ = shutdown.wait_for(|s| *s).await; } => break,
-            // Finished connections are reaped as we go, so the set holds only live ones.
-            Some(_) = connections.join_next(), if !connections.is_empty() => continue,
-            accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
-                Err(e) => {
-                    conn::accept_failed("api", &ACCEPT_ERRORS, &e).await;
-                    continue;
-                }
-            },
-        };
+    while let Some(stream) = conn::next_connection(
+        "api",
+        &ACCEPT_ERRORS,
+        &mut shutdown,
+        &mut connections,
+        || listener.accept(),
+    )
+    .await
+    {
         let peer = match stream.peer_cred() {
             Ok(c) => Peer {
                 uid: Some(c.uid()),
