@@ -12,7 +12,7 @@ use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use chacha20poly1305::aead::{Aead, AeadCore, KeyInit, OsRng};
 use chacha20poly1305::{ChaCha20Poly1305, Key, Nonce};
@@ -77,12 +77,6 @@ pub struct Captured {
     key_id: u32,
     max_age: Option<Duration>,
     by_repository: Mutex<BTreeMap<String, Credential>>,
-}
-
-fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
 
 impl Captured {
@@ -237,7 +231,7 @@ impl Captured {
     /// Drops credentials older than the maximum age.
     pub fn expire(&self) {
         let Some(max) = self.max_age else { return };
-        let oldest = now_ms() - i64::try_from(max.as_millis()).unwrap_or(i64::MAX);
+        let oldest = crate::guard::now_ms() - i64::try_from(max.as_millis()).unwrap_or(i64::MAX);
         let stale: Vec<String> = self
             .lock()
             .iter()
@@ -353,12 +347,12 @@ mod tests {
         let c = Captured::open(dir.path(), None).unwrap();
         c.capture(
             "reg.io/team/app",
-            cred("team-a", "alice", "s3cret-pw", now_ms()),
+            cred("team-a", "alice", "s3cret-pw", crate::guard::now_ms()),
         )
         .unwrap();
         c.capture(
             "reg.io/team/db",
-            cred("team-a", "bob", "other-pw", now_ms() + 1),
+            cred("team-a", "bob", "other-pw", crate::guard::now_ms() + 1),
         )
         .unwrap();
         let file = std::fs::read(dir.path().join(FILE)).unwrap();
@@ -393,9 +387,13 @@ mod tests {
     fn forgetting_and_expiry() {
         let dir = private_dir();
         let c = Captured::open(dir.path(), Some(Duration::from_secs(60))).unwrap();
-        c.capture("reg.io/a", cred("", "u", "p", now_ms())).unwrap();
-        c.capture("reg.io/old", cred("", "u", "p", now_ms() - 120_000))
+        c.capture("reg.io/a", cred("", "u", "p", crate::guard::now_ms()))
             .unwrap();
+        c.capture(
+            "reg.io/old",
+            cred("", "u", "p", crate::guard::now_ms() - 120_000),
+        )
+        .unwrap();
         c.expire();
         assert!(c.for_repository("reg.io/old").is_none());
         assert!(c.forget("reg.io/a").unwrap());

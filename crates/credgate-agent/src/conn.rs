@@ -186,6 +186,28 @@ where
     }
 }
 
+/// Waits at most `timeout` for `connections` (already told to finish) to end, then ends those
+/// left, with a warning.
+pub async fn drain(
+    what: &'static str,
+    connections: &mut tokio::task::JoinSet<()>,
+    timeout: Duration,
+) {
+    let finished = tokio::time::timeout(timeout, async {
+        while connections.join_next().await.is_some() {}
+    })
+    .await;
+    if finished.is_err() {
+        tracing::warn!(
+            listener = what,
+            connections = connections.len(),
+            timeout = %credgate_core::duration::Rounded(timeout),
+            "closing connections still open at the shutdown deadline"
+        );
+        connections.shutdown().await;
+    }
+}
+
 /// How much a connection's peer sent, and when it last sent something.
 pub struct Activity {
     origin: Instant,

@@ -54,14 +54,15 @@ impl Runtime {
             .handshake(TokioIo::new(stream))
             .await
             .map_err(std::io::Error::other)?;
-        self.tasks
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .spawn(async move {
-                if let Err(e) = connection.await {
-                    tracing::debug!(error = %e, "runtime connection ended");
-                }
-            });
+        let mut tasks = self.tasks.lock().unwrap_or_else(|p| p.into_inner());
+        // Connections that ended are reaped here, so the set holds the live one only.
+        while tasks.try_join_next().is_some() {}
+        tasks.spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::debug!(error = %e, "runtime connection ended");
+            }
+        });
+        drop(tasks);
         *slot = Some(sender.clone());
         Ok(sender)
     }
@@ -94,10 +95,14 @@ fn deadline(headers: &hyper::HeaderMap) -> Duration {
     }
 }
 
-/// The one method whose messages the proxy reads.
+/// The two methods whose messages the proxy reads.
 const PULL_IMAGE: &str = "/runtime.v1.ImageService/PullImage";
-/// The most of a `PullImage` request or answer the proxy buffers (both are small messages).
+/// The most of a `PullImage` or `RemoveImage` request or answer the proxy buffers (all small
+/// messages).
 const MAX_PULL_MESSAGE: usize = 1 << 20;
+/// The most of a `ListImages` answer the proxy reads for itself: containerd's own default
+/// limit for a gRPC message.
+const MAX_LIST_MESSAGE: usize = 16 << 20;
 
 /// The fields of the CRI messages the proxy reads (field numbers of `runtime.v1`'s
 /// `api.proto`); everything else in them passes through untouched.
@@ -199,22 +204,24 @@ fn repositories(image: &wire::Image) -> Vec<String> {
     out
 }
 
-/// One unary call of our own to the runtime: its answer's message when it succeeded.
+/// One unary call of our own to the runtime: its answer's message when it succeeded and fit
+/// in `limit` bytes.
 async fn ask<M: prost::Message, R: prost::Message + Default>(
     runtime: &Runtime,
     method: &str,
     message: &M,
+    limit: usize,
 ) -> Option<R> {
-    let mut frame = vec![0u8];
-    frame.extend_from_slice(&u32::try_from(message.encoded_len()).ok()?.to_be_bytes());
-    message.encode(&mut frame).ok()?;
+    let frame = credgate_api::unary::grpc_message(message);
     let (parts, ()) = hyper::Request::post(method)
         .header("content-type", "application/grpc")
         .header("te", "trailers")
         .body(())
         .ok()?
         .into_parts();
-    let whole = exchange(runtime, parts, Bytes::from(frame)).await.ok()?;
+    let whole = exchange(runtime, parts, Bytes::from(frame), limit)
+        .await
+        .ok()?;
     if whole.code() != Some(0) {
         return None;
     }
@@ -242,6 +249,7 @@ async fn remove(
             runtime,
             "/runtime.v1.ImageService/ImageStatus",
             &wire::ImageStatusRequest { image: Some(spec) },
+            MAX_PULL_MESSAGE,
         )
         .await
         .and_then(|s| s.image)
@@ -249,31 +257,43 @@ async fn remove(
         .unwrap_or_default(),
         None => Vec::new(),
     };
-    let whole = match exchange(runtime, parts, bytes).await {
+    let whole = match exchange(runtime, parts, bytes, MAX_PULL_MESSAGE).await {
         Ok(whole) => whole,
         Err(refused) => return refused,
     };
     if whole.code() == Some(0) && !before.is_empty() {
-        if let Some(left) = ask::<_, wire::ListImagesResponse>(
-            runtime,
-            "/runtime.v1.ImageService/ListImages",
-            &wire::ListImagesRequest {},
-        )
-        .await
-        {
-            let remaining: Vec<String> = left.images.iter().flat_map(repositories).collect();
-            for repo in before.iter().filter(|r| !remaining.contains(r)) {
-                match captured.forget(repo) {
-                    Ok(true) => {
-                        tracing::info!(repository = %repo, "captured pull credentials dropped: no image of the repository is left")
-                    }
-                    Ok(false) => {}
-                    Err(e) => tracing::error!(error = %e, "cannot drop captured pull credentials"),
-                }
-            }
-        }
+        forget_absent(runtime, captured, before).await;
     }
     whole.into_response()
+}
+
+/// Drops the captured credentials of those `repositories` the runtime has no image of any
+/// more; when its image list cannot be read, nothing.
+async fn forget_absent(
+    runtime: &Runtime,
+    captured: &crate::captured::Captured,
+    candidates: Vec<String>,
+) {
+    let Some(left) = ask::<_, wire::ListImagesResponse>(
+        runtime,
+        "/runtime.v1.ImageService/ListImages",
+        &wire::ListImagesRequest {},
+        MAX_LIST_MESSAGE,
+    )
+    .await
+    else {
+        return;
+    };
+    let remaining: Vec<String> = left.images.iter().flat_map(repositories).collect();
+    for repo in candidates.iter().filter(|r| !remaining.contains(r)) {
+        match captured.forget(repo) {
+            Ok(true) => {
+                tracing::info!(repository = %repo, "captured pull credentials dropped: the runtime has no image of the repository")
+            }
+            Ok(false) => {}
+            Err(e) => tracing::error!(error = %e, "cannot drop captured pull credentials"),
+        }
+    }
 }
 
 /// An answer read whole: its head, its message bytes, its trailers.
@@ -326,12 +346,14 @@ async fn read_whole(
     }
 }
 
-/// Forwards a call whose request was read whole and reads its answer whole (bounded); an
-/// answer to give instead when the runtime cannot be reached or its answer is too large.
+/// Forwards a call whose request was read whole and reads its answer whole (at most `limit`
+/// bytes); an answer to give instead when the runtime cannot be reached or its answer is too
+/// large.
 async fn exchange(
     runtime: &Runtime,
     parts: hyper::http::request::Parts,
     bytes: Bytes,
+    limit: usize,
 ) -> Result<Whole, hyper::Response<Body>> {
     let outbound = hyper::Request::from_parts(
         parts,
@@ -348,7 +370,7 @@ async fn exchange(
         .await
         .map_err(|e| broken_runtime(&e))?;
     let (parts, body) = answer.into_parts();
-    let collected = http_body_util::Limited::new(body, MAX_PULL_MESSAGE)
+    let collected = http_body_util::Limited::new(body, limit)
         .collect()
         .await
         .map_err(|_| {
@@ -414,9 +436,7 @@ fn pull_of(message: &[u8]) -> Option<Pull> {
             namespace,
             username,
             password,
-            captured_ms: std::time::SystemTime::now()
-                .duration_since(std::time::SystemTime::UNIX_EPOCH)
-                .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX)),
+            captured_ms: crate::guard::now_ms(),
         }),
         in_pod,
     })
@@ -467,7 +487,7 @@ async fn pull(
             tracing::error!(error = %crate::server::error_chain(&e), "pull intent not recorded");
         }
     }
-    let whole = match exchange(runtime, parts, bytes).await {
+    let whole = match exchange(runtime, parts, bytes, MAX_PULL_MESSAGE).await {
         Ok(whole) => whole,
         Err(refused) => return refused,
     };
@@ -601,24 +621,8 @@ pub async fn serve(
                     () = async { let _ = stop.wait_for(|s| *s).await; } => return,
                 }
                 captured.expire();
-                let Some(list) = ask::<_, wire::ListImagesResponse>(
-                    &runtime,
-                    "/runtime.v1.ImageService/ListImages",
-                    &wire::ListImagesRequest {},
-                )
-                .await
-                else {
-                    continue;
-                };
-                let remaining: Vec<String> = list.images.iter().flat_map(repositories).collect();
-                for (repo, _) in captured.list() {
-                    if !remaining.contains(&repo) {
-                        match captured.forget(&repo) {
-                            Ok(_) => tracing::info!(repository = %repo, "captured pull credentials dropped: the runtime has no image of the repository"),
-                            Err(e) => tracing::error!(error = %e, "cannot drop captured pull credentials"),
-                        }
-                    }
-                }
+                let held = captured.list().into_iter().map(|(repo, _)| repo).collect();
+                forget_absent(&runtime, &captured, held).await;
             }
         })
     });
@@ -670,14 +674,7 @@ pub async fn serve(
         });
     }
     drop(listener);
-    if tokio::time::timeout(shutdown_timeout, async {
-        while connections.join_next().await.is_some() {}
-    })
-    .await
-    .is_err()
-    {
-        connections.shutdown().await;
-    }
+    conn::drain("cri-proxy", &mut connections, shutdown_timeout).await;
     if let Some(sweeper) = sweeper {
         sweeper.abort();
         let _ = sweeper.await;

@@ -377,16 +377,15 @@ impl Default for MetricsLimits {
 static ACCEPT_ERRORS: Throttle = Throttle::new(Duration::from_secs(10));
 static REFUSALS: Throttle = Throttle::new(Duration::from_secs(10));
 
-/// Serves `GET /metrics` (and `GET /healthz`) on `listener` until `shutdown` resolves, within
+/// Serves `GET /metrics` (and `GET /healthz`) on `listener` until `shutdown` turns true, within
 /// `limits`. The connections' tasks belong to this call: they end when it returns.
 pub async fn serve(
     listener: TcpListener,
     render: Render,
     limits: MetricsLimits,
     metrics: AgentMetrics,
-    shutdown: impl std::future::Future<Output = ()>,
+    mut shutdown: tokio::sync::watch::Receiver<bool>,
 ) {
-    tokio::pin!(shutdown);
     let slots = Slots::new(limits.max_connections, usize::MAX, Vec::new());
     let open = metrics.open_connections("metrics");
     let mut builder = hyper::server::conn::http1::Builder::new();
@@ -395,18 +394,15 @@ pub async fn serve(
         .header_read_timeout(limits.header_timeout)
         .max_buf_size(16 << 10);
     let mut connections = tokio::task::JoinSet::new();
-    loop {
-        let stream = tokio::select! {
-            _ = &mut shutdown => break,
-            Some(_) = connections.join_next(), if !connections.is_empty() => continue,
-            accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
-                Err(e) => {
-                    crate::conn::accept_failed("metrics", &ACCEPT_ERRORS, &e).await;
-                    continue;
-                }
-            },
-        };
+    while let Some(stream) = crate::conn::next_connection(
+        "metrics",
+        &ACCEPT_ERRORS,
+        &mut shutdown,
+        &mut connections,
+        || listener.accept(),
+    )
+    .await
+    {
         let slot = match slots.try_take(None) {
             Ok(slot) => slot,
             Err(why) => {

@@ -326,7 +326,7 @@ impl Renewer {
             .values()
             .filter(|r| {
                 policy
-                    .due_lead(now, r.entries.iter().map(|e| (e.fetched, e.expires)))
+                    .due_lead(now, r.entries.iter().map(|e| e.times()))
                     .is_some()
             })
             .count()

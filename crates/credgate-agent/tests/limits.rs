@@ -423,7 +423,7 @@ async fn the_metrics_listener_bounds_idle_connections() {
     use std::net::TcpStream;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let (stop, mut stop_rx) = watch::channel(false);
+    let (stop, stop_rx) = watch::channel(false);
     let counters = credgate_agent::metrics::AgentMetrics::default();
     let served = tokio::spawn(metrics::serve(
         listener,
@@ -434,9 +434,7 @@ async fn the_metrics_listener_bounds_idle_connections() {
             max_age: Duration::from_secs(60),
         },
         counters.clone(),
-        async move {
-            let _ = stop_rx.wait_for(|s| *s).await;
-        },
+        stop_rx,
     ));
     let outcome = tokio::task::spawn_blocking(move || {
         let read_to_end = |s: &mut TcpStream| -> (bool, Vec<u8>) {

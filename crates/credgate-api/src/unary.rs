@@ -77,14 +77,26 @@ pub fn put_frame(out: &mut Vec<u8>, kind: u8, flags: u8, stream: u32, payload: &
     out.extend_from_slice(payload);
 }
 
-/// The gRPC length-prefixed message.
-fn grpc_message(msg: &impl prost::Message) -> Vec<u8> {
+/// The gRPC length-prefixed message (uncompressed).
+pub fn grpc_message(msg: &impl prost::Message) -> Vec<u8> {
     let len = msg.encoded_len();
     let mut buf = Vec::with_capacity(5 + len);
     buf.push(0);
     buf.extend_from_slice(&u32::try_from(len).unwrap_or(u32::MAX).to_be_bytes());
     msg.encode(&mut buf).expect("a Vec grows as needed");
     buf
+}
+
+/// The header block of a gRPC call of `method` to the agent.
+pub fn request_head(method: &str) -> Vec<u8> {
+    credgate_core::hpack::encode([
+        (&b":method"[..], &b"POST"[..]),
+        (b":scheme", b"http"),
+        (b":path", method.as_bytes()),
+        (b":authority", b"credgate.sock"),
+        (b"content-type", b"application/grpc"),
+        (b"te", b"trailers"),
+    ])
 }
 
 /// Everything the client sends, in one buffer.
@@ -103,14 +115,7 @@ fn request_bytes(method: &str, message: &[u8]) -> Vec<u8> {
     put_frame(&mut out, frame::SETTINGS, 0, 0, &settings);
     // The connection window starts at 65,535 whatever the settings say: open it as far.
     put_frame(&mut out, frame::WINDOW_UPDATE, 0, 0, &window.to_be_bytes());
-    let headers = credgate_core::hpack::encode([
-        (&b":method"[..], &b"POST"[..]),
-        (b":scheme", b"http"),
-        (b":path", method.as_bytes()),
-        (b":authority", b"credgate.sock"),
-        (b"content-type", b"application/grpc"),
-        (b"te", b"trailers"),
-    ]);
+    let headers = request_head(method);
     put_frame(
         &mut out,
         frame::HEADERS,

@@ -18,6 +18,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use credgate_api::unary::{grpc_message, put_frame as frame, request_head};
 use credgate_api::v1::{self as pb};
 use prost::Message;
 
@@ -170,7 +171,7 @@ pub fn start(socket: &Path, plan: &Plan) -> std::io::Result<Attack> {
                     image: format!("soak.test/{}", "a".repeat(1 << 20)),
                     ..Default::default()
                 };
-                let bytes = one_call("/credgate.v1.Credentials/Lookup", &request.encode_to_vec());
+                let bytes = one_call("/credgate.v1.Credentials/Lookup", &request);
                 while running() {
                     if let Ok(mut c) = UnixStream::connect(&socket) {
                         let _ = c.set_write_timeout(Some(Duration::from_secs(2)));
@@ -324,30 +325,6 @@ fn endless_registry(
 
 const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
-use credgate_api::unary::put_frame as frame;
-
-fn request_head(method: &str) -> Vec<u8> {
-    credgate_core::hpack::encode([
-        (&b":method"[..], &b"POST"[..]),
-        (b":scheme", b"http"),
-        (b":path", method.as_bytes()),
-        (b":authority", b"credgate.sock"),
-        (b"content-type", b"application/grpc"),
-        (b"te", b"trailers"),
-    ])
-}
-
-fn grpc(message: &[u8]) -> Vec<u8> {
-    let mut m = vec![0];
-    m.extend_from_slice(
-        &u32::try_from(message.len())
-            .unwrap_or(u32::MAX)
-            .to_be_bytes(),
-    );
-    m.extend_from_slice(message);
-    m
-}
-
 /// The preface and SETTINGS announcing the largest window a client may choose.
 fn greedy_preface(out: &mut Vec<u8>) {
     out.extend_from_slice(PREFACE);
@@ -359,11 +336,11 @@ fn greedy_preface(out: &mut Vec<u8>) {
 }
 
 /// One call on stream 1, as bytes (the body may be far over the agent's limits).
-fn one_call(method: &str, message: &[u8]) -> Vec<u8> {
+fn one_call(method: &str, message: &impl Message) -> Vec<u8> {
     let mut out = Vec::new();
     greedy_preface(&mut out);
     frame(&mut out, 1, 0x4, 1, &request_head(method));
-    let body = grpc(message);
+    let body = grpc_message(message);
     let mut chunks = body.chunks(16_384).peekable();
     while let Some(c) = chunks.next() {
         let flags = if chunks.peek().is_none() { 0x1 } else { 0 };
@@ -377,7 +354,7 @@ fn watch_streams(watch: &pb::WatchRequest, streams: u32) -> Vec<u8> {
     let mut out = Vec::new();
     greedy_preface(&mut out);
     let head = request_head("/credgate.v1.Credentials/Watch");
-    let body = grpc(&watch.encode_to_vec());
+    let body = grpc_message(watch);
     for i in 0..streams {
         let id = 1 + 2 * i;
         frame(&mut out, 1, 0x4, id, &head);

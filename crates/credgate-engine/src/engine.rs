@@ -171,6 +171,13 @@ pub struct EntryInfo {
     pub expires: Option<Instant>,
 }
 
+impl EntryInfo {
+    /// When the entry was fetched and when it expires, as the renewal policy reads them.
+    pub fn times(&self) -> (Instant, Option<Instant>) {
+        (self.fetched, self.expires)
+    }
+}
+
 /// Where a credential came from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Source {
@@ -703,6 +710,11 @@ impl Engine {
             errors: Vec::new(),
             entries,
         }
+    }
+
+    /// Whether the config has a provider of this name.
+    pub fn has_provider(&self, name: &str) -> bool {
+        self.inner.providers.iter().any(|p| p.spec.name == name)
     }
 
     /// Per-provider status, in config order.

@@ -101,12 +101,19 @@ fn run(args: &Args) -> Result<Zeroizing<Vec<u8>>, String> {
         .read_to_end(&mut input)
         .map_err(|e| format!("cannot read the request: {e}"))?;
     let request = bridge::decode_request(&input).map_err(|e| e.to_string())?;
-    let service_account = match &request.service_account_token {
-        None => None,
-        Some(token) => {
-            let who = bridge::token_subject(token)
-                .ok_or("the service account token names no namespace and name in its claims")?;
-            Some(pb::ServiceAccount {
+    // The kubelet sends no other identity than the token: its claims name the account.
+    let who = request
+        .service_account_token
+        .as_ref()
+        .map(|token| {
+            bridge::token_subject(token)
+                .ok_or("the service account token names no namespace and name in its claims")
+        })
+        .transpose()?;
+    let service_account =
+        who.clone()
+            .zip(request.service_account_token.as_ref())
+            .map(|(who, token)| pb::ServiceAccount {
                 namespace: who.namespace,
                 name: who.name,
                 uid: who.uid,
@@ -116,9 +123,7 @@ fn run(args: &Args) -> Result<Zeroizing<Vec<u8>>, String> {
                     .iter()
                     .map(|(k, v)| (k.clone(), v.clone()))
                     .collect(),
-            })
-        }
-    };
+            });
     let lookup = pb::LookupRequest {
         image: request.image.clone(),
         service_account,
@@ -135,7 +140,7 @@ fn run(args: &Args) -> Result<Zeroizing<Vec<u8>>, String> {
                 &args.image_credential_provider_bin_dir,
             ) {
                 (Some(config), Some(dir)) => {
-                    return fallback::answer(config, dir, &provider, &request)
+                    return fallback::answer(config, dir, &provider, &request, who)
                 }
                 _ => {
                     return Err(format!(
@@ -194,6 +199,7 @@ mod fallback {
         dir: &Path,
         provider: &str,
         request: &KubeletRequest,
+        who: Option<bridge::TokenSubject>,
     ) -> Result<Zeroizing<Vec<u8>>, String> {
         let sources = Sources {
             provider_config: Some(config.to_owned()),
@@ -206,23 +212,18 @@ mod fallback {
                 credgate_agent::server::error_chain(&e)
             )
         })?;
-        if !engine.provider_status().iter().any(|p| p.name == provider) {
+        if !engine.has_provider(provider) {
             return Err(format!("no provider {provider:?} in {}", config.display()));
         }
-        let sa = match &request.service_account_token {
-            None => None,
-            Some(token) => {
-                let who = bridge::token_subject(token)
-                    .ok_or("the service account token names no namespace and name in its claims")?;
-                Some(ServiceAccount {
-                    namespace: who.namespace,
-                    name: who.name,
-                    uid: who.uid,
-                    token: SecretString::from(token.expose_secret().to_owned()),
-                    annotations: request.service_account_annotations.clone(),
-                })
-            }
-        };
+        let sa = who
+            .zip(request.service_account_token.as_ref())
+            .map(|(who, token)| ServiceAccount {
+                namespace: who.namespace,
+                name: who.name,
+                uid: who.uid,
+                token: SecretString::from(token.expose_secret().to_owned()),
+                annotations: request.service_account_annotations.clone(),
+            });
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -235,10 +236,11 @@ mod fallback {
                 ..Default::default()
             }))
             .map_err(|e| e.to_string())?;
-        let now = std::time::Instant::now();
-        let cache_for = RenewalPolicy::default()
-            .client_cache_for(now, lookup.entries.iter().map(|e| (e.fetched, e.expires)));
-        let answer = credgate_agent::server::provider_answer(&lookup, cache_for);
+        let answer = credgate_agent::server::provider_answer(
+            &lookup,
+            &RenewalPolicy::default(),
+            std::time::Instant::now(),
+        );
         respond(request, &answer)
     }
 }

@@ -136,18 +136,7 @@ pub(super) async fn serve(
     }
     drop(listener);
     // Connections saw the same shutdown signal and are finishing their calls.
-    let finished = tokio::time::timeout(limits.shutdown_timeout, async {
-        while connections.join_next().await.is_some() {}
-    })
-    .await;
-    if finished.is_err() {
-        tracing::warn!(
-            connections = connections.len(),
-            timeout = %credgate_core::duration::Rounded(limits.shutdown_timeout),
-            "closing connections still open at the shutdown deadline"
-        );
-        connections.shutdown().await;
-    }
+    conn::drain("api", &mut connections, limits.shutdown_timeout).await;
 }
 
 fn refuse(metrics: &AgentMetrics, reason: &'static str, peer: Peer) {

@@ -61,11 +61,14 @@ pub fn failure(e: &credgate_engine::ProviderError) -> pb::ProviderFailure {
 }
 
 /// One provider's answer for the kubelet bridge: its credentials and failures, how its answer
-/// may be reused, and how long a client may keep it.
+/// may be reused, and how long a client may keep it at `now` (until the renewal lead before
+/// the earliest expiry).
 pub fn provider_answer(
     lookup: &credgate_engine::Lookup,
-    cache_for: Duration,
+    policy: &credgate_core::renewal::RenewalPolicy,
+    now: std::time::Instant,
 ) -> pb::LookupResponse {
+    let cache_for = policy.client_cache_for(now, lookup.entries.iter().map(|e| e.times()));
     pb::LookupResponse {
         image: lookup.image.clone(),
         credentials: lookup.credentials.iter().map(credential).collect(),
@@ -223,14 +226,14 @@ impl Api {
             provider: None,
         };
         // A warm cache answers straight into the wire message.
-        let mut served = engine
+        let served = engine
             .lookup_cached_named(&request, |image, creds| pb::LookupResponse {
                 image: image.to_owned(),
                 credentials: creds.iter().map(credential_ref).collect(),
                 ..Default::default()
             })
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
-        if let Some(mut answer) = served.take() {
+        if let Some(mut answer) = served {
             self.with_captured(&mut answer, req.registry_host);
             return Ok(answer);
         }
@@ -298,7 +301,7 @@ impl Api {
         min_valid_for: Duration,
     ) -> Result<pb::LookupResponse, Status> {
         let name = req.provider.as_str();
-        if !engine.provider_status().iter().any(|p| p.name == name) {
+        if !engine.has_provider(name) {
             return Err(Status::invalid_argument(format!(
                 "no provider {} in the agent's config",
                 credgate_core::text::Quoted(name)
@@ -315,16 +318,11 @@ impl Api {
         };
         let invalid = |e: credgate_engine::LookupError| Status::invalid_argument(e.to_string());
         let mut lookup = engine.lookup(&request).await.map_err(invalid)?;
-        let times =
-            |l: &credgate_engine::Lookup| -> Vec<(std::time::Instant, Option<std::time::Instant>)> {
-                l.entries.iter().map(|e| (e.fetched, e.expires)).collect()
-            };
-        if let Some(lead) = policy.due_lead(clock.now(), times(&lookup)) {
+        if let Some(lead) = policy.due_lead(clock.now(), lookup.entries.iter().map(|e| e.times())) {
             request.min_valid_for = min_valid_for.max(lead + Duration::from_millis(1));
             lookup = engine.lookup(&request).await.map_err(invalid)?;
         }
-        let cache_for = policy.client_cache_for(clock.now(), times(&lookup));
-        Ok(provider_answer(&lookup, cache_for))
+        Ok(provider_answer(&lookup, &policy, clock.now()))
     }
 
     fn status_inner(&self) -> pb::StatusResponse {

@@ -167,18 +167,16 @@ pub fn sources(args: &SourceArgs) -> Result<Sources> {
 
 /// `--min-cache-duration NAME=DURATION`, repeatable.
 fn min_cache_durations(flags: &[String]) -> Result<HashMap<String, Duration>> {
-    flags
-        .iter()
-        .map(|flag| {
-            let (name, d) = flag.split_once('=').ok_or_else(|| {
-                anyhow::anyhow!("--min-cache-duration {flag:?}: expected PROVIDER=DURATION")
-            })?;
-            Ok((
-                name.to_owned(),
-                parse_duration(d).map_err(anyhow::Error::msg)?,
-            ))
-        })
-        .collect()
+    let mut per = HashMap::new();
+    for flag in flags {
+        if !flag.contains('=') {
+            anyhow::bail!("--min-cache-duration {flag:?}: expected PROVIDER=DURATION");
+        }
+        if let (Some(name), d) = per_provider(flag)? {
+            per.insert(name.to_owned(), d);
+        }
+    }
+    Ok(per)
 }
 
 /// Builds an in-process engine from the flags.
@@ -186,18 +184,24 @@ pub fn build_engine(args: &SourceArgs) -> Result<Engine> {
     Ok(sources(args)?.build(None, None)?)
 }
 
+/// `[NAME=]DURATION`: the provider it names, if any, and the duration.
+fn per_provider(flag: &str) -> Result<(Option<&str>, Duration)> {
+    let (name, d) = match flag.split_once('=') {
+        Some((name, d)) => (Some(name), d),
+        None => (None, flag),
+    };
+    Ok((name, parse_duration(d).map_err(anyhow::Error::msg)?))
+}
+
 fn timeouts(flags: &[String]) -> Result<(Duration, HashMap<String, Duration>)> {
     let mut default = Duration::from_secs(60);
     let mut per = HashMap::new();
     for flag in flags {
-        match flag.split_once('=') {
-            Some((name, d)) => {
-                per.insert(
-                    name.to_owned(),
-                    parse_duration(d).map_err(anyhow::Error::msg)?,
-                );
+        match per_provider(flag)? {
+            (Some(name), d) => {
+                per.insert(name.to_owned(), d);
             }
-            None => default = parse_duration(flag).map_err(anyhow::Error::msg)?,
+            (None, d) => default = d,
         }
     }
     Ok((default, per))

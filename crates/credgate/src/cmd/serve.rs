@@ -132,16 +132,14 @@ pub async fn run(args: ServeArgs) -> Result<Outcome> {
             scraped.refresh_gauges();
             metrics::render(scraped.registry())
         });
-        let mut stop = stop_rx.clone();
+        let stop = stop_rx.clone();
         let counters = agent.metrics().clone();
         tokio::spawn(metrics::serve(
             listener,
             render,
             metrics::MetricsLimits::default(),
             counters,
-            async move {
-                let _ = stop.wait_for(|s| *s).await;
-            },
+            stop,
         ));
     }
     let mut cri_proxy = None;
