@@ -225,6 +225,7 @@ impl Agent {
 
     /// Serves the pull credentials the CRI proxy captures (set once, when the proxy starts).
     pub fn set_captured(&self, captured: Arc<crate::captured::Captured>) {
+        self.inner.renewer.set_captured(captured.clone());
         let _ = self.inner.captured.set(captured);
     }
 

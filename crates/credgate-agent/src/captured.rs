@@ -48,6 +48,15 @@ impl std::fmt::Debug for Credential {
     }
 }
 
+impl Credential {
+    /// Whether two credentials carry the same secret for the same namespace.
+    pub fn same(&self, other: &Credential) -> bool {
+        self.namespace == other.namespace
+            && self.username == other.username
+            && self.password.expose_secret() == other.password.expose_secret()
+    }
+}
+
 /// What the sealed file holds, in the clear only inside this process.
 #[derive(Serialize, Deserialize)]
 struct Stored {
@@ -77,6 +86,8 @@ pub struct Captured {
     key_id: u32,
     max_age: Option<Duration>,
     by_repository: Mutex<BTreeMap<String, Credential>>,
+    /// Counts changes, for those who push them on (the renewer, to Watch streams).
+    changes: tokio::sync::watch::Sender<u64>,
 }
 
 impl Captured {
@@ -91,6 +102,7 @@ impl Captured {
             key_id: node.id(),
             max_age,
             by_repository: Mutex::new(BTreeMap::new()),
+            changes: tokio::sync::watch::Sender::new(0),
         };
         let path = captured.path();
         match std::fs::read(&path) {
@@ -212,6 +224,8 @@ impl Captured {
         next.insert(repository.to_owned(), credential);
         self.persist(&next)?;
         *entries = next;
+        drop(entries);
+        self.changes.send_modify(|n| *n += 1);
         Ok(())
     }
 
@@ -225,7 +239,14 @@ impl Captured {
         next.remove(repository);
         self.persist(&next)?;
         *entries = next;
+        drop(entries);
+        self.changes.send_modify(|n| *n += 1);
         Ok(true)
+    }
+
+    /// A receiver that sees each change (a capture or a drop) as it happens.
+    pub fn changes(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.changes.subscribe()
     }
 
     /// Drops credentials older than the maximum age.

@@ -16,7 +16,7 @@ use std::collections::hash_map::DefaultHasher;
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant, SystemTime};
 
 use arc_swap::ArcSwap;
@@ -28,6 +28,7 @@ use credgate_engine::{Credential, Engine, EntryInfo, LookupRequest};
 use secrecy::ExposeSecret;
 use tokio::sync::{watch, Notify};
 
+use crate::captured::Captured;
 use crate::metrics::AgentMetrics;
 
 /// The shortest time between two renewals of one ref.
@@ -67,7 +68,27 @@ pub struct Value {
     pub revision: u64,
     /// In try-order.
     pub credentials: Vec<Credential>,
+    /// The pull credential the CRI proxy captured for the ref's repository (tried before
+    /// `credentials`), with that repository.
+    pub captured: Option<(String, crate::captured::Credential)>,
 }
+
+impl Value {
+    fn same(
+        &self,
+        credentials: &[Credential],
+        captured: &Option<(String, CapturedCredential)>,
+    ) -> bool {
+        same(&self.credentials, credentials)
+            && match (&self.captured, captured) {
+                (None, None) => true,
+                (Some((ra, a)), Some((rb, b))) => ra == rb && a.same(b),
+                _ => false,
+            }
+    }
+}
+
+type CapturedCredential = crate::captured::Credential;
 
 /// Renewal state of one ref, for operators.
 #[derive(Debug, Clone)]
@@ -122,6 +143,8 @@ struct Shared {
     policy: RenewalPolicy,
     metrics: AgentMetrics,
     watch_ids: AtomicU64,
+    /// Pull credentials captured by the CRI proxy, when it runs.
+    captured: OnceLock<Arc<Captured>>,
 }
 
 /// The renewal service. Cheap to clone.
@@ -159,6 +182,29 @@ fn seed(x: &impl Hash) -> u64 {
     h.finish()
 }
 
+/// Makes `credentials` (after `captured`) the ref's value when they differ from its last one:
+/// a new revision, sent to its watchers.
+fn publish(
+    rs: &mut RefState,
+    credentials: Vec<Credential>,
+    captured: Option<(String, CapturedCredential)>,
+) {
+    if rs
+        .value
+        .as_ref()
+        .is_some_and(|v| v.same(&credentials, &captured))
+    {
+        return;
+    }
+    let value = Arc::new(Value {
+        revision: rs.value.as_ref().map_or(1, |v| v.revision + 1),
+        credentials,
+        captured,
+    });
+    rs.value = Some(value.clone());
+    rs.tx.send_replace(Some(value));
+}
+
 /// Whether two credential lists are the same for a consumer (expiry alone does not count).
 fn same(a: &[Credential], b: &[Credential]) -> bool {
     a.len() == b.len()
@@ -186,6 +232,7 @@ impl Renewer {
                 policy,
                 metrics,
                 watch_ids: AtomicU64::new(0),
+                captured: OnceLock::new(),
             }),
         }
     }
@@ -443,11 +490,52 @@ impl Renewer {
             })
     }
 
+    /// Serves the pull credentials the CRI proxy captures (set once): each tracked ref's
+    /// value carries its repository's, and a capture or a drop is pushed to its watchers.
+    pub fn set_captured(&self, captured: Arc<Captured>) {
+        if self.shared.captured.set(captured).is_ok() {
+            self.shared.wake.notify_one();
+        }
+    }
+
+    /// The captured credential for `image`'s repository.
+    fn captured_for(&self, image: &str) -> Option<(String, CapturedCredential)> {
+        let captured = self.shared.captured.get()?;
+        let name = ImageRef::parse(image).ok()?.name().to_string();
+        let credential = captured.for_repository(&name)?;
+        Some((name, credential))
+    }
+
+    /// Republishes every tracked ref whose captured credential changed.
+    fn apply_captured(&self) {
+        let mut st = self.lock();
+        for (image, rs) in st.refs.iter_mut() {
+            let captured = self.captured_for(image);
+            if rs.value.is_none() && captured.is_none() {
+                continue;
+            }
+            let credentials = rs
+                .value
+                .as_ref()
+                .map(|v| v.credentials.clone())
+                .unwrap_or_default();
+            publish(rs, credentials, captured);
+        }
+    }
+
     /// Runs the renewal loop until `shutdown` turns true.
     pub async fn run(self, mut shutdown: watch::Receiver<bool>) {
+        let mut captured_changes: Option<watch::Receiver<u64>> = None;
         loop {
             if *shutdown.borrow() {
                 return;
+            }
+            if captured_changes.is_none() {
+                if let Some(captured) = self.shared.captured.get() {
+                    let mut rx = captured.changes();
+                    rx.mark_changed();
+                    captured_changes = Some(rx);
+                }
             }
             let now = self.shared.clock.now();
             let grace = self.shared.policy.grace;
@@ -485,10 +573,17 @@ impl Renewer {
                     None => std::future::pending().await,
                 }
             };
+            let captured_changed = async {
+                match captured_changes.as_mut() {
+                    Some(rx) => rx.changed().await.is_ok(),
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 _ = sleep => {}
                 _ = self.shared.wake.notified() => {}
                 _ = shutdown.changed() => {}
+                true = captured_changed => self.apply_captured(),
             }
         }
     }
@@ -515,24 +610,18 @@ impl Renewer {
                     .map(ToString::to_string)
                     .collect::<Vec<_>>()
                     .join("; ");
-                let partial = rs.value.is_none().then_some(l.credentials);
+                let partial = rs
+                    .value
+                    .as_ref()
+                    .is_none_or(|v| v.credentials.is_empty())
+                    .then_some(l.credentials);
                 (partial, l.entries, Some(msg))
             }
             Err(e) => (None, Vec::new(), Some(e.to_string())),
         };
         if let Some(credentials) = credentials {
-            let changed = rs
-                .value
-                .as_ref()
-                .is_none_or(|v| !same(&v.credentials, &credentials));
-            if changed {
-                let value = Arc::new(Value {
-                    revision: rs.value.as_ref().map_or(1, |v| v.revision + 1),
-                    credentials,
-                });
-                rs.value = Some(value.clone());
-                rs.tx.send_replace(Some(value));
-            }
+            let captured = self.captured_for(&image);
+            publish(rs, credentials, captured);
         }
         match error {
             None => {

@@ -570,3 +570,131 @@ async fn pulls_through_the_proxy_reach_the_registry_with_their_credentials() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// A consumer watching an image of a repository sees the proxy capture its pull credential,
+/// the next pull's other credential replace it (rotation) and the removal of the repository's
+/// last image drop it, each as a new revision; a failed pull changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn captures_and_rotations_are_pushed_to_watchers() {
+    use credgate_api::v1::credentials_client::CredentialsClient;
+    use credgate_api::v1::{WatchEvent, WatchRequest};
+
+    if !can_run() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let mut registry = Registry::start(d, USER, PASSWORD);
+    const OTHER: (&str, &str) = ("cri-rotated", "rotated-Pa55word-not-for-logs");
+    let added = Command::new("htpasswd")
+        .args(["-bB", "-C", "4"])
+        .arg(d.join("htpasswd"))
+        .args([OTHER.0, OTHER.1])
+        .stderr(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(added.success());
+    registry.stop();
+    registry.restart();
+    oci_image(d);
+    push(d, &registry, "team/app", USER, PASSWORD);
+    let containerd = Containerd::start(d, Some(&registry));
+    let (agent, proxy) = proxy_agent(d, &containerd.socket);
+    let image = format!("{}/team/app:v1", registry.host());
+    let pull = |user: &str, password: &str| PullImageRequest {
+        image: Some(ImageSpec {
+            image: image.clone(),
+        }),
+        auth: Some(AuthConfig {
+            username: user.into(),
+            password: password.into(),
+        }),
+        sandbox_config: Some(PodSandboxConfig {
+            metadata: Some(PodSandboxMetadata {
+                name: "app-0".into(),
+                namespace: "team-a".into(),
+            }),
+        }),
+    };
+
+    let watched = format!("{}/team/app:v2", registry.host());
+    let channel = credgate_api::connect(&agent.socket).await.unwrap();
+    let mut stream = CredentialsClient::new(channel)
+        .watch(WatchRequest {
+            refs: vec![watched.clone()],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    async fn next(stream: &mut tonic::Streaming<WatchEvent>) -> WatchEvent {
+        tokio::time::timeout(Duration::from_secs(20), stream.message())
+            .await
+            .expect("a Watch event in time")
+            .expect("the stream stays up")
+            .expect("an event")
+    }
+    let captured = |e: &WatchEvent| {
+        e.credentials
+            .iter()
+            .find(|c| c.source_kind == "captured")
+            .map(|c| (c.username.clone(), c.password.clone(), c.source.clone()))
+    };
+    let first = next(&mut stream).await;
+    assert_eq!(first.r#ref, watched);
+    assert_eq!(captured(&first), None, "{first:?}");
+
+    let _: PullImageResponse = call(
+        &proxy,
+        "/runtime.v1.ImageService/PullImage",
+        pull(USER, PASSWORD),
+    )
+    .await
+    .expect("the pull succeeds");
+    let second = next(&mut stream).await;
+    assert_eq!(
+        captured(&second),
+        Some((USER.into(), PASSWORD.into(), "team-a".into()))
+    );
+    assert_eq!(second.credentials[0].source_kind, "captured");
+    assert!(second.revision > first.revision);
+
+    // A failed pull replaces nothing; the next successful one with other credentials does.
+    call::<_, PullImageResponse>(
+        &proxy,
+        "/runtime.v1.ImageService/PullImage",
+        pull(OTHER.0, "wrong-password"),
+    )
+    .await
+    .unwrap_err();
+    let _: PullImageResponse = call(
+        &proxy,
+        "/runtime.v1.ImageService/PullImage",
+        pull(OTHER.0, OTHER.1),
+    )
+    .await
+    .expect("the pull with the rotated credential succeeds");
+    let third = next(&mut stream).await;
+    assert_eq!(
+        captured(&third),
+        Some((OTHER.0.into(), OTHER.1.into(), "team-a".into())),
+        "the failed pull in between must not have been pushed"
+    );
+    assert_eq!(third.revision, second.revision + 1);
+
+    let _: Empty = call(
+        &proxy,
+        "/runtime.v1.ImageService/RemoveImage",
+        RemoveImageRequest {
+            image: Some(ImageSpec {
+                image: image.clone(),
+            }),
+        },
+    )
+    .await
+    .expect("RemoveImage");
+    let fourth = next(&mut stream).await;
+    assert_eq!(captured(&fourth), None, "{fourth:?}");
+    assert_eq!(fourth.revision, third.revision + 1);
+    let log = agent.log_text();
+    assert!(!log.contains(PASSWORD) && !log.contains(OTHER.1));
+}

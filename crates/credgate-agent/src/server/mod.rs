@@ -51,6 +51,19 @@ pub fn credential_ref(c: &CredentialRef<'_>) -> pb::Credential {
     }
 }
 
+/// The wire form of a pull credential the CRI proxy captured for `repository`: source kind
+/// `captured`, the pod's namespace as its source.
+fn captured_credential(repository: &str, c: &crate::captured::Credential) -> pb::Credential {
+    pb::Credential {
+        source_kind: "captured".into(),
+        source: c.namespace.clone(),
+        pattern: repository.to_owned(),
+        username: c.username.clone(),
+        password: c.password.expose_secret().to_owned(),
+        expires_at_unix_ms: 0,
+    }
+}
+
 /// The wire form of a provider's failure.
 pub fn failure(e: &credgate_engine::ProviderError) -> pb::ProviderFailure {
     pb::ProviderFailure {
@@ -275,17 +288,9 @@ impl Api {
                 .map(|c| (answer.image.clone(), c))
         };
         if let Some((repository, c)) = found {
-            answer.credentials.insert(
-                0,
-                pb::Credential {
-                    source_kind: "captured".into(),
-                    source: c.namespace,
-                    pattern: repository,
-                    username: c.username,
-                    password: c.password.expose_secret().to_owned(),
-                    expires_at_unix_ms: 0,
-                },
-            );
+            answer
+                .credentials
+                .insert(0, captured_credential(&repository, &c));
         }
     }
 
@@ -398,7 +403,12 @@ impl Api {
                         let Some(value) = value else { continue };
                         let event = pb::WatchEvent {
                             r#ref: image,
-                            credentials: value.credentials.iter().map(credential).collect(),
+                            credentials: value
+                                .captured
+                                .iter()
+                                .map(|(repository, c)| captured_credential(repository, c))
+                                .chain(value.credentials.iter().map(credential))
+                                .collect(),
                             revision: value.revision,
                         };
                         match tx.send_timeout(Ok(event), send_timeout).await {
