@@ -7,166 +7,25 @@
 mod support;
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+
 use std::time::{Duration, Instant};
 
+use credgate_testbed::cri::*;
+use credgate_testbed::Containerd;
 use support::{oci_image, push, Agent, Registry};
-use tonic::transport::Channel;
 
 const USER: &str = "cri-user";
 const PASSWORD: &str = "cri-Pa55word-not-for-logs";
 
-#[derive(Clone, PartialEq, prost::Message)]
-struct ImageSpec {
-    #[prost(string, tag = "1")]
-    image: String,
-}
-#[derive(Clone, PartialEq, prost::Message)]
-struct AuthConfig {
-    #[prost(string, tag = "1")]
-    username: String,
-    #[prost(string, tag = "2")]
-    password: String,
-}
-#[derive(Clone, PartialEq, prost::Message)]
-struct PodSandboxMetadata {
-    #[prost(string, tag = "1")]
-    name: String,
-    #[prost(string, tag = "3")]
-    namespace: String,
-}
-#[derive(Clone, PartialEq, prost::Message)]
-struct PodSandboxConfig {
-    #[prost(message, optional, tag = "1")]
-    metadata: Option<PodSandboxMetadata>,
-}
-#[derive(Clone, PartialEq, prost::Message)]
-struct PullImageRequest {
-    #[prost(message, optional, tag = "1")]
-    image: Option<ImageSpec>,
-    #[prost(message, optional, tag = "2")]
-    auth: Option<AuthConfig>,
-    #[prost(message, optional, tag = "3")]
-    sandbox_config: Option<PodSandboxConfig>,
-}
-#[derive(Clone, PartialEq, prost::Message)]
-struct PullImageResponse {
-    #[prost(string, tag = "1")]
-    image_ref: String,
-}
-#[derive(Clone, PartialEq, prost::Message)]
-struct Image {
-    #[prost(string, tag = "1")]
-    id: String,
-    #[prost(string, repeated, tag = "2")]
-    repo_tags: Vec<String>,
-}
-#[derive(Clone, PartialEq, prost::Message)]
-struct ListImagesRequest {}
-#[derive(Clone, PartialEq, prost::Message)]
-struct ListImagesResponse {
-    #[prost(message, repeated, tag = "1")]
-    images: Vec<Image>,
-}
-#[derive(Clone, PartialEq, prost::Message)]
-struct ImageStatusRequest {
-    #[prost(message, optional, tag = "1")]
-    image: Option<ImageSpec>,
-}
-#[derive(Clone, PartialEq, prost::Message)]
-struct ImageStatusResponse {
-    #[prost(message, optional, tag = "1")]
-    image: Option<Image>,
-}
-#[derive(Clone, PartialEq, prost::Message)]
-struct Empty {}
-#[derive(Clone, PartialEq, prost::Message)]
-struct RemoveImageRequest {
-    #[prost(message, optional, tag = "1")]
-    image: Option<ImageSpec>,
-}
-#[derive(Clone, PartialEq, prost::Message)]
-struct FilesystemUsage {
-    #[prost(int64, tag = "1")]
-    timestamp: i64,
-}
-#[derive(Clone, PartialEq, prost::Message)]
-struct ImageFsInfoResponse {
-    #[prost(message, repeated, tag = "1")]
-    image_filesystems: Vec<FilesystemUsage>,
-}
-
-/// Debian's containerd with its CRI plugin in a temporary directory.
-struct Containerd {
-    child: Child,
-    socket: PathBuf,
-}
-
-impl Containerd {
-    fn start(dir: &Path, registry: Option<&Registry>) -> Containerd {
-        let base = dir.join("containerd");
-        let certs = base.join("certs.d");
-        std::fs::create_dir_all(&certs).unwrap();
-        if let Some(r) = registry {
-            let host = r.host();
-            std::fs::create_dir_all(certs.join(&host)).unwrap();
-            std::fs::write(
-                certs.join(&host).join("hosts.toml"),
-                format!("server = \"http://{host}\"\n[host.\"http://{host}\"]\n  capabilities = [\"pull\", \"resolve\"]\n"),
-            )
-            .unwrap();
-        }
-        let socket = base.join("containerd.sock");
-        let config = base.join("config.toml");
-        std::fs::write(
-            &config,
-            format!(
-                "version = 2\nroot = \"{b}/root\"\nstate = \"{b}/state\"\n[grpc]\n  address = \"{s}\"\n[plugins.\"io.containerd.grpc.v1.cri\".containerd]\n  snapshotter = \"native\"\n[plugins.\"io.containerd.grpc.v1.cri\".registry]\n  config_path = \"{c}\"\n[plugins.\"io.containerd.grpc.v1.cri\".cni]\n  bin_dir = \"{b}/cni\"\n  conf_dir = \"{b}/cni.d\"\n",
-                b = base.display(),
-                s = socket.display(),
-                c = certs.display(),
-            ),
-        )
-        .unwrap();
-        let child = Command::new("containerd")
-            .arg("--config")
-            .arg(&config)
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(base.join("log")).unwrap())
-            .spawn()
-            .expect("containerd starts");
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while !socket.exists() {
-            assert!(Instant::now() < deadline, "containerd did not come up");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Containerd { child, socket }
-    }
-}
-
-impl Drop for Containerd {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 /// Whether this machine can run the tests; says why not when it cannot.
 fn can_run() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        eprintln!("skipped: containerd needs root");
-        return false;
+    match Containerd::unavailable() {
+        Some(why) => {
+            eprintln!("skipped: {why}");
+            false
+        }
+        None => true,
     }
-    if Command::new("containerd")
-        .arg("--version")
-        .output()
-        .is_err()
-    {
-        eprintln!("skipped: containerd is not installed (apt-get install containerd)");
-        return false;
-    }
-    true
 }
 
 fn proxy_agent(dir: &Path, runtime: &Path) -> (Agent, PathBuf) {
@@ -188,34 +47,13 @@ fn proxy_agent(dir: &Path, runtime: &Path) -> (Agent, PathBuf) {
     (agent, proxy)
 }
 
-async fn call<Req, Resp>(
-    socket: &Path,
-    method: &'static str,
-    req: Req,
-) -> Result<Resp, tonic::Status>
-where
-    Req: prost::Message + Send + Sync + 'static,
-    Resp: prost::Message + Default + Send + Sync + 'static,
-{
-    let channel: Channel = credgate_api::connect(socket).await.unwrap();
-    let mut grpc = tonic::client::Grpc::new(channel);
-    grpc.ready().await.unwrap();
-    grpc.unary(
-        tonic::Request::new(req),
-        tonic::codegen::http::uri::PathAndQuery::from_static(method),
-        tonic_prost::ProstCodec::default(),
-    )
-    .await
-    .map(tonic::Response::into_inner)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn image_service_calls_pass_through_with_the_runtimes_answers() {
     if !can_run() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let containerd = Containerd::start(dir.path(), None);
+    let containerd = Containerd::start(dir.path(), &[]);
     let (agent, proxy) = proxy_agent(dir.path(), &containerd.socket);
     for socket in [&containerd.socket, &proxy] {
         let list: ListImagesResponse = call(
@@ -321,7 +159,7 @@ async fn pulls_through_the_proxy_reach_the_registry_with_their_credentials() {
     let registry = Registry::start(d, USER, PASSWORD);
     oci_image(d);
     push(d, &registry, "team/app", USER, PASSWORD);
-    let containerd = Containerd::start(d, Some(&registry));
+    let containerd = Containerd::start(d, &[registry.host()]);
     let (agent, proxy) = proxy_agent(d, &containerd.socket);
     let image = format!("{}/team/app:v1", registry.host());
     let pull = |password: Option<&str>| PullImageRequest {
@@ -586,19 +424,10 @@ async fn captures_and_rotations_are_pushed_to_watchers() {
     let d = dir.path();
     let mut registry = Registry::start(d, USER, PASSWORD);
     const OTHER: (&str, &str) = ("cri-rotated", "rotated-Pa55word-not-for-logs");
-    let added = Command::new("htpasswd")
-        .args(["-bB", "-C", "4"])
-        .arg(d.join("htpasswd"))
-        .args([OTHER.0, OTHER.1])
-        .stderr(Stdio::null())
-        .status()
-        .unwrap();
-    assert!(added.success());
-    registry.stop();
-    registry.restart();
+    registry.add_user(OTHER.0, OTHER.1);
     oci_image(d);
     push(d, &registry, "team/app", USER, PASSWORD);
-    let containerd = Containerd::start(d, Some(&registry));
+    let containerd = Containerd::start(d, &[registry.host()]);
     let (agent, proxy) = proxy_agent(d, &containerd.socket);
     let image = format!("{}/team/app:v1", registry.host());
     let pull = |user: &str, password: &str| PullImageRequest {

@@ -55,7 +55,7 @@ fn private_registry(d: &std::path::Path) -> (TokenServer, Registry, String) {
             ("bob", "bob-pw", &["team-b/app"]),
         ],
     );
-    let registry = Registry::start_with_tokens(d, &tokens);
+    let registry = support::registry_with_tokens(d, &tokens);
     oci_image(d);
     push(d, &registry, "team-a/app", ADMIN.0, ADMIN.1);
     push(d, &registry, "team-b/app", ADMIN.0, ADMIN.1);
@@ -275,7 +275,7 @@ async fn node_wide_verification_uses_the_nodes_providers() {
             ("node", "node-pw", &["team-a/app"]),
         ],
     );
-    let registry = Registry::start_with_tokens(d, &tokens);
+    let registry = support::registry_with_tokens(d, &tokens);
     oci_image(d);
     push(d, &registry, "team-a/app", ADMIN.0, ADMIN.1);
     let digest = digest_of(&registry, "team-a/app");

@@ -1,0 +1,17 @@
+//! Real parts for credgate's end-to-end tests and benchmarks, each owning its child process
+//! and stopping exactly that PID when dropped:
+//!
+//! - [`Registry`]: Debian's `docker-registry` on 127.0.0.1 with htpasswd (or any other) auth;
+//! - [`oci_image`] and [`push`]: a one-layer OCI image, pushed with skopeo;
+//! - [`Containerd`]: Debian's containerd with its CRI plugin, the native snapshotter and a
+//!   private root, state and socket in a temporary directory;
+//! - [`cri`]: the CRI image-service messages a kubelet sends, and a unary call over a socket.
+
+pub mod cri;
+mod image;
+mod process;
+mod registry;
+
+pub use image::{oci_image, push};
+pub use process::{require, run, wait_for_exit, Containerd};
+pub use registry::Registry;

@@ -1,0 +1,123 @@
+//! Child processes: required tools, commands that must succeed, and containerd.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// Panics with the package to install when `tool` is not on PATH.
+pub fn require(tool: &str) {
+    let found = Command::new("sh")
+        .args(["-c", &format!("command -v {tool}")])
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
+    assert!(
+        found,
+        "{tool} is required: apt-get install -y docker-registry skopeo apache2-utils containerd (scripts/test does this as root)"
+    );
+}
+
+/// Runs `cmd`; panics with its output when it fails.
+pub fn run(cmd: &mut Command) -> Output {
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// Sends `signal` to our own child.
+pub(crate) fn signal(child: &Child, signal: rustix::process::Signal) {
+    if let Some(pid) = rustix::process::Pid::from_raw(child.id() as i32) {
+        let _ = rustix::process::kill_process(pid, signal);
+    }
+}
+
+/// Waits for a child with a deadline; kills it when the deadline passes.
+pub fn wait_for_exit(child: &mut Child, limit: Duration) -> Option<std::process::ExitStatus> {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if let Some(status) = child.try_wait().unwrap() {
+            return Some(status);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    None
+}
+
+/// Debian's containerd with its CRI plugin, in `dir/containerd`.
+pub struct Containerd {
+    child: Child,
+    /// Its CRI (and containerd) socket.
+    pub socket: PathBuf,
+}
+
+impl Containerd {
+    /// Why containerd cannot run here (not root, not installed), when it cannot.
+    pub fn unavailable() -> Option<&'static str> {
+        if !rustix::process::geteuid().is_root() {
+            return Some("containerd needs root");
+        }
+        if Command::new("containerd")
+            .arg("--version")
+            .output()
+            .is_err()
+        {
+            return Some("containerd is not installed (apt-get install containerd)");
+        }
+        None
+    }
+
+    /// Starts containerd in `dir/containerd`; `registry_hosts` are plain-HTTP registries
+    /// (`127.0.0.1:PORT`) it may pull from.
+    pub fn start(dir: &Path, registry_hosts: &[String]) -> Containerd {
+        let base = dir.join("containerd");
+        let certs = base.join("certs.d");
+        std::fs::create_dir_all(&certs).unwrap();
+        for host in registry_hosts {
+            std::fs::create_dir_all(certs.join(host)).unwrap();
+            std::fs::write(
+                certs.join(host).join("hosts.toml"),
+                format!("server = \"http://{host}\"\n[host.\"http://{host}\"]\n  capabilities = [\"pull\", \"resolve\"]\n"),
+            )
+            .unwrap();
+        }
+        let socket = base.join("containerd.sock");
+        let config = base.join("config.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "version = 2\nroot = \"{b}/root\"\nstate = \"{b}/state\"\n[grpc]\n  address = \"{s}\"\n[plugins.\"io.containerd.grpc.v1.cri\".containerd]\n  snapshotter = \"native\"\n[plugins.\"io.containerd.grpc.v1.cri\".registry]\n  config_path = \"{c}\"\n[plugins.\"io.containerd.grpc.v1.cri\".cni]\n  bin_dir = \"{b}/cni\"\n  conf_dir = \"{b}/cni.d\"\n",
+                b = base.display(),
+                s = socket.display(),
+                c = certs.display(),
+            ),
+        )
+        .unwrap();
+        let child = Command::new("containerd")
+            .arg("--config")
+            .arg(&config)
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(base.join("log")).unwrap())
+            .spawn()
+            .expect("containerd starts");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !socket.exists() {
+            assert!(Instant::now() < deadline, "containerd did not come up");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Containerd { child, socket }
+    }
+}
+
+impl Drop for Containerd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

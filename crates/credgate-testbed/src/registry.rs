@@ -1,0 +1,138 @@
+//! Debian's `docker-registry` (distribution 2.8) on 127.0.0.1.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use crate::process::{require, run, signal, wait_for_exit};
+
+/// A registry on 127.0.0.1, storing in `dir/data`.
+pub struct Registry {
+    child: Child,
+    config: PathBuf,
+    dir: PathBuf,
+    pub port: u16,
+}
+
+impl Registry {
+    /// Starts a registry in `dir` whose only user is `user`:`password` (htpasswd in
+    /// `dir/htpasswd`).
+    pub fn start(dir: &Path, user: &str, password: &str) -> Registry {
+        require("htpasswd");
+        run(Command::new("htpasswd")
+            .args(["-cbB", "-C", "4"])
+            .arg(dir.join("htpasswd"))
+            .args([user, password]));
+        Self::with_auth(
+            dir,
+            &format!(
+                "  htpasswd:\n    realm: credgate-test\n    path: {}\n",
+                dir.join("htpasswd").display()
+            ),
+        )
+    }
+
+    /// Starts a registry in `dir` with `auth` as its config's `auth:` section (indented by
+    /// two spaces).
+    pub fn with_auth(dir: &Path, auth: &str) -> Registry {
+        require("docker-registry");
+        let config = dir.join("registry.yml");
+        std::fs::write(
+            &config,
+            format!(
+                "version: 0.1\nlog:\n  level: info\n  accesslog:\n    disabled: true\nstorage:\n  filesystem:\n    rootdirectory: {}\nhttp:\n  addr: 127.0.0.1:0\nauth:\n{auth}",
+                dir.join("data").display(),
+            ),
+        )
+        .unwrap();
+        Self::spawn(&config, dir)
+    }
+
+    fn spawn(config: &Path, dir: &Path) -> Registry {
+        let mut child = Command::new("docker-registry")
+            .arg("serve")
+            .arg(config)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("docker-registry starts");
+        let stderr = child.stderr.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        // Reads the registry's log until it ends (with the registry), so that it never blocks
+        // on a full pipe.
+        std::thread::spawn(move || {
+            let mut tx = Some(tx);
+            for line in BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                if let Some(i) = line.find("listening on 127.0.0.1:") {
+                    let rest = &line[i + "listening on 127.0.0.1:".len()..];
+                    let port: String = rest.chars().take_while(char::is_ascii_digit).collect();
+                    if let Some(tx) = tx.take() {
+                        let _ = tx.send(port.parse::<u16>().unwrap());
+                    }
+                }
+            }
+        });
+        let port = rx
+            .recv_timeout(Duration::from_secs(20))
+            .expect("registry reports its port");
+        Registry {
+            child,
+            config: config.to_path_buf(),
+            dir: dir.to_path_buf(),
+            port,
+        }
+    }
+
+    /// `127.0.0.1:PORT`.
+    pub fn host(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// Adds `user`:`password` to the htpasswd file and restarts the registry to read it.
+    pub fn add_user(&mut self, user: &str, password: &str) {
+        run(Command::new("htpasswd")
+            .args(["-bB", "-C", "4"])
+            .arg(self.dir.join("htpasswd"))
+            .args([user, password]));
+        self.stop();
+        self.restart();
+    }
+
+    /// Stops the registry now (SIGTERM, waited for).
+    pub fn stop(&mut self) {
+        signal(&self.child, rustix::process::Signal::TERM);
+        let _ = wait_for_exit(&mut self.child, Duration::from_secs(5));
+    }
+
+    /// Kills the registry outright (SIGKILL, waited for): connections die mid-request.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Starts the registry again on the same port with the same storage and auth.
+    pub fn restart(&mut self) {
+        let config = std::fs::read_to_string(&self.config).unwrap().replace(
+            "addr: 127.0.0.1:0\n",
+            &format!("addr: 127.0.0.1:{}\n", self.port),
+        );
+        std::fs::write(&self.config, config).unwrap();
+        let again = Self::spawn(&self.config, &self.dir);
+        assert_eq!(again.port, self.port);
+        *self = again;
+    }
+}
+
+impl Drop for Registry {
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_some() {
+            return;
+        }
+        signal(&self.child, rustix::process::Signal::TERM);
+        if wait_for_exit(&mut self.child, Duration::from_secs(5)).is_none() {
+            let _ = self.child.kill();
+        }
+    }
+}
