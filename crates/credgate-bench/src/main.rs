@@ -3,11 +3,12 @@
 //!
 //! Scenarios: `hit` (warm-cache lookups from G threads), `burst` (K concurrent cold lookups),
 //! `miss` (sequential lookups that each run the plugin), `rawexec` (the plugin spawned with no
-//! credgate code around it: the floor for `miss`), and over the agent's socket `rpc-hit` and
-//! `helper` (see [`agent`]).
+//! credgate code around it: the floor for `miss`), over the agent's socket `rpc-hit` and
+//! `helper` (see [`agent`]), and `cri-proxy` beside containerd (see [`cri`]).
 
 mod adversary;
 mod agent;
+mod cri;
 mod guard;
 mod soak;
 
@@ -40,6 +41,9 @@ enum Scenario {
     /// credgate-credential-provider (the kubelet bridge) beside a do-nothing run, and a burst
     /// of 100 bridge processes for 100 images of one registry.
     Bridge,
+    /// The CRI image-service proxy beside containerd called straight: ImageStatus p50/p99
+    /// and PullImage of a small image (needs root, containerd, docker-registry, skopeo).
+    CriProxy,
     GuardCheck,
     GuardRecord,
     GuardOpen,
@@ -160,6 +164,7 @@ fn main() -> Result<()> {
         Scenario::RpcHit => agent::rpc_hit(&args),
         Scenario::Helper => agent::helper(&args),
         Scenario::Bridge => agent::bridge(&args),
+        Scenario::CriProxy => cri::cri_proxy(&args),
         Scenario::GuardCheck => guard::check(&args),
         Scenario::GuardRecord => guard::record(&args),
         Scenario::GuardOpen => guard::open(&args),

@@ -57,6 +57,11 @@ struct Args {
     /// The plugin directory of the fallback's config.
     #[arg(long, value_name = "DIR")]
     image_credential_provider_bin_dir: Option<PathBuf>,
+    /// Also answer with the pull credential the CRI proxy captured for the image's repository:
+    /// for a lazy-pull snapshotter that runs this bridge (nydus-snapshotter). Never for the
+    /// kubelet: it would pull one pod's image with another pod's secret.
+    #[arg(long)]
+    captured: bool,
 }
 
 fn main() -> ExitCode {
@@ -129,6 +134,7 @@ fn run(args: &Args) -> Result<Zeroizing<Vec<u8>>, String> {
         service_account,
         provider: provider.clone(),
         caller: "kubelet".into(),
+        include_captured: args.captured,
         ..Default::default()
     };
     let socket = credgate_api::socket_path(args.socket.as_deref());

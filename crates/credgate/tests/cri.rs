@@ -7,6 +7,7 @@
 mod support;
 
 use std::path::{Path, PathBuf};
+use std::process::Command;
 
 use std::time::{Duration, Instant};
 
@@ -29,16 +30,20 @@ fn can_run() -> bool {
 }
 
 fn proxy_agent(dir: &Path, runtime: &Path) -> (Agent, PathBuf) {
+    proxy_agent_with(dir, runtime, &[])
+}
+
+fn proxy_agent_with(dir: &Path, runtime: &Path, more: &[&str]) -> (Agent, PathBuf) {
     let proxy = dir.join("cri.sock");
-    let agent = Agent::start(
-        dir,
-        &[
-            "--cri-proxy-socket",
-            proxy.to_str().unwrap(),
-            "--cri-runtime-endpoint",
-            &format!("unix://{}", runtime.display()),
-        ],
-    );
+    let runtime = format!("unix://{}", runtime.display());
+    let mut args = vec![
+        "--cri-proxy-socket",
+        proxy.to_str().unwrap(),
+        "--cri-runtime-endpoint",
+        &runtime,
+    ];
+    args.extend_from_slice(more);
+    let agent = Agent::start(dir, &args);
     let deadline = Instant::now() + Duration::from_secs(20);
     while !proxy.exists() {
         assert!(Instant::now() < deadline, "the CRI proxy did not come up");
@@ -428,7 +433,30 @@ async fn captures_and_rotations_are_pushed_to_watchers() {
     oci_image(d);
     push(d, &registry, "team/app", USER, PASSWORD);
     let containerd = Containerd::start(d, &[registry.host()]);
-    let (agent, proxy) = proxy_agent(d, &containerd.socket);
+    // A provider for the registry that has no credential of its own, for the kubelet bridge.
+    let bin = d.join("plugins");
+    std::fs::create_dir_all(&bin).unwrap();
+    support::write_script(
+        &bin.join("nothing"),
+        r#"cat >/dev/null
+printf '{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.kubelet.k8s.io/v1","cacheKeyType":"Registry","cacheDuration":"1m","auth":{}}'"#,
+    );
+    let config = d.join("providers.yaml");
+    std::fs::write(
+        &config,
+        format!("apiVersion: kubelet.config.k8s.io/v1\nkind: CredentialProviderConfig\nproviders:\n- name: nothing\n  matchImages: [\"{}\"]\n  defaultCacheDuration: 1m\n  apiVersion: credentialprovider.kubelet.k8s.io/v1\n", registry.host()),
+    )
+    .unwrap();
+    let (agent, proxy) = proxy_agent_with(
+        d,
+        &containerd.socket,
+        &[
+            "--image-credential-provider-config",
+            config.to_str().unwrap(),
+            "--image-credential-provider-bin-dir",
+            bin.to_str().unwrap(),
+        ],
+    );
     let image = format!("{}/team/app:v1", registry.host());
     let pull = |user: &str, password: &str| PullImageRequest {
         image: Some(ImageSpec {
@@ -486,6 +514,32 @@ async fn captures_and_rotations_are_pushed_to_watchers() {
     );
     assert_eq!(second.credentials[0].source_kind, "captured");
     assert!(second.revision > first.revision);
+
+    // The kubelet bridge serves it to a snapshotter that asks (`--captured`), keyed by the
+    // repository, and never to the kubelet.
+    let bridge = |more: &[&str]| -> serde_json::Value {
+        let out = support::output_with_stdin(
+            Command::new(env!("CARGO_BIN_EXE_credgate-credential-provider"))
+                .args(["--provider", "nothing"])
+                .args(more)
+                .env("CREDGATE_SOCKET", &agent.socket),
+            format!(r#"{{"apiVersion":"credentialprovider.kubelet.k8s.io/v1","kind":"CredentialProviderRequest","image":"{watched}"}}"#).as_bytes(),
+        );
+        assert!(out.status.success(), "{}", support::text(&out.stderr));
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let repository = format!("{}/team/app", registry.host());
+    let snapshotter = bridge(&["--captured"]);
+    assert_eq!(
+        snapshotter["auth"][&repository]["username"], USER,
+        "{snapshotter}"
+    );
+    assert_eq!(snapshotter["auth"][&repository]["password"], PASSWORD);
+    let kubelet = bridge(&[]);
+    assert!(
+        kubelet["auth"].as_object().is_none_or(|a| a.is_empty()),
+        "{kubelet}"
+    );
 
     // A failed pull replaces nothing; the next successful one with other credentials does.
     call::<_, PullImageResponse>(

@@ -327,7 +327,11 @@ impl Api {
             request.min_valid_for = min_valid_for.max(lead + Duration::from_millis(1));
             lookup = engine.lookup(&request).await.map_err(invalid)?;
         }
-        Ok(provider_answer(&lookup, &policy, clock.now()))
+        let mut answer = provider_answer(&lookup, &policy, clock.now());
+        if req.include_captured {
+            self.with_captured(&mut answer, false);
+        }
+        Ok(answer)
     }
 
     fn status_inner(&self) -> pb::StatusResponse {
