@@ -580,4 +580,7 @@ printf '{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.ku
     assert_eq!(fourth.revision, third.revision + 1);
     let log = agent.log_text();
     assert!(!log.contains(PASSWORD) && !log.contains(OTHER.1));
+    // SIGTERM stops the proxy's thread with the rest, and its socket goes.
+    assert!(agent.stop().success());
+    assert!(!proxy.exists());
 }

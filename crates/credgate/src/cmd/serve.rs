@@ -163,11 +163,24 @@ pub async fn run(args: ServeArgs) -> Result<Outcome> {
             shutdown_timeout: limits.shutdown_timeout,
             check_every: args.captured_check_interval,
         };
-        cri_proxy = Some((
-            path.clone(),
-            socket::identity(path),
-            tokio::spawn(credgate_agent::cri::serve(listener, options, stop)),
-        ));
+        let listener = listener.into_std()?;
+        // Its own thread and single-threaded runtime: a proxied call's tasks (the kubelet's
+        // connection, the call, the runtime's connection) wake each other on one thread
+        // instead of across workers.
+        let thread = std::thread::Builder::new()
+            .name("cri-proxy".into())
+            .spawn(move || -> std::io::Result<()> {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()?;
+                runtime.block_on(async move {
+                    let listener = tokio::net::UnixListener::from_std(listener)?;
+                    credgate_agent::cri::serve(listener, options, stop).await;
+                    Ok(())
+                })
+            })
+            .context("cannot start the CRI proxy's thread")?;
+        cri_proxy = Some((path.clone(), socket::identity(path), thread));
     }
     tokio::spawn(signals(agent.clone(), stop_tx)?);
     tracing::info!(
@@ -181,8 +194,12 @@ pub async fn run(args: ServeArgs) -> Result<Outcome> {
     // the listener's readiness woke, instead of that worker waking this thread to accept.
     let served = tokio::spawn(server::serve_with(agent, listener, limits, stop_rx)).await;
     socket::remove_if_ours(&socket_path, bound);
-    if let Some((path, id, task)) = cri_proxy {
-        let _ = task.await;
+    if let Some((path, id, thread)) = cri_proxy {
+        match tokio::task::spawn_blocking(move || thread.join()).await {
+            Ok(Ok(Ok(()))) => {}
+            Ok(Ok(Err(e))) => tracing::error!(error = %e, "the CRI proxy failed"),
+            _ => tracing::error!("the CRI proxy's thread panicked"),
+        }
         socket::remove_if_ours(&path, id);
     }
     renewal_task.abort();
