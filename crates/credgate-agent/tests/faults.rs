@@ -20,10 +20,7 @@ struct Tmpfs {
 
 impl Tmpfs {
     fn mount(options: &str) -> Option<Tmpfs> {
-        if unsafe { libc::geteuid() } != 0 {
-            eprintln!("skipped: mounting a tmpfs for fault injection needs root");
-            return None;
-        }
+        credgate_testbed::require_root("mounting a tmpfs for fault injection");
         let dir = tempfile::tempdir().unwrap();
         let ok = Command::new("mount")
             .args(["-t", "tmpfs", "-o", options, "credgate-faults"])
@@ -126,6 +123,7 @@ fn fill(dir: &Path) -> PathBuf {
 }
 
 #[tokio::test]
+#[ignore = "needs root"]
 async fn a_full_state_directory_fails_safe_and_recovers() {
     let Some(fs) = Tmpfs::mount("size=4m,mode=0700") else {
         return;
@@ -186,6 +184,7 @@ async fn a_full_state_directory_fails_safe_and_recovers() {
 }
 
 #[tokio::test]
+#[ignore = "needs root"]
 async fn a_read_only_state_directory_fails_safe_until_writable() {
     let Some(fs) = Tmpfs::mount("size=4m,mode=0700") else {
         return;

@@ -342,18 +342,12 @@ fn as_uid<T: Send + 'static>(uid: u32, f: impl FnOnce() -> T + Send + 'static) -
     .unwrap()
 }
 
-fn is_root() -> bool {
-    rustix::process::geteuid().is_root()
-}
-
 /// Another local user holding silent connections cannot starve root: the user gets its share,
 /// root still gets in. Needs root to connect as another uid.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
 async fn another_users_silent_connections_do_not_starve_root() {
-    if !is_root() {
-        eprintln!("skipped: connecting as another uid needs root");
-        return;
-    }
+    credgate_testbed::require_root("connecting as another uid");
     let s = Server::start(
         Limits {
             max_connections: 16,
@@ -390,11 +384,9 @@ async fn another_users_silent_connections_do_not_starve_root() {
 
 /// A uid that no service admits is closed as soon as it connects.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
 async fn a_uid_no_service_admits_is_closed_at_once() {
-    if !is_root() {
-        eprintln!("skipped: connecting as another uid needs root");
-        return;
-    }
+    credgate_testbed::require_root("connecting as another uid");
     let mut callers = CallerAllowlist::default();
     for service in Service::ALL {
         callers.allow(service, [4321]);

@@ -573,11 +573,9 @@ printf '{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.ku
 /// `XDG_RUNTIME_DIR`) is refused by the agent, and a socket there by clients. Needs root to
 /// give the directory to another user.
 #[tokio::test]
+#[ignore = "needs root"]
 async fn a_socket_directory_another_user_owns_is_refused_by_agent_and_clients() {
-    if !rustix::process::geteuid().is_root() {
-        eprintln!("skipped: giving a directory to another user needs root");
-        return;
-    }
+    credgate_testbed::require_root("giving a directory to another user");
     let dir = tempfile::tempdir().unwrap();
     let theirs = dir.path().join("credgate-0");
     std::fs::create_dir(&theirs).unwrap();

@@ -121,3 +121,13 @@ impl Drop for Containerd {
         let _ = self.child.wait();
     }
 }
+
+/// For a test marked `#[ignore = "needs root"]`: panics unless this process is root, so that
+/// running ignored tests elsewhere fails loudly instead of passing. `scripts/test` runs them
+/// (`--run-ignored all`) when it runs as root; otherwise nextest reports them skipped.
+pub fn require_root(why: &str) {
+    assert!(
+        rustix::process::geteuid().is_root(),
+        "this test needs root ({why}): run it as root, as scripts/test does"
+    );
+}

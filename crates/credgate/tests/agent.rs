@@ -178,12 +178,10 @@ fn as_user(uid: u32, program: &str) -> Command {
 /// `--allow-uids`: callers are told apart by the socket's peer credentials. Needs root to call
 /// as other uids (CI runs as root); elsewhere it says so and returns.
 #[test]
+#[ignore = "needs root"]
 fn per_service_uid_allowlists_refuse_other_callers() {
     use std::os::unix::fs::PermissionsExt;
-    if unsafe { libc::geteuid() } != 0 {
-        eprintln!("skipped: calling as other uids needs root");
-        return;
-    }
+    credgate_testbed::require_root("calling as other uids");
     support::require("setpriv");
     let dir = tempfile::tempdir().unwrap();
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
@@ -437,13 +435,11 @@ printf '{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.ku
 /// as another user, so other processes of that user cannot read its memory. Needs root to run
 /// the agent as another user.
 #[test]
+#[ignore = "needs root"]
 fn the_agent_is_not_dumpable() {
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
     use std::time::Duration;
-    if unsafe { libc::geteuid() } != 0 {
-        eprintln!("skipped: running the agent as another user needs root");
-        return;
-    }
+    credgate_testbed::require_root("running the agent as another user");
     support::require("setpriv");
     let dir = tempfile::tempdir().unwrap();
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
