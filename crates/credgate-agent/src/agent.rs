@@ -106,8 +106,7 @@ impl CallerAllowlist {
 }
 
 fn own_uid() -> u32 {
-    // SAFETY: geteuid(2) has no preconditions.
-    unsafe { libc::geteuid() }
+    rustix::process::geteuid().as_raw()
 }
 
 /// What a reload did.

@@ -128,24 +128,5 @@ fn group_id(name: &str) -> Result<u32, SocketError> {
     if let Ok(gid) = name.parse::<u32>() {
         return Ok(gid);
     }
-    let unknown = || SocketError::UnknownGroup(name.to_owned());
-    let c_name = std::ffi::CString::new(name.as_bytes()).map_err(|_| unknown())?;
-    let mut group: libc::group = unsafe { std::mem::zeroed() };
-    let mut buf = vec![0u8; 16 * 1024];
-    let mut result: *mut libc::group = std::ptr::null_mut();
-    // SAFETY: every pointer is valid for the call: a NUL-terminated name, a group struct, a
-    // buffer with its true length and the out pointer; getgrnam_r is the thread-safe variant.
-    let rc = unsafe {
-        libc::getgrnam_r(
-            c_name.as_ptr(),
-            &mut group,
-            buf.as_mut_ptr().cast(),
-            buf.len(),
-            &mut result,
-        )
-    };
-    if rc != 0 || result.is_null() {
-        return Err(unknown());
-    }
-    Ok(group.gr_gid)
+    credgate_engine::sys::group_id(name).ok_or_else(|| SocketError::UnknownGroup(name.to_owned()))
 }

@@ -37,8 +37,7 @@ pub const API: &str = "credgate.v1";
 
 /// Whether this process runs as root.
 pub fn is_root() -> bool {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    unsafe { libc::geteuid() == 0 }
+    rustix::process::geteuid().is_root()
 }
 
 /// The default socket: `/run/credgate/credgate.sock` as root, `$XDG_RUNTIME_DIR/credgate.sock`
@@ -52,8 +51,7 @@ pub fn default_socket_path() -> PathBuf {
     if let Some(dir) = std::env::var_os("XDG_RUNTIME_DIR").filter(|v| !v.is_empty()) {
         return PathBuf::from(dir).join("credgate.sock");
     }
-    // SAFETY: getuid has no preconditions and cannot fail.
-    let uid = unsafe { libc::getuid() };
+    let uid = rustix::process::getuid().as_raw();
     let run_user = PathBuf::from(format!("/run/user/{uid}"));
     if trust::check_dir(&run_user, trust::Owner::Me).is_ok() {
         return run_user.join("credgate.sock");

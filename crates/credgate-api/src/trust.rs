@@ -40,8 +40,7 @@ pub enum Owner {
 }
 
 fn euid() -> u32 {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    unsafe { libc::geteuid() }
+    rustix::process::geteuid().as_raw()
 }
 
 /// Checks metadata already taken (with `symlink_metadata`, or of an open file).

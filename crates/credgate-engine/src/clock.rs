@@ -24,18 +24,12 @@ pub struct SystemClock {
 
 /// Reads `CLOCK_MONOTONIC_COARSE`, or its resolution.
 fn coarse_clock(resolution: bool) -> Duration {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
+    use rustix::time::ClockId;
+    let ts = if resolution {
+        rustix::time::clock_getres(ClockId::MonotonicCoarse)
+    } else {
+        rustix::time::clock_gettime(ClockId::MonotonicCoarse)
     };
-    // SAFETY: both calls write one timespec into the valid, exclusively borrowed `ts`.
-    unsafe {
-        if resolution {
-            libc::clock_getres(libc::CLOCK_MONOTONIC_COARSE, &mut ts);
-        } else {
-            libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts);
-        }
-    }
     Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
 }
 

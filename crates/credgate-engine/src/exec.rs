@@ -302,13 +302,6 @@ fn exits_soon(pid: i32) -> Peek {
     }
 }
 
-/// `fd` (non-blocking) registered with the runtime's reactor.
-fn watched(fd: OwnedFd, interest: Interest) -> io::Result<AsyncFd<OwnedFd>> {
-    // SAFETY: an OwnedFd is an open descriptor that stays the same until it is dropped, and
-    // only the AsyncFd that now owns it can drop it.
-    Ok(unsafe { AsyncFd::register_with_interest(fd, interest) }?)
-}
-
 /// Bytes a read asks for: a usual answer in one.
 const READ_CHUNK: usize = 8192;
 
@@ -369,7 +362,7 @@ impl Stream {
         };
         // Blocking until now: the inline wait reads only after poll(2) says so.
         spawn::set_nonblocking(&fd)?;
-        let fd = watched(fd, Interest::READABLE)?;
+        let fd = crate::sys::register(fd, Interest::READABLE)?;
         loop {
             let mut ready = fd.readable().await?;
             let (buf, cap, keep_tail) = (&mut self.buf, self.cap, self.keep_tail);
@@ -497,7 +490,7 @@ async fn exec(
         Err(_) => input.len(),
     };
     let stdin = if written < input.len() {
-        Some(watched(child.stdin, Interest::WRITABLE).map_err(io_error)?)
+        Some(crate::sys::register(child.stdin, Interest::WRITABLE).map_err(io_error)?)
     } else {
         drop(child.stdin);
         None
@@ -704,8 +697,9 @@ mod tests {
             "{took:?}"
         );
         if let Ok(pid) = std::fs::read_to_string(&pid_file) {
-            // SAFETY: kill(2) of the test's own escapee; it touches no memory.
-            unsafe { libc::kill(pid.trim().parse().unwrap(), libc::SIGKILL) };
+            if let Some(pid) = rustix::process::Pid::from_raw(pid.trim().parse().unwrap()) {
+                let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+            }
         }
     }
 

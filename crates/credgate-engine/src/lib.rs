@@ -47,6 +47,7 @@ pub mod provider;
 pub mod source;
 mod spawn;
 pub mod sweep;
+pub mod sys;
 mod watchdog;
 
 pub use engine::{

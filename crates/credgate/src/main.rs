@@ -24,14 +24,11 @@ pub enum Outcome {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     if matches!(cli.command, Command::Serve(_)) {
-        cmd::serve::limit_malloc_arenas();
+        credgate_engine::sys::limit_malloc_arenas();
     }
     if !matches!(cli.command, Command::Serve(_)) {
         // A CLI piped into `head` ends quietly when the pipe closes, like other Unix tools.
-        // SAFETY: restoring the default disposition of SIGPIPE before any thread starts.
-        unsafe {
-            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
-        }
+        credgate_engine::sys::default_sigpipe();
     }
     let (default_level, json) = match &cli.command {
         Command::Serve(a) => ("info", a.log_format == LogFormat::Json),

@@ -41,8 +41,10 @@ fn serves_the_example_and_reloads_on_sighup() {
     let identity = status["config_identity"].as_str().unwrap().to_owned();
     assert!(identity.starts_with("sha256:"));
     // Every call is logged with the caller's credentials from the socket (SO_PEERCRED).
-    // SAFETY: getuid/getgid have no preconditions.
-    let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
+    let (uid, gid) = (
+        rustix::process::getuid().as_raw(),
+        rustix::process::getgid().as_raw(),
+    );
     let log = agent.log_text();
     assert!(
         log.lines().any(|l| l.contains("api call")
@@ -291,8 +293,9 @@ struct KillMarked(u32);
 impl Drop for KillMarked {
     fn drop(&mut self) {
         for pid in marked_by(self.0) {
-            // SAFETY: kill(2) with a pid and a signal.
-            unsafe { libc::kill(pid, libc::SIGKILL) };
+            if let Some(pid) = rustix::process::Pid::from_raw(pid) {
+                let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+            }
         }
     }
 }

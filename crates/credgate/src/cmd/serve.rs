@@ -208,20 +208,6 @@ pub async fn run(args: ServeArgs) -> Result<Outcome> {
     Ok(Outcome::Yes)
 }
 
-/// glibc gives each new thread its own malloc arena (up to eight per core), and memory freed in
-/// one arena is not reused by threads of another. Under connection churn beside plugin runs
-/// (which start and retire threads) the soak's adversarial phase measured RSS climbing without
-/// a plateau with the default, and the live set alone with one arena; two keep allocation from
-/// contending while bounding the spread.
-pub fn limit_malloc_arenas() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    {
-        // SAFETY: called from `main` before any other thread exists; mallopt only changes an
-        // allocator parameter, and any positive value is valid for M_ARENA_MAX.
-        let _ = unsafe { libc::mallopt(libc::M_ARENA_MAX, 2) };
-    }
-}
-
 /// Descriptors the agent keeps for itself beyond its connections: plugin pipes, the store,
 /// registry connections, the metrics listener's own connections.
 const RESERVED_DESCRIPTORS: usize = 256;

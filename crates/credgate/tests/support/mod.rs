@@ -38,10 +38,9 @@ pub fn path_with_helper() -> String {
 }
 
 fn signal(child: &Child, sig: i32) {
-    // SAFETY: kill(2) on our own child's PID.
-    unsafe {
-        libc::kill(child.id() as i32, sig);
-    }
+    let pid = rustix::process::Pid::from_raw(child.id() as i32).expect("a child's pid");
+    let sig = rustix::process::Signal::from_named_raw(sig).expect("a named signal");
+    let _ = rustix::process::kill_process(pid, sig);
 }
 
 /// `credgate serve` as a child process.
