@@ -1,8 +1,8 @@
 //! The workspace's only `unsafe` code: the C library calls that have no safe form in rustix or
 //! std. Every other crate and module denies `unsafe_code` (`[workspace.lints]`).
 //!
-//! - [`posix_spawn`]: a plugin run's spawn (see `spawn` for why not `std::process::Command`);
-//! - [`register`]: a descriptor on tokio's reactor;
+//! - `posix_spawn`: a plugin run's spawn (see `spawn` for why not `std::process::Command`);
+//! - `register`: a descriptor on tokio's reactor;
 //! - [`group_id`]: a group's id by name, through NSS (`getgrnam_r`);
 //! - [`default_sigpipe`] and [`limit_malloc_arenas`]: process settings made in `main`.
 #![allow(unsafe_code)]
