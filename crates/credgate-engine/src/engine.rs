@@ -329,11 +329,10 @@ impl EngineBuilder {
         {
             return Err(BuildError::UnknownProvider(name.clone()));
         }
-        let runner = self.runner.clone().unwrap_or_else(|| {
-            Arc::new(ExecRunner {
-                limits: opts.limits,
-            })
-        });
+        let runner = self
+            .runner
+            .clone()
+            .unwrap_or_else(|| Arc::new(ExecRunner::new(opts.limits)));
         let memo = Memo::new(opts.cache_capacity);
         let global_slots = Arc::new(tokio::sync::Semaphore::new(opts.max_runs.max(1)));
         let mut providers = Vec::with_capacity(specs.len());

@@ -17,8 +17,8 @@ use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
 
 use crate::spawn::{self, Peek, Program};
-use crate::sweep;
-use crate::watchdog::Watch;
+use crate::sweep::{self, Sweeper};
+use crate::watchdog::{Watch, Watchdog};
 
 /// A boxed future, for object-safe traits.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -168,10 +168,38 @@ pub trait PluginRunner: Send + Sync + 'static {
     }
 }
 
-/// Runs real executables.
-#[derive(Debug, Default, Clone, Copy)]
+/// Runs real executables. Owns the two threads runs need (the watchdog, which enforces
+/// deadlines, and the sweeper, which reaps and kills what plugins leave behind): they start
+/// with the first run that needs them and stop when the last clone of the runner is dropped,
+/// so an engine that goes leaves no thread behind.
+#[derive(Clone, Default)]
 pub struct ExecRunner {
-    pub limits: OutputLimits,
+    limits: OutputLimits,
+    supervisor: Arc<Supervisor>,
+}
+
+/// The threads a runner owns.
+#[derive(Default)]
+struct Supervisor {
+    watchdog: Watchdog,
+    sweeper: Sweeper,
+}
+
+impl ExecRunner {
+    pub fn new(limits: OutputLimits) -> ExecRunner {
+        ExecRunner {
+            limits,
+            supervisor: Arc::default(),
+        }
+    }
+}
+
+impl std::fmt::Debug for ExecRunner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExecRunner")
+            .field("limits", &self.limits)
+            .finish_non_exhaustive()
+    }
 }
 
 impl PluginRunner for ExecRunner {
@@ -180,7 +208,7 @@ impl PluginRunner for ExecRunner {
         command: &'a PluginCommand,
         stdin: Vec<u8>,
     ) -> BoxFuture<'a, Result<Vec<u8>, RunError>> {
-        Box::pin(exec(command, stdin, self.limits, None))
+        Box::pin(exec(&self.supervisor, command, stdin, self.limits, None))
     }
 
     fn run_early<'a>(
@@ -189,7 +217,13 @@ impl PluginRunner for ExecRunner {
         stdin: Vec<u8>,
         early: Early<'a>,
     ) -> BoxFuture<'a, Result<Vec<u8>, RunError>> {
-        Box::pin(exec(command, stdin, self.limits, Some(early)))
+        Box::pin(exec(
+            &self.supervisor,
+            command,
+            stdin,
+            self.limits,
+            Some(early),
+        ))
     }
 }
 
@@ -221,7 +255,8 @@ const EXIT_SPIN: Duration = Duration::from_micros(200);
 /// finished (timeout, oversized output, a cancelled run), it kills the plugin's process group
 /// and leaves the reaping to the sweeper if the kill has not taken effect yet; either way the
 /// run's marker goes to the sweeper for processes that left the group.
-struct Run {
+struct Run<'a> {
+    sweeper: &'a Sweeper,
     pid: i32,
     /// The watchdog's registration, made when the run leaves the inline wait (a plugin that
     /// answers within it never needs one: the inline wait is bounded and ends before the
@@ -234,7 +269,7 @@ struct Run {
     marker: Option<String>,
 }
 
-impl Run {
+impl Run<'_> {
     /// From here on the watchdog leaves the plugin alone.
     fn unwatch(&self) {
         if let Some(w) = &self.watch {
@@ -271,7 +306,7 @@ impl Run {
     }
 }
 
-impl Drop for Run {
+impl Drop for Run<'_> {
     fn drop(&mut self) {
         let mut unreaped = self.zombie.take();
         if !self.settled {
@@ -282,7 +317,7 @@ impl Drop for Run {
             }
         }
         if let Some(marker) = self.marker.take() {
-            sweep::finished(marker, unreaped);
+            self.sweeper.finished(marker, unreaped);
         }
     }
 }
@@ -446,6 +481,7 @@ async fn write_rest(stdin: Option<AsyncFd<OwnedFd>>, mut rest: &[u8]) {
 }
 
 async fn exec(
+    supervisor: &Supervisor,
     cmd: &PluginCommand,
     input: Vec<u8>,
     limits: OutputLimits,
@@ -472,6 +508,7 @@ async fn exec(
     })?;
     let pid = child.pid;
     let mut run = Run {
+        sweeper: &supervisor.sweeper,
         pid,
         watch: None,
         settled: false,
@@ -525,9 +562,12 @@ async fn exec(
         (exit, spun) = (peeked, closed);
     }
     if !(exit.exited() && out.done() && err.done()) {
-        let watch: &Watch = run
-            .watch
-            .insert(Watch::new(pid, deadline, limits.drain_grace).map_err(io_error)?);
+        let watch: &Watch = run.watch.insert(
+            supervisor
+                .watchdog
+                .watch(pid, deadline, limits.drain_grace)
+                .map_err(io_error)?,
+        );
         let mut in_done = stdin.is_none();
         let (mut out_done, mut err_done) = (out.done(), err.done());
         let mut in_fut = pin!(write_rest(stdin, &input[written..]));

@@ -18,7 +18,8 @@
 //! of other pid namespaces (where the marker's pid means another process), are left alone.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Condvar, Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crate::spawn;
@@ -34,7 +35,12 @@ const PAUSE: Duration = Duration::from_millis(200);
 struct Shared {
     pending: Mutex<Pending>,
     wake: Condvar,
-    killed: AtomicU64,
+}
+
+impl Shared {
+    fn pending(&self) -> MutexGuard<'_, Pending> {
+        self.pending.lock().unwrap_or_else(|p| p.into_inner())
+    }
 }
 
 #[derive(Default)]
@@ -45,6 +51,8 @@ struct Pending {
     /// Plugins not reaped yet: killed ones (a SIGKILL takes effect asynchronously), and ones
     /// that exited and whose status their run read without reaping them.
     zombies: Vec<i32>,
+    /// The owner is gone: one last round for what is pending, then the thread ends.
+    stop: bool,
 }
 
 impl Pending {
@@ -53,22 +61,64 @@ impl Pending {
     }
 }
 
-fn shared() -> &'static Shared {
-    static SHARED: OnceLock<&'static Shared> = OnceLock::new();
-    SHARED.get_or_init(|| {
-        let s: &'static Shared = Box::leak(Box::new(Shared {
-            pending: Mutex::new(Pending::default()),
-            wake: Condvar::new(),
-            killed: AtomicU64::new(0),
-        }));
-        let spawned = std::thread::Builder::new()
-            .name("credgate-sweeper".into())
-            .spawn(move || sweeper(s));
-        if let Err(e) = spawned {
-            tracing::warn!(error = %e, "cannot start the plugin escapee sweeper");
+/// Processes killed by sweepers, in this process.
+static KILLED: AtomicU64 = AtomicU64::new(0);
+
+/// The sweeper thread's owner: the thread starts with the first run handed over and ends when
+/// this is dropped (which the engine's runner does when the engine goes), after one last
+/// round for the runs still pending.
+pub(crate) struct Sweeper {
+    shared: Arc<Shared>,
+    /// `None` inside when the thread could not be started.
+    thread: OnceLock<Option<JoinHandle<()>>>,
+}
+
+impl Default for Sweeper {
+    fn default() -> Self {
+        Sweeper {
+            shared: Arc::new(Shared {
+                pending: Mutex::new(Pending::default()),
+                wake: Condvar::new(),
+            }),
+            thread: OnceLock::new(),
         }
-        s
-    })
+    }
+}
+
+impl Sweeper {
+    /// Hands the marker of a finished run to the sweeper, with the plugin's pid if it is not
+    /// reaped yet (killed, or exited and left as a zombie): the sweeper reaps it on its next
+    /// round.
+    pub(crate) fn finished(&self, marker: String, unreaped: Option<i32>) {
+        self.thread.get_or_init(|| {
+            let shared = self.shared.clone();
+            std::thread::Builder::new()
+                .name("credgate-sweeper".into())
+                .spawn(move || sweeper(&shared))
+                .map_err(|e| tracing::warn!(error = %e, "cannot start the plugin escapee sweeper"))
+                .ok()
+        });
+        let mut pending = self.shared.pending();
+        // The sweeper waits only while nothing is pending; otherwise it will see this marker
+        // on its next scan, and a wake-up would be a wasted system call on every run.
+        let idle = pending.is_empty();
+        pending.markers.push((marker, SCANS));
+        pending.zombies.extend(unreaped);
+        drop(pending);
+        if idle {
+            self.shared.wake.notify_one();
+        }
+    }
+}
+
+impl Drop for Sweeper {
+    fn drop(&mut self) {
+        self.shared.pending().stop = true;
+        self.shared.wake.notify_one();
+        if let Some(Some(thread)) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
 }
 
 /// A fresh marker value for one run.
@@ -100,7 +150,7 @@ pub fn orphans() -> u64 {
         same_ns && start_time(engine) != Some(start)
     });
     if n > 0 {
-        shared().killed.fetch_add(n, Ordering::Relaxed);
+        KILLED.fetch_add(n, Ordering::Relaxed);
     }
     n
 }
@@ -126,38 +176,35 @@ fn parse_start_time(stat: &str) -> Option<u64> {
     rest.split_ascii_whitespace().nth(19)?.parse().ok()
 }
 
-/// Hands the marker of a finished run to the sweeper, with the plugin's pid if it is not
-/// reaped yet (killed, or exited and left as a zombie): the sweeper reaps it on its next round.
-pub(crate) fn finished(marker: String, unreaped: Option<i32>) {
-    let s = shared();
-    let mut pending = s.pending.lock().unwrap_or_else(|p| p.into_inner());
-    // The sweeper waits only while nothing is pending; otherwise it will see this marker on
-    // its next scan, and a wake-up would be a wasted system call on every run.
-    let idle = pending.is_empty();
-    pending.markers.push((marker, SCANS));
-    pending.zombies.extend(unreaped);
-    drop(pending);
-    if idle {
-        s.wake.notify_one();
-    }
-}
-
-/// Processes killed by the sweeper so far, in this process.
+/// Processes killed by sweepers so far, in this process.
 pub fn killed() -> u64 {
-    shared().killed.load(Ordering::Relaxed)
+    KILLED.load(Ordering::Relaxed)
 }
 
-fn sweeper(s: &'static Shared) {
+/// The thread: waits for pending runs; a [`PAUSE`] after one arrives (so that a daemon that
+/// forks late is still caught) reaps the zombies and scans `/proc` for every pending marker.
+/// Told to stop, it does one last round at once for what is pending and ends.
+fn sweeper(s: &Shared) {
     loop {
-        {
-            let mut pending = s.pending.lock().unwrap_or_else(|p| p.into_inner());
-            while pending.is_empty() {
+        let stopping = {
+            let mut pending = s.pending();
+            while pending.is_empty() && !pending.stop {
                 pending = s.wake.wait(pending).unwrap_or_else(|p| p.into_inner());
             }
-        }
-        std::thread::sleep(PAUSE);
+            if pending.is_empty() {
+                return;
+            }
+            if !pending.stop {
+                pending = s
+                    .wake
+                    .wait_timeout_while(pending, PAUSE, |p| !p.stop)
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0;
+            }
+            pending.stop
+        };
         let markers: Vec<String> = {
-            let mut pending = s.pending.lock().unwrap_or_else(|p| p.into_inner());
+            let mut pending = s.pending();
             // A child that is not reaped yet stays for the next round; one that is gone
             // already (ECHILD) is dropped.
             pending
@@ -172,11 +219,14 @@ fn sweeper(s: &'static Shared) {
         };
         let n = scan(|_, value| markers.iter().any(|m| m.as_bytes() == value));
         if n > 0 {
-            s.killed.fetch_add(n, Ordering::Relaxed);
+            KILLED.fetch_add(n, Ordering::Relaxed);
             tracing::warn!(
                 processes = n,
                 "killed processes that plugins left running outside their process group"
             );
+        }
+        if stopping {
+            return;
         }
     }
 }

@@ -21,6 +21,7 @@
 //! itself [`Watch::done`] (under the same lock the watchdog signals under) before it reaps.
 
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
@@ -101,34 +102,6 @@ pub(crate) struct Watch {
 }
 
 impl Watch {
-    /// Registers a run of the plugin `pid`.
-    pub(crate) fn new(
-        pid: i32,
-        deadline: Instant,
-        drain_grace: Duration,
-    ) -> std::io::Result<Watch> {
-        let dog = watchdog()?;
-        let entry = Arc::new(Entry {
-            pid,
-            deadline,
-            drain_grace,
-            state: Mutex::new(State {
-                seen: Seen::default(),
-                exited_at: None,
-                done: false,
-            }),
-            news: Notify::new(),
-        });
-        let mut runs = dog.runs.lock().unwrap_or_else(|p| p.into_inner());
-        runs.entries.push(entry.clone());
-        let asleep = runs.asleep;
-        drop(runs);
-        if asleep {
-            dog.wake.notify_one();
-        }
-        Ok(Watch { entry })
-    }
-
     /// What the watchdog has found so far.
     pub(crate) fn seen(&self) -> Seen {
         self.entry.state().seen
@@ -155,47 +128,120 @@ struct Runs {
     entries: Vec<Arc<Entry>>,
     /// The thread waits for a registration with no timeout.
     asleep: bool,
+    /// The owner is gone: the thread ends.
+    stop: bool,
 }
 
-struct Watchdog {
+struct Shared {
     runs: Mutex<Runs>,
     wake: Condvar,
 }
 
-fn watchdog() -> std::io::Result<&'static Watchdog> {
-    static DOG: OnceLock<Option<&'static Watchdog>> = OnceLock::new();
-    let dog = DOG.get_or_init(|| {
-        let dog: &'static Watchdog = Box::leak(Box::new(Watchdog {
-            runs: Mutex::new(Runs {
-                entries: Vec::new(),
-                asleep: false,
-            }),
-            wake: Condvar::new(),
-        }));
-        std::thread::Builder::new()
-            .name("credgate-watchdog".into())
-            .spawn(move || watch_runs(dog))
-            .map(|_| dog)
-            .map_err(|e| tracing::error!(error = %e, "cannot start the plugin watchdog thread"))
-            .ok()
-    });
-    dog.ok_or_else(|| std::io::Error::other("the plugin watchdog thread could not be started"))
+impl Shared {
+    fn runs(&self) -> MutexGuard<'_, Runs> {
+        self.runs.lock().unwrap_or_else(|p| p.into_inner())
+    }
 }
 
-fn watch_runs(dog: &'static Watchdog) {
+/// The watchdog thread's owner: the thread starts with the first run it watches and ends
+/// when this is dropped (which the engine's runner does when the engine goes).
+pub(crate) struct Watchdog {
+    shared: Arc<Shared>,
+    /// `None` inside when the thread could not be started.
+    thread: OnceLock<Option<JoinHandle<()>>>,
+}
+
+impl Default for Watchdog {
+    fn default() -> Self {
+        Watchdog {
+            shared: Arc::new(Shared {
+                runs: Mutex::new(Runs {
+                    entries: Vec::new(),
+                    asleep: false,
+                    stop: false,
+                }),
+                wake: Condvar::new(),
+            }),
+            thread: OnceLock::new(),
+        }
+    }
+}
+
+impl Watchdog {
+    /// Registers a run of the plugin `pid`.
+    pub(crate) fn watch(
+        &self,
+        pid: i32,
+        deadline: Instant,
+        drain_grace: Duration,
+    ) -> std::io::Result<Watch> {
+        let started = self.thread.get_or_init(|| {
+            let shared = self.shared.clone();
+            std::thread::Builder::new()
+                .name("credgate-watchdog".into())
+                .spawn(move || watch_runs(&shared))
+                .map_err(|e| tracing::error!(error = %e, "cannot start the plugin watchdog thread"))
+                .ok()
+        });
+        if started.is_none() {
+            return Err(std::io::Error::other(
+                "the plugin watchdog thread could not be started",
+            ));
+        }
+        let entry = Arc::new(Entry {
+            pid,
+            deadline,
+            drain_grace,
+            state: Mutex::new(State {
+                seen: Seen::default(),
+                exited_at: None,
+                done: false,
+            }),
+            news: Notify::new(),
+        });
+        let mut runs = self.shared.runs();
+        runs.entries.push(entry.clone());
+        let asleep = runs.asleep;
+        drop(runs);
+        if asleep {
+            self.shared.wake.notify_one();
+        }
+        Ok(Watch { entry })
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        self.shared.runs().stop = true;
+        self.shared.wake.notify_one();
+        if let Some(Some(thread)) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// The thread: looks at the runs every [`TICK`] while any is in flight, sleeps on the condvar
+/// after [`LINGER`] without one, ends when its owner says stop.
+fn watch_runs(shared: &Shared) {
     let mut idle_since: Option<Instant> = None;
     loop {
         let entries: Vec<Arc<Entry>> = {
-            let mut runs = dog.runs.lock().unwrap_or_else(|p| p.into_inner());
+            let mut runs = shared.runs();
+            if runs.stop {
+                return;
+            }
             if !runs.entries.is_empty() {
                 idle_since = None;
             } else if idle_since.get_or_insert_with(Instant::now).elapsed() >= LINGER {
                 runs.asleep = true;
-                while runs.entries.is_empty() {
-                    runs = dog.wake.wait(runs).unwrap_or_else(|p| p.into_inner());
+                while runs.entries.is_empty() && !runs.stop {
+                    runs = shared.wake.wait(runs).unwrap_or_else(|p| p.into_inner());
                 }
                 runs.asleep = false;
                 idle_since = None;
+                if runs.stop {
+                    return;
+                }
             }
             runs.entries.clone()
         };
@@ -206,9 +252,118 @@ fn watch_runs(dog: &'static Watchdog) {
         }
         drop(entries);
         if any_done {
-            let mut runs = dog.runs.lock().unwrap_or_else(|p| p.into_inner());
-            runs.entries.retain(|e| !e.state().done);
+            shared.runs().entries.retain(|e| !e.state().done);
         }
         std::thread::sleep(TICK);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spawn::{self, Program};
+    use std::path::Path;
+
+    fn start(script: &str) -> spawn::Child {
+        let program =
+            Program::new(Path::new("/bin/sh"), &["-c".into(), script.into()], &[], "").unwrap();
+        spawn::spawn(&program, c"CREDGATE_TEST=1").unwrap()
+    }
+
+    /// Waits (on the watchdog's news, at most 10 s) until `seen` says so.
+    async fn until(watch: &Watch, seen: impl Fn(Seen) -> bool) -> Seen {
+        tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                let notified = watch.news();
+                let now = watch.seen();
+                if seen(now) {
+                    return now;
+                }
+                notified.await;
+            }
+        })
+        .await
+        .expect("the watchdog told in time")
+    }
+
+    #[tokio::test]
+    async fn a_run_past_its_deadline_has_its_group_killed() {
+        let dog = Watchdog::default();
+        let child = start("sleep 30");
+        let watch = dog
+            .watch(child.pid, Instant::now(), Duration::from_secs(5))
+            .unwrap();
+        let seen = until(&watch, |s| s.timed_out).await;
+        assert!(!seen.drained);
+        // Killed: it exits by SIGKILL.
+        let status = loop {
+            if let Some(status) = spawn::reap(child.pid).unwrap() {
+                break status;
+            }
+            tokio::task::yield_now().await;
+        };
+        assert_eq!(status.to_string(), "signal: 9 (SIGKILL)");
+    }
+
+    #[tokio::test]
+    async fn an_exit_is_seen_and_held_pipes_are_given_up_after_the_grace() {
+        let dog = Watchdog::default();
+        // The plugin exits at once; a child that left its group (setsid) holds its pipes for
+        // a second, then ends by itself.
+        let child = start("setsid sleep 1 & exit 0");
+        let grace = Duration::from_millis(50);
+        let watch = dog
+            .watch(child.pid, Instant::now() + Duration::from_secs(60), grace)
+            .unwrap();
+        let seen = until(&watch, |s| s.exited).await;
+        assert!(!seen.timed_out);
+        let seen = until(&watch, |s| s.drained).await;
+        assert!(seen.exited && !seen.timed_out);
+        watch.done();
+        assert!(spawn::reap(child.pid).unwrap().is_some());
+    }
+
+    #[tokio::test]
+    async fn a_run_marked_done_is_left_alone() {
+        let dog = Watchdog::default();
+        let child = start("sleep 30");
+        let watch = dog
+            .watch(
+                child.pid,
+                Instant::now() + Duration::from_millis(20),
+                grace(),
+            )
+            .unwrap();
+        watch.done();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(watch.seen(), Seen::default(), "nothing done after done()");
+        assert!(spawn::peek(child.pid) == spawn::Peek::Running);
+        spawn::kill_group(child.pid);
+        while spawn::reap(child.pid).unwrap().is_none() {
+            tokio::task::yield_now().await;
+        }
+    }
+
+    fn grace() -> Duration {
+        Duration::from_millis(10)
+    }
+
+    /// Dropping the owner ends the thread: the drop joins it, so a thread that did not stop
+    /// would hang this test (and nextest's timeout would fail it). Asleep or ticking alike.
+    #[tokio::test]
+    async fn dropping_the_owner_stops_the_thread() {
+        let ticking = Watchdog::default();
+        let child = start("exit 0");
+        let watch = ticking
+            .watch(child.pid, Instant::now() + Duration::from_secs(60), grace())
+            .unwrap();
+        until(&watch, |s| s.exited).await;
+        drop(watch);
+        drop(ticking);
+        while spawn::reap(child.pid).unwrap().is_none() {
+            tokio::task::yield_now().await;
+        }
+        let never_started = Watchdog::default();
+        drop(never_started);
     }
 }

@@ -661,3 +661,46 @@ on_both_runtimes!(
     stderr_flood_is_truncated_not_fatal,
     plugin_that_ignores_stdin_still_works,
 );
+
+/// The threads of this process named `name` (as /proc shows it: at most 15 bytes).
+fn threads_named(name: &str) -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .flatten()
+        .filter(|t| {
+            std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.trim_end() == name)
+        })
+        .count()
+}
+
+/// An engine owns the threads its runs need: a slow run (past the inline wait: the watchdog)
+/// and a finished one (the sweeper) start them, and dropping the engine stops them. nextest
+/// runs each test in a process of its own, so no other engine's threads are counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_engine_leaves_no_thread_behind() {
+    let (watchdog, sweeper) = ("credgate-watchd", "credgate-sweepe");
+    let before = (threads_named(watchdog), threads_named(sweeper));
+    let dir = tempfile::tempdir().unwrap();
+    script(
+        dir.path(),
+        "p",
+        &format!("cat >/dev/null\nsleep 0.1\nprintf '%s' '{}'", ok_body()),
+    );
+    let e = engine(one_provider(), dir.path());
+    let got = e.lookup(&req(IMG)).await.unwrap();
+    assert!(got.errors.is_empty(), "{:?}", got.errors);
+    // A new thread names itself once it runs: until then it shows its parent's name.
+    let started = (before.0 + 1, before.1 + 1);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while (threads_named(watchdog), threads_named(sweeper)) != started {
+        assert!(Instant::now() < deadline, "a slow run starts both");
+        std::thread::yield_now();
+    }
+    drop(got);
+    drop(e);
+    assert_eq!(
+        (threads_named(watchdog), threads_named(sweeper)),
+        before,
+        "dropping the engine joined them"
+    );
+}
