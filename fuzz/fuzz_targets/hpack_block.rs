@@ -1,2 +1,2 @@
 #![no_main]
-libfuzzer_sys::fuzz_target!(|data: &[u8]| credgate_fuzz::checks::hpack_block(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| credgate_fuzz::checks_api::hpack_block(data));

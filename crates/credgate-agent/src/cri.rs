@@ -20,6 +20,7 @@ use tokio::sync::{watch, Mutex};
 use tokio::task::JoinSet;
 
 use crate::conn::{self, Throttle};
+use crate::status::ApiError;
 
 /// A body of either side.
 type Body =
@@ -68,9 +69,9 @@ impl Runtime {
     }
 }
 
-/// A gRPC status as a trailers-only answer.
-fn status(code: tonic::Code, message: String) -> hyper::Response<Body> {
-    tonic::Status::new(code, message)
+/// The proxy's own error as a trailers-only answer.
+fn status(e: ApiError) -> hyper::Response<Body> {
+    tonic::Status::from(e)
         .into_http::<tonic::body::Body>()
         .map(|b| b.map_err(|e| Box::new(e) as _).boxed_unsync())
 }
@@ -336,13 +337,10 @@ async fn read_whole(
         .await
     {
         Ok(collected) => Ok((parts, collected.to_bytes())),
-        Err(_) => Err(status(
-            tonic::Code::ResourceExhausted,
-            format!(
-                "credgate: a {what} request larger than {} KiB",
-                MAX_PULL_MESSAGE >> 10
-            ),
-        )),
+        Err(_) => Err(status(ApiError::TooLarge(format!(
+            "credgate: a {what} request larger than {} KiB",
+            MAX_PULL_MESSAGE >> 10
+        )))),
     }
 }
 
@@ -374,10 +372,9 @@ async fn exchange(
         .collect()
         .await
         .map_err(|_| {
-            status(
-                tonic::Code::Unavailable,
+            status(ApiError::Runtime(
                 "credgate: the runtime's answer was cut short or too large".into(),
-            )
+            ))
         })?;
     let trailers = collected.trailers().cloned();
     Ok(Whole {
@@ -522,20 +519,16 @@ async fn pull(
 }
 
 fn unreachable_runtime(runtime: &Runtime, e: &std::io::Error) -> hyper::Response<Body> {
-    status(
-        tonic::Code::Unavailable,
-        format!(
-            "credgate: cannot reach the container runtime at {}: {e}",
-            runtime.path.display()
-        ),
-    )
+    status(ApiError::Runtime(format!(
+        "credgate: cannot reach the container runtime at {}: {e}",
+        runtime.path.display()
+    )))
 }
 
 fn broken_runtime(e: &hyper::Error) -> hyper::Response<Body> {
-    status(
-        tonic::Code::Unavailable,
-        format!("credgate: the container runtime's connection failed: {e}"),
-    )
+    status(ApiError::Runtime(format!(
+        "credgate: the container runtime's connection failed: {e}"
+    )))
 }
 
 /// Forwards one call to the runtime.
@@ -568,10 +561,9 @@ async fn forward(
     };
     match tokio::time::timeout(limit, call).await {
         Ok(answer) => answer,
-        Err(_) => status(
-            tonic::Code::DeadlineExceeded,
+        Err(_) => status(ApiError::Deadline(
             "credgate: the container runtime did not answer within the caller's deadline".into(),
-        ),
+        )),
     }
 }
 

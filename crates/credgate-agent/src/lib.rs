@@ -16,6 +16,7 @@ pub mod renewal;
 pub mod server;
 pub mod socket;
 pub mod sources;
+pub mod status;
 
 pub use agent::{Agent, AgentOptions, CallerAllowlist, Reloaded, Service};
 pub use sources::{SourceError, Sources};

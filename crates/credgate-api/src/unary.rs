@@ -5,7 +5,7 @@
 //! The whole request (connection preface, SETTINGS, a connection window update, HEADERS and
 //! DATA) leaves in one write, so the agent reads the call in one go without waiting for any
 //! answer of ours; then frames are read until the stream ends. Header blocks are decoded with
-//! [`credgate_core::hpack`]. The answer is bounded ([`MAX_RESPONSE`]), every read and write by the
+//! [`crate::hpack`]. The answer is bounded ([`MAX_RESPONSE`]), every read and write by the
 //! timeout.
 
 use std::io::{self, Read, Write};
@@ -89,7 +89,7 @@ pub fn grpc_message(msg: &impl prost::Message) -> Vec<u8> {
 
 /// The header block of a gRPC call of `method` to the agent.
 pub fn request_head(method: &str) -> Vec<u8> {
-    credgate_core::hpack::encode([
+    crate::hpack::encode([
         (&b":method"[..], &b"POST"[..]),
         (b":scheme", b"http"),
         (b":path", method.as_bytes()),
@@ -212,7 +212,7 @@ struct Reader<'a, S> {
     replies: Vec<u8>,
     buf: Vec<u8>,
     start: usize,
-    hpack: credgate_core::hpack::Decoder,
+    hpack: crate::hpack::Decoder,
     block: Vec<u8>,
     in_block: bool,
     block_ends_stream: bool,
@@ -431,7 +431,7 @@ fn exchange<S: Read + Write>(
     io.write_all(&request_bytes(method, message))
         .map_err(CallError::Io)?;
     // Our SETTINGS keep the default header table size; the agent may not use more.
-    let hpack = credgate_core::hpack::Decoder::new(4096);
+    let hpack = crate::hpack::Decoder::new(4096);
     Reader {
         io,
         replies: Vec::new(),
@@ -653,7 +653,7 @@ mod tests {
 
     /// A header block from a fresh encoder.
     fn block(fields: &[(&[u8], &[u8])]) -> Vec<u8> {
-        credgate_core::hpack::encode(fields.iter().copied())
+        crate::hpack::encode(fields.iter().copied())
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //! Image references ([`mod@reference`]), the kubelet's pattern grammar and matching ([`pattern`]),
 //! Go durations ([`duration`]), the `CredentialProviderConfig` decoder and validator ([`config`]),
 //! the plugin wire format ([`wire`]), node-wide docker config files ([`dockerconfig`]), the
-//! keyring order ([`keyring`]), the docker credential helper's input ([`helper`]), HTTP/2 header blocks for the helper's blocking client ([`hpack`]), the image access guard's rules ([`guard`]), renewal timing ([`renewal`]) and which consumers track which refs
+//! keyring order ([`keyring`]), the docker credential helper's input ([`helper`]), the image access guard's rules ([`guard`]), renewal timing ([`renewal`]) and which consumers track which refs
 //! ([`tracking`]). Nothing here touches the file system, processes, clocks or the
 //! network; every function is testable from string literals.
 
@@ -13,7 +13,6 @@ pub mod dockerconfig;
 pub mod duration;
 pub mod guard;
 pub mod helper;
-pub mod hpack;
 pub mod keyring;
 pub mod pattern;
 pub mod reference;

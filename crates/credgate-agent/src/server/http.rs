@@ -179,10 +179,10 @@ impl hyper::service::Service<hyper::Request<Incoming>> for CallService {
             let response = match tokio::time::timeout(timeout, call).await {
                 Ok(Ok(response)) => response,
                 Ok(Err(never)) => match never {},
-                Err(_) => tonic::Status::deadline_exceeded(format!(
+                Err(_) => tonic::Status::from(crate::status::ApiError::Deadline(format!(
                     "the call took longer than the agent's request timeout ({})",
                     credgate_core::duration::Rounded(timeout)
-                ))
+                )))
                 .into_http(),
             };
             let mut response = response;

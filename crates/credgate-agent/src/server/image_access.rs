@@ -8,17 +8,8 @@ use tonic::{Request, Response, Status};
 
 use super::{peer, Api};
 use crate::guard::store::PresentImage;
-use crate::guard::{Answer, CredentialIn, Guard, GuardError, PullPolicy};
-
-fn guard_status(e: GuardError) -> Status {
-    match e {
-        GuardError::InvalidImage { .. }
-        | GuardError::InvalidImageRef(_)
-        | GuardError::Missing(_) => Status::invalid_argument(e.to_string()),
-        GuardError::Unavailable(_) => Status::failed_precondition(e.to_string()),
-        GuardError::Write(_) => Status::unavailable(e.to_string()),
-    }
-}
+use crate::guard::{Answer, CredentialIn, Guard, PullPolicy};
+use crate::status::{self, ApiError};
 
 /// Records and intents on a `ListRecords` page by default, and at most.
 const DEFAULT_PAGE: usize = 100;
@@ -30,15 +21,13 @@ const OBJECT_NAME_MAX: usize = 253;
 const UID_MAX: usize = 128;
 
 fn coords(o: Option<pb::ObjectRef>, what: &str) -> Result<Coords, Status> {
-    let o = o.ok_or_else(|| Status::invalid_argument(format!("{what} needs its object")))?;
+    let o = o.ok_or_else(|| status::invalid(format!("{what} needs its object")))?;
     if o.namespace.is_empty() || o.name.is_empty() {
-        return Err(Status::invalid_argument(format!(
-            "{what} needs namespace and name"
-        )));
+        return Err(status::invalid(format!("{what} needs namespace and name")));
     }
     if o.namespace.len() > NAMESPACE_MAX || o.name.len() > OBJECT_NAME_MAX || o.uid.len() > UID_MAX
     {
-        return Err(Status::invalid_argument(format!(
+        return Err(status::invalid(format!(
             "{what}: namespace, name or uid longer than Kubernetes allows ({NAMESPACE_MAX}, {OBJECT_NAME_MAX}, {UID_MAX})"
         )));
     }
@@ -62,7 +51,7 @@ fn credential(c: pb::PullCredential) -> Result<CredentialIn, Status> {
             "a service account",
         )?)),
         Some(Kind::NodeWide(_)) => Ok(CredentialIn::NodeWide),
-        None => Err(Status::invalid_argument(
+        None => Err(status::invalid(
             "a credential must be a secret, a service account or node_wide",
         )),
     }
@@ -119,7 +108,7 @@ fn decision(a: Answer) -> i32 {
 impl Api {
     fn guard(&self) -> Result<&Guard, Status> {
         self.agent.guard().ok_or_else(|| {
-            Status::failed_precondition("the image access guard is not enabled on this agent")
+            ApiError::NotEnabled("the image access guard is not enabled on this agent").into()
         })
     }
 }
@@ -138,17 +127,15 @@ impl ImageAccess for Api {
                 Ok(pb::PullPolicy::Always) => PullPolicy::Always,
                 Ok(pb::PullPolicy::Never) => PullPolicy::Never,
                 Ok(_) => PullPolicy::IfNotPresent,
-                Err(_) => return Err(Status::invalid_argument("unknown pull_policy")),
+                Err(_) => return Err(status::invalid("unknown pull_policy")),
             };
             if req.present && req.image_ref.is_empty() {
-                return Err(Status::invalid_argument(
-                    "a present image needs its image_ref",
-                ));
+                return Err(status::invalid("a present image needs its image_ref"));
             }
             let creds = credentials(req.credentials)?;
             let a = guard
                 .check(&req.image, &req.image_ref, req.present, policy, &creds)
-                .map_err(guard_status)?;
+                .map_err(ApiError::from)?;
             Ok(Response::new(pb::CheckAccessResponse {
                 decision: decision(a.answer),
                 reason: a.reason.to_owned(),
@@ -168,7 +155,7 @@ impl ImageAccess for Api {
             self.guard()?
                 .record_intent(&req.image)
                 .await
-                .map_err(guard_status)?;
+                .map_err(ApiError::from)?;
             Ok(Response::new(pb::RecordPullIntentResponse {}))
         })
         .await
@@ -185,7 +172,7 @@ impl ImageAccess for Api {
             self.guard()?
                 .record_result(&req.image, &req.image_ref, req.success, used.as_ref())
                 .await
-                .map_err(guard_status)?;
+                .map_err(ApiError::from)?;
             Ok(Response::new(pb::RecordPullResultResponse {}))
         })
         .await
@@ -206,7 +193,7 @@ impl ImageAccess for Api {
                 .guard()?
                 .verify(&req.image, &req.image_ref, expected, &creds)
                 .await
-                .map_err(guard_status)?;
+                .map_err(ApiError::from)?;
             let decision = if v.accepted.is_some() {
                 pb::Decision::Allow
             } else {
@@ -242,7 +229,7 @@ impl ImageAccess for Api {
                 .guard()?
                 .prune(present, req.before_unix_ms)
                 .await
-                .map_err(guard_status)?;
+                .map_err(ApiError::from)?;
             let n = |x: usize| u32::try_from(x).unwrap_or(u32::MAX);
             Ok(Response::new(pb::PruneResponse {
                 records_deleted: n(p.records_deleted),
@@ -260,7 +247,7 @@ impl ImageAccess for Api {
         let peer = peer(&request);
         let req = request.into_inner();
         self.observed(peer, "ListRecords", async {
-            let store = self.guard()?.store().map_err(guard_status)?;
+            let store = self.guard()?.store().map_err(ApiError::from)?;
             let size = match req.page_size {
                 0 => DEFAULT_PAGE,
                 n => (n as usize).min(MAX_PAGE),
@@ -279,7 +266,7 @@ impl ImageAccess for Api {
                 );
             let token = req.page_token;
             if !(token.is_empty() || token.starts_with('r') || token.starts_with('i')) {
-                return Err(Status::invalid_argument("invalid page_token"));
+                return Err(status::invalid("invalid page_token"));
             }
             let after = |key: &String| {
                 token.is_empty()
@@ -318,12 +305,12 @@ impl ImageAccess for Api {
         let peer = peer(&request);
         let req = request.into_inner();
         self.observed(peer, "GetRecord", async {
-            let store = self.guard()?.store().map_err(guard_status)?;
+            let store = self.guard()?.store().map_err(ApiError::from)?;
             let r = store.record(&req.image_ref).ok_or_else(|| {
-                Status::not_found(format!(
+                Status::from(ApiError::NotFound(format!(
                     "no record of {}",
                     credgate_core::text::Quoted(&req.image_ref)
-                ))
+                )))
             })?;
             Ok(Response::new(pb::GetRecordResponse {
                 record: Some(record(&r)),
@@ -343,7 +330,7 @@ impl ImageAccess for Api {
                 .guard()?
                 .delete(&req.image_ref)
                 .await
-                .map_err(guard_status)?;
+                .map_err(ApiError::from)?;
             Ok(Response::new(pb::DeleteRecordResponse { deleted }))
         })
         .await

@@ -1,4 +1,4 @@
-//! The gRPC services on the unix socket. Every error is mapped to a status code here, once;
+//! The gRPC services on the unix socket. Errors become statuses in [`crate::status`], once;
 //! statuses carry messages built from typed errors, none of which holds a secret.
 
 use std::collections::BTreeMap;
@@ -6,6 +6,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::time::{Duration, Instant, SystemTime};
 
+use crate::status::{self, ApiError};
 use credgate_api::v1::admin_server::{Admin, AdminServer};
 use credgate_api::v1::credentials_server::{Credentials, CredentialsServer};
 use credgate_api::v1::image_access_server::ImageAccessServer;
@@ -26,7 +27,6 @@ mod image_access;
 pub use image_access::record as wire_record;
 
 use crate::agent::{Agent, CallerAllowlist, Service};
-use crate::renewal::TrackError;
 
 /// Milliseconds since the Unix epoch; 0 for `None` or times before it.
 pub fn unix_ms(t: Option<SystemTime>) -> i64 {
@@ -96,15 +96,9 @@ pub fn provider_answer(
     }
 }
 
-fn track_status(e: TrackError) -> Status {
-    Status::invalid_argument(e.to_string())
-}
-
 fn service_account(sa: pb::ServiceAccount) -> Result<ServiceAccount, Status> {
     if sa.namespace.is_empty() || sa.name.is_empty() {
-        return Err(Status::invalid_argument(
-            "service_account needs namespace and name",
-        ));
+        return Err(status::invalid("service_account needs namespace and name"));
     }
     Ok(ServiceAccount {
         namespace: sa.namespace,
@@ -151,10 +145,11 @@ fn admit(
             "call refused: the caller's uid is not allowed"
         );
         let uid = who.uid.map_or("unknown".into(), |u| u.to_string());
-        Err(Status::permission_denied(format!(
+        Err(ApiError::Denied(format!(
             "uid {uid} may not call the {} service",
             service.as_str()
-        )))
+        ))
+        .into())
     }
 }
 
@@ -245,15 +240,12 @@ impl Api {
                 credentials: creds.iter().map(credential_ref).collect(),
                 ..Default::default()
             })
-            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+            .map_err(ApiError::from)?;
         if let Some(mut answer) = served {
             self.with_captured(&mut answer, req.registry_host);
             return Ok(answer);
         }
-        let lookup = engine
-            .lookup(&request)
-            .await
-            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let lookup = engine.lookup(&request).await.map_err(ApiError::from)?;
         let failures: Vec<pb::ProviderFailure> = lookup.errors.iter().map(failure).collect();
         let fallback = (!failures.is_empty() && sa.is_none() && !req.registry_host)
             .then(|| self.agent.renewer().last_good(&req.image))
@@ -307,7 +299,7 @@ impl Api {
     ) -> Result<pb::LookupResponse, Status> {
         let name = req.provider.as_str();
         if !engine.has_provider(name) {
-            return Err(Status::invalid_argument(format!(
+            return Err(status::invalid(format!(
                 "no provider {} in the agent's config",
                 credgate_core::text::Quoted(name)
             )));
@@ -321,11 +313,10 @@ impl Api {
             registry_host: false,
             provider: Some(name),
         };
-        let invalid = |e: credgate_engine::LookupError| Status::invalid_argument(e.to_string());
-        let mut lookup = engine.lookup(&request).await.map_err(invalid)?;
+        let mut lookup = engine.lookup(&request).await.map_err(ApiError::from)?;
         if let Some(lead) = policy.due_lead(clock.now(), lookup.entries.iter().map(|e| e.times())) {
             request.min_valid_for = min_valid_for.max(lead + Duration::from_millis(1));
-            lookup = engine.lookup(&request).await.map_err(invalid)?;
+            lookup = engine.lookup(&request).await.map_err(ApiError::from)?;
         }
         let mut answer = provider_answer(&lookup, &policy, clock.now());
         if req.include_captured {
@@ -379,13 +370,13 @@ impl Api {
 
     fn watch_inner(&self, req: pb::WatchRequest) -> Result<WatchEvents, Status> {
         if req.refs.is_empty() {
-            return Err(Status::invalid_argument("watch needs at least one ref"));
+            return Err(status::invalid("watch needs at least one ref"));
         }
         let mut sub = self
             .agent
             .renewer()
             .watch(&req.refs)
-            .map_err(track_status)?;
+            .map_err(ApiError::from)?;
         let mut streams = StreamMap::new();
         for (image, rx) in std::mem::take(&mut sub.receivers) {
             streams.insert(image, WatchStream::new(rx));
@@ -473,7 +464,7 @@ impl Credentials for Api {
                 .agent
                 .renewer()
                 .track(&req.consumer, &req.refs)
-                .map_err(track_status)?;
+                .map_err(ApiError::from)?;
             Ok(Response::new(pb::TrackResponse { tracked: count(n) }))
         })
         .await
@@ -490,7 +481,7 @@ impl Credentials for Api {
                 .agent
                 .renewer()
                 .untrack(&req.consumer, &req.refs)
-                .map_err(track_status)?;
+                .map_err(ApiError::from)?;
             Ok(Response::new(pb::UntrackResponse { tracked: count(n) }))
         })
         .await
@@ -507,7 +498,7 @@ impl Credentials for Api {
                 .agent
                 .renewer()
                 .set_tracked(&req.consumer, &req.refs)
-                .map_err(track_status)?;
+                .map_err(ApiError::from)?;
             Ok(Response::new(pb::SetTrackedResponse {
                 added: count(change.added.len()),
                 removed: count(change.removed.len()),
@@ -605,11 +596,11 @@ impl Admin for Api {
             let agent = self.agent.clone();
             let reloaded = tokio::task::spawn_blocking(move || agent.reload())
                 .await
-                .map_err(|_| Status::internal("reload task failed"))?
+                .map_err(|_| ApiError::Internal("reload task failed"))?
                 .map_err(|e| {
                     let msg = error_chain(&e);
                     tracing::error!(error = %msg, "reload refused; the old config keeps serving");
-                    Status::failed_precondition(msg)
+                    ApiError::Reload(msg)
                 })?;
             Ok(Response::new(pb::ReloadResponse {
                 config_identity: reloaded.identity.unwrap_or_default(),
@@ -661,22 +652,21 @@ impl Admin for Api {
         let req = request.into_inner();
         self.observed(peer, "ForgetCaptured", async {
             let Some(captured) = self.agent.captured() else {
-                return Err(Status::failed_precondition(
+                return Err(ApiError::NotEnabled(
                     "the CRI proxy does not run on this agent (--cri-proxy-socket)",
-                ));
+                )
+                .into());
             };
             let repository = credgate_core::reference::ImageRef::parse(&req.repository)
                 .map_err(|e| {
-                    Status::invalid_argument(format!(
+                    status::invalid(format!(
                         "invalid repository {}: {e}",
                         credgate_core::text::Quoted(&req.repository)
                     ))
                 })?
                 .name()
                 .to_owned();
-            let forgotten = captured
-                .forget(&repository)
-                .map_err(|e| Status::unavailable(e.to_string()))?;
+            let forgotten = captured.forget(&repository).map_err(ApiError::from)?;
             Ok(Response::new(pb::ForgetCapturedResponse { forgotten }))
         })
         .await
