@@ -70,10 +70,11 @@ struct Stored {
 /// Why the captured credentials could not be written.
 #[derive(Debug, thiserror::Error)]
 pub enum CaptureError {
-    #[error("cannot write the captured credentials to {path}: {source}")]
+    /// The cause is in the message (and so not a `source`: a chain prints it once).
+    #[error("cannot write the captured credentials to {path}: {error}")]
     Write {
         path: PathBuf,
-        source: std::io::Error,
+        error: std::io::Error,
     },
     #[error("the node key is unavailable: {0}")]
     Key(String),
@@ -207,11 +208,11 @@ impl Captured {
             std::fs::rename(&tmp, &path)?;
             std::fs::File::open(&self.dir)?.sync_all()
         };
-        write().map_err(|source| {
+        write().map_err(|error| {
             let _ = std::fs::remove_file(&tmp);
             CaptureError::Write {
                 path: path.clone(),
-                source,
+                error,
             }
         })
     }

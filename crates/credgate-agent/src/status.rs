@@ -120,4 +120,62 @@ mod tests {
             assert_eq!(Status::from(e).code(), code, "{shown}");
         }
     }
+
+    /// Every error type of the agent, each variant with a cause: a chain (`outer: inner`)
+    /// prints each cause once.
+    #[test]
+    fn every_error_prints_each_cause_once() {
+        use crate::guard::keys::KeyError;
+        use crate::guard::store::StoreError;
+        use crate::socket::SocketError;
+        use crate::sources::SourceError;
+        use credgate_core::text::repeated_cause;
+        use std::sync::Arc;
+        let io = || std::io::Error::other("disk on fire");
+        let trust = || credgate_api::trust::TrustError::Io {
+            path: "/x".into(),
+            error: io(),
+        };
+        let store_io = || StoreError::Io {
+            path: "/x".into(),
+            source: io(),
+        };
+        let load = || credgate_engine::source::LoadError::Read {
+            path: "/x".into(),
+            source: io(),
+        };
+        let errors: Vec<Box<dyn std::error::Error>> = vec![
+            Box::new(CaptureError::Write {
+                path: "/x".into(),
+                error: io(),
+            }),
+            Box::new(KeyError::Io {
+                path: "/x".into(),
+                source: io(),
+            }),
+            Box::new(KeyError::Untrusted(trust())),
+            Box::new(StoreError::Open {
+                path: "/x".into(),
+                source: rusqlite::Error::InvalidQuery,
+            }),
+            Box::new(StoreError::Untrusted(trust())),
+            Box::new(store_io()),
+            Box::new(GuardError::Unavailable(Arc::new(store_io()))),
+            Box::new(GuardError::Write(store_io())),
+            Box::new(SocketError::Io {
+                path: "/x".into(),
+                source: io(),
+            }),
+            Box::new(SocketError::Untrusted(trust())),
+            Box::new(SourceError::DockerConfig(load())),
+            Box::new(SourceError::ProviderConfig {
+                path: "/x".into(),
+                source: load(),
+            }),
+            Box::new(TrackError::NoConsumer),
+        ];
+        for e in &errors {
+            assert_eq!(repeated_cause(&**e), None, "{e}");
+        }
+    }
 }

@@ -22,12 +22,9 @@ pub enum TrustError {
     WritableByOthers { path: PathBuf, mode: u32 },
     #[error("{path} is not a {want}")]
     WrongKind { path: PathBuf, want: &'static str },
-    #[error("cannot inspect {path}: {source}")]
-    Io {
-        path: PathBuf,
-        #[source]
-        source: io::Error,
-    },
+    /// The cause is in the message (and so not a `source`: a chain prints it once).
+    #[error("cannot inspect {path}: {error}")]
+    Io { path: PathBuf, error: io::Error },
 }
 
 /// Who may own a trusted path.
@@ -71,9 +68,9 @@ pub fn check(path: &Path, meta: &std::fs::Metadata, owner: Owner) -> Result<(), 
 }
 
 fn metadata(path: &Path) -> Result<std::fs::Metadata, TrustError> {
-    std::fs::symlink_metadata(path).map_err(|source| TrustError::Io {
+    std::fs::symlink_metadata(path).map_err(|error| TrustError::Io {
         path: path.to_owned(),
-        source,
+        error,
     })
 }
 
@@ -106,10 +103,10 @@ pub fn check_socket(path: &Path) -> Result<(), TrustError> {
             }
             return Ok(());
         }
-        Err(source) => {
+        Err(error) => {
             return Err(TrustError::Io {
                 path: path.to_owned(),
-                source,
+                error,
             })
         }
     };
@@ -139,6 +136,28 @@ pub fn check_socket(path: &Path) -> Result<(), TrustError> {
 
 #[cfg(test)]
 mod tests {
+
+    /// Each cause is printed once in a chain, for every error of this module and of the
+    /// blocking client.
+    #[test]
+    fn every_error_prints_each_cause_once() {
+        use credgate_core::text::repeated_cause;
+        let io = || std::io::Error::other("disk on fire");
+        let inspect = || TrustError::Io {
+            path: "/x".into(),
+            error: io(),
+        };
+        let errors: Vec<Box<dyn std::error::Error>> = vec![
+            Box::new(inspect()),
+            Box::new(TrustError::Symlink("/x".into())),
+            Box::new(crate::unary::CallError::Connect(io())),
+            Box::new(crate::unary::CallError::Io(io())),
+            Box::new(crate::unary::CallError::Untrusted(inspect())),
+        ];
+        for e in &errors {
+            assert_eq!(repeated_cause(&**e), None, "{e}");
+        }
+    }
     use super::*;
 
     #[test]

@@ -30,6 +30,21 @@ impl fmt::Debug for Quoted<'_> {
     }
 }
 
+/// The first error of `e`'s chain whose message already contains its `source()`'s, which a
+/// chain (`outer: inner`) would then print twice; `None` when every cause is printed once.
+/// Each error type's tests run it on every variant that has a source.
+pub fn repeated_cause(e: &(dyn std::error::Error + 'static)) -> Option<String> {
+    let mut cur = e;
+    while let Some(next) = cur.source() {
+        let (outer, inner) = (cur.to_string(), next.to_string());
+        if !inner.is_empty() && outer.contains(&inner) {
+            return Some(format!("{outer:?} repeats its cause {inner:?}"));
+        }
+        cur = next;
+    }
+    None
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

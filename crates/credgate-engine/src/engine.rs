@@ -88,10 +88,17 @@ pub enum BuildError {
 /// Why a lookup failed as a whole (per-provider failures are in [`Lookup::errors`]).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LookupError {
+    /// The cause is in the message (and so not a `source`: a chain prints it once).
     #[error("invalid image reference: {0}")]
-    InvalidReference(#[from] ReferenceError),
+    InvalidReference(ReferenceError),
     #[error("invalid registry host {}: expected host[:port] without scheme or path", credgate_core::text::Quoted(.0))]
     InvalidHost(String),
+}
+
+impl From<ReferenceError> for LookupError {
+    fn from(e: ReferenceError) -> Self {
+        LookupError::InvalidReference(e)
+    }
 }
 
 /// What a caller asks.

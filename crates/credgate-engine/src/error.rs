@@ -83,3 +83,54 @@ impl ProviderError {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::error::Error;
+    use std::io;
+    use std::path::PathBuf;
+
+    use credgate_core::reference::ImageRef;
+    use credgate_core::text::repeated_cause;
+
+    use super::*;
+    use crate::engine::{BuildError, LookupError};
+    use crate::source::{load_provider_config, LoadError};
+
+    /// Every error type of the engine, each variant with a cause: a chain (`outer: inner`)
+    /// prints each cause once.
+    #[test]
+    fn every_error_prints_each_cause_once() {
+        let io = || io::Error::other("disk on fire");
+        let dir = tempfile::tempdir().unwrap();
+        let bad = dir.path().join("bad.yaml");
+        std::fs::write(&bad, "kind: Nope\n").unwrap();
+        let run = || RunError::Io {
+            plugin: "p".into(),
+            source: io(),
+        };
+        let errors: Vec<Box<dyn Error>> = vec![
+            Box::new(LookupError::from(
+                ImageRef::parse("no spaces allowed").unwrap_err(),
+            )),
+            Box::new(LookupError::InvalidHost("a/b".into())),
+            Box::new(BuildError::UnknownProvider("p".into())),
+            Box::new(RunError::Spawn {
+                plugin: "p".into(),
+                path: PathBuf::from("/x"),
+                source: io(),
+            }),
+            Box::new(run()),
+            Box::new(ProviderError::Run(Arc::new(run()))),
+            Box::new(LoadError::Read {
+                path: PathBuf::from("/x"),
+                source: io(),
+            }),
+            Box::new(load_provider_config(&bad).unwrap_err()),
+            Box::new(load_provider_config(&dir.path().join("missing.yaml")).unwrap_err()),
+        ];
+        for e in &errors {
+            assert_eq!(repeated_cause(&**e), None, "{e}");
+        }
+    }
+}

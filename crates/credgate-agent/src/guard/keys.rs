@@ -22,7 +22,7 @@ pub enum KeyError {
     },
     #[error("the node key {path} is damaged (expected 32 bytes, found {len}); remove it to start over (every record will need re-verification)")]
     Damaged { path: PathBuf, len: usize },
-    #[error("{0}")]
+    #[error(transparent)]
     Untrusted(#[from] credgate_api::trust::TrustError),
     #[error("the node key {path} can be read by other users (mode {mode:o}); refusing to use it")]
     Exposed { path: PathBuf, mode: u32 },

@@ -69,7 +69,7 @@ pub enum StoreError {
         "the disk holding the guard store {path} is full; decisions fail safe until there is room"
     )]
     Full { path: PathBuf },
-    #[error("{0}")]
+    #[error(transparent)]
     Untrusted(#[from] credgate_api::trust::TrustError),
     #[error("the guard store {path} has schema version {found}, newer than this credgate ({SCHEMA_VERSION})")]
     TooNew { path: PathBuf, found: i64 },
