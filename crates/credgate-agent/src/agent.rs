@@ -164,9 +164,11 @@ impl Agent {
             options.renewal,
             metrics.clone(),
         );
-        let guard = options
-            .guard
-            .map(|g| Guard::open(g, metrics.clone()).with_engine(engine.clone()));
+        let guard = options.guard.map(|g| {
+            Guard::open(g, metrics.clone())
+                .with_engine(engine.clone())
+                .with_clock(clock.clone())
+        });
         let now = clock.wall();
         Ok(Agent {
             inner: Arc::new(Inner {

@@ -7,18 +7,58 @@ use credgate_agent::{server, Agent, AgentOptions};
 use credgate_api::v1::image_access_client::ImageAccessClient;
 use credgate_api::v1::{self as pb};
 use credgate_core::guard::{Allowlist, Policy};
+use credgate_engine::clock::Clock;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
 use tokio::sync::watch;
 use tonic::transport::Channel;
 
+/// The system's clocks, moved forward by hand: time passes without a test sleeping.
+#[derive(Default)]
+struct Shifted {
+    ahead_ms: AtomicU64,
+}
+
+impl Shifted {
+    fn advance(&self, by: Duration) {
+        self.ahead_ms
+            .fetch_add(by.as_millis() as u64, Ordering::SeqCst);
+    }
+
+    fn ahead(&self) -> Duration {
+        Duration::from_millis(self.ahead_ms.load(Ordering::SeqCst))
+    }
+}
+
+impl Clock for Shifted {
+    fn now(&self) -> Instant {
+        Instant::now() + self.ahead()
+    }
+
+    fn wall(&self) -> SystemTime {
+        SystemTime::now() + self.ahead()
+    }
+}
+
 async fn start(dir: &std::path::Path) -> (ImageAccessClient<Channel>, watch::Sender<bool>) {
+    start_with(dir, None, None).await
+}
+
+async fn start_with(
+    dir: &std::path::Path,
+    max_age: Option<Duration>,
+    clock: Option<Arc<dyn Clock>>,
+) -> (ImageAccessClient<Channel>, watch::Sender<bool>) {
     let agent = Agent::new(AgentOptions {
         guard: Some(GuardOptions {
             policy: Policy::AlwaysVerify,
             allowlist: Allowlist::default(),
-            max_age: None,
+            max_age,
             state_dir: dir.join("state"),
             registry: Default::default(),
         }),
+        clock,
         ..Default::default()
     })
     .unwrap();
@@ -151,4 +191,65 @@ async fn oversized_record_fields_are_refused_and_not_stored() {
         .unwrap()
         .into_inner();
     assert!(all.records.is_empty() && all.intents.is_empty());
+}
+
+/// A secret match whose recorded pull is older than `--pull-record-max-age` no longer allows;
+/// the guard reads the agent's clock, which the test moves forward instead of sleeping.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_secret_match_expires_after_the_maximum_age() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(Shifted::default());
+    let (mut client, _stop) = start_with(
+        dir.path(),
+        Some(Duration::from_secs(1)),
+        Some(clock.clone()),
+    )
+    .await;
+    let image = "registry.example.com/team-a/app:v1";
+    let alice = || {
+        Some(pb::PullCredential {
+            kind: Some(pb::pull_credential::Kind::Secret(pb::SecretCredential {
+                secret: Some(pb::ObjectRef {
+                    namespace: "team-a".into(),
+                    name: "pull".into(),
+                    uid: "uid-team-a".into(),
+                }),
+                username: "alice".into(),
+                password: "pw".into(),
+            })),
+        })
+    };
+    client
+        .record_pull_result(pb::RecordPullResultRequest {
+            image: image.into(),
+            image_ref: "sha256:a".into(),
+            success: true,
+            credential: alice(),
+        })
+        .await
+        .unwrap();
+    let check = || {
+        let mut client = client.clone();
+        async move {
+            client
+                .check_access(pb::CheckAccessRequest {
+                    image: image.into(),
+                    image_ref: "sha256:a".into(),
+                    present: true,
+                    credentials: alice().into_iter().collect(),
+                    ..Default::default()
+                })
+                .await
+                .unwrap()
+                .into_inner()
+        }
+    };
+    let r = check().await;
+    assert_eq!(r.reason, "secret_match");
+    clock.advance(Duration::from_millis(1300));
+    let r = check().await;
+    assert_eq!(
+        (r.decision, r.reason.as_str()),
+        (pb::Decision::MustAuthenticate as i32, "secret_too_old")
+    );
 }

@@ -285,35 +285,6 @@ async fn leftover_intents_are_recovered_after_a_restart() {
     assert_eq!(listed.records[0].names[0].name, "docker.io/library/nginx");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_secret_match_expires_after_the_maximum_age() {
-    let dir = tempfile::tempdir().unwrap();
-    let agent = Agent::start(
-        dir.path(),
-        &[
-            "--pull-record-max-age",
-            "1s",
-            "--image-pull-credentials-verification-policy",
-            "AlwaysVerify",
-        ],
-    );
-    let mut client = agent.image_access().await;
-    let image = "registry.example.com/team-a/app:v1";
-    record_alice(&mut client, image).await;
-    let r = check(&mut client, image, "sha256:a", secret("alice", "pw")).await;
-    assert_eq!(r.reason, "secret_match");
-    tokio::time::sleep(Duration::from_millis(1300)).await;
-    let r = check(&mut client, image, "sha256:a", secret("alice", "pw")).await;
-    assert_eq!(
-        (r.decision, r.reason.as_str()),
-        (pb::Decision::MustAuthenticate as i32, "secret_too_old")
-    );
-    // A new successful pull confirms the secret again.
-    record_alice(&mut client, image).await;
-    let r = check(&mut client, image, "sha256:a", secret("alice", "pw")).await;
-    assert_eq!(r.reason, "secret_match");
-}
-
 #[test]
 fn invalid_allowlist_entries_are_refused_at_start() {
     let dir = tempfile::tempdir().unwrap();

@@ -151,10 +151,14 @@ pub fn normalize(image: &str) -> Result<(String, String), GuardError> {
     Ok((name, reference))
 }
 
-/// Milliseconds since the Unix epoch.
+/// Milliseconds since the Unix epoch, by the system's clock.
 pub fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
+    unix_ms(SystemTime::now())
+}
+
+/// `t` in milliseconds since the Unix epoch.
+fn unix_ms(t: SystemTime) -> i64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
         .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
 
@@ -168,6 +172,8 @@ pub struct Guard {
     verifier: registry::Verifier,
     /// The agent's credential engine: what "node-wide credentials" are when verifying.
     engine: Option<Arc<ArcSwap<Engine>>>,
+    /// Where decisions and recordings read the time (the agent's clock; tests pause it).
+    clock: Arc<dyn credgate_engine::clock::Clock>,
 }
 
 impl Guard {
@@ -192,9 +198,21 @@ impl Guard {
             metrics,
             verifier,
             engine: None,
+            clock: Arc::new(credgate_engine::clock::SystemClock::default()),
         };
         guard.update_gauges();
         guard
+    }
+
+    /// Reads the time from `clock` instead of the system's.
+    pub fn with_clock(mut self, clock: Arc<dyn credgate_engine::clock::Clock>) -> Guard {
+        self.clock = clock;
+        self
+    }
+
+    /// Now, in milliseconds since the Unix epoch, by the guard's clock.
+    fn now_ms(&self) -> i64 {
+        unix_ms(self.clock.wall())
     }
 
     /// Verification tries the engine's credentials for a node-wide credential.
@@ -328,7 +346,7 @@ impl Guard {
                 .options
                 .max_age
                 .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX)),
-            now_ms: now_ms(),
+            now_ms: self.now_ms(),
         };
         let decision = guard::decide(&check, view, || self.presented(credentials));
         if let (Some(learned), Ok(store)) = (decision.update, store) {
@@ -377,7 +395,7 @@ impl Guard {
                     image: reference,
                     name,
                 },
-                now_ms(),
+                self.now_ms(),
             )
             .await?;
         self.update_gauges();
@@ -418,7 +436,7 @@ impl Guard {
                     image_ref: image_ref.to_owned(),
                     used,
                 },
-                now_ms(),
+                self.now_ms(),
             )
             .await?;
         self.update_gauges();
@@ -488,7 +506,7 @@ impl Guard {
             .collect();
         let done = self
             .store()?
-            .apply(Op::Prune { present, before_ms }, now_ms())
+            .apply(Op::Prune { present, before_ms }, self.now_ms())
             .await?;
         self.update_gauges();
         match done {
@@ -504,7 +522,7 @@ impl Guard {
                 Op::Delete {
                     image_ref: image_ref.to_owned(),
                 },
-                now_ms(),
+                self.now_ms(),
             )
             .await?;
         self.update_gauges();
