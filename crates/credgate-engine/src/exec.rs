@@ -281,7 +281,7 @@ impl Run<'_> {
     /// in its group while it is still a zombie, so that its group id cannot have been reused.
     /// Its exit status (`peeked` already, or peeked now) is read without reaping it, and the
     /// zombie goes to the sweeper to reap: the answer does not wait for the kernel tearing the
-    /// process down (7 µs of a run). If the status cannot be read that way, the plugin is
+    /// process down. If the status cannot be read that way, the plugin is
     /// reaped here.
     fn finish(&mut self, peeked: Peek) -> io::Result<ExitStatus> {
         self.unwatch();

@@ -5,8 +5,8 @@
 //!
 //! Why not `std::process::Command`: it copies the whole environment of the process into a map
 //! and back into C strings on every spawn that sets one variable, and every run sets its sweep
-//! marker. That copy is 10 to 13 µs a run on the reference VM, most of `miss`'s budget over a
-//! bare spawn. A [`Program`] holds its arguments and environment as C strings made once, when
+//! marker. That copy was most of `miss`'s cost over a bare spawn (docs/benchmark-notes.md).
+//! A [`Program`] holds its arguments and environment as C strings made once, when
 //! the engine is built; a spawn adds the marker and nothing else. The child gets what std would
 //! give it: pipes on 0, 1 and 2 (every other descriptor of ours is close-on-exec), an empty
 //! signal mask, default `SIGPIPE`, and a process group of its own.

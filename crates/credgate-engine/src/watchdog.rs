@@ -12,8 +12,8 @@
 //!
 //! Why a thread and not a timer and a pidfd in each run: on a VM every `epoll_wait` with a
 //! timeout arms a host timer, and a timer in the run's task puts one under every wait of the
-//! runtime; with the pidfd that is 20 µs a run, most of `miss`'s budget over a bare spawn (see
-//! BENCHMARKS.md). The thread's clock is [`std::time::Instant`]: plugin timeouts are real time,
+//! runtime; with the pidfd that was most of `miss`'s cost over a bare spawn (see
+//! docs/benchmark-notes.md). The thread's clock is [`std::time::Instant`]: plugin timeouts are real time,
 //! also under tokio's paused clock.
 //!
 //! The invariant that makes the kills safe: a process group is signalled only while its
