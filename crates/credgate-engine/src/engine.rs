@@ -101,6 +101,16 @@ impl From<ReferenceError> for LookupError {
     }
 }
 
+/// What a provider's cache holds for a lookup.
+enum Probe {
+    Hit(Arc<Entry>),
+    /// Nothing fresh: the plugin must run, in `mode`, keyed by `scope`.
+    Miss {
+        mode: Mode,
+        scope: Option<Arc<crate::cache::Scope>>,
+    },
+}
+
 /// What a caller asks.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct LookupRequest<'a> {
@@ -445,26 +455,14 @@ impl Engine {
         let fresh_until = self.fresh_until(req.min_valid_for);
         let mut entries: SmallVec<[(usize, Arc<Entry>); 2]> = SmallVec::new();
         let mut errors = Vec::new();
-        for (i, p) in self.inner.providers.iter().enumerate() {
-            if !p.applies(&target) || req.provider.is_some_and(|only| only != p.spec.name) {
-                continue;
-            }
-            let mode = match p.mode(req.service_account) {
-                Ok(Mode::Skip) => continue,
-                Ok(mode) => mode,
-                Err(e) => {
-                    p.metrics.error(e.reason());
-                    errors.push(e);
-                    continue;
-                }
-            };
-            let scope = mode.scope().cloned();
-            let result = match p.cached(name, registry, scope.as_deref(), fresh_until) {
-                Some(e) => {
+        for (i, probe) in self.probes(req, &target, name, registry, fresh_until) {
+            let p = &self.inner.providers[i];
+            let result = match probe {
+                Ok(Probe::Hit(e)) => {
                     p.metrics.hits.inc();
                     Ok(e)
                 }
-                None => {
+                Ok(Probe::Miss { mode, scope }) => {
                     let ask = Ask {
                         image: name,
                         registry,
@@ -473,6 +471,10 @@ impl Engine {
                         fresh_until,
                     };
                     p.get(ask).await
+                }
+                Err(e) => {
+                    p.metrics.error(e.reason());
+                    Err(e)
                 }
             };
             match result {
@@ -527,18 +529,10 @@ impl Engine {
         let target = Target::from_image_name(name);
         let fresh_until = self.fresh_until(req.min_valid_for);
         let mut entries: SmallVec<[(usize, Arc<Entry>); 2]> = SmallVec::new();
-        for (i, p) in self.inner.providers.iter().enumerate() {
-            if !p.applies(&target) || req.provider.is_some_and(|only| only != p.spec.name) {
-                continue;
-            }
-            let scope = match p.mode(req.service_account) {
-                Ok(Mode::Skip) => continue,
-                Ok(mode) => mode.scope().cloned(),
-                Err(_) => return Ok(None),
-            };
-            match p.cached(name, registry, scope.as_deref(), fresh_until) {
-                Some(e) => entries.push((i, e)),
-                None => return Ok(None),
+        for (i, probe) in self.probes(req, &target, name, registry, fresh_until) {
+            match probe {
+                Ok(Probe::Hit(e)) => entries.push((i, e)),
+                Ok(Probe::Miss { .. }) | Err(_) => return Ok(None),
             }
         }
         for (i, _) in &entries {
@@ -554,6 +548,38 @@ impl Engine {
         );
         self.remember(req, &resolved);
         Ok(Some(serve(&resolved)))
+    }
+
+    /// The providers that apply to a lookup, each with what its cache holds: the one loop both
+    /// lookups share. `lookup` runs the plugin of a miss; `lookup_cached` gives up on one.
+    fn probes<'s, 'r: 's>(
+        &'s self,
+        req: &'s LookupRequest<'r>,
+        target: &'s Target<'s>,
+        name: &'s str,
+        registry: &'s str,
+        fresh_until: Instant,
+    ) -> impl Iterator<Item = (usize, Result<Probe, ProviderError>)> + 's {
+        self.inner
+            .providers
+            .iter()
+            .enumerate()
+            .filter_map(move |(i, p)| {
+                if !p.applies(target) || req.provider.is_some_and(|only| only != p.spec.name) {
+                    return None;
+                }
+                let mode = match p.mode(req.service_account) {
+                    Ok(Mode::Skip) => return None,
+                    Ok(mode) => mode,
+                    Err(e) => return Some((i, Err(e))),
+                };
+                let scope = mode.scope().cloned();
+                let probe = match p.cached(name, registry, scope.as_deref(), fresh_until) {
+                    Some(e) => Probe::Hit(e),
+                    None => Probe::Miss { mode, scope },
+                };
+                Some((i, Ok(probe)))
+            })
     }
 
     /// Serves a fresh remembered resolution of the caller's exact image string.

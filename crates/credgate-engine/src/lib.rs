@@ -36,14 +36,14 @@
 #[macro_use]
 mod test_runtimes;
 
-pub mod cache;
+mod cache;
 pub mod clock;
 pub mod engine;
 pub mod error;
 pub mod exec;
-pub mod memo;
+mod memo;
 pub mod metrics;
-pub mod provider;
+mod provider;
 pub mod source;
 mod spawn;
 pub mod sweep;

@@ -535,7 +535,6 @@ impl Provider {
             expires: cached.then(|| now + ttl),
             expires_wall: cached.then(|| wall + ttl),
             fetched: now,
-            fetched_wall: wall,
         }))
     }
 

@@ -10,8 +10,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use credgate_engine::exec::{OutputLimits, RunError};
-use credgate_engine::provider::BackoffPolicy;
 use credgate_engine::sweep::MARKER_ENV;
+use credgate_engine::BackoffPolicy;
 use credgate_engine::{LookupRequest, ProviderError};
 
 use crate::common::*;
