@@ -480,6 +480,46 @@ async fn write_rest(stdin: Option<AsyncFd<OwnedFd>>, mut rest: &[u8]) {
     }
 }
 
+/// Where the plugin is, as its run knows it.
+#[derive(Debug, Clone, Copy)]
+enum Plugin {
+    /// Its pipes are open, or it has not been looked at since they closed.
+    Running,
+    /// Its pipes closed and it did not exit within [`EXIT_SPIN`]: it runs on, and the watchdog
+    /// tells when it exits.
+    Lingering,
+    /// It exited; how, when that could be read.
+    Exited(Peek),
+}
+
+impl Plugin {
+    /// What a look at a plugin whose pipes have closed finds.
+    fn after_close(pid: i32) -> Plugin {
+        match exits_soon(pid) {
+            Peek::Running => Plugin::Lingering,
+            exited => Plugin::Exited(exited),
+        }
+    }
+}
+
+fn io_error(cmd: &PluginCommand) -> impl Fn(io::Error) -> RunError + '_ {
+    move |source| RunError::Io {
+        plugin: cmd.name.clone(),
+        source,
+    }
+}
+
+fn overflow(cmd: &PluginCommand, limits: OutputLimits) -> RunError {
+    RunError::OutputTooLarge {
+        plugin: cmd.name.clone(),
+        stream: "stdout",
+        cap: limits.stdout,
+    }
+}
+
+/// A run in five stages: [`start`], [`send_request`], [`wait_here`] (on a multi-threaded
+/// runtime, for a plugin that answers at once), [`wait_on_reactor`] (for one that does not),
+/// [`finish`].
 async fn exec(
     supervisor: &Supervisor,
     cmd: &PluginCommand,
@@ -488,10 +528,33 @@ async fn exec(
     early: Option<Early<'_>>,
 ) -> Result<Vec<u8>, RunError> {
     let deadline = std::time::Instant::now() + cmd.timeout;
-    let io_error = |source| RunError::Io {
-        plugin: cmd.name.clone(),
-        source,
-    };
+    let (mut run, child) = start(supervisor, cmd)?;
+    let (written, stdin) = send_request(cmd, child.stdin, &input)?;
+    let mut out = Stream::new(child.stdout, limits.stdout, false);
+    let mut err = Stream::new(child.stderr, limits.stderr, true);
+    let mut plugin = Plugin::Running;
+    if stdin.is_none() && may_block() {
+        plugin = wait_here(cmd, run.pid, deadline, limits, [&mut out, &mut err], early)?;
+    }
+    if !(matches!(plugin, Plugin::Exited(_)) && out.done() && err.done()) {
+        let rest = &input[written..];
+        let pipes = Pipes {
+            stdin,
+            rest,
+            out: &mut out,
+            err: &mut err,
+        };
+        plugin =
+            wait_on_reactor(supervisor, cmd, &mut run, deadline, limits, pipes, plugin).await?;
+    }
+    finish(cmd, &mut run, plugin, out, &err)
+}
+
+/// Stage 1: spawns the plugin with its run's sweep marker.
+fn start<'s>(
+    supervisor: &'s Supervisor,
+    cmd: &PluginCommand,
+) -> Result<(Run<'s>, spawn::Child), RunError> {
     let spawned = match &*cmd.program {
         Ok(program) => {
             let marker = sweep::marker();
@@ -506,111 +569,154 @@ async fn exec(
         path: cmd.path.clone(),
         source,
     })?;
-    let pid = child.pid;
-    let mut run = Run {
+    let run = Run {
         sweeper: &supervisor.sweeper,
-        pid,
+        pid: child.pid,
         watch: None,
         settled: false,
         zombie: None,
         marker: Some(marker),
     };
-    // An empty pipe takes a usual request in one write, blocking or not (up to PIPE_BUF bytes
-    // fit in any pipe); a larger one is written without blocking, the rest as the plugin
-    // reads it.
+    Ok((run, child))
+}
+
+/// Stage 2: writes the request. An empty pipe takes a usual request in one write, blocking or
+/// not (up to PIPE_BUF bytes fit in any pipe); a larger one is written without blocking, and
+/// stdin comes back on the reactor for the rest, written as the plugin reads it. How much was
+/// written.
+fn send_request(
+    cmd: &PluginCommand,
+    stdin: OwnedFd,
+    input: &[u8],
+) -> Result<(usize, Option<AsyncFd<OwnedFd>>), RunError> {
     if input.len() > PIPE_BUF {
-        spawn::set_nonblocking(&child.stdin).map_err(io_error)?;
+        spawn::set_nonblocking(&stdin).map_err(io_error(cmd))?;
     }
-    let written = match spawn::write(&child.stdin, &input) {
+    let written = match spawn::write(&stdin, input) {
         Ok(n) => n,
         Err(e) if e.kind() == io::ErrorKind::WouldBlock => 0,
         Err(_) => input.len(),
     };
-    let stdin = if written < input.len() {
-        Some(crate::sys::register(child.stdin, Interest::WRITABLE).map_err(io_error)?)
-    } else {
-        drop(child.stdin);
-        None
-    };
-    let mut out = Stream::new(child.stdout, limits.stdout, false);
-    let mut err = Stream::new(child.stderr, limits.stderr, true);
-    let overflow = || RunError::OutputTooLarge {
-        plugin: cmd.name.clone(),
-        stream: "stdout",
-        cap: limits.stdout,
-    };
-    // Whether (and how) the plugin has exited after closing its pipes, and whether that was
-    // checked.
-    let (mut exit, mut spun) = (Peek::Running, false);
-    if stdin.is_none() && may_block() {
-        // Never past the deadline: the watchdog, which enforces it, is not watching yet.
-        let budget = INLINE_WAIT.min(deadline.saturating_duration_since(std::time::Instant::now()));
-        let waited = tokio::task::block_in_place(|| {
-            let capped = wait_inline([&mut out, &mut err], budget, early)?;
-            let closed = out.done() && err.done();
-            let exit = if closed {
-                exits_soon(pid)
-            } else {
-                Peek::Running
-            };
-            Ok::<_, io::Error>((capped, closed, exit))
-        });
-        let (capped, closed, peeked) = waited.map_err(io_error)?;
-        if let Capped::Overflow = capped {
-            return Err(overflow());
-        }
-        (exit, spun) = (peeked, closed);
+    if written < input.len() {
+        let stdin = crate::sys::register(stdin, Interest::WRITABLE).map_err(io_error(cmd))?;
+        return Ok((written, Some(stdin)));
     }
-    if !(exit.exited() && out.done() && err.done()) {
-        let watch: &Watch = run.watch.insert(
-            supervisor
-                .watchdog
-                .watch(pid, deadline, limits.drain_grace)
-                .map_err(io_error)?,
-        );
-        let mut in_done = stdin.is_none();
-        let (mut out_done, mut err_done) = (out.done(), err.done());
-        let mut in_fut = pin!(write_rest(stdin, &input[written..]));
-        let mut out_fut = pin!(out.read_async());
-        let mut err_fut = pin!(err.read_async());
-        loop {
-            let seen = watch.seen();
-            if seen.timed_out {
-                return Err(RunError::Timeout {
-                    plugin: cmd.name.clone(),
-                    after: cmd.timeout,
-                });
-            }
-            if seen.drained {
-                // Escapees (setsid) hold the pipes: what came before the drain grace is it.
-                break;
-            }
-            if out_done && err_done {
-                if exit.exited() || seen.exited {
-                    break;
-                }
-                if !spun {
-                    exit = exits_soon(pid);
-                    if exit.exited() {
-                        break;
+    Ok((written, None))
+}
+
+/// Stage 3: reads both pipes on this thread (in `block_in_place`) for at most [`INLINE_WAIT`],
+/// never past the deadline (the watchdog, which enforces it, is not watching yet); if both
+/// closed, looks whether the plugin exited.
+fn wait_here(
+    cmd: &PluginCommand,
+    pid: i32,
+    deadline: std::time::Instant,
+    limits: OutputLimits,
+    streams: [&mut Stream; 2],
+    early: Option<Early<'_>>,
+) -> Result<Plugin, RunError> {
+    let budget = INLINE_WAIT.min(deadline.saturating_duration_since(std::time::Instant::now()));
+    let [out, err] = streams;
+    let waited = tokio::task::block_in_place(|| {
+        let capped = wait_inline([&mut *out, &mut *err], budget, early)?;
+        let plugin = if out.done() && err.done() {
+            Plugin::after_close(pid)
+        } else {
+            Plugin::Running
+        };
+        Ok::<_, io::Error>((capped, plugin))
+    });
+    match waited.map_err(io_error(cmd))? {
+        (Capped::Overflow, _) => Err(overflow(cmd, limits)),
+        (Capped::Done, plugin) => Ok(plugin),
+    }
+}
+
+/// A run's pipes while it waits on the reactor: stdin with what is left of the request, and
+/// the two output streams.
+struct Pipes<'a> {
+    stdin: Option<AsyncFd<OwnedFd>>,
+    rest: &'a [u8],
+    out: &'a mut Stream,
+    err: &'a mut Stream,
+}
+
+/// Stage 4: under the watchdog's eye, writes the rest of the request and reads both pipes
+/// through the reactor until they close and the plugin has exited, or its deadline passes, or
+/// a drain grace after its exit (escapees hold the pipes: what came before is the answer).
+async fn wait_on_reactor(
+    supervisor: &Supervisor,
+    cmd: &PluginCommand,
+    run: &mut Run<'_>,
+    deadline: std::time::Instant,
+    limits: OutputLimits,
+    pipes: Pipes<'_>,
+    mut plugin: Plugin,
+) -> Result<Plugin, RunError> {
+    let pid = run.pid;
+    let watch: &Watch = run.watch.insert(
+        supervisor
+            .watchdog
+            .watch(pid, deadline, limits.drain_grace)
+            .map_err(io_error(cmd))?,
+    );
+    let mut in_done = pipes.stdin.is_none();
+    let (mut out_done, mut err_done) = (pipes.out.done(), pipes.err.done());
+    let mut in_fut = pin!(write_rest(pipes.stdin, pipes.rest));
+    let mut out_fut = pin!(pipes.out.read_async());
+    let mut err_fut = pin!(pipes.err.read_async());
+    loop {
+        let seen = watch.seen();
+        if seen.timed_out {
+            return Err(RunError::Timeout {
+                plugin: cmd.name.clone(),
+                after: cmd.timeout,
+            });
+        }
+        if seen.drained {
+            return Ok(plugin);
+        }
+        if out_done && err_done {
+            match plugin {
+                Plugin::Exited(_) => return Ok(plugin),
+                _ if seen.exited => return Ok(plugin),
+                Plugin::Running => {
+                    plugin = Plugin::after_close(pid);
+                    if let Plugin::Exited(_) = plugin {
+                        return Ok(plugin);
                     }
                 }
-                // It closed its pipes but runs on.
-                spun = true;
-            }
-            tokio::select! {
-                r = &mut out_fut, if !out_done => match r {
-                    Ok(Capped::Done) => out_done = true,
-                    Ok(Capped::Overflow) => return Err(overflow()),
-                    Err(source) => return Err(io_error(source)),
-                },
-                _ = &mut err_fut, if !err_done => err_done = true,
-                () = &mut in_fut, if !in_done => in_done = true,
-                () = watch.news() => {}
+                // It closed its pipes but runs on: the watchdog tells.
+                Plugin::Lingering => {}
             }
         }
+        tokio::select! {
+            r = &mut out_fut, if !out_done => match r {
+                Ok(Capped::Done) => out_done = true,
+                Ok(Capped::Overflow) => return Err(overflow(cmd, limits)),
+                Err(source) => return Err(io_error(cmd)(source)),
+            },
+            _ = &mut err_fut, if !err_done => err_done = true,
+            () = &mut in_fut, if !in_done => in_done = true,
+            () = watch.news() => {}
+        }
     }
-    let status = run.finish(exit).map_err(io_error)?;
+}
+
+/// Stage 5: the exit status (read without reaping when it can be, the zombie left to the
+/// sweeper), then the output, or the failure with the stderr tail for the debug log.
+fn finish(
+    cmd: &PluginCommand,
+    run: &mut Run<'_>,
+    plugin: Plugin,
+    out: Stream,
+    err: &Stream,
+) -> Result<Vec<u8>, RunError> {
+    let peeked = match plugin {
+        Plugin::Exited(peeked) => peeked,
+        Plugin::Running | Plugin::Lingering => Peek::Running,
+    };
+    let status = run.finish(peeked).map_err(io_error(cmd))?;
     if !status.success() {
         return Err(RunError::NonZeroExit {
             plugin: cmd.name.clone(),
