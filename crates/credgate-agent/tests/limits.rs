@@ -34,6 +34,7 @@ fn gated_plugin(dir: &Path) -> PathBuf {
         &plugin,
         r#"#!/bin/sh
 cat >/dev/null
+touch "$(dirname "$0")/started"
 while [ ! -e "$(dirname "$0")/release" ]; do sleep 0.02; done
 echo '{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.kubelet.k8s.io/v1","cacheKeyType":"Registry","cacheDuration":"10m","auth":{"reg.example.com":{"username":"u","password":"p"}}}'
 "#,
@@ -75,6 +76,17 @@ impl Server {
             stop,
             task,
         }
+    }
+
+    /// Waits until the gated plugin runs (a call is in flight inside it).
+    async fn until_started(&self) {
+        let started = self.dir.path().join("started");
+        credgate_testbed::eventually_async(
+            "the gated plugin starts",
+            Duration::from_secs(20),
+            || started.exists(),
+        )
+        .await;
     }
 
     fn release(&self) {
@@ -246,7 +258,7 @@ async fn a_slow_miss_does_not_stall_a_ping_on_the_same_connection() {
     let channel = credgate_api::connect(&s.socket).await.unwrap();
     let lookup = gated_lookup(&channel);
     // The plugin waits for `release`; the Ping on the same connection must not.
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    s.until_started().await;
     AdminClient::new(channel)
         .ping(pb::PingRequest {})
         .await
@@ -318,7 +330,7 @@ async fn a_stop_closes_calls_still_running_at_the_shutdown_deadline() {
     .await;
     let channel = credgate_api::connect(&s.socket).await.unwrap();
     let call = gated_lookup(&channel);
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    s.until_started().await;
     s.stop.send(true).unwrap();
     // The plugin never answers; the server returns anyway.
     let Server { dir, task, .. } = s;

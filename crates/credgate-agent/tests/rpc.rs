@@ -267,7 +267,10 @@ async fn shutdown_finishes_the_call_in_flight_and_ends_watch_streams() {
         script(
             d,
             "slow",
-            &format!("sleep 1\n{}", answer("alice", SECRET, "Image")),
+            &format!(
+                "req=$(cat)\ncase \"$req\" in *team/app*) touch \"$0.started\";; esac\nsleep 1\n{}",
+                answer("alice", SECRET, "Image")
+            ),
         );
         config(d, &["slow"])
     })
@@ -283,7 +286,11 @@ async fn shutdown_finishes_the_call_in_flight_and_ends_watch_streams() {
     let mut client = CredentialsClient::new(channel);
     let in_flight =
         tokio::spawn(async move { client.lookup(lookup("reg.example.com/team/app:v1")).await });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let started = s.dir.path().join("slow.started");
+    credgate_testbed::eventually_async("the lookup's plugin runs", Duration::from_secs(20), || {
+        started.exists()
+    })
+    .await;
     s.stop.send(true).unwrap();
     let answer = in_flight
         .await

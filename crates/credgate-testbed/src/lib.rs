@@ -13,5 +13,7 @@ mod process;
 mod registry;
 
 pub use image::{oci_image, push};
-pub use process::{require, require_root, run, wait_for_exit, Containerd};
+pub use process::{
+    eventually, eventually_async, require, require_root, run, wait_for_exit, Containerd,
+};
 pub use registry::Registry;

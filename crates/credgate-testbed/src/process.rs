@@ -131,3 +131,22 @@ pub fn require_root(why: &str) {
         "this test needs root ({why}): run it as root, as scripts/test does"
     );
 }
+
+/// Polls `done` every few milliseconds until it holds; panics naming `what` if it does not
+/// within `limit`. For waiting on another process or thread instead of sleeping a guess.
+pub fn eventually(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !done() {
+        assert!(Instant::now() < deadline, "{what}: not within {limit:?}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// [`eventually`] for async tests: waits on tokio's timer between polls.
+pub async fn eventually_async(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !done() {
+        assert!(Instant::now() < deadline, "{what}: not within {limit:?}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}

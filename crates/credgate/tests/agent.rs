@@ -60,11 +60,10 @@ fn serves_the_example_and_reloads_on_sighup() {
     )
     .unwrap();
     agent.signal(libc::SIGHUP);
-    std::thread::sleep(std::time::Duration::from_millis(500));
-    assert!(
-        agent.log_text().contains("reload refused"),
-        "{}",
-        agent.log_text()
+    credgate_testbed::eventually(
+        "the broken config's reload is refused",
+        std::time::Duration::from_secs(20),
+        || agent.log_text().contains("reload refused"),
     );
     let out = agent.credgate(&["get", "registry.example.com/team/app:v1"]);
     assert!(out.status.success(), "{}", text(&out.stderr));
@@ -78,10 +77,17 @@ fn serves_the_example_and_reloads_on_sighup() {
     )
     .unwrap();
     agent.signal(libc::SIGHUP);
-    std::thread::sleep(std::time::Duration::from_millis(500));
-    let out = agent.credgate(&["ctl", "-o", "json", "status"]);
-    let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_ne!(status["config_identity"].as_str().unwrap(), identity);
+    credgate_testbed::eventually(
+        "the new config is loaded",
+        std::time::Duration::from_secs(20),
+        || {
+            let out = agent.credgate(&["ctl", "-o", "json", "status"]);
+            let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+            status["config_identity"]
+                .as_str()
+                .is_some_and(|now| now != identity)
+        },
+    );
     let out = agent.credgate(&["get", "registry.example.com/team/app:v1"]);
     assert_eq!(out.status.code(), Some(1), "no provider matches any more");
 
