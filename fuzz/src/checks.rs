@@ -3,7 +3,6 @@
 //! Every function takes arbitrary bytes; a panic is a finding.
 
 use credgate_core::config::{ProviderConfig, WireVersion};
-use credgate_core::guard::Record;
 use credgate_core::helper;
 use credgate_core::pattern::{glob_match, glob_valid, parse_schemeless, Pattern, Target};
 use credgate_core::reference::ImageRef;
@@ -84,9 +83,10 @@ pub fn helper_stdin(data: &[u8]) {
 
 /// The record store's row decoder: a record that decodes encodes to the same record.
 pub fn record_decode(data: &[u8]) {
-    if let Ok(record) = serde_json::from_slice::<Record>(data) {
-        let body = serde_json::to_vec(&record).expect("records encode");
-        let again: Record = serde_json::from_slice(&body).expect("encoded records decode");
+    if let Ok(record) = credgate_core::guard::stored::decode(data) {
+        let body = credgate_core::guard::stored::encode(&record);
+        let again =
+            credgate_core::guard::stored::decode(body.as_bytes()).expect("encoded records decode");
         assert_eq!(again, record);
     }
 }

@@ -8,11 +8,9 @@
 //! makes an old secret match require re-authentication; credentials are compared by a keyed
 //! hash computed by the caller (see [`CredentialHash`]).
 
-use std::collections::BTreeMap;
 use std::fmt;
 use std::str::FromStr;
 
-use serde::{Deserialize, Serialize};
 
 use crate::reference::ImageRef;
 
@@ -163,7 +161,7 @@ impl Allowlist {
 /// A keyed hash of a credential's content (HMAC-SHA-256 with the node's key), never the
 /// credential itself, tagged with the id of the key that made it: hashes made under another key
 /// (a lost and recreated key) never match, and their secrets cannot be taken for rotated.
-/// Serialized as `k<key id>:<hex>`.
+/// Stored as `k<key id>:<hex>` ([`stored`]).
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct CredentialHash {
     pub key: u32,
@@ -187,31 +185,8 @@ impl fmt::Debug for CredentialHash {
     }
 }
 
-impl Serialize for CredentialHash {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&format!("k{:08x}:{}", self.key, hex::encode(self.mac)))
-    }
-}
-
-impl<'de> Deserialize<'de> for CredentialHash {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        use serde::de::Error;
-        let s = String::deserialize(d)?;
-        let (key, mac) = s
-            .strip_prefix('k')
-            .and_then(|rest| rest.split_once(':'))
-            .ok_or_else(|| D::Error::custom("a credential hash is k<key id>:<hex>"))?;
-        let key = u32::from_str_radix(key, 16).map_err(D::Error::custom)?;
-        let mac = hex::decode(mac).map_err(D::Error::custom)?;
-        let mac = mac
-            .try_into()
-            .map_err(|_| D::Error::custom("a credential hash has 32 bytes"))?;
-        Ok(CredentialHash { key, mac })
-    }
-}
-
 /// Kubernetes object coordinates of a secret or service account.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Coords {
     pub namespace: String,
     pub name: String,
@@ -219,7 +194,7 @@ pub struct Coords {
 }
 
 /// A secret that pulled an image.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SecretRecord {
     pub coords: Coords,
     pub hash: CredentialHash,
@@ -228,20 +203,17 @@ pub struct SecretRecord {
 }
 
 /// What is known of one image name of a record.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct NameEntry {
     /// Pulled anonymously or with node-wide credentials: every consumer may use it.
-    #[serde(default)]
     pub node_accessible: bool,
-    #[serde(default)]
     pub secrets: Vec<SecretRecord>,
-    #[serde(default)]
     pub service_accounts: Vec<Coords>,
     pub changed_ms: i64,
 }
 
 /// Name entries of a record, by normalized image name. A record has one name or a few, so a
-/// sorted vector (one allocation) stands in for a map; serialized as a JSON object.
+/// sorted vector (one allocation) stands in for a map.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct NameMap(Vec<(String, NameEntry)>);
 
@@ -300,21 +272,8 @@ impl std::ops::Index<&str> for NameMap {
     }
 }
 
-impl Serialize for NameMap {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_map(self.0.iter().map(|(k, v)| (k, v)))
-    }
-}
-
-impl<'de> Deserialize<'de> for NameMap {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let map = BTreeMap::<String, NameEntry>::deserialize(d)?;
-        Ok(NameMap(map.into_iter().collect()))
-    }
-}
-
 /// The pull record of one image content (the runtime's image ID).
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Record {
     pub image_ref: String,
     /// By normalized image name.
@@ -673,6 +632,8 @@ pub fn recovered(record: Option<&Record>, image_ref: &str, name: &str, now_ms: i
     }
     r
 }
+
+pub mod stored;
 
 #[cfg(test)]
 mod tests;

@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, RwLock};
 
-use credgate_core::guard::{self, Learned, Presented, Record};
+use credgate_core::guard::{self, stored, Learned, Presented, Record};
 use rusqlite::{params, Connection, TransactionBehavior};
 use tokio::sync::oneshot;
 
@@ -430,7 +430,7 @@ fn load(conn: &Connection) -> Result<(Mem, usize), String> {
             mem.records.remove(&image_ref);
             continue;
         };
-        let record: Record = serde_json::from_str(&body)
+        let record = stored::decode(body.as_bytes())
             .map_err(|e| format!("record {image_ref:?} does not decode: {e}"))?;
         if record.image_ref != image_ref {
             return Err(format!("record {image_ref:?} holds {:?}", record.image_ref));
@@ -471,9 +471,7 @@ fn compact(conn: &mut Connection, mem: &Mem) -> rusqlite::Result<usize> {
     {
         let mut insert = tx.prepare("INSERT INTO record_log (image_ref, body) VALUES (?1, ?2)")?;
         for r in mem.records.values() {
-            let body = serde_json::to_string(&**r)
-                .map_err(|e| rusqlite::Error::ToSqlConversionFailure(Box::new(e)))?;
-            insert.execute(params![r.image_ref, body])?;
+            insert.execute(params![r.image_ref, stored::encode(r)])?;
         }
     }
     tx.commit()?;
@@ -681,9 +679,8 @@ fn overlay<'a, V: Clone + 'a>(
 }
 
 fn put_record(db: &Connection, r: &Record) -> Result<(), StoreError> {
-    let body = serde_json::to_string(r).map_err(|e| StoreError::Write(e.to_string()))?;
     db.prepare_cached("INSERT INTO record_log (image_ref, body) VALUES (?1, ?2)")
-        .and_then(|mut st| st.execute(params![r.image_ref, body]))
+        .and_then(|mut st| st.execute(params![r.image_ref, stored::encode(r)]))
         .map_err(|e| StoreError::Write(e.to_string()))?;
     Ok(())
 }
