@@ -181,7 +181,11 @@ async fn connections_beyond_the_limit_are_closed_at_once_and_slots_come_back() {
     for c in &mut held {
         c.write_all(PREFACE).unwrap();
     }
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The agent answers each with its SETTINGS: all four are accepted and counted.
+    for c in &mut held {
+        let mut head = [0u8; 9];
+        c.read_exact(&mut head).unwrap();
+    }
     let mut fifth = s.raw();
     let closed = tokio::task::spawn_blocking(move || closed_by_agent(&mut fifth))
         .await

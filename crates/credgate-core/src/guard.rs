@@ -11,7 +11,6 @@
 use std::fmt;
 use std::str::FromStr;
 
-
 use crate::reference::ImageRef;
 
 /// At most this many secrets are remembered per image name.
