@@ -25,6 +25,7 @@ pub mod v1 {
     tonic::include_proto!("credgate.v1");
 }
 
+pub mod cri;
 pub mod hpack;
 mod redact;
 pub mod trust;

@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context as _, Result};
 use credgate_testbed::cri::{
-    call_on, AuthConfig, Empty, ImageSpec, ImageStatusRequest, ImageStatusResponse,
-    PodSandboxConfig, PodSandboxMetadata, PullImageRequest, PullImageResponse, RemoveImageRequest,
+    call_on, pull_request, Empty, ImageSpec, ImageStatusRequest, ImageStatusResponse,
+    PullImageResponse, RemoveImageRequest,
 };
 use credgate_testbed::{oci_image, push, Containerd, Registry};
 use serde_json::json;
@@ -118,21 +118,7 @@ pub fn cri_proxy(args: &Args) -> Result<()> {
             call_on::<_, PullImageResponse>(
                 channel.clone(),
                 PULL_IMAGE,
-                PullImageRequest {
-                    image: Some(ImageSpec {
-                        image: image.clone(),
-                    }),
-                    auth: Some(AuthConfig {
-                        username: USER.into(),
-                        password: PASSWORD.into(),
-                    }),
-                    sandbox_config: Some(PodSandboxConfig {
-                        metadata: Some(PodSandboxMetadata {
-                            name: "bench-0".into(),
-                            namespace: "bench".into(),
-                        }),
-                    }),
-                },
+                pull_request(&image, Some((USER, PASSWORD)), "bench"),
             )
         };
         pull(&direct).await.context("the first pull")?;

@@ -1,87 +1,9 @@
-//! The CRI image-service messages (`runtime.v1`) a kubelet sends, as far as credgate's tests
-//! and benchmarks read them, and a unary call to any method over a unix socket.
+//! The CRI image-service messages (`credgate_api::cri`), and a unary call to any method over a
+//! unix socket.
 
 use std::path::Path;
 
-#[derive(Clone, PartialEq, prost::Message)]
-pub struct ImageSpec {
-    #[prost(string, tag = "1")]
-    pub image: String,
-}
-#[derive(Clone, PartialEq, prost::Message)]
-pub struct AuthConfig {
-    #[prost(string, tag = "1")]
-    pub username: String,
-    #[prost(string, tag = "2")]
-    pub password: String,
-}
-#[derive(Clone, PartialEq, prost::Message)]
-pub struct PodSandboxMetadata {
-    #[prost(string, tag = "1")]
-    pub name: String,
-    #[prost(string, tag = "3")]
-    pub namespace: String,
-}
-#[derive(Clone, PartialEq, prost::Message)]
-pub struct PodSandboxConfig {
-    #[prost(message, optional, tag = "1")]
-    pub metadata: Option<PodSandboxMetadata>,
-}
-#[derive(Clone, PartialEq, prost::Message)]
-pub struct PullImageRequest {
-    #[prost(message, optional, tag = "1")]
-    pub image: Option<ImageSpec>,
-    #[prost(message, optional, tag = "2")]
-    pub auth: Option<AuthConfig>,
-    #[prost(message, optional, tag = "3")]
-    pub sandbox_config: Option<PodSandboxConfig>,
-}
-#[derive(Clone, PartialEq, prost::Message)]
-pub struct PullImageResponse {
-    #[prost(string, tag = "1")]
-    pub image_ref: String,
-}
-#[derive(Clone, PartialEq, prost::Message)]
-pub struct Image {
-    #[prost(string, tag = "1")]
-    pub id: String,
-    #[prost(string, repeated, tag = "2")]
-    pub repo_tags: Vec<String>,
-}
-#[derive(Clone, PartialEq, prost::Message)]
-pub struct ListImagesRequest {}
-#[derive(Clone, PartialEq, prost::Message)]
-pub struct ListImagesResponse {
-    #[prost(message, repeated, tag = "1")]
-    pub images: Vec<Image>,
-}
-#[derive(Clone, PartialEq, prost::Message)]
-pub struct ImageStatusRequest {
-    #[prost(message, optional, tag = "1")]
-    pub image: Option<ImageSpec>,
-}
-#[derive(Clone, PartialEq, prost::Message)]
-pub struct ImageStatusResponse {
-    #[prost(message, optional, tag = "1")]
-    pub image: Option<Image>,
-}
-#[derive(Clone, PartialEq, prost::Message)]
-pub struct Empty {}
-#[derive(Clone, PartialEq, prost::Message)]
-pub struct RemoveImageRequest {
-    #[prost(message, optional, tag = "1")]
-    pub image: Option<ImageSpec>,
-}
-#[derive(Clone, PartialEq, prost::Message)]
-pub struct FilesystemUsage {
-    #[prost(int64, tag = "1")]
-    pub timestamp: i64,
-}
-#[derive(Clone, PartialEq, prost::Message)]
-pub struct ImageFsInfoResponse {
-    #[prost(message, repeated, tag = "1")]
-    pub image_filesystems: Vec<FilesystemUsage>,
-}
+pub use credgate_api::cri::*;
 
 /// Calls `method` (`/runtime.v1.ImageService/PullImage`) on the gRPC server at `socket`, on
 /// a new connection.
@@ -121,4 +43,30 @@ where
     )
     .await
     .map(tonic::Response::into_inner)
+}
+
+/// A kubelet's `PullImage` of `image` for a pod `app-0` of `namespace`, with `credential`
+/// (username, password) when given.
+pub fn pull_request(
+    image: &str,
+    credential: Option<(&str, &str)>,
+    namespace: &str,
+) -> PullImageRequest {
+    PullImageRequest {
+        image: Some(ImageSpec {
+            image: image.to_owned(),
+        }),
+        auth: credential.map(|(username, password)| AuthConfig {
+            username: username.to_owned(),
+            password: password.to_owned(),
+            ..Default::default()
+        }),
+        sandbox_config: Some(PodSandboxConfig {
+            metadata: Some(PodSandboxMetadata {
+                name: "app-0".into(),
+                namespace: namespace.to_owned(),
+                ..Default::default()
+            }),
+        }),
+    }
 }

@@ -162,21 +162,7 @@ async fn pulls_through_the_proxy_reach_the_registry_with_their_credentials() {
     let containerd = Containerd::start(d, &[registry.host()]);
     let (agent, proxy) = proxy_agent(d, &containerd.socket);
     let image = format!("{}/team/app:v1", registry.host());
-    let pull = |password: Option<&str>| PullImageRequest {
-        image: Some(ImageSpec {
-            image: image.clone(),
-        }),
-        auth: password.map(|p| AuthConfig {
-            username: USER.into(),
-            password: p.into(),
-        }),
-        sandbox_config: Some(PodSandboxConfig {
-            metadata: Some(PodSandboxMetadata {
-                name: "app-0".into(),
-                namespace: "team-a".into(),
-            }),
-        }),
-    };
+    let pull = |password: Option<&str>| pull_request(&image, password.map(|p| (USER, p)), "team-a");
     for bad in [None, Some("wrong-password")] {
         let e =
             call::<_, PullImageResponse>(&proxy, "/runtime.v1.ImageService/PullImage", pull(bad))
@@ -452,21 +438,7 @@ printf '{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.ku
         ],
     );
     let image = format!("{}/team/app:v1", registry.host());
-    let pull = |user: &str, password: &str| PullImageRequest {
-        image: Some(ImageSpec {
-            image: image.clone(),
-        }),
-        auth: Some(AuthConfig {
-            username: user.into(),
-            password: password.into(),
-        }),
-        sandbox_config: Some(PodSandboxConfig {
-            metadata: Some(PodSandboxMetadata {
-                name: "app-0".into(),
-                namespace: "team-a".into(),
-            }),
-        }),
-    };
+    let pull = |user: &str, password: &str| pull_request(&image, Some((user, password)), "team-a");
 
     let watched = format!("{}/team/app:v2", registry.host());
     let channel = credgate_api::connect(&agent.socket).await.unwrap();
