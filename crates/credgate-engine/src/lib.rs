@@ -43,6 +43,7 @@ pub mod error;
 pub mod exec;
 mod memo;
 pub mod metrics;
+mod owned_thread;
 mod provider;
 pub mod source;
 mod spawn;

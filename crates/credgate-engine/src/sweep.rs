@@ -19,9 +19,9 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
-use std::thread::JoinHandle;
 use std::time::Duration;
 
+use crate::owned_thread::OwnedThread;
 use crate::spawn;
 
 /// The environment variable that marks a plugin run's processes.
@@ -69,8 +69,7 @@ static KILLED: AtomicU64 = AtomicU64::new(0);
 /// round for the runs still pending.
 pub(crate) struct Sweeper {
     shared: Arc<Shared>,
-    /// `None` inside when the thread could not be started.
-    thread: OnceLock<Option<JoinHandle<()>>>,
+    thread: OwnedThread,
 }
 
 impl Default for Sweeper {
@@ -80,7 +79,7 @@ impl Default for Sweeper {
                 pending: Mutex::new(Pending::default()),
                 wake: Condvar::new(),
             }),
-            thread: OnceLock::new(),
+            thread: OwnedThread::default(),
         }
     }
 }
@@ -90,14 +89,9 @@ impl Sweeper {
     /// reaped yet (killed, or exited and left as a zombie): the sweeper reaps it on its next
     /// round.
     pub(crate) fn finished(&self, marker: String, unreaped: Option<i32>) {
-        self.thread.get_or_init(|| {
-            let shared = self.shared.clone();
-            std::thread::Builder::new()
-                .name("credgate-sweeper".into())
-                .spawn(move || sweeper(&shared))
-                .map_err(|e| tracing::warn!(error = %e, "cannot start the plugin escapee sweeper"))
-                .ok()
-        });
+        let shared = self.shared.clone();
+        self.thread
+            .start_once("credgate-sweeper", move || sweeper(&shared));
         let mut pending = self.shared.pending();
         // The sweeper waits only while nothing is pending; otherwise it will see this marker
         // on its next scan, and a wake-up would be a wasted system call on every run.
@@ -115,9 +109,7 @@ impl Drop for Sweeper {
     fn drop(&mut self) {
         self.shared.pending().stop = true;
         self.shared.wake.notify_one();
-        if let Some(Some(thread)) = self.thread.take() {
-            let _ = thread.join();
-        }
+        self.thread.join();
     }
 }
 

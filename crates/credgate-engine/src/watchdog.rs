@@ -20,8 +20,9 @@
 //! leader (the plugin) has not been reaped, so its id cannot have been reused. A run marks
 //! itself [`Watch::done`] (under the same lock the watchdog signals under) before it reaps.
 
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
-use std::thread::JoinHandle;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+
+use crate::owned_thread::OwnedThread;
 use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
@@ -147,8 +148,7 @@ impl Shared {
 /// when this is dropped (which the engine's runner does when the engine goes).
 pub(crate) struct Watchdog {
     shared: Arc<Shared>,
-    /// `None` inside when the thread could not be started.
-    thread: OnceLock<Option<JoinHandle<()>>>,
+    thread: OwnedThread,
 }
 
 impl Default for Watchdog {
@@ -162,7 +162,7 @@ impl Default for Watchdog {
                 }),
                 wake: Condvar::new(),
             }),
-            thread: OnceLock::new(),
+            thread: OwnedThread::default(),
         }
     }
 }
@@ -175,15 +175,11 @@ impl Watchdog {
         deadline: Instant,
         drain_grace: Duration,
     ) -> std::io::Result<Watch> {
-        let started = self.thread.get_or_init(|| {
-            let shared = self.shared.clone();
-            std::thread::Builder::new()
-                .name("credgate-watchdog".into())
-                .spawn(move || watch_runs(&shared))
-                .map_err(|e| tracing::error!(error = %e, "cannot start the plugin watchdog thread"))
-                .ok()
-        });
-        if started.is_none() {
+        let shared = self.shared.clone();
+        if !self
+            .thread
+            .start_once("credgate-watchdog", move || watch_runs(&shared))
+        {
             return Err(std::io::Error::other(
                 "the plugin watchdog thread could not be started",
             ));
@@ -214,9 +210,7 @@ impl Drop for Watchdog {
     fn drop(&mut self) {
         self.shared.runs().stop = true;
         self.shared.wake.notify_one();
-        if let Some(Some(thread)) = self.thread.take() {
-            let _ = thread.join();
-        }
+        self.thread.join();
     }
 }
 
