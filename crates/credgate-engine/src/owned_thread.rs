@@ -12,13 +12,18 @@ pub(crate) struct OwnedThread {
 }
 
 impl OwnedThread {
-    /// Starts `body` as the thread `name` unless it was started already; whether it runs.
-    pub(crate) fn start_once(&self, name: &str, body: impl FnOnce() + Send + 'static) -> bool {
+    /// Starts the body `make` gives as the thread `name` unless it was started already (then
+    /// `make` is not called); whether it runs.
+    pub(crate) fn start_once<F: FnOnce() + Send + 'static>(
+        &self,
+        name: &str,
+        make: impl FnOnce() -> F,
+    ) -> bool {
         self.handle
             .get_or_init(|| {
                 std::thread::Builder::new()
                     .name(name.to_owned())
-                    .spawn(body)
+                    .spawn(make())
                     .map_err(
                         |e| tracing::error!(error = %e, thread = name, "cannot start a thread"),
                     )

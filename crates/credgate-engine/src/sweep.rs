@@ -89,9 +89,10 @@ impl Sweeper {
     /// reaped yet (killed, or exited and left as a zombie): the sweeper reaps it on its next
     /// round.
     pub(crate) fn finished(&self, marker: String, unreaped: Option<i32>) {
-        let shared = self.shared.clone();
-        self.thread
-            .start_once("credgate-sweeper", move || sweeper(&shared));
+        self.thread.start_once("credgate-sweeper", || {
+            let shared = self.shared.clone();
+            move || sweeper(&shared)
+        });
         let mut pending = self.shared.pending();
         // The sweeper waits only while nothing is pending; otherwise it will see this marker
         // on its next scan, and a wake-up would be a wasted system call on every run.

@@ -175,11 +175,10 @@ impl Watchdog {
         deadline: Instant,
         drain_grace: Duration,
     ) -> std::io::Result<Watch> {
-        let shared = self.shared.clone();
-        if !self
-            .thread
-            .start_once("credgate-watchdog", move || watch_runs(&shared))
-        {
+        if !self.thread.start_once("credgate-watchdog", || {
+            let shared = self.shared.clone();
+            move || watch_runs(&shared)
+        }) {
             return Err(std::io::Error::other(
                 "the plugin watchdog thread could not be started",
             ));
