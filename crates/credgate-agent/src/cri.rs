@@ -12,6 +12,7 @@ use std::path::PathBuf;
 use std::pin::Pin;
 use std::time::Duration;
 
+use credgate_api::cri::{self as wire, PULL_IMAGE, REMOVE_IMAGE};
 use http_body_util::BodyExt;
 use hyper::body::{Bytes, Incoming};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -96,18 +97,12 @@ fn deadline(headers: &hyper::HeaderMap) -> Duration {
     }
 }
 
-/// The two methods whose messages the proxy reads.
-const PULL_IMAGE: &str = "/runtime.v1.ImageService/PullImage";
 /// The most of a `PullImage` or `RemoveImage` request or answer the proxy buffers (all small
 /// messages).
 const MAX_PULL_MESSAGE: usize = 1 << 20;
 /// The most of a `ListImages` answer the proxy reads for itself: containerd's own default
 /// limit for a gRPC message.
 const MAX_LIST_MESSAGE: usize = 16 << 20;
-
-use credgate_api::cri as wire;
-
-const REMOVE_IMAGE: &str = "/runtime.v1.ImageService/RemoveImage";
 
 /// The repositories an image is known by (from its tags and digests).
 fn repositories(image: &wire::Image) -> Vec<String> {
@@ -166,7 +161,7 @@ async fn remove(
     let before: Vec<String> = match named {
         Some(spec) => ask::<_, wire::ImageStatusResponse>(
             runtime,
-            "/runtime.v1.ImageService/ImageStatus",
+            wire::IMAGE_STATUS,
             &wire::ImageStatusRequest { image: Some(spec) },
             MAX_PULL_MESSAGE,
         )
@@ -195,7 +190,7 @@ async fn forget_absent(
 ) {
     let Some(left) = ask::<_, wire::ListImagesResponse>(
         runtime,
-        "/runtime.v1.ImageService/ListImages",
+        wire::LIST_IMAGES,
         &wire::ListImagesRequest {},
         MAX_LIST_MESSAGE,
     )

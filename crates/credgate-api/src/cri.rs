@@ -4,6 +4,13 @@
 //! other field passes through the proxy untouched.
 #![allow(missing_docs)]
 
+/// The image service's methods credgate calls or reads, as gRPC paths.
+pub const PULL_IMAGE: &str = "/runtime.v1.ImageService/PullImage";
+pub const REMOVE_IMAGE: &str = "/runtime.v1.ImageService/RemoveImage";
+pub const IMAGE_STATUS: &str = "/runtime.v1.ImageService/ImageStatus";
+pub const LIST_IMAGES: &str = "/runtime.v1.ImageService/ListImages";
+pub const IMAGE_FS_INFO: &str = "/runtime.v1.ImageService/ImageFsInfo";
+
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct ImageSpec {
     #[prost(string, tag = "1")]

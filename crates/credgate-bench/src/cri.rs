@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, ensure, Context as _, Result};
 use credgate_testbed::cri::{
     call_on, pull_request, Empty, ImageSpec, ImageStatusRequest, ImageStatusResponse,
-    PullImageResponse, RemoveImageRequest,
+    PullImageResponse, RemoveImageRequest, IMAGE_STATUS, PULL_IMAGE, REMOVE_IMAGE,
 };
 use credgate_testbed::{oci_image, push, Containerd, Registry};
 use serde_json::json;
@@ -24,9 +24,6 @@ use crate::{emit, percentile, Args};
 
 const USER: &str = "bench";
 const PASSWORD: &str = "bench-password";
-const IMAGE_STATUS: &str = "/runtime.v1.ImageService/ImageStatus";
-const PULL_IMAGE: &str = "/runtime.v1.ImageService/PullImage";
-const REMOVE_IMAGE: &str = "/runtime.v1.ImageService/RemoveImage";
 
 /// A directory removed on drop.
 struct TempDir(PathBuf);

@@ -57,17 +57,13 @@ async fn image_service_calls_pass_through_with_the_runtimes_answers() {
     let containerd = Containerd::start(dir.path(), &[]);
     let (agent, proxy) = proxy_agent(dir.path(), &containerd.socket);
     for socket in [&containerd.socket, &proxy] {
-        let list: ListImagesResponse = call(
-            socket,
-            "/runtime.v1.ImageService/ListImages",
-            ListImagesRequest {},
-        )
-        .await
-        .expect("ListImages");
+        let list: ListImagesResponse = call(socket, LIST_IMAGES, ListImagesRequest {})
+            .await
+            .expect("ListImages");
         assert!(list.images.is_empty());
         let status: ImageStatusResponse = call(
             socket,
-            "/runtime.v1.ImageService/ImageStatus",
+            IMAGE_STATUS,
             ImageStatusRequest {
                 image: Some(ImageSpec {
                     image: "docker.io/library/absent:1".into(),
@@ -77,10 +73,9 @@ async fn image_service_calls_pass_through_with_the_runtimes_answers() {
         .await
         .expect("ImageStatus");
         assert!(status.image.is_none());
-        let fs: ImageFsInfoResponse =
-            call(socket, "/runtime.v1.ImageService/ImageFsInfo", Empty {})
-                .await
-                .expect("ImageFsInfo");
+        let fs: ImageFsInfoResponse = call(socket, IMAGE_FS_INFO, Empty {})
+            .await
+            .expect("ImageFsInfo");
         assert!(!fs.image_filesystems.is_empty());
     }
     // A method credgate has no code for: the runtime's own answer, not credgate's.
@@ -102,7 +97,7 @@ async fn image_service_calls_pass_through_with_the_runtimes_answers() {
     // So does a status error: a pull of an image that does not exist.
     let direct = call::<PullImageRequest, PullImageResponse>(
         &containerd.socket,
-        "/runtime.v1.ImageService/PullImage",
+        PULL_IMAGE,
         PullImageRequest {
             image: Some(ImageSpec {
                 image: "127.0.0.1:1/nothing/here:v1".into(),
@@ -114,7 +109,7 @@ async fn image_service_calls_pass_through_with_the_runtimes_answers() {
     .unwrap_err();
     let proxied = call::<PullImageRequest, PullImageResponse>(
         &proxy,
-        "/runtime.v1.ImageService/PullImage",
+        PULL_IMAGE,
         PullImageRequest {
             image: Some(ImageSpec {
                 image: "127.0.0.1:1/nothing/here:v1".into(),
@@ -133,13 +128,10 @@ async fn image_service_calls_pass_through_with_the_runtimes_answers() {
 async fn a_runtime_that_cannot_be_reached_is_unavailable() {
     let dir = tempfile::tempdir().unwrap();
     let (_agent, proxy) = proxy_agent(dir.path(), &dir.path().join("no-runtime.sock"));
-    let e = call::<ListImagesRequest, ListImagesResponse>(
-        &proxy,
-        "/runtime.v1.ImageService/ListImages",
-        ListImagesRequest {},
-    )
-    .await
-    .unwrap_err();
+    let e =
+        call::<ListImagesRequest, ListImagesResponse>(&proxy, LIST_IMAGES, ListImagesRequest {})
+            .await
+            .unwrap_err();
     assert_eq!(e.code(), tonic::Code::Unavailable);
     assert!(
         e.message().contains("cannot reach the container runtime"),
@@ -164,10 +156,9 @@ async fn pulls_through_the_proxy_reach_the_registry_with_their_credentials() {
     let image = format!("{}/team/app:v1", registry.host());
     let pull = |password: Option<&str>| pull_request(&image, password.map(|p| (USER, p)), "team-a");
     for bad in [None, Some("wrong-password")] {
-        let e =
-            call::<_, PullImageResponse>(&proxy, "/runtime.v1.ImageService/PullImage", pull(bad))
-                .await
-                .unwrap_err();
+        let e = call::<_, PullImageResponse>(&proxy, PULL_IMAGE, pull(bad))
+            .await
+            .unwrap_err();
         assert_ne!(e.code(), tonic::Code::Ok);
         assert!(
             !e.message().contains("credgate"),
@@ -175,25 +166,17 @@ async fn pulls_through_the_proxy_reach_the_registry_with_their_credentials() {
             e.message()
         );
     }
-    let pulled: PullImageResponse = call(
-        &proxy,
-        "/runtime.v1.ImageService/PullImage",
-        pull(Some(PASSWORD)),
-    )
-    .await
-    .expect("the pull with the right credentials succeeds");
+    let pulled: PullImageResponse = call(&proxy, PULL_IMAGE, pull(Some(PASSWORD)))
+        .await
+        .expect("the pull with the right credentials succeeds");
     assert!(
         pulled.image_ref.starts_with("sha256:"),
         "{}",
         pulled.image_ref
     );
-    let list: ListImagesResponse = call(
-        &containerd.socket,
-        "/runtime.v1.ImageService/ListImages",
-        ListImagesRequest {},
-    )
-    .await
-    .unwrap();
+    let list: ListImagesResponse = call(&containerd.socket, LIST_IMAGES, ListImagesRequest {})
+        .await
+        .unwrap();
     assert!(
         list.images.iter().any(|i| i.repo_tags.contains(&image)),
         "{list:?}"
@@ -327,20 +310,16 @@ async fn pulls_through_the_proxy_reach_the_registry_with_their_credentials() {
 
     // Pulled again, then removed by its ID: no image of the repository is left, so its
     // captured credential goes.
-    let again: PullImageResponse = call(
-        &proxy,
-        "/runtime.v1.ImageService/PullImage",
-        pull(Some(PASSWORD)),
-    )
-    .await
-    .expect("pull");
+    let again: PullImageResponse = call(&proxy, PULL_IMAGE, pull(Some(PASSWORD)))
+        .await
+        .expect("pull");
     assert_eq!(
         captured(&agent)["credentials"][0]["source_kind"],
         "captured"
     );
     let _: Empty = call(
         &proxy,
-        "/runtime.v1.ImageService/RemoveImage",
+        REMOVE_IMAGE,
         RemoveImageRequest {
             image: Some(ImageSpec {
                 image: again.image_ref.clone(),
@@ -359,20 +338,16 @@ async fn pulls_through_the_proxy_reach_the_registry_with_their_credentials() {
 
     // A removal that bypasses the proxy (straight to the runtime) is found by the periodic
     // check of the runtime's images.
-    let third: PullImageResponse = call(
-        &proxy,
-        "/runtime.v1.ImageService/PullImage",
-        pull(Some(PASSWORD)),
-    )
-    .await
-    .expect("pull");
+    let third: PullImageResponse = call(&proxy, PULL_IMAGE, pull(Some(PASSWORD)))
+        .await
+        .expect("pull");
     assert_eq!(
         captured(&agent)["credentials"][0]["source_kind"],
         "captured"
     );
     let _: Empty = call(
         &containerd.socket,
-        "/runtime.v1.ImageService/RemoveImage",
+        REMOVE_IMAGE,
         RemoveImageRequest {
             image: Some(ImageSpec {
                 image: third.image_ref.clone(),
@@ -466,13 +441,9 @@ printf '{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.ku
     assert_eq!(first.r#ref, watched);
     assert_eq!(captured(&first), None, "{first:?}");
 
-    let _: PullImageResponse = call(
-        &proxy,
-        "/runtime.v1.ImageService/PullImage",
-        pull(USER, PASSWORD),
-    )
-    .await
-    .expect("the pull succeeds");
+    let _: PullImageResponse = call(&proxy, PULL_IMAGE, pull(USER, PASSWORD))
+        .await
+        .expect("the pull succeeds");
     let second = next(&mut stream).await;
     assert_eq!(
         captured(&second),
@@ -508,20 +479,12 @@ printf '{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.ku
     );
 
     // A failed pull replaces nothing; the next successful one with other credentials does.
-    call::<_, PullImageResponse>(
-        &proxy,
-        "/runtime.v1.ImageService/PullImage",
-        pull(OTHER.0, "wrong-password"),
-    )
-    .await
-    .unwrap_err();
-    let _: PullImageResponse = call(
-        &proxy,
-        "/runtime.v1.ImageService/PullImage",
-        pull(OTHER.0, OTHER.1),
-    )
-    .await
-    .expect("the pull with the rotated credential succeeds");
+    call::<_, PullImageResponse>(&proxy, PULL_IMAGE, pull(OTHER.0, "wrong-password"))
+        .await
+        .unwrap_err();
+    let _: PullImageResponse = call(&proxy, PULL_IMAGE, pull(OTHER.0, OTHER.1))
+        .await
+        .expect("the pull with the rotated credential succeeds");
     let third = next(&mut stream).await;
     assert_eq!(
         captured(&third),
@@ -532,7 +495,7 @@ printf '{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.ku
 
     let _: Empty = call(
         &proxy,
-        "/runtime.v1.ImageService/RemoveImage",
+        REMOVE_IMAGE,
         RemoveImageRequest {
             image: Some(ImageSpec {
                 image: image.clone(),
