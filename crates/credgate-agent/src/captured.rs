@@ -86,7 +86,11 @@ pub struct Captured {
     key: Zeroizing<[u8; 32]>,
     key_id: u32,
     max_age: Option<Duration>,
+    /// What is served; held only to read or swap, never across the sealed write.
     by_repository: Mutex<BTreeMap<String, Credential>>,
+    /// Serializes writers (each seals the whole map, fsyncs, then swaps it in), so that a
+    /// capture's fsync never holds up a `Lookup` reading the map.
+    writer: Mutex<()>,
     /// Counts changes, for those who push them on (the renewer, to Watch streams).
     changes: tokio::sync::watch::Sender<u64>,
 }
@@ -103,6 +107,7 @@ impl Captured {
             key_id: node.id(),
             max_age,
             by_repository: Mutex::new(BTreeMap::new()),
+            writer: Mutex::new(()),
             changes: tokio::sync::watch::Sender::new(0),
         };
         let path = captured.path();
@@ -220,29 +225,33 @@ impl Captured {
     /// Keeps `credential` for `repository`, replacing what was there, on disk before it
     /// returns.
     pub fn capture(&self, repository: &str, credential: Credential) -> Result<(), CaptureError> {
-        let mut entries = self.lock();
-        let mut next = entries.clone();
-        next.insert(repository.to_owned(), credential);
+        self.change(|entries| {
+            entries.insert(repository.to_owned(), credential);
+            true
+        })
+        .map(|_| ())
+    }
+
+    /// Applies `edit` to a copy of the map; when it says it changed something, seals and
+    /// fsyncs the copy, swaps it in and counts the change. Whether it changed something.
+    fn change(
+        &self,
+        edit: impl FnOnce(&mut BTreeMap<String, Credential>) -> bool,
+    ) -> Result<bool, CaptureError> {
+        let _writer = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        let mut next = self.lock().clone();
+        if !edit(&mut next) {
+            return Ok(false);
+        }
         self.persist(&next)?;
-        *entries = next;
-        drop(entries);
+        *self.lock() = next;
         self.changes.send_modify(|n| *n += 1);
-        Ok(())
+        Ok(true)
     }
 
     /// Drops the credential of `repository`; whether there was one.
     pub fn forget(&self, repository: &str) -> Result<bool, CaptureError> {
-        let mut entries = self.lock();
-        if !entries.contains_key(repository) {
-            return Ok(false);
-        }
-        let mut next = entries.clone();
-        next.remove(repository);
-        self.persist(&next)?;
-        *entries = next;
-        drop(entries);
-        self.changes.send_modify(|n| *n += 1);
-        Ok(true)
+        self.change(|entries| entries.remove(repository).is_some())
     }
 
     /// A receiver that sees each change (a capture or a drop) as it happens.
