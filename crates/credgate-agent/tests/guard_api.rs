@@ -71,9 +71,7 @@ async fn start_with(
 }
 
 fn node_wide() -> Option<pb::PullCredential> {
-    Some(pb::PullCredential {
-        kind: Some(pb::pull_credential::Kind::NodeWide(pb::NodeWide {})),
-    })
+    Some(pb::PullCredential::node_wide())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -155,16 +153,13 @@ async fn oversized_record_fields_are_refused_and_not_stored() {
         .unwrap_err();
     assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e}");
     assert!(e.message().len() < 300, "{} bytes", e.message().len());
-    let secret = |namespace: String| pb::PullCredential {
-        kind: Some(pb::pull_credential::Kind::Secret(pb::SecretCredential {
-            secret: Some(pb::ObjectRef {
-                namespace,
-                name: "pull".into(),
-                uid: String::new(),
-            }),
-            username: "u".into(),
-            password: "p".into(),
-        })),
+    let secret = |namespace: String| {
+        let object = pb::ObjectRef {
+            namespace,
+            name: "pull".into(),
+            uid: String::new(),
+        };
+        pb::PullCredential::secret(object, "u", "p")
     };
     let e = client
         .record_pull_result(pb::RecordPullResultRequest {
@@ -207,17 +202,12 @@ async fn a_secret_match_expires_after_the_maximum_age() {
     .await;
     let image = "registry.example.com/team-a/app:v1";
     let alice = || {
-        Some(pb::PullCredential {
-            kind: Some(pb::pull_credential::Kind::Secret(pb::SecretCredential {
-                secret: Some(pb::ObjectRef {
-                    namespace: "team-a".into(),
-                    name: "pull".into(),
-                    uid: "uid-team-a".into(),
-                }),
-                username: "alice".into(),
-                password: "pw".into(),
-            })),
-        })
+        let object = pb::ObjectRef {
+            namespace: "team-a".into(),
+            name: "pull".into(),
+            uid: "uid-team-a".into(),
+        };
+        Some(pb::PullCredential::secret(object, "alice", "pw"))
     };
     client
         .record_pull_result(pb::RecordPullResultRequest {

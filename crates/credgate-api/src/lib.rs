@@ -23,6 +23,30 @@ use tonic::transport::{Channel, Endpoint};
 pub mod v1 {
     #![allow(missing_docs, clippy::all, clippy::pedantic)]
     tonic::include_proto!("credgate.v1");
+
+    impl PullCredential {
+        /// The pull secret at `secret` holding `username` and `password`.
+        pub fn secret(
+            secret: ObjectRef,
+            username: impl Into<String>,
+            password: impl Into<String>,
+        ) -> PullCredential {
+            PullCredential {
+                kind: Some(pull_credential::Kind::Secret(SecretCredential {
+                    secret: Some(secret),
+                    username: username.into(),
+                    password: password.into(),
+                })),
+            }
+        }
+
+        /// Anonymous or the node's own credentials.
+        pub fn node_wide() -> PullCredential {
+            PullCredential {
+                kind: Some(pull_credential::Kind::NodeWide(NodeWide {})),
+            }
+        }
+    }
 }
 
 pub mod cri;

@@ -250,17 +250,15 @@ fn verify_loop(socket: &Path, port: u16, counts: &Counts, running: &dyn Fn() -> 
     let request = pb::VerifyRequest {
         image: format!("127.0.0.1:{port}/team/app:v1"),
         image_ref: format!("sha256:{:064x}", 1),
-        credentials: vec![pb::PullCredential {
-            kind: Some(pb::pull_credential::Kind::Secret(pb::SecretCredential {
-                secret: Some(pb::ObjectRef {
-                    namespace: "attacker".into(),
-                    name: "pull".into(),
-                    uid: String::new(),
-                }),
-                username: "u".into(),
-                password: "p".into(),
-            })),
-        }],
+        credentials: vec![pb::PullCredential::secret(
+            pb::ObjectRef {
+                namespace: "attacker".into(),
+                name: "pull".into(),
+                uid: String::new(),
+            },
+            "u",
+            "p",
+        )],
         ..Default::default()
     };
     while running() {

@@ -9,9 +9,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
+use credgate_api::v1 as pb;
 use credgate_api::v1::credentials_client::CredentialsClient;
 use credgate_api::v1::image_access_client::ImageAccessClient;
-use credgate_api::v1::{self as pb, pull_credential::Kind};
 use serde_json::json;
 use tokio_stream::StreamExt;
 
@@ -42,17 +42,16 @@ fn sample(pid: u32, started: Instant) -> Sample {
 }
 
 fn secret(team: u64) -> pb::PullCredential {
-    pb::PullCredential {
-        kind: Some(Kind::Secret(pb::SecretCredential {
-            secret: Some(pb::ObjectRef {
-                namespace: format!("team-{team}"),
-                name: "pull".into(),
-                uid: format!("uid-{team}"),
-            }),
-            username: format!("user-{team}"),
-            password: format!("soak-password-{team}"),
-        })),
-    }
+    let object = pb::ObjectRef {
+        namespace: format!("team-{team}"),
+        name: "pull".into(),
+        uid: format!("uid-{team}"),
+    };
+    pb::PullCredential::secret(
+        object,
+        format!("user-{team}"),
+        format!("soak-password-{team}"),
+    )
 }
 
 /// A small deterministic generator per client.

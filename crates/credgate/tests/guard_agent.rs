@@ -11,14 +11,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use credgate_api::v1::image_access_client::ImageAccessClient;
-use credgate_api::v1::pull_credential::Kind;
 use credgate_api::v1::{self as pb};
 use support::Agent;
 
 fn node_wide() -> Option<pb::PullCredential> {
-    Some(pb::PullCredential {
-        kind: Some(Kind::NodeWide(pb::NodeWide {})),
-    })
+    Some(pb::PullCredential::node_wide())
 }
 
 /// A cheap, seedable source of "random" moments (no RNG dependency).
@@ -186,17 +183,12 @@ fn secret(user: &str, password: &str) -> Option<pb::PullCredential> {
 
 /// A secret of namespace `ns` (one secret object per namespace).
 fn secret_of(ns: &str, user: &str, password: &str) -> Option<pb::PullCredential> {
-    Some(pb::PullCredential {
-        kind: Some(Kind::Secret(pb::SecretCredential {
-            secret: Some(pb::ObjectRef {
-                namespace: ns.into(),
-                name: "pull".into(),
-                uid: format!("uid-{ns}"),
-            }),
-            username: user.into(),
-            password: password.into(),
-        })),
-    })
+    let object = pb::ObjectRef {
+        namespace: ns.into(),
+        name: "pull".into(),
+        uid: format!("uid-{ns}"),
+    };
+    Some(pb::PullCredential::secret(object, user, password))
 }
 
 /// Alice's pull of `image` (as `sha256:a`) with her secret succeeded.

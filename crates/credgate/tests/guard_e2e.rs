@@ -5,7 +5,6 @@
 mod support;
 
 use credgate_api::v1::image_access_client::ImageAccessClient;
-use credgate_api::v1::pull_credential::Kind;
 use credgate_api::v1::{self as pb};
 use support::token::TokenServer;
 use support::{oci_image, push, text, Agent, Registry};
@@ -13,23 +12,16 @@ use support::{oci_image, push, text, Agent, Registry};
 const ADMIN: (&str, &str) = ("admin", "admin-pw");
 
 fn secret(ns: &str, name: &str, user: &str, password: &str) -> pb::PullCredential {
-    pb::PullCredential {
-        kind: Some(Kind::Secret(pb::SecretCredential {
-            secret: Some(pb::ObjectRef {
-                namespace: ns.into(),
-                name: name.into(),
-                uid: format!("uid-{ns}-{name}"),
-            }),
-            username: user.into(),
-            password: password.into(),
-        })),
-    }
+    let object = pb::ObjectRef {
+        namespace: ns.into(),
+        name: name.into(),
+        uid: format!("uid-{ns}-{name}"),
+    };
+    pb::PullCredential::secret(object, user, password)
 }
 
 fn anonymous() -> pb::PullCredential {
-    pb::PullCredential {
-        kind: Some(Kind::NodeWide(pb::NodeWide {})),
-    }
+    pb::PullCredential::node_wide()
 }
 
 fn digest_of(registry: &Registry, repo: &str) -> String {

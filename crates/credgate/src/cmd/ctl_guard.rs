@@ -40,13 +40,11 @@ pub fn credentials(args: &CredentialArgs) -> Result<Vec<pb::PullCredential>> {
         let Some((username, password)) = cred.split_once(':') else {
             bail!("--secret: expected NAMESPACE/NAME[/UID]=USERNAME:PASSWORD");
         };
-        out.push(pb::PullCredential {
-            kind: Some(Kind::Secret(pb::SecretCredential {
-                secret: Some(object(who, "--secret")?),
-                username: username.into(),
-                password: password.into(),
-            })),
-        });
+        out.push(pb::PullCredential::secret(
+            object(who, "--secret")?,
+            username,
+            password,
+        ));
     }
     for sa in &args.service_account {
         out.push(pb::PullCredential {
@@ -54,9 +52,7 @@ pub fn credentials(args: &CredentialArgs) -> Result<Vec<pb::PullCredential>> {
         });
     }
     if args.node_wide {
-        out.push(pb::PullCredential {
-            kind: Some(Kind::NodeWide(pb::NodeWide {})),
-        });
+        out.push(pb::PullCredential::node_wide());
     }
     Ok(out)
 }
