@@ -70,7 +70,7 @@ pub struct Value {
     pub credentials: Vec<Credential>,
     /// The pull credential the CRI proxy captured for the ref's repository (tried before
     /// `credentials`), with that repository.
-    pub captured: Option<(String, crate::captured::Credential)>,
+    pub captured: Option<(String, CapturedCredential)>,
 }
 
 impl Value {
