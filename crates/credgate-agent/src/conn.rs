@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+use credgate_api::authority::Rewriter;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 /// How long accepting pauses after an error that is not the client's (too many open files):
@@ -249,17 +250,33 @@ impl Activity {
     }
 }
 
-/// IO that reports what it reads to an [`Activity`].
+/// The IO of an HTTP/2 server connection: it remembers how much its peer sent and when, and
+/// hands the server the peer's bytes with every request's `:authority` made acceptable to `h2`
+/// (`credgate_api::authority`: clients on a unix socket send the socket's path there).
 pub struct Watched<T> {
     io: T,
     activity: Arc<Activity>,
+    rewriter: Rewriter,
+    /// Rewritten bytes the server has not read yet, from `at`.
+    out: Vec<u8>,
+    at: usize,
 }
 
 impl<T> Watched<T> {
-    pub fn new(io: T, activity: Arc<Activity>) -> Self {
-        Watched { io, activity }
+    /// `max_block`: the largest header block the peer may send, as sent or as decoded.
+    pub fn new(io: T, activity: Arc<Activity>, max_block: usize) -> Self {
+        Watched {
+            io,
+            activity,
+            rewriter: Rewriter::new(max_block),
+            out: Vec::new(),
+            at: 0,
+        }
     }
 }
+
+/// What one read from the peer takes at most when its bytes are rewritten.
+const READ_CHUNK: usize = 8 << 10;
 
 impl<T: AsyncRead + Unpin> AsyncRead for Watched<T> {
     fn poll_read(
@@ -267,10 +284,50 @@ impl<T: AsyncRead + Unpin> AsyncRead for Watched<T> {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        let before = buf.filled().len();
-        let polled = Pin::new(&mut self.io).poll_read(cx, buf);
-        self.activity.read(buf.filled().len() - before);
-        polled
+        let this = &mut *self;
+        if buf.remaining() == 0 {
+            return Poll::Ready(Ok(()));
+        }
+        loop {
+            if this.at < this.out.len() {
+                let n = buf.remaining().min(this.out.len() - this.at);
+                buf.put_slice(&this.out[this.at..this.at + n]);
+                this.at += n;
+                if this.at == this.out.len() {
+                    this.out.clear();
+                    this.at = 0;
+                    if this.out.capacity() > 4 * READ_CHUNK {
+                        this.out = Vec::new();
+                    }
+                }
+                return Poll::Ready(Ok(()));
+            }
+            let mut chunk = [0u8; READ_CHUNK];
+            // Bytes that pass unchanged (the preface, DATA and the like) go straight on.
+            let passing = this.rewriter.passing();
+            let limit = if passing > 0 {
+                passing.min(buf.remaining())
+            } else {
+                READ_CHUNK
+            }
+            .min(READ_CHUNK);
+            let mut read = ReadBuf::new(&mut chunk[..limit]);
+            std::task::ready!(Pin::new(&mut this.io).poll_read(cx, &mut read))?;
+            let n = read.filled().len();
+            this.activity.read(n);
+            if n == 0 {
+                return Poll::Ready(Ok(()));
+            }
+            if passing > 0 {
+                buf.put_slice(read.filled());
+                this.rewriter.passed(n);
+                return Poll::Ready(Ok(()));
+            }
+            if let Err(e) = this.rewriter.feed(read.filled(), &mut this.out) {
+                tracing::debug!(error = %e, "closing a connection: its HTTP/2 frames cannot be passed on");
+                return Poll::Ready(Err(io::Error::new(io::ErrorKind::InvalidData, e)));
+            }
+        }
     }
 }
 
@@ -363,7 +420,7 @@ mod tests {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let (a, mut b) = tokio::io::duplex(64);
         let activity = Activity::new();
-        let mut w = Watched::new(a, activity.clone());
+        let mut w = Watched::new(a, activity.clone(), 64 << 10);
         assert_eq!(activity.bytes(), 0);
         b.write_all(b"hello").await.unwrap();
         let mut buf = [0u8; 5];

@@ -20,12 +20,15 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{watch, Mutex};
 use tokio::task::JoinSet;
 
-use crate::conn::{self, Throttle};
+use crate::conn::{self, Activity, Throttle, Watched};
 use crate::status::ApiError;
 
 /// A body of either side.
 type Body =
     http_body_util::combinators::UnsyncBoxBody<Bytes, Box<dyn std::error::Error + Send + Sync>>;
+
+/// The largest header block a caller may send.
+const MAX_HEADER_LIST: u32 = 64 << 10;
 
 /// The longest a call may take when the caller sets no deadline.
 const DEFAULT_DEADLINE: Duration = Duration::from_secs(300);
@@ -228,8 +231,17 @@ impl Whole {
             .and_then(|v| v.parse().ok())
     }
 
-    /// The answer as the runtime gave it.
+    /// The answer as the runtime gave it, in the same shape: a trailers-only answer (the
+    /// status in the head, which ended the stream) goes back as one, since grpc-go reads a
+    /// status in a head that does not end the stream as `server closed the stream without
+    /// sending trailers`.
     fn into_response(self) -> hyper::Response<Body> {
+        if self.data.is_empty() && self.trailers.is_none() {
+            let body = http_body_util::Empty::new()
+                .map_err(|never| match never {})
+                .boxed_unsync();
+            return hyper::Response::from_parts(self.parts, body);
+        }
         let trailers = self.trailers;
         let body = http_body_util::Full::new(self.data)
             .map_err(|never| match never {})
@@ -535,7 +547,7 @@ pub async fn serve(
         let mut b = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
         b.timer(TokioTimer::new())
             .max_concurrent_streams(256)
-            .max_header_list_size(64 << 10);
+            .max_header_list_size(MAX_HEADER_LIST);
         b
     });
     let mut connections = JoinSet::new();
@@ -561,7 +573,8 @@ pub async fn serve(
                 )
             }
         });
-        let connection = builder.serve_connection(TokioIo::new(stream), service);
+        let io = Watched::new(stream, Activity::new(), 4 * MAX_HEADER_LIST as usize);
+        let connection = builder.serve_connection(TokioIo::new(io), service);
         let mut stop = shutdown.clone();
         connections.spawn(async move {
             let mut connection: Pin<Box<_>> = Box::pin(connection);

@@ -302,8 +302,18 @@ impl Decoder {
     /// Decodes one header block, calling `field` with each name and value in order.
     pub fn decode(
         &mut self,
-        mut block: &[u8],
+        block: &[u8],
         mut field: impl FnMut(&[u8], &[u8]),
+    ) -> Result<(), HpackError> {
+        self.decode_fields(block, |n, v, _| field(n, v))
+    }
+
+    /// Decodes one header block, calling `field` with each name, value and whether the peer
+    /// sent it as never indexed (a sensitive field, RFC 7541 §7.1.3), in order.
+    pub fn decode_fields(
+        &mut self,
+        mut block: &[u8],
+        mut field: impl FnMut(&[u8], &[u8], bool),
     ) -> Result<(), HpackError> {
         let mut fields_seen = false;
         while let Some(&b) = block.first() {
@@ -311,7 +321,7 @@ impl Decoder {
                 // Indexed header field.
                 let index = integer(&mut block, 7)?;
                 let (n, v) = self.entry(index)?;
-                field(n, v);
+                field(n, v, false);
                 fields_seen = true;
             } else if b & 0xe0 == 0x20 {
                 // Dynamic table size update: only before the block's first field.
@@ -325,13 +335,14 @@ impl Decoder {
                 // A literal: with incremental indexing (01), or without / never indexed
                 // (0000, 0001).
                 let indexing = b & 0xc0 == 0x40;
+                let never_indexed = b & 0xf0 == 0x10;
                 let index = integer(&mut block, if indexing { 6 } else { 4 })?;
                 let name = match index {
                     0 => string(&mut block)?,
                     i => self.entry(i)?.0.to_vec(),
                 };
                 let value = string(&mut block)?;
-                field(&name, &value);
+                field(&name, &value, never_indexed);
                 if indexing {
                     self.insert(name, value);
                 }
@@ -345,29 +356,39 @@ impl Decoder {
 /// Encodes `fields` as literals without indexing, with new names and no Huffman coding: the
 /// simplest block any decoder reads, for requests of a few small headers.
 pub fn encode<'a>(fields: impl IntoIterator<Item = (&'a [u8], &'a [u8])>) -> Vec<u8> {
-    fn put(out: &mut Vec<u8>, mut value: usize, n: u8, flags: u8) {
-        let mask = (1usize << n) - 1;
-        if value < mask {
-            out.push(flags | value as u8);
-            return;
-        }
-        out.push(flags | mask as u8);
-        value -= mask;
-        while value >= 0x80 {
-            out.push((value & 0x7f) as u8 | 0x80);
-            value >>= 7;
-        }
-        out.push(value as u8);
-    }
     let mut out = Vec::new();
     for (name, value) in fields {
-        out.push(0);
-        put(&mut out, name.len(), 7, 0);
-        out.extend_from_slice(name);
-        put(&mut out, value.len(), 7, 0);
-        out.extend_from_slice(value);
+        encode_field(&mut out, name, value, false);
     }
     out
+}
+
+/// Appends one field to a block as a literal that leaves the decoder's dynamic table as it
+/// is: without indexing, or never indexed when `never_indexed` (RFC 7541 §6.2.2, §6.2.3),
+/// with a new name and no Huffman coding.
+pub fn encode_field(out: &mut Vec<u8>, name: &[u8], value: &[u8], never_indexed: bool) {
+    out.push(if never_indexed { 0x10 } else { 0 });
+    put_integer(out, name.len(), 7, 0);
+    out.extend_from_slice(name);
+    put_integer(out, value.len(), 7, 0);
+    out.extend_from_slice(value);
+}
+
+/// Writes an integer with an `n`-bit prefix, the prefix's other bits being `flags` (RFC 7541
+/// §5.1).
+fn put_integer(out: &mut Vec<u8>, mut value: usize, n: u8, flags: u8) {
+    let mask = (1usize << n) - 1;
+    if value < mask {
+        out.push(flags | value as u8);
+        return;
+    }
+    out.push(flags | mask as u8);
+    value -= mask;
+    while value >= 0x80 {
+        out.push((value & 0x7f) as u8 | 0x80);
+        value >>= 7;
+    }
+    out.push(value as u8);
 }
 
 #[cfg(test)]

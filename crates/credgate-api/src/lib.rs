@@ -49,6 +49,7 @@ pub mod v1 {
     }
 }
 
+pub mod authority;
 pub mod cri;
 pub mod hpack;
 mod redact;

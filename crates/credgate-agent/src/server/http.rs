@@ -116,7 +116,11 @@ pub(super) async fn serve(
             streams: streams.clone(),
             timeout: limits.request_timeout,
         };
-        let io = TokioIo::new(Watched::new(stream, activity.clone()));
+        let io = TokioIo::new(Watched::new(
+            stream,
+            activity.clone(),
+            4 * MAX_HEADER_LIST as usize,
+        ));
         let connection = builder.serve_connection(io, service);
         let deadlines = Deadlines {
             handshake: limits.handshake_timeout,
