@@ -1,5 +1,5 @@
-//! Replays the fuzz corpus of credgate-api's target (`fuzz/corpus/hpack_block/`) through its
-//! check, so the normal suite keeps every input the fuzzer has found interesting.
+//! Replays the fuzz corpora of credgate-api's targets (`fuzz/corpus/hpack_block/`,
+//! `fuzz/corpus/authority_rewrite/`) through their checks, so the normal suite keeps every input the fuzzer has found interesting.
 
 #[path = "../../../fuzz/src/checks_api.rs"]
 mod checks_api;
@@ -9,4 +9,9 @@ mod replay;
 #[test]
 fn hpack_block() {
     replay::replay("hpack_block", checks_api::hpack_block);
+}
+
+#[test]
+fn authority_rewrite() {
+    replay::replay("authority_rewrite", checks_api::authority_rewrite);
 }

@@ -4,6 +4,7 @@
 
 #![allow(dead_code)]
 
+pub mod foreign;
 pub mod token;
 
 use std::os::unix::fs::PermissionsExt;

@@ -1,0 +1,323 @@
+//! Clients credgate did not write, on both of its gRPC sockets: grpc-go dialing as the kubelet
+//! up to 1.30 (`:authority` is the socket's path) and from 1.31 (`localhost`), and Python
+//! grpcio with its default channel (the percent-encoded path). On the API socket they get what
+//! credgate's own client gets; through the CRI proxy they get exactly what the same call made
+//! directly to Debian's containerd gets: the same status code and message (a trailers-only
+//! error stays one) and the same response bytes. The proxy tests need root (containerd).
+
+mod support;
+
+use std::path::Path;
+
+use credgate_api::v1::{HealthResponse, LookupRequest, LookupResponse, WatchEvent, WatchRequest};
+use credgate_testbed::cri::*;
+use credgate_testbed::Containerd;
+use prost::Message;
+use support::foreign::{build_go, go_call, python_call, Answer, Dial};
+use support::{oci_image, push, Agent, Registry};
+
+const IMAGE: &str = "registry.example.com/team/app:v1";
+const USER: &str = "go-user";
+const PASSWORD: &str = "go-Pa55word-not-for-logs";
+
+fn example_agent(dir: &Path) -> Agent {
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let config = repo.join("examples/provider-config.yaml");
+    let bin = repo.join("examples/plugins");
+    Agent::start(
+        dir,
+        &[
+            "--image-credential-provider-config",
+            config.to_str().unwrap(),
+            "--image-credential-provider-bin-dir",
+            bin.to_str().unwrap(),
+        ],
+    )
+}
+
+fn lookup_request() -> Vec<u8> {
+    LookupRequest {
+        image: IMAGE.into(),
+        ..Default::default()
+    }
+    .encode_to_vec()
+}
+
+/// The credentials' (username, password) pairs of a Lookup answer.
+fn pairs(answer: &LookupResponse) -> Vec<(String, String)> {
+    answer
+        .credentials
+        .iter()
+        .map(|c| (c.username.clone(), c.password.clone()))
+        .collect()
+}
+
+/// What credgate's own client gets for the same Lookup: the reference to compare with.
+async fn own_lookup(agent: &Agent) -> LookupResponse {
+    let channel = credgate_api::connect(&agent.socket).await.unwrap();
+    let answer = credgate_api::v1::credentials_client::CredentialsClient::new(channel)
+        .lookup(LookupRequest {
+            image: IMAGE.into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!answer.credentials.is_empty(), "{answer:?}");
+    answer
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_go_dialing_as_the_kubelet_does_is_served_on_the_api_socket() {
+    let dir = tempfile::tempdir().unwrap();
+    let go = build_go(dir.path());
+    let agent = example_agent(dir.path());
+    let own = own_lookup(&agent).await;
+    for dial in Dial::ALL {
+        let health = go_call(&go, dial, &agent.socket, "/credgate.v1.Admin/Health", &[], 0);
+        assert_eq!(health.decode::<HealthResponse>().status, "SERVING", "{dial:?}");
+        let lookup = go_call(
+            &go,
+            dial,
+            &agent.socket,
+            "/credgate.v1.Credentials/Lookup",
+            &lookup_request(),
+            0,
+        );
+        assert_eq!(pairs(&lookup.decode()), pairs(&own), "{dial:?}");
+        let watch = go_call(
+            &go,
+            dial,
+            &agent.socket,
+            "/credgate.v1.Credentials/Watch",
+            &WatchRequest {
+                refs: vec![IMAGE.into()],
+            }
+            .encode_to_vec(),
+            1,
+        );
+        let event: WatchEvent = watch.decode();
+        assert_eq!(event.r#ref, IMAGE, "{dial:?}");
+        let unknown = go_call(&go, dial, &agent.socket, "/credgate.v1.Admin/Nope", &[], 0);
+        assert_eq!(unknown.code, tonic::Code::Unimplemented as u32, "{unknown:?}");
+    }
+    let log = agent.log_text();
+    assert!(!log.contains("malformed"), "{log}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_grpcio_with_default_options_is_served_on_the_api_socket() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = example_agent(dir.path());
+    let own = own_lookup(&agent).await;
+    let health = python_call(&agent.socket, "/credgate.v1.Admin/Health", &[], 0, 30);
+    assert_eq!(health.decode::<HealthResponse>().status, "SERVING");
+    let lookup = python_call(
+        &agent.socket,
+        "/credgate.v1.Credentials/Lookup",
+        &lookup_request(),
+        0,
+        30,
+    );
+    assert_eq!(pairs(&lookup.decode()), pairs(&own));
+    let watch = python_call(
+        &agent.socket,
+        "/credgate.v1.Credentials/Watch",
+        &WatchRequest {
+            refs: vec![IMAGE.into()],
+        }
+        .encode_to_vec(),
+        1,
+        30,
+    );
+    let event: WatchEvent = watch.decode();
+    assert_eq!(event.r#ref, IMAGE);
+    assert!(!event.credentials.is_empty(), "{event:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_proxys_own_errors_reach_grpc_go_and_grpcio_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let go = build_go(dir.path());
+    let proxy = dir.path().join("cri.sock");
+    let runtime = format!("unix://{}", dir.path().join("no-runtime.sock").display());
+    let _agent = Agent::start(
+        dir.path(),
+        &[
+            "--cri-proxy-socket",
+            proxy.to_str().unwrap(),
+            "--cri-runtime-endpoint",
+            &runtime,
+        ],
+    );
+    credgate_testbed::eventually(
+        "the CRI proxy comes up",
+        std::time::Duration::from_secs(20),
+        || proxy.exists(),
+    );
+    let request = pull_request("registry.example.com/team/app:v1", None, "team-a").encode_to_vec();
+    let mut answers: Vec<Answer> = Dial::ALL
+        .iter()
+        .flat_map(|&dial| {
+            [
+                go_call(&go, dial, &proxy, PULL_IMAGE, &request, 0),
+                go_call(&go, dial, &proxy, LIST_IMAGES, &[], 0),
+            ]
+        })
+        .collect();
+    answers.push(python_call(&proxy, PULL_IMAGE, &request, 0, 30));
+    for answer in answers {
+        assert_eq!(answer.code, tonic::Code::Unavailable as u32, "{answer:?}");
+        assert!(
+            answer.message.contains("cannot reach the container runtime"),
+            "{answer:?}"
+        );
+    }
+}
+
+/// containerd needs root and must be installed: fail, never pass, without them.
+fn needs_containerd() {
+    if let Some(why) = Containerd::unavailable() {
+        panic!("{why}: run as root with containerd installed, as scripts/test does");
+    }
+}
+
+/// A registry with htpasswd holding `team/app:v1`, containerd trusting it, and the agent's
+/// proxy in front of containerd.
+struct Node {
+    registry: Registry,
+    containerd: Containerd,
+    agent: Agent,
+    proxy: std::path::PathBuf,
+}
+
+fn node(dir: &Path) -> Node {
+    let registry = Registry::start(dir, USER, PASSWORD);
+    oci_image(dir);
+    push(dir, &registry, "team/app", USER, PASSWORD);
+    let containerd = Containerd::start(dir, &[registry.host()]);
+    let proxy = dir.join("cri.sock");
+    let runtime = format!("unix://{}", containerd.socket.display());
+    let agent = Agent::start(
+        dir,
+        &[
+            "--cri-proxy-socket",
+            proxy.to_str().unwrap(),
+            "--cri-runtime-endpoint",
+            &runtime,
+        ],
+    );
+    credgate_testbed::eventually(
+        "the CRI proxy comes up",
+        std::time::Duration::from_secs(20),
+        || proxy.exists(),
+    );
+    Node {
+        registry,
+        containerd,
+        agent,
+        proxy,
+    }
+}
+
+/// The calls a kubelet makes, in an order where each has something to act on, with the
+/// method: PullImage without, with wrong and with right credentials, of an unknown
+/// repository and of a malformed reference, ImageStatus, ListImages, ImageFsInfo,
+/// RemoveImage, a method the runtime does not have.
+fn kubelet_calls(host: &str) -> Vec<(&'static str, Vec<u8>)> {
+    let image = format!("{host}/team/app:v1");
+    let pull = |image: &str, credential| pull_request(image, credential, "team-a").encode_to_vec();
+    let spec = || {
+        Some(ImageSpec {
+            image: image.clone(),
+        })
+    };
+    vec![
+        (PULL_IMAGE, pull(&image, None)),
+        (PULL_IMAGE, pull(&image, Some((USER, "wrong-password")))),
+        (
+            PULL_IMAGE,
+            pull(&format!("{host}/team/absent:v1"), Some((USER, PASSWORD))),
+        ),
+        (PULL_IMAGE, pull("Not//A Reference", None)),
+        (PULL_IMAGE, pull(&image, Some((USER, PASSWORD)))),
+        (
+            IMAGE_STATUS,
+            ImageStatusRequest { image: spec() }.encode_to_vec(),
+        ),
+        (LIST_IMAGES, ListImagesRequest {}.encode_to_vec()),
+        (IMAGE_FS_INFO, Empty {}.encode_to_vec()),
+        (
+            REMOVE_IMAGE,
+            RemoveImageRequest { image: spec() }.encode_to_vec(),
+        ),
+        (
+            IMAGE_STATUS,
+            ImageStatusRequest { image: spec() }.encode_to_vec(),
+        ),
+        ("/runtime.v1.ImageService/NoSuchMethod", Vec::new()),
+    ]
+}
+
+/// Whether two answers are the same call's: the same code and message, and the same bytes,
+/// except ImageFsInfo's, whose usage figures move with every pull.
+fn same(method: &str, direct: &Answer, proxied: &Answer) -> bool {
+    (direct.code, &direct.message) == (proxied.code, &proxied.message)
+        && (method == IMAGE_FS_INFO || direct.responses == proxied.responses)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn grpc_go_gets_through_the_proxy_what_containerd_answers_directly() {
+    needs_containerd();
+    let dir = tempfile::tempdir().unwrap();
+    let go = build_go(dir.path());
+    let node = node(dir.path());
+    for dial in Dial::ALL {
+        for (method, request) in kubelet_calls(&node.registry.host()) {
+            let direct = go_call(&go, dial, &node.containerd.socket, method, &request, 0);
+            let proxied = go_call(&go, dial, &node.proxy, method, &request, 0);
+            assert!(
+                same(method, &direct, &proxied),
+                "{dial:?} {method}: directly {direct:?}, through the proxy {proxied:?}"
+            );
+        }
+    }
+    // The failures are the runtime's own words, not a transport error of the proxy.
+    let failed = go_call(
+        &go,
+        Dial::Path,
+        &node.proxy,
+        PULL_IMAGE,
+        &pull_request(
+            &format!("{}/team/app:v1", node.registry.host()),
+            Some((USER, "wrong-password")),
+            "team-a",
+        )
+        .encode_to_vec(),
+        0,
+    );
+    assert_ne!(failed.code, 0);
+    assert!(
+        !failed.message.contains("without sending trailers") && !failed.message.is_empty(),
+        "{failed:?}"
+    );
+    let log = node.agent.log_text();
+    assert!(!log.contains(PASSWORD), "the password reached the log");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn python_grpcio_gets_through_the_proxy_what_containerd_answers_directly() {
+    needs_containerd();
+    let dir = tempfile::tempdir().unwrap();
+    let node = node(dir.path());
+    for (method, request) in kubelet_calls(&node.registry.host()) {
+        let direct = python_call(&node.containerd.socket, method, &request, 0, 60);
+        let proxied = python_call(&node.proxy, method, &request, 0, 60);
+        assert!(
+            same(method, &direct, &proxied),
+            "{method}: directly {direct:?}, through the proxy {proxied:?}"
+        );
+    }
+}
