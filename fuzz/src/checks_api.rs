@@ -66,7 +66,10 @@ pub fn authority_rewrite(data: &[u8]) {
                     })
                     .expect("a re-encoded block decodes");
                 assert!(
-                    block.iter().take(1).all(|b| b & 0xc0 != 0x40 && b & 0x80 == 0),
+                    block
+                        .iter()
+                        .take(1)
+                        .all(|b| b & 0xc0 != 0x40 && b & 0x80 == 0),
                     "a literal that is not indexed"
                 );
                 block.clear();

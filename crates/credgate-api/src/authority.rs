@@ -231,7 +231,10 @@ impl Rewriter {
                 fragment = fragment.get(5..).ok_or(RewriteError::Malformed)?;
             }
         }
-        let open = self.open.as_mut().expect("a gathered frame belongs to a block");
+        let open = self
+            .open
+            .as_mut()
+            .expect("a gathered frame belongs to a block");
         open.frames += 1;
         if open.frames > MAX_FRAMES_PER_BLOCK {
             return Err(RewriteError::TooManyFrames);
@@ -252,19 +255,21 @@ impl Rewriter {
         let mut encoded = Vec::with_capacity(self.block.len() + 32);
         let (mut size, mut over) = (0usize, false);
         let max = self.max_block;
-        let decoded = self.decoder.decode_fields(&self.block, |name, value, never| {
-            size += name.len() + value.len() + 32;
-            if size > max {
-                over = true;
-                return;
-            }
-            let value = if name == b":authority" {
-                AUTHORITY
-            } else {
-                value
-            };
-            hpack::encode_field(&mut encoded, name, value, never);
-        });
+        let decoded = self
+            .decoder
+            .decode_fields(&self.block, |name, value, never| {
+                size += name.len() + value.len() + 32;
+                if size > max {
+                    over = true;
+                    return;
+                }
+                let value = if name == b":authority" {
+                    AUTHORITY
+                } else {
+                    value
+                };
+                hpack::encode_field(&mut encoded, name, value, never);
+            });
         self.block.clear();
         if self.block.capacity() > MAX_FRAME {
             self.block = Vec::new();
@@ -383,7 +388,12 @@ mod tests {
 
     #[test]
     fn a_socket_path_authority_becomes_localhost_and_everything_else_passes() {
-        for authority in ["/run/credgate/credgate.sock", "%2Frun%2Fx.sock", "", "localhost"] {
+        for authority in [
+            "/run/credgate/credgate.sock",
+            "%2Frun%2Fx.sock",
+            "",
+            "localhost",
+        ] {
             // :method POST (static 3), :scheme http (6), :path, :authority indexed into the
             // client's table.
             let mut block = vec![0x83, 0x86];
@@ -416,14 +426,23 @@ mod tests {
         let mut input = request(&first, END_HEADERS);
         // The second request refers to both entries by index only: 63 is :authority, 62 x-id.
         let mut second = Vec::new();
-        frame(&mut second, HEADERS, END_HEADERS | END_STREAM, 3, &[0x83, 0xbf, 0xbe]);
+        frame(
+            &mut second,
+            HEADERS,
+            END_HEADERS | END_STREAM,
+            3,
+            &[0x83, 0xbf, 0xbe],
+        );
         input.extend(second);
         r.feed(&input, &mut out).unwrap();
         let blocks = server_fields(&out);
         assert_eq!(blocks[1][1], (":authority".into(), "localhost".into()));
         assert_eq!(blocks[1][2], ("x-id".into(), "one".into()));
         let last = frames(&out).pop().unwrap();
-        assert_eq!((last.0, last.1, last.2), (HEADERS, END_HEADERS | END_STREAM, 3));
+        assert_eq!(
+            (last.0, last.1, last.2),
+            (HEADERS, END_HEADERS | END_STREAM, 3)
+        );
     }
 
     #[test]
@@ -465,12 +484,21 @@ mod tests {
         payload.extend(a);
         payload.extend([0, 0, 0]);
         let mut input = PREFACE.to_vec();
-        frame(&mut input, HEADERS, PADDED | PRIORITY | END_STREAM, 5, &payload);
+        frame(
+            &mut input,
+            HEADERS,
+            PADDED | PRIORITY | END_STREAM,
+            5,
+            &payload,
+        );
         frame(&mut input, CONTINUATION, END_HEADERS, 5, b);
         let out = rewrite(&input).unwrap();
         let f = frames(&out);
         assert_eq!(f.len(), 2, "cut at the frame size");
-        assert_eq!((f[0].0, f[0].1, f[0].3.len()), (HEADERS, END_STREAM, MAX_FRAME));
+        assert_eq!(
+            (f[0].0, f[0].1, f[0].3.len()),
+            (HEADERS, END_STREAM, MAX_FRAME)
+        );
         assert_eq!((f[1].0, f[1].1), (CONTINUATION, END_HEADERS));
         let fields = &server_fields(&out)[0];
         assert_eq!(fields[2], (":authority".into(), "localhost".into()));
@@ -533,9 +561,15 @@ mod tests {
             (interrupted, RewriteError::Interrupted),
             (other_stream, RewriteError::Interrupted),
             (bomb, RewriteError::TooLarge(64 << 10)),
-            (request(&[0xbe], END_HEADERS), RewriteError::Hpack(HpackError::Index(62))),
+            (
+                request(&[0xbe], END_HEADERS),
+                RewriteError::Hpack(HpackError::Index(62)),
+            ),
             (request(&[], PADDED | END_HEADERS), RewriteError::Malformed),
-            (request(&[1, 2, 3], PRIORITY | END_HEADERS), RewriteError::Malformed),
+            (
+                request(&[1, 2, 3], PRIORITY | END_HEADERS),
+                RewriteError::Malformed,
+            ),
         ];
         for (input, want) in cases {
             assert_eq!(rewrite(&input), Err(want));

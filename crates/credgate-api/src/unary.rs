@@ -56,9 +56,12 @@ pub enum CallError {
     /// The socket is not one this client may trust (another user's, or writable by others).
     #[error("{0}")]
     Untrusted(crate::trust::TrustError),
-    /// Reading or writing failed, or the call's deadline passed.
+    /// Reading or writing failed.
     #[error("i/o: {0}")]
     Io(io::Error),
+    /// The server did not answer within the call's timeout.
+    #[error("no answer within {0:?}")]
+    Deadline(Duration),
     /// The server answered with a gRPC status other than OK.
     #[error("status {code}: {message}")]
     Status { code: i32, message: String },
@@ -379,7 +382,22 @@ where
     let deadline = std::time::Instant::now() + timeout;
     crate::trust::check_socket(path).map_err(CallError::Untrusted)?;
     let io = UnixStream::connect(path).map_err(CallError::Connect)?;
-    exchange(&mut Deadlined { io, deadline }, method, &message)?.finish()
+    let timed_out = |e: CallError| match e {
+        // A read or write that waited until the deadline: EAGAIN from SO_RCVTIMEO, or ours.
+        CallError::Io(e)
+            if matches!(
+                e.kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+            ) =>
+        {
+            CallError::Deadline(timeout)
+        }
+        e => e,
+    };
+    exchange(&mut Deadlined { io, deadline }, method, &message)
+        .map_err(timed_out)?
+        .finish()
+        .map_err(timed_out)
 }
 
 /// A socket whose every read and write waits at most until one deadline.
@@ -498,9 +516,10 @@ mod tests {
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
         let e = r.unwrap_err();
         assert!(
-            matches!(&e, CallError::Io(io) if io.kind() == io::ErrorKind::TimedOut || io.kind() == io::ErrorKind::WouldBlock),
+            matches!(&e, CallError::Deadline(d) if *d == Duration::from_millis(400)),
             "{e}"
         );
+        assert_eq!(e.to_string(), "no answer within 400ms");
         // Far below what endless PINGs would take; the bound is the test's own guard.
         assert!(took < Duration::from_secs(30), "{took:?}");
         server.join().unwrap();

@@ -20,11 +20,13 @@ pub enum ProviderError {
     },
     #[error("plugin {plugin}: a response password equals the service account token, but cacheType is not Token")]
     TokenEchoed { plugin: String },
-    #[error("plugin {plugin}: backing off after {failures} consecutive failures, next run allowed in {}", credgate_core::duration::Rounded(*retry_in))]
+    #[error("plugin {plugin}: backing off after {failures} consecutive failures, next run allowed in {}; last error: {last_error}", credgate_core::duration::Rounded(*retry_in))]
     Backoff {
         plugin: String,
         failures: u32,
         retry_in: Duration,
+        /// The last run's error, as it was reported (never plugin output or a secret).
+        last_error: String,
     },
     #[error("plugin {plugin}: the service account lacks the required annotation {key:?}")]
     MissingAnnotation { plugin: String, key: String },

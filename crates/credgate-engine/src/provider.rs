@@ -407,6 +407,7 @@ impl Provider {
                     plugin: self.spec.name.clone(),
                     failures: state.consecutive_failures,
                     retry_in: t - now,
+                    last_error: state.last_error.clone().unwrap_or_default(),
                 })
             }
             _ => Ok(()),

@@ -156,6 +156,12 @@ fn run(args: &Args) -> Result<Zeroizing<Vec<u8>>, String> {
                 }
             }
         }
+        Err(CallError::Deadline(limit)) => {
+            return Err(format!(
+                "the agent at {} did not answer within {limit:?}",
+                socket.display()
+            ))
+        }
         Err(CallError::Status { message, .. }) => return Err(format!("lookup failed: {message}")),
         Err(e) => return Err(format!("lookup failed: {e}")),
     };

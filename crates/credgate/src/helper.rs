@@ -103,6 +103,10 @@ fn get() -> Result<Zeroizing<String>, String> {
                 "credgate: cannot reach the agent at {}: {e}",
                 socket.display()
             ),
+            CallError::Deadline(limit) => format!(
+                "credgate: the agent at {} did not answer within {limit:?}",
+                socket.display()
+            ),
             CallError::Status { message, .. } => format!("credgate: lookup failed: {message}"),
             other => format!("credgate: lookup failed: {other}"),
         })?;

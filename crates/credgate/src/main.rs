@@ -56,17 +56,43 @@ fn main() -> ExitCode {
         Ok(Outcome::Usage) => ExitCode::from(2),
         Err(e) => {
             eprintln!("error: {}", chain(&e));
-            ExitCode::from(1)
+            if e.chain().any(|c| c.is::<UsageError>()) {
+                ExitCode::from(2)
+            } else {
+                ExitCode::from(1)
+            }
         }
     }
 }
 
-/// `outer: inner: root`, one line.
+/// An error in what the user typed that clap cannot see (the inside of a flag's value): exits
+/// 2, like clap's own usage errors.
+#[derive(Debug)]
+pub struct UsageError(pub String);
+
+impl std::fmt::Display for UsageError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for UsageError {}
+
+/// A usage error (exit 2) saying `what`.
+pub fn usage(what: impl Into<String>) -> anyhow::Error {
+    anyhow::Error::new(UsageError(what.into()))
+}
+
+/// `outer: inner: root`, one line; a cause its outer message already ends with is not
+/// repeated (transport errors carry their io error's text and the io error itself).
 fn chain(e: &anyhow::Error) -> String {
-    e.chain()
-        .map(ToString::to_string)
-        .collect::<Vec<_>>()
-        .join(": ")
+    let mut parts: Vec<String> = Vec::new();
+    for part in e.chain().map(ToString::to_string) {
+        if !parts.last().is_some_and(|outer| outer.ends_with(&part)) {
+            parts.push(part);
+        }
+    }
+    parts.join(": ")
 }
 
 fn init_logs(verbose: u8, default_level: &str, json: bool) {

@@ -74,12 +74,12 @@ pub struct SourceArgs {
     #[arg(long, conflicts_with = "docker_config")]
     pub no_docker_config: bool,
     /// Plugin timeout, for all (`30s`) or one provider (`ecr=30s`); repeatable. Default 1m.
-    #[arg(long, value_name = "[NAME=]DURATION")]
-    pub plugin_timeout: Vec<String>,
+    #[arg(long, value_name = "[NAME=]DURATION", value_parser = parse_per_provider)]
+    pub plugin_timeout: Vec<PerProvider>,
     /// Keep a provider's answers at least this long whatever their cacheDuration (`gcr=30s`):
     /// protection against plugins that answer 0s or microseconds. Repeatable; off by default.
-    #[arg(long, value_name = "NAME=DURATION")]
-    pub min_cache_duration: Vec<String>,
+    #[arg(long, value_name = "NAME=DURATION", value_parser = parse_named_duration)]
+    pub min_cache_duration: Vec<PerProvider>,
 }
 
 #[derive(Args)]
@@ -273,6 +273,9 @@ pub struct CtlArgs {
 #[derive(Subcommand)]
 pub enum CtlCall {
     /// Credentials.Lookup: credentials for an image (passwords only with -o json).
+    #[command(
+        after_help = "Example:\n  credgate ctl lookup registry.example.com/team/app:v1\n  credgate ctl lookup -o json --min-valid-for 30m registry.example.com/team/app:v1\n  credgate ctl lookup --registry-host registry.example.com"
+    )]
     Lookup {
         image: String,
         #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
@@ -282,17 +285,30 @@ pub enum CtlCall {
         registry_host: bool,
     },
     /// Credentials.Track: add refs to what CONSUMER depends on.
+    #[command(
+        after_help = "Example:\n  credgate ctl track nydus registry.example.com/team/app:v1"
+    )]
     Track { consumer: String, refs: Vec<String> },
     /// Credentials.Untrack: remove refs from what CONSUMER depends on.
+    #[command(
+        after_help = "Example:\n  credgate ctl untrack nydus registry.example.com/team/app:v1"
+    )]
     Untrack { consumer: String, refs: Vec<String> },
     /// Credentials.SetTracked: make REFS all that CONSUMER depends on.
+    #[command(
+        after_help = "Example:\n  credgate ctl set-tracked nydus registry.example.com/team/app:v1 registry.example.com/team/db:v3"
+    )]
     SetTracked { consumer: String, refs: Vec<String> },
     /// Credentials.ListTracked: tracked refs and their renewal state.
+    #[command(after_help = "Example:\n  credgate ctl list-tracked --consumer nydus")]
     ListTracked {
         #[arg(long)]
         consumer: Option<String>,
     },
     /// Credentials.Watch: print each change of the refs' credentials (Ctrl-C to stop).
+    #[command(
+        after_help = "Example:\n  credgate ctl watch --count 1 registry.example.com/team/app:v1"
+    )]
     Watch {
         #[arg(required = true)]
         refs: Vec<String>,
@@ -301,6 +317,9 @@ pub enum CtlCall {
         count: Option<u64>,
     },
     /// ImageAccess.CheckAccess: may these credentials use the image on the node?
+    #[command(
+        after_help = "Example:\n  credgate ctl check-access registry.example.com/team/app:v1 --image-ref sha256:4b1d... \\\n      --secret team-a/regcred=alice:PASSWORD"
+    )]
     CheckAccess {
         image: String,
         /// The runtime's image ID of the local copy.
@@ -315,8 +334,14 @@ pub enum CtlCall {
         credentials: CredentialArgs,
     },
     /// ImageAccess.RecordPullIntent: a pull of IMAGE is about to start.
+    #[command(
+        after_help = "Example:\n  credgate ctl record-intent registry.example.com/team/app:v1"
+    )]
     RecordIntent { image: String },
     /// ImageAccess.RecordPullResult: a pull of IMAGE ended.
+    #[command(
+        after_help = "Example:\n  credgate ctl record-result registry.example.com/team/app:v1 --image-ref sha256:4b1d... \\\n      --secret team-a/regcred=alice:PASSWORD"
+    )]
     RecordResult {
         image: String,
         #[arg(long, value_name = "ID")]
@@ -328,6 +353,9 @@ pub enum CtlCall {
         credentials: CredentialArgs,
     },
     /// ImageAccess.Verify: ask the registry with each credential in order.
+    #[command(
+        after_help = "Example:\n  credgate ctl verify registry.example.com/team/app:v1 --image-ref sha256:4b1d... \\\n      --service-account team-a/builder"
+    )]
     Verify {
         image: String,
         #[arg(long, value_name = "ID")]
@@ -339,6 +367,9 @@ pub enum CtlCall {
         credentials: CredentialArgs,
     },
     /// ImageAccess.Prune: recover intents of present images, drop state of absent ones.
+    #[command(
+        after_help = "Example:\n  credgate ctl prune --present 'sha256:4b1d...=registry.example.com/team/app:v1' --older-than 1h"
+    )]
     Prune {
         /// A present image: `IMAGE_ID=REFERENCE[,REFERENCE...]` (repeatable).
         #[arg(long, value_name = "PRESENT")]
@@ -348,23 +379,34 @@ pub enum CtlCall {
         older_than: Duration,
     },
     /// ImageAccess.ListRecords: every pull record and intent.
+    #[command(after_help = "Example:\n  credgate ctl -o json list-records")]
     ListRecords,
     /// ImageAccess.GetRecord.
+    #[command(after_help = "Example:\n  credgate ctl get-record sha256:4b1d...")]
     GetRecord { image_ref: String },
     /// ImageAccess.DeleteRecord.
+    #[command(after_help = "Example:\n  credgate ctl delete-record sha256:4b1d...")]
     DeleteRecord { image_ref: String },
     /// Admin.Health.
+    #[command(after_help = "Example:\n  credgate ctl health")]
     Health,
     /// Admin.Version.
+    #[command(after_help = "Example:\n  credgate ctl version")]
     Version,
     /// Admin.Status: config identity and per-provider status.
+    #[command(after_help = "Example:\n  credgate ctl -o json status")]
     Status,
     /// Admin.Reload: re-read the provider config.
+    #[command(after_help = "Example:\n  credgate ctl reload")]
     Reload,
     /// Admin.Ping: an empty call.
+    #[command(after_help = "Example:\n  credgate ctl ping")]
     Ping,
     /// Admin.ListCaptured / ForgetCaptured: the pull credentials the CRI proxy captured
     /// (never their secrets); `captured forget REPO` drops one.
+    #[command(
+        after_help = "Example:\n  credgate ctl captured\n  credgate ctl captured forget registry.example.com/team/app"
+    )]
     Captured {
         #[command(subcommand)]
         action: Option<CapturedAction>,
@@ -374,6 +416,9 @@ pub enum CtlCall {
 #[derive(Subcommand)]
 pub enum CapturedAction {
     /// Drop the captured credential of a repository (or of any image of it).
+    #[command(
+        after_help = "Example:\n  credgate ctl captured forget registry.example.com/team/app"
+    )]
     Forget { repository: String },
 }
 
@@ -400,8 +445,92 @@ fn parse_allow_uids(s: &str) -> Result<(credgate_agent::Service, Vec<u32>), Stri
 }
 
 /// Parses a Go duration string that must not be negative.
+/// `[NAME=]DURATION`: a duration for one provider, or for all.
+#[derive(Debug, Clone)]
+pub struct PerProvider {
+    pub name: Option<String>,
+    pub duration: Duration,
+}
+
+fn parse_per_provider(s: &str) -> Result<PerProvider, String> {
+    let (name, d) = match s.split_once('=') {
+        Some((name, d)) => (Some(name.to_owned()), d),
+        None => (None, s),
+    };
+    Ok(PerProvider {
+        name,
+        duration: parse_duration(d)?,
+    })
+}
+
+/// `NAME=DURATION`: a duration for one provider.
+fn parse_named_duration(s: &str) -> Result<PerProvider, String> {
+    if !s.contains('=') {
+        return Err("expected PROVIDER=DURATION".into());
+    }
+    parse_per_provider(s)
+}
+
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let d = GoDuration::parse(s).map_err(|e| e.to_string())?;
     d.to_std()
         .ok_or_else(|| format!("duration {s:?} must not be negative"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    /// The `credgate ...` lines of a help text's examples, continuation lines joined and
+    /// single quotes honoured, as a shell would split them.
+    fn examples(help: &str) -> Vec<Vec<String>> {
+        let joined = help.replace("\\\n", " ");
+        let mut out = Vec::new();
+        for line in joined.lines().map(str::trim) {
+            let Some(rest) = line.strip_prefix("credgate ") else {
+                continue;
+            };
+            // A redirection is the shell's, not the command's.
+            let rest = rest.split(" > ").next().unwrap_or(rest);
+            let mut words = vec!["credgate".to_owned()];
+            for (i, part) in rest.split('\'').enumerate() {
+                if i % 2 == 1 {
+                    words.push(part.to_owned());
+                } else {
+                    words.extend(part.split_whitespace().map(str::to_owned));
+                }
+            }
+            out.push(words);
+        }
+        out
+    }
+
+    /// Every subcommand (and `ctl`'s, down to `captured forget`) shows an example in its
+    /// `--help`, and every example parses.
+    #[test]
+    fn every_command_has_an_example_that_parses() {
+        fn walk(cmd: &mut clap::Command, path: &str, found: &mut Vec<String>) {
+            let name = format!("{path} {}", cmd.get_name());
+            let help = cmd.render_long_help().to_string();
+            let lines = examples(&help);
+            if cmd.get_name() != "credgate" {
+                assert!(!lines.is_empty(), "{name} --help has no example:\n{help}");
+            }
+            for words in lines {
+                if let Err(e) = Cli::try_parse_from(&words) {
+                    panic!("{name}: example {words:?} does not parse: {e}");
+                }
+                found.push(words.join(" "));
+            }
+            for sub in cmd.get_subcommands_mut() {
+                if sub.get_name() != "help" {
+                    walk(sub, &name, found);
+                }
+            }
+        }
+        let mut found = Vec::new();
+        walk(&mut Cli::command(), "", &mut found);
+        assert!(found.len() > 25, "{found:?}");
+    }
 }

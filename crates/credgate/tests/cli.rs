@@ -120,12 +120,47 @@ fn get_with_a_failing_plugin_warns_without_secrets() {
     assert!(!stderr.contains("leaked-secret") && !text(&out.stdout).contains("leaked-secret"));
 }
 
+/// Usage errors exit 2 (as clap's own do), with the reason; a config that cannot be read exits
+/// 1 with its reason, for `get` as for `serve`.
 #[test]
-fn get_with_a_bad_reference_or_config_exits_1() {
+fn bad_input_exits_2_and_unreadable_files_exit_1_with_their_reason() {
     let out = credgate(&["get", "--no-docker-config", "Bad/Image"]);
-    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(out.status.code(), Some(2));
     assert!(
-        text(&out.stderr).starts_with("error: lookup failed: invalid image reference"),
+        text(&out.stderr).starts_with("error: invalid image reference \"Bad/Image\""),
+        "{}",
+        text(&out.stderr)
+    );
+    for flag in [
+        ["--plugin-timeout", "banana"],
+        ["--min-cache-duration", "5s"],
+    ] {
+        for command in ["get", "serve"] {
+            let mut args = vec![command];
+            args.extend(flag);
+            if command == "get" {
+                args.push("x.io/a");
+            }
+            let out = credgate(&args);
+            assert_eq!(
+                out.status.code(),
+                Some(2),
+                "{args:?}: {}",
+                text(&out.stderr)
+            );
+            assert!(text(&out.stderr).contains(flag[0]), "{}", text(&out.stderr));
+        }
+    }
+    let out = credgate(&[
+        "ctl",
+        "check-access",
+        "x.io/a",
+        "--secret",
+        "no-equals-sign",
+    ]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("--secret: expected"),
         "{}",
         text(&out.stderr)
     );
@@ -139,6 +174,33 @@ fn get_with_a_bad_reference_or_config_exits_1() {
     ]);
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out.stderr).contains("nope.yaml"));
+    // A docker config named on the command line must exist, as `serve` requires.
+    let out = credgate(&["get", "--docker-config", "missing-config.json", "x.io/a"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("cannot read missing-config.json: No such file or directory"),
+        "{err}"
+    );
+    let out = credgate(&["check-config", "missing-providers.yaml"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    assert_eq!(
+        err.trim_end(),
+        "error: cannot read missing-providers.yaml: No such file or directory (os error 2)"
+    );
+}
+
+/// An agent that is not there: the cause once, not repeated by every layer.
+#[test]
+fn an_unreachable_agent_is_named_with_its_cause_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("nobody.sock");
+    let out = credgate(&["ctl", "--socket", socket.to_str().unwrap(), "status"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    assert!(err.contains("cannot reach the agent at"), "{err}");
+    assert_eq!(err.matches("No such file or directory").count(), 1, "{err}");
 }
 
 #[test]

@@ -74,8 +74,19 @@ async fn grpc_go_dialing_as_the_kubelet_does_is_served_on_the_api_socket() {
     let agent = example_agent(dir.path());
     let own = own_lookup(&agent).await;
     for dial in Dial::ALL {
-        let health = go_call(&go, dial, &agent.socket, "/credgate.v1.Admin/Health", &[], 0);
-        assert_eq!(health.decode::<HealthResponse>().status, "SERVING", "{dial:?}");
+        let health = go_call(
+            &go,
+            dial,
+            &agent.socket,
+            "/credgate.v1.Admin/Health",
+            &[],
+            0,
+        );
+        assert_eq!(
+            health.decode::<HealthResponse>().status,
+            "SERVING",
+            "{dial:?}"
+        );
         let lookup = go_call(
             &go,
             dial,
@@ -99,7 +110,11 @@ async fn grpc_go_dialing_as_the_kubelet_does_is_served_on_the_api_socket() {
         let event: WatchEvent = watch.decode();
         assert_eq!(event.r#ref, IMAGE, "{dial:?}");
         let unknown = go_call(&go, dial, &agent.socket, "/credgate.v1.Admin/Nope", &[], 0);
-        assert_eq!(unknown.code, tonic::Code::Unimplemented as u32, "{unknown:?}");
+        assert_eq!(
+            unknown.code,
+            tonic::Code::Unimplemented as u32,
+            "{unknown:?}"
+        );
     }
     let log = agent.log_text();
     assert!(!log.contains("malformed"), "{log}");
@@ -169,7 +184,9 @@ async fn the_proxys_own_errors_reach_grpc_go_and_grpcio_whole() {
     for answer in answers {
         assert_eq!(answer.code, tonic::Code::Unavailable as u32, "{answer:?}");
         assert!(
-            answer.message.contains("cannot reach the container runtime"),
+            answer
+                .message
+                .contains("cannot reach the container runtime"),
             "{answer:?}"
         );
     }

@@ -166,6 +166,8 @@ async fn pulls_through_the_proxy_reach_the_registry_with_their_credentials() {
             e.message()
         );
     }
+    let empty = agent.credgate(&["ctl", "captured"]);
+    assert_eq!(support::text(&empty.stdout), "nothing captured\n");
     let pulled: PullImageResponse = call(&proxy, PULL_IMAGE, pull(Some(PASSWORD)))
         .await
         .expect("the pull with the right credentials succeeds");
@@ -208,6 +210,15 @@ async fn pulls_through_the_proxy_reach_the_registry_with_their_credentials() {
     assert_eq!(
         (first["username"].as_str(), first["password"].as_str()),
         (Some(USER), Some(PASSWORD))
+    );
+    // `credgate get` names the source of a captured credential in its PROVIDER cell.
+    let table = agent.credgate(&["get", &other_tag]);
+    let text = support::text(&table.stdout);
+    assert!(
+        text.lines()
+            .nth(1)
+            .is_some_and(|l| l.contains("captured (team-a)")),
+        "{text}"
     );
     let helper = agent.helper_get(&registry.host());
     assert!(helper.status.success(), "{}", support::text(&helper.stdout));

@@ -573,6 +573,9 @@ async fn repeated_failures_back_off() {
     assert_eq!((status.errors, status.refused_in_backoff), (2, 4));
     // The message says when, rounded as people write it.
     let msg = got.errors[0].to_string();
+    // And what went wrong last, so that a client sees the cause, not only the backoff.
+    let (msg, last) = msg.split_once("; last error: ").expect("the last error");
+    assert!(last.contains("exit"), "{last}");
     let when = msg.rsplit("next run allowed in ").next().unwrap();
     assert!(when.ends_with('m') || when.ends_with('s'), "{msg}");
     // At most milliseconds: never `29.999996s`.

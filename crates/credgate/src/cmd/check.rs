@@ -17,10 +17,8 @@ pub fn run(args: CheckArgs) -> Result<Outcome> {
             }
             return Ok(Outcome::No);
         }
-        Err(e) => {
-            eprintln!("{e}");
-            return Ok(Outcome::No);
-        }
+        // `cannot read PATH: why`, printed whole by main.
+        Err(e) => return Err(e.into()),
     };
     for lint in &config.lints {
         eprintln!("warning: {lint}");

@@ -46,6 +46,7 @@ pub async fn answer<T>(
 }
 
 pub async fn run(args: CtlArgs) -> Result<Outcome> {
+    super::ctl_guard::check_args(&args.call)?;
     let socket = credgate_api::socket_path(args.socket.as_deref());
     let channel = credgate_api::connect(&socket)
         .await
@@ -273,6 +274,8 @@ async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcome> {
             let r = answer(admin.list_captured(pb::ListCapturedRequest {})).await?;
             if out == Output::Json {
                 json(&r)?;
+            } else if r.captured.is_empty() {
+                println!("nothing captured");
             } else {
                 let rows: Vec<Vec<String>> = r
                     .captured

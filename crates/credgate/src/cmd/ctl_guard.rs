@@ -2,7 +2,7 @@
 
 use std::time::{Duration, SystemTime};
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 use credgate_api::v1::image_access_client::ImageAccessClient;
 use credgate_api::v1::pull_credential::Kind;
 use credgate_api::v1::{self as pb};
@@ -11,7 +11,7 @@ use tonic::transport::Channel;
 use super::ctl::{answer, json, show};
 use super::get::{print_table, time_ms};
 use crate::opts::{CredentialArgs, CtlCall, Output, PullPolicyArg};
-use crate::Outcome;
+use crate::{usage, Outcome};
 
 fn object(s: &str, what: &str) -> Result<pb::ObjectRef> {
     let parts: Vec<&str> = s.split('/').collect();
@@ -26,7 +26,9 @@ fn object(s: &str, what: &str) -> Result<pb::ObjectRef> {
             name: (*name).into(),
             uid: (*uid).into(),
         }),
-        _ => bail!("{what} {s:?}: expected NAMESPACE/NAME[/UID]"),
+        _ => Err(usage(format!(
+            "{what} {s:?}: expected NAMESPACE/NAME[/UID]"
+        ))),
     }
 }
 
@@ -35,10 +37,14 @@ pub fn credentials(args: &CredentialArgs) -> Result<Vec<pb::PullCredential>> {
     let mut out = Vec::new();
     for s in &args.secret {
         let Some((who, cred)) = s.split_once('=') else {
-            bail!("--secret: expected NAMESPACE/NAME[/UID]=USERNAME:PASSWORD");
+            return Err(usage(
+                "--secret: expected NAMESPACE/NAME[/UID]=USERNAME:PASSWORD",
+            ));
         };
         let Some((username, password)) = cred.split_once(':') else {
-            bail!("--secret: expected NAMESPACE/NAME[/UID]=USERNAME:PASSWORD");
+            return Err(usage(
+                "--secret: expected NAMESPACE/NAME[/UID]=USERNAME:PASSWORD",
+            ));
         };
         out.push(pb::PullCredential::secret(
             object(who, "--secret")?,
@@ -55,6 +61,37 @@ pub fn credentials(args: &CredentialArgs) -> Result<Vec<pb::PullCredential>> {
         out.push(pb::PullCredential::node_wide());
     }
     Ok(out)
+}
+
+/// `--present IMAGE_ID=REFERENCE[,REFERENCE...]`, repeatable.
+fn present_images(present: &[String]) -> Result<Vec<pb::PresentImage>> {
+    present
+        .iter()
+        .map(|p| {
+            let (id, refs) = p.split_once('=').ok_or_else(|| {
+                usage(format!(
+                    "--present {p:?}: expected IMAGE_ID=REFERENCE[,REFERENCE...]"
+                ))
+            })?;
+            Ok(pb::PresentImage {
+                image_ref: id.into(),
+                references: refs.split(',').map(str::to_owned).collect(),
+            })
+        })
+        .collect()
+}
+
+/// Checks the flags' syntax before anything is asked of the agent, so that a usage error is
+/// reported as one (exit 2) even when the agent cannot be reached. Its messages never repeat
+/// a `--secret` value.
+pub fn check_args(call: &CtlCall) -> Result<()> {
+    match call {
+        CtlCall::CheckAccess { credentials: c, .. }
+        | CtlCall::RecordResult { credentials: c, .. }
+        | CtlCall::Verify { credentials: c, .. } => credentials(c).map(drop),
+        CtlCall::Prune { present, .. } => present_images(present).map(drop),
+        _ => Ok(()),
+    }
 }
 
 fn decision_name(d: i32) -> &'static str {
@@ -154,7 +191,9 @@ pub async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcom
         } => {
             let mut list = credentials(&creds)?;
             if list.len() > 1 {
-                bail!("a pull used one credential: give one --secret, --service-account or --node-wide");
+                return Err(usage(
+                    "a pull used one credential: give one --secret, --service-account or --node-wide",
+                ));
             }
             answer(guard.record_pull_result(pb::RecordPullResultRequest {
                 image,
@@ -202,16 +241,7 @@ pub async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcom
             present,
             older_than,
         } => {
-            let mut images = Vec::new();
-            for p in &present {
-                let Some((id, refs)) = p.split_once('=') else {
-                    bail!("--present {p:?}: expected IMAGE_ID=REFERENCE[,REFERENCE...]");
-                };
-                images.push(pb::PresentImage {
-                    image_ref: id.into(),
-                    references: refs.split(',').map(str::to_owned).collect(),
-                });
-            }
+            let images = present_images(&present)?;
             let before = SystemTime::now()
                 .checked_sub(older_than)
                 .unwrap_or(SystemTime::UNIX_EPOCH)

@@ -14,8 +14,8 @@ use credgate_engine::{Credential, Engine, LookupRequest};
 use secrecy::ExposeSecret;
 use serde::Serialize;
 
-use crate::opts::{parse_duration, GetArgs, Output, SourceArgs};
-use crate::Outcome;
+use crate::opts::{GetArgs, Output, PerProvider, SourceArgs};
+use crate::{usage, Outcome};
 
 /// One credential as `get` and `ctl lookup` print it.
 #[derive(Serialize)]
@@ -37,6 +37,15 @@ impl Row {
             username: c.username.clone(),
             password: c.password.expose_secret().to_owned(),
             expires_at: c.expires_at.map(rfc3339),
+        }
+    }
+
+    /// The PROVIDER cell of a table: a captured pod credential names its namespace.
+    fn provider_cell(&self) -> String {
+        if self.source == "captured" {
+            format!("captured ({})", self.provider)
+        } else {
+            self.provider.clone()
         }
     }
 
@@ -73,13 +82,21 @@ fn agent_socket(args: &GetArgs) -> Option<PathBuf> {
 }
 
 pub async fn run(args: GetArgs) -> Result<Outcome> {
+    // An invalid reference is a usage error, whatever else is missing.
+    if let Err(e) = credgate_core::reference::ImageRef::parse(&args.image) {
+        return Err(usage(format!(
+            "invalid image reference {:?}: {e}",
+            args.image
+        )));
+    }
     let min_valid_for = args.min_valid_for.unwrap_or_default();
     let (image, rows, warnings) = match agent_socket(&args) {
         Some(socket) => remote(&socket, &args.image, min_valid_for).await?,
         None => {
-            // An invalid reference is reported as such whatever else is missing.
-            let valid = credgate_core::reference::ImageRef::parse(&args.image).is_ok();
-            if valid && args.sources.image_credential_provider_config.is_none() {
+            // Explicit docker configs are read (a missing one is an error, as in serve); the
+            // defaults only when they exist.
+            let defaults = args.sources.docker_config.is_empty();
+            if defaults && args.sources.image_credential_provider_config.is_none() {
                 let read = sources(&args.sources)?
                     .docker_configs
                     .into_iter()
@@ -147,7 +164,7 @@ async fn remote(
 
 /// The engine's sources, from the flags.
 pub fn sources(args: &SourceArgs) -> Result<Sources> {
-    let (default_timeout, timeouts) = timeouts(&args.plugin_timeout)?;
+    let (default_timeout, timeouts) = timeouts(&args.plugin_timeout);
     let docker_configs = if args.no_docker_config {
         Vec::new()
     } else if !args.docker_config.is_empty() {
@@ -161,22 +178,12 @@ pub fn sources(args: &SourceArgs) -> Result<Sources> {
         docker_configs,
         default_timeout: Some(default_timeout),
         timeouts,
-        min_cache_durations: min_cache_durations(&args.min_cache_duration)?,
+        min_cache_durations: args
+            .min_cache_duration
+            .iter()
+            .filter_map(|f| Some((f.name.clone()?, f.duration)))
+            .collect(),
     })
-}
-
-/// `--min-cache-duration NAME=DURATION`, repeatable.
-fn min_cache_durations(flags: &[String]) -> Result<HashMap<String, Duration>> {
-    let mut per = HashMap::new();
-    for flag in flags {
-        if !flag.contains('=') {
-            anyhow::bail!("--min-cache-duration {flag:?}: expected PROVIDER=DURATION");
-        }
-        if let (Some(name), d) = per_provider(flag)? {
-            per.insert(name.to_owned(), d);
-        }
-    }
-    Ok(per)
 }
 
 /// Builds an in-process engine from the flags.
@@ -184,27 +191,19 @@ pub fn build_engine(args: &SourceArgs) -> Result<Engine> {
     Ok(sources(args)?.build(None, None)?)
 }
 
-/// `[NAME=]DURATION`: the provider it names, if any, and the duration.
-fn per_provider(flag: &str) -> Result<(Option<&str>, Duration)> {
-    let (name, d) = match flag.split_once('=') {
-        Some((name, d)) => (Some(name), d),
-        None => (None, flag),
-    };
-    Ok((name, parse_duration(d).map_err(anyhow::Error::msg)?))
-}
-
-fn timeouts(flags: &[String]) -> Result<(Duration, HashMap<String, Duration>)> {
+/// `--plugin-timeout`: the default (the last one without a name) and the per-provider ones.
+fn timeouts(flags: &[PerProvider]) -> (Duration, HashMap<String, Duration>) {
     let mut default = Duration::from_secs(60);
     let mut per = HashMap::new();
     for flag in flags {
-        match per_provider(flag)? {
-            (Some(name), d) => {
-                per.insert(name.to_owned(), d);
+        match &flag.name {
+            Some(name) => {
+                per.insert(name.clone(), flag.duration);
             }
-            (None, d) => default = d,
+            None => default = flag.duration,
         }
     }
-    Ok((default, per))
+    (default, per)
 }
 
 pub fn rfc3339(t: SystemTime) -> String {
@@ -224,7 +223,7 @@ pub fn print_rows(rows: &[Row], output: Output) -> Result<()> {
                 .map(|(i, r)| {
                     vec![
                         (i + 1).to_string(),
-                        r.provider.clone(),
+                        r.provider_cell(),
                         r.pattern.clone(),
                         r.username.clone(),
                         r.expires_at

@@ -115,7 +115,12 @@ pub fn python_call(
     cmd.arg(clients_dir().join("grpccall.py"))
         .arg(socket)
         .arg(method)
-        .args(["--stream", &stream.to_string(), "--timeout", &timeout.to_string()]);
+        .args([
+            "--stream",
+            &stream.to_string(),
+            "--timeout",
+            &timeout.to_string(),
+        ]);
     run_client(cmd, request)
 }
 
