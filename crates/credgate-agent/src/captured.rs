@@ -78,7 +78,16 @@ pub enum CaptureError {
     },
     #[error("the node key is unavailable: {0}")]
     Key(String),
+    /// A credential larger than any a registry needs: not kept.
+    #[error("a credential of {0} bytes, above the {MAX_CREDENTIAL}-byte limit: not captured")]
+    TooLarge(usize),
 }
+
+/// The most one captured credential may take (username, password, namespace and repository
+/// together): the CRI's fields are small, and registry tokens a few KiB at most.
+pub const MAX_CREDENTIAL: usize = 8 << 10;
+/// How many repositories keep a captured credential; beyond it the oldest capture is dropped.
+pub const MAX_ENTRIES: usize = 1024;
 
 /// The captured credentials, by normalized repository (`registry.example.com/team/app`).
 pub struct Captured {
@@ -86,6 +95,7 @@ pub struct Captured {
     key: Zeroizing<[u8; 32]>,
     key_id: u32,
     max_age: Option<Duration>,
+    max_entries: usize,
     /// What is served; held only to read or swap, never across the sealed write.
     by_repository: Mutex<BTreeMap<String, Credential>>,
     /// Serializes writers (each seals the whole map, fsyncs, then swaps it in), so that a
@@ -106,13 +116,14 @@ impl Captured {
             key: node.derive(KEY_LABEL),
             key_id: node.id(),
             max_age,
+            max_entries: MAX_ENTRIES,
             by_repository: Mutex::new(BTreeMap::new()),
             writer: Mutex::new(()),
             changes: tokio::sync::watch::Sender::new(0),
         };
         let path = captured.path();
-        match std::fs::read(&path) {
-            Ok(bytes) => match captured.unseal(&bytes) {
+        match read_sealed(&path) {
+            Ok(Some(bytes)) => match captured.unseal(&bytes) {
                 Some(entries) => *captured.lock() = entries,
                 None => {
                     tracing::warn!(
@@ -122,10 +133,14 @@ impl Captured {
                     let _ = std::fs::remove_file(&path);
                 }
             },
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => {
-                tracing::warn!(path = %path.display(), error = %e, "cannot read the captured pull credentials")
-            }
+            Ok(None) => {}
+            // Nothing is served from it; the next capture replaces it (a rename replaces a
+            // link or a FIFO, never writes through it).
+            Err(why) => tracing::warn!(
+                path = %path.display(),
+                error = %why,
+                "captured pull credentials refused: nothing is served from the file"
+            ),
         }
         captured.expire();
         Ok(captured)
@@ -203,7 +218,7 @@ impl Captured {
                 .create(true)
                 .truncate(true)
                 .mode(0o600)
-                .custom_flags(libc::O_NOFOLLOW)
+                .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
                 .open(&tmp)?;
             f.write_all(MAGIC)?;
             f.write_all(&self.key_id.to_be_bytes())?;
@@ -222,14 +237,44 @@ impl Captured {
         })
     }
 
+    /// Keeps at most `n` repositories' credentials instead of [`MAX_ENTRIES`].
+    pub fn with_max_entries(mut self, n: usize) -> Self {
+        self.max_entries = n.max(1);
+        self
+    }
+
     /// Keeps `credential` for `repository`, replacing what was there, on disk before it
-    /// returns.
-    pub fn capture(&self, repository: &str, credential: Credential) -> Result<(), CaptureError> {
+    /// returns (a blocking write: call it where blocking is allowed). When that makes one
+    /// more than the limit, the oldest captures are dropped: how many.
+    pub fn capture(&self, repository: &str, credential: Credential) -> Result<usize, CaptureError> {
+        let size = repository.len()
+            + credential.namespace.len()
+            + credential.username.len()
+            + credential.password.expose_secret().len();
+        if size > MAX_CREDENTIAL {
+            return Err(CaptureError::TooLarge(size));
+        }
+        let mut dropped = 0;
+        let max = self.max_entries;
         self.change(|entries| {
             entries.insert(repository.to_owned(), credential);
+            while entries.len() > max {
+                let oldest = entries
+                    .iter()
+                    .filter(|(r, _)| r.as_str() != repository)
+                    .min_by_key(|(_, c)| c.captured_ms)
+                    .map(|(r, _)| r.clone());
+                match oldest {
+                    Some(r) => {
+                        entries.remove(&r);
+                        dropped += 1;
+                    }
+                    None => break,
+                }
+            }
             true
-        })
-        .map(|_| ())
+        })?;
+        Ok(dropped)
     }
 
     /// Applies `edit` to a copy of the map; when it says it changed something, seals and
@@ -318,6 +363,33 @@ impl Captured {
             .map(|(r, c)| (r.clone(), c.clone()))
             .collect()
     }
+}
+
+/// The most the sealed file may hold: [`MAX_ENTRIES`] credentials of [`MAX_CREDENTIAL`] bytes
+/// with their repositories and namespaces, sealed, with room to spare.
+pub const MAX_FILE: u64 = 16 << 20;
+
+/// The sealed file's bytes: `None` when there is none; an error (never a wait) when it is a
+/// link, not a regular file, not the agent's own, writable by others or larger than
+/// [`MAX_FILE`].
+fn read_sealed(path: &Path) -> Result<Option<Vec<u8>>, String> {
+    use std::io::Read as _;
+    let file = match crate::guard::trusted_file(path, false) {
+        Ok(f) => f,
+        Err(crate::guard::FileError::Io(e)) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Ok(None)
+        }
+        Err(crate::guard::FileError::Io(e)) => return Err(e.to_string()),
+        Err(crate::guard::FileError::Untrusted(e)) => return Err(e.to_string()),
+    };
+    let mut bytes = Vec::new();
+    file.take(MAX_FILE + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| e.to_string())?;
+    if bytes.len() as u64 > MAX_FILE {
+        return Err(format!("larger than {MAX_FILE} bytes"));
+    }
+    Ok(Some(bytes))
 }
 
 /// A credential as `PullImage.auth` carries it: username and password, `auth` (base64 of
@@ -412,6 +484,63 @@ mod tests {
         let replaced = Captured::open(dir.path(), None).unwrap();
         assert!(replaced.list().is_empty());
         assert!(!dir.path().join(FILE).exists());
+    }
+
+    #[test]
+    fn size_and_count_are_bounded_the_oldest_dropped_first() {
+        let dir = private_dir();
+        let c = Captured::open(dir.path(), None)
+            .unwrap()
+            .with_max_entries(3);
+        let huge = "p".repeat(MAX_CREDENTIAL);
+        let e = c
+            .capture("reg.io/big", cred("ns", "u", &huge, 1))
+            .unwrap_err();
+        assert!(matches!(e, CaptureError::TooLarge(_)), "{e}");
+        assert!(!e.to_string().contains(&huge[..32]));
+        assert!(c.list().is_empty());
+        for (i, repo) in ["reg.io/a", "reg.io/b", "reg.io/c"].iter().enumerate() {
+            assert_eq!(
+                c.capture(repo, cred("", "u", "p", 10 + i as i64)).unwrap(),
+                0
+            );
+        }
+        // A fourth drops the oldest; replacing one that is there drops nothing.
+        assert_eq!(c.capture("reg.io/d", cred("", "u", "p", 5)).unwrap(), 1);
+        assert_eq!(c.capture("reg.io/d", cred("", "u", "q", 6)).unwrap(), 0);
+        let kept: Vec<String> = c.list().into_iter().map(|(r, _)| r).collect();
+        assert_eq!(kept, ["reg.io/b", "reg.io/c", "reg.io/d"]);
+    }
+
+    /// A FIFO, a link, /dev/zero or an oversized file in place of the sealed file: a
+    /// warning, nothing served, never a hang; the next capture replaces it.
+    #[test]
+    fn a_sealed_file_that_is_not_a_small_private_regular_file_is_refused() {
+        let dir = private_dir();
+        let path = dir.path().join(FILE);
+        Captured::open(dir.path(), None).unwrap();
+        rustix::fs::mkfifoat(
+            rustix::fs::CWD,
+            &path,
+            rustix::fs::Mode::from_raw_mode(0o600),
+        )
+        .unwrap();
+        let c = Captured::open(dir.path(), None).unwrap();
+        assert!(c.list().is_empty());
+        c.capture("reg.io/a", cred("", "u", "p", 1)).unwrap();
+        assert!(std::fs::metadata(&path).unwrap().is_file());
+        std::fs::remove_file(&path).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", &path).unwrap();
+        assert!(Captured::open(dir.path(), None).unwrap().list().is_empty());
+        std::fs::remove_file(&path).unwrap();
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .mode(0o600)
+            .open(&path)
+            .unwrap();
+        f.set_len(MAX_FILE + 1).unwrap();
+        assert!(Captured::open(dir.path(), None).unwrap().list().is_empty());
     }
 
     #[test]

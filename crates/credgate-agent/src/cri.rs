@@ -436,7 +436,7 @@ async fn pull(
     }
     if let (Some(_), Some(credential)) = (&image_ref, pull.credential) {
         match captured.capture(&pull.repository, credential) {
-            Ok(()) => tracing::info!(repository = %pull.repository, "pull credentials captured"),
+            Ok(_) => tracing::info!(repository = %pull.repository, "pull credentials captured"),
             Err(e) => tracing::error!(error = %e, "pull credentials not captured"),
         }
     }

@@ -71,7 +71,7 @@ impl Sources {
         use sha2::{Digest, Sha256};
         let mut h = Sha256::new();
         let mut add = |path: &std::path::Path| -> Option<()> {
-            let bytes = std::fs::read(path).ok()?;
+            let bytes = credgate_engine::source::read(path).ok()?;
             h.update(path.as_os_str().as_encoded_bytes());
             h.update((bytes.len() as u64).to_be_bytes());
             h.update(&bytes);

@@ -16,7 +16,10 @@ pub struct ImageSpec {
     #[prost(string, tag = "1")]
     pub image: String,
 }
+/// A pull's credential. Its `Debug` shows every secret field as `<redacted>` (so does that of
+/// the `PullImageRequest` holding it).
 #[derive(Clone, PartialEq, prost::Message)]
+#[prost(skip_debug)]
 pub struct AuthConfig {
     #[prost(string, tag = "1")]
     pub username: String,

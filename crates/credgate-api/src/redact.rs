@@ -3,6 +3,7 @@
 
 use std::fmt;
 
+use crate::cri::AuthConfig;
 use crate::v1::{Credential, SecretCredential, ServiceAccount};
 
 fn secret(s: &str) -> &'static str {
@@ -56,9 +57,52 @@ impl fmt::Debug for SecretCredential {
     }
 }
 
+impl fmt::Debug for AuthConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AuthConfig")
+            .field("username", &self.username)
+            .field("password", &Raw(secret(&self.password)))
+            .field("auth", &Raw(secret(&self.auth)))
+            .field("server_address", &self.server_address)
+            .field("identity_token", &Raw(secret(&self.identity_token)))
+            .field("registry_token", &Raw(secret(&self.registry_token)))
+            .finish()
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use crate::cri::{AuthConfig, ImageSpec, PullImageRequest};
     use crate::v1::{Credential, LookupRequest, LookupResponse, ServiceAccount};
+
+    #[test]
+    fn cri_pull_requests_never_show_their_credential() {
+        let request = PullImageRequest {
+            image: Some(ImageSpec {
+                image: "registry.example.com/team/app:v1".into(),
+            }),
+            auth: Some(AuthConfig {
+                username: "alice".into(),
+                password: "pw-secret-1".into(),
+                auth: "YWxpY2U6cHctc2VjcmV0LTE=".into(),
+                server_address: "registry.example.com".into(),
+                identity_token: "id-secret-2".into(),
+                registry_token: "reg-secret-3".into(),
+            }),
+            sandbox_config: None,
+        };
+        let shown = format!("{request:?} {request:#?} {:?}", request.auth);
+        for secret in [
+            "pw-secret-1",
+            "YWxpY2U6cHctc2VjcmV0LTE=",
+            "id-secret-2",
+            "reg-secret-3",
+        ] {
+            assert!(!shown.contains(secret), "{shown}");
+        }
+        assert!(shown.contains("alice") && shown.contains("registry.example.com"));
+        assert!(shown.contains("<redacted>"));
+    }
 
     #[test]
     fn debug_never_shows_secrets() {

@@ -54,6 +54,14 @@ pub fn parse_get(input: &[u8]) -> Result<ServerUrl<'_>, HelperInputError> {
     })
 }
 
+/// Whether a CRI `AuthConfig.server_address` (`registry.example.com:5000`,
+/// `https://index.docker.io/v1/`) names `registry`, the host of an image reference (`docker.io`
+/// for Docker Hub): the same host after normalization, ignoring scheme, path and case. An
+/// address that is not a registry host names nothing.
+pub fn names_registry(server_address: &str, registry: &str) -> bool {
+    parse_get(server_address.as_bytes()).is_ok_and(|u| u.host.eq_ignore_ascii_case(registry))
+}
+
 /// Docker Hub's server names as clients send them (the docker CLI and SDK ask for
 /// `https://index.docker.io/v1/`), as the name images and providers use: `docker.io`.
 fn docker_hub(host: &str) -> &str {
@@ -71,6 +79,29 @@ mod tests {
 
     fn host(s: &str) -> Result<&str, HelperInputError> {
         parse_get(s.as_bytes()).map(|u| u.host)
+    }
+
+    #[test]
+    fn server_addresses_name_their_registry_only() {
+        for (address, registry) in [
+            ("registry.example.com", "registry.example.com"),
+            ("https://registry.example.com/v2/", "registry.example.com"),
+            ("REGISTRY.example.com:5000", "registry.example.com:5000"),
+            ("https://index.docker.io/v1/", "docker.io"),
+            ("registry-1.docker.io", "docker.io"),
+        ] {
+            assert!(names_registry(address, registry), "{address} {registry}");
+        }
+        for (address, registry) in [
+            ("registry.example.com", "other.example.com"),
+            ("registry.example.com:5000", "registry.example.com"),
+            ("registry.example.com", "registry.example.com:5000"),
+            ("https://index.docker.io/v1/", "quay.io"),
+            ("", "registry.example.com"),
+            ("not a host", "registry.example.com"),
+        ] {
+            assert!(!names_registry(address, registry), "{address} {registry}");
+        }
     }
 
     #[test]

@@ -21,6 +21,10 @@ pub enum LoadError {
     },
     #[error("no .json, .yaml or .yml files in {0}")]
     EmptyDirectory(PathBuf),
+    #[error("{path} is larger than {max} bytes")]
+    TooLarge { path: PathBuf, max: u64 },
+    #[error("{0} is not a regular file")]
+    NotAFile(PathBuf),
     #[error(transparent)]
     Config(#[from] ConfigError),
     #[error("{path}: {error}")]
@@ -30,11 +34,38 @@ pub enum LoadError {
     },
 }
 
-fn read(path: &Path) -> Result<Vec<u8>, LoadError> {
-    std::fs::read(path).map_err(|source| LoadError::Read {
+/// The largest config file read (a provider config file, a docker config): far above any real
+/// one, so that a file that grows without end (`/dev/zero`, a log) is refused, not read.
+pub const MAX_FILE: u64 = 4 << 20;
+
+/// Reads a config file: a regular file (a FIFO or a device is refused without blocking on
+/// it) of at most [`MAX_FILE`] bytes.
+pub fn read(path: &Path) -> Result<Vec<u8>, LoadError> {
+    use std::io::Read as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let io = |source| LoadError::Read {
         path: path.to_owned(),
         source,
-    })
+    };
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(io)?;
+    if !file.metadata().map_err(io)?.is_file() {
+        return Err(LoadError::NotAFile(path.to_owned()));
+    }
+    let mut bytes = Vec::new();
+    file.take(MAX_FILE + 1)
+        .read_to_end(&mut bytes)
+        .map_err(io)?;
+    if bytes.len() as u64 > MAX_FILE {
+        return Err(LoadError::TooLarge {
+            path: path.to_owned(),
+            max: MAX_FILE,
+        });
+    }
+    Ok(bytes)
 }
 
 /// The files a provider config path stands for, in the order they are read.

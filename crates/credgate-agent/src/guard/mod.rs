@@ -580,7 +580,8 @@ pub(crate) enum FileError {
 }
 
 /// Opens a file of the state directory without following a link (created 0600 when `create`),
-/// and refuses it unless the agent owns it and nobody else can write it.
+/// and refuses it unless it is a regular file (a FIFO is refused without waiting for a
+/// writer), the agent owns it and nobody else can write it.
 pub(crate) fn trusted_file(
     path: &std::path::Path,
     create: bool,
@@ -591,7 +592,7 @@ pub(crate) fn trusted_file(
         .append(create)
         .create(create)
         .mode(0o600)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
         .open(path)
         .map_err(|e| {
             if e.raw_os_error() == Some(libc::ELOOP) {
@@ -603,6 +604,14 @@ pub(crate) fn trusted_file(
     let meta = file.metadata().map_err(FileError::Io)?;
     credgate_api::trust::check(path, &meta, credgate_api::trust::Owner::Me)
         .map_err(FileError::Untrusted)?;
+    if !meta.is_file() {
+        return Err(FileError::Untrusted(
+            credgate_api::trust::TrustError::WrongKind {
+                path: path.to_owned(),
+                want: "regular file",
+            },
+        ));
+    }
     Ok(file)
 }
 

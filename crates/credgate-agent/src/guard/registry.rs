@@ -178,7 +178,7 @@ impl Verifier {
                 digest: None,
             };
             for basic in candidates {
-                match self.attempt(&url, target, basic).await {
+                match self.attempt(&url, target, basic).await.0 {
                     Attempt::Ok(digest) => {
                         if let Some(want) = expected_digest.filter(|w| !w.is_empty()) {
                             if want != digest {
@@ -237,7 +237,52 @@ impl Verifier {
         })
     }
 
-    async fn attempt(&self, url: &str, target: &Target, basic: Option<(&str, &str)>) -> Attempt {
+    /// Whether the registry checked `username` and `password` and accepted them for the
+    /// target: it challenged an anonymous `HEAD` of the manifest, and with the credential (as
+    /// Basic, or through the challenge's token realm) the `HEAD` succeeded. A registry that
+    /// lets the manifest be read anonymously checks nothing: `Ok(false)`. `Err` when it cannot
+    /// be reached.
+    pub async fn authenticates(
+        &self,
+        target: &Target,
+        username: &str,
+        password: &str,
+    ) -> Result<bool, String> {
+        let url = format!(
+            "{}/v2/{}/manifests/{}",
+            self.base(&target.registry),
+            target.repository,
+            target.reference
+        );
+        match self.attempt(&url, target, Some((username, password))).await {
+            (Attempt::Ok(_), challenged) => Ok(challenged),
+            (Attempt::Unreachable(why), _) => Err(why),
+            _ => Ok(false),
+        }
+    }
+
+    /// One `HEAD` of the manifest, answering the registry's challenge with `basic` when it
+    /// challenges; whether it did.
+    async fn attempt(
+        &self,
+        url: &str,
+        target: &Target,
+        basic: Option<(&str, &str)>,
+    ) -> (Attempt, bool) {
+        let mut challenged = false;
+        let attempt = self
+            .attempt_inner(url, target, basic, &mut challenged)
+            .await;
+        (attempt, challenged)
+    }
+
+    async fn attempt_inner(
+        &self,
+        url: &str,
+        target: &Target,
+        basic: Option<(&str, &str)>,
+        challenged: &mut bool,
+    ) -> Attempt {
         let head = |auth: Option<String>| {
             let mut req = self.client.head(url).header(ACCEPT, MANIFEST_ACCEPT);
             if let Some(a) = auth {
@@ -250,6 +295,7 @@ impl Verifier {
             Err(e) => return Attempt::Unreachable(describe(&e)),
         };
         let response = if first.status() == StatusCode::UNAUTHORIZED {
+            *challenged = true;
             let challenge = first
                 .headers()
                 .get(WWW_AUTHENTICATE)

@@ -44,6 +44,40 @@ fn empty_directory_and_missing_file_are_errors() {
     ));
 }
 
+/// A FIFO, a device or a file that grows without end is refused at once, never read whole
+/// or waited on.
+#[test]
+fn config_files_are_regular_files_of_bounded_size() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("fifo.yaml");
+    rustix::fs::mkfifoat(
+        rustix::fs::CWD,
+        &fifo,
+        rustix::fs::Mode::from_raw_mode(0o600),
+    )
+    .unwrap();
+    assert!(matches!(
+        load_provider_config(&fifo),
+        Err(LoadError::NotAFile(_))
+    ));
+    assert!(matches!(
+        load_docker_config(&fifo),
+        Err(LoadError::NotAFile(_))
+    ));
+    assert!(matches!(
+        load_docker_config(std::path::Path::new("/dev/zero")),
+        Err(LoadError::NotAFile(_))
+    ));
+    let big = dir.path().join("big.json");
+    let mut text = r#"{"auths":{"a.io":{"auth":""#.to_owned();
+    text.push_str(&"A".repeat(credgate_engine::source::MAX_FILE as usize));
+    text.push_str(r#""}}}"#);
+    std::fs::write(&big, text).unwrap();
+    let e = load_docker_config(&big).unwrap_err();
+    assert!(matches!(e, LoadError::TooLarge { .. }), "{e}");
+    assert!(e.to_string().contains("larger than"), "{e}");
+}
+
 #[tokio::test]
 async fn docker_config_then_providers_in_keyring_order() {
     let dir = tempfile::tempdir().unwrap();
