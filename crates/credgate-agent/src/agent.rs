@@ -40,10 +40,23 @@ pub enum Service {
     Credentials,
     Admin,
     ImageAccess,
+    /// Not a service but a claim: a `Lookup` that names a service account (the kubelet's
+    /// bridge, for KEP-4412 providers) is answered from that account's cache entries. Only
+    /// root, the agent's own uid and the uids named for it may make the claim; a service
+    /// account token is not verified by the agent, so the caller's uid is what is trusted.
+    ServiceAccountIdentity,
 }
 
 impl Service {
+    /// The API's services.
     pub const ALL: [Service; 3] = [Service::Credentials, Service::Admin, Service::ImageAccess];
+    /// Everything `--allow-uids` names.
+    const NAMED: [Service; 4] = [
+        Service::Credentials,
+        Service::Admin,
+        Service::ImageAccess,
+        Service::ServiceAccountIdentity,
+    ];
 
     /// The name used on the command line.
     pub fn as_str(self) -> &'static str {
@@ -51,6 +64,7 @@ impl Service {
             Service::Credentials => "credentials",
             Service::Admin => "admin",
             Service::ImageAccess => "image-access",
+            Service::ServiceAccountIdentity => "service-account-identity",
         }
     }
 }
@@ -73,11 +87,11 @@ impl CallerAllowlist {
         let (service, uids) = s
             .split_once('=')
             .ok_or_else(|| format!("{s:?}: expected SERVICE=UID[,UID...]"))?;
-        let service = Service::ALL
+        let service = Service::NAMED
             .into_iter()
             .find(|x| x.as_str() == service)
             .ok_or_else(|| {
-                format!("{service:?}: not a service (credentials, admin, image-access)")
+                format!("{service:?}: not a service (credentials, admin, image-access, service-account-identity)")
             })?;
         let uids = uids
             .split(',')
@@ -97,10 +111,14 @@ impl CallerAllowlist {
     }
 
     /// Whether `uid` may call `service`; an unknown caller may only call open services.
+    /// [`Service::ServiceAccountIdentity`] is never open: root and the agent's own uid may
+    /// make the claim, and the uids named for it.
     pub fn allows(&self, service: Service, uid: Option<u32>) -> bool {
-        match self.uids.get(&service) {
-            None => true,
-            Some(list) => uid.is_some_and(|u| u == own_uid() || list.contains(&u)),
+        match (service, self.uids.get(&service)) {
+            (Service::ServiceAccountIdentity, list) => uid
+                .is_some_and(|u| u == 0 || u == own_uid() || list.is_some_and(|l| l.contains(&u))),
+            (_, None) => true,
+            (_, Some(list)) => uid.is_some_and(|u| u == own_uid() || list.contains(&u)),
         }
     }
 }

@@ -247,13 +247,7 @@ impl Captured {
     /// returns (a blocking write: call it where blocking is allowed). When that makes one
     /// more than the limit, the oldest captures are dropped: how many.
     pub fn capture(&self, repository: &str, credential: Credential) -> Result<usize, CaptureError> {
-        let size = repository.len()
-            + credential.namespace.len()
-            + credential.username.len()
-            + credential.password.expose_secret().len();
-        if size > MAX_CREDENTIAL {
-            return Err(CaptureError::TooLarge(size));
-        }
+        fits(repository, &credential)?;
         let mut dropped = 0;
         let max = self.max_entries;
         self.change(|entries| {
@@ -363,6 +357,18 @@ impl Captured {
             .map(|(r, c)| (r.clone(), c.clone()))
             .collect()
     }
+}
+
+/// Whether `credential` for `repository` is within [`MAX_CREDENTIAL`].
+pub fn fits(repository: &str, credential: &Credential) -> Result<(), CaptureError> {
+    let size = repository.len()
+        + credential.namespace.len()
+        + credential.username.len()
+        + credential.password.expose_secret().len();
+    if size > MAX_CREDENTIAL {
+        return Err(CaptureError::TooLarge(size));
+    }
+    Ok(())
 }
 
 /// The most the sealed file may hold: [`MAX_ENTRIES`] credentials of [`MAX_CREDENTIAL`] bytes

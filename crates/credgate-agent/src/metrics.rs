@@ -22,6 +22,18 @@ use crate::conn::{Slots, Throttle};
 
 type Labels = Vec<(&'static str, String)>;
 
+/// Every result of a capture (`credgate_cri_captures_total{result}`).
+pub const CAPTURE_RESULTS: &[&str] = &[
+    "captured",
+    "unchanged",
+    "other_registry",
+    "unconfirmed",
+    "unreachable",
+    "too_large",
+    "busy",
+    "failed",
+];
+
 /// Every method of the API, so that their handles exist before the first call.
 pub const METHODS: &[&str] = &[
     "Lookup",
@@ -76,6 +88,10 @@ pub struct AgentMetrics {
     /// Lookups by caller kind (kubelet, docker-helper, api).
     pub lookups: Family<Labels, Counter>,
     callers: Arc<[Counter; 3]>,
+    /// Pull credentials offered for capture by the CRI proxy, by what became of them.
+    pub captures: Family<Labels, Counter>,
+    /// Captured credentials dropped to stay within the limit of repositories.
+    pub captured_dropped: Counter,
     /// Open connections by listener (api, metrics).
     pub connections: Family<Labels, Gauge>,
     /// Connections closed at once or early, by listener and reason (limit, uid_limit,
@@ -153,6 +169,14 @@ impl Default for AgentMetrics {
                     .clone()
             })),
             lookups,
+            captures: {
+                let f = Family::default();
+                for r in CAPTURE_RESULTS {
+                    let _ = by_result(&f, r);
+                }
+                f
+            },
+            captured_dropped: Counter::default(),
             connections: Family::default(),
             connections_closed: Family::default(),
             methods: Arc::new(methods),
@@ -165,6 +189,16 @@ impl AgentMetrics {
     /// Registers every family under the `credgate_` prefix.
     pub fn register(&self, registry: &mut Registry) {
         let r = registry.sub_registry_with_prefix("credgate");
+        r.register(
+            "cri_captures",
+            "Pull credentials the CRI proxy offered for capture, by result (captured, unchanged, other_registry, unconfirmed, unreachable, too_large, busy, failed)",
+            self.captures.clone(),
+        );
+        r.register(
+            "captured_dropped",
+            "Captured pull credentials dropped, oldest first, to stay within the limit of repositories",
+            self.captured_dropped.clone(),
+        );
         r.register(
             "renewals",
             "Renewals of tracked refs by result (success, failure)",
@@ -258,6 +292,11 @@ impl AgentMetrics {
                 by_result(&self.guard_decisions, result).inc();
             }
         }
+    }
+
+    /// Counts what became of a credential offered for capture.
+    pub fn capture(&self, result: &'static str) {
+        by_result(&self.captures, result).inc();
     }
 
     /// Counts a verification.

@@ -195,7 +195,9 @@ pub struct ServeArgs {
     pub registry_timeout: Duration,
     /// Only these uids (and the agent's own) may call SERVICE (credentials, admin or
     /// image-access), checked against the socket's peer credentials; repeatable. Services
-    /// without an entry are open to whoever can open the socket.
+    /// without an entry are open to whoever can open the socket. `service-account-identity`
+    /// names the uids, besides root and the agent's own, that may look up credentials for a
+    /// service account (a claim the agent cannot check otherwise).
     #[arg(long, value_name = "SERVICE=UID[,UID...]", value_parser = parse_allow_uids)]
     pub allow_uids: Vec<(credgate_agent::Service, Vec<u32>)>,
     /// A Watch client that has not read its stream for this long is dropped.
@@ -444,7 +446,6 @@ fn parse_allow_uids(s: &str) -> Result<(credgate_agent::Service, Vec<u32>), Stri
     credgate_agent::CallerAllowlist::parse_entry(s)
 }
 
-/// Parses a Go duration string that must not be negative.
 /// `[NAME=]DURATION`: a duration for one provider, or for all.
 #[derive(Debug, Clone)]
 pub struct PerProvider {
@@ -471,6 +472,7 @@ fn parse_named_duration(s: &str) -> Result<PerProvider, String> {
     parse_per_provider(s)
 }
 
+/// Parses a Go duration string that must not be negative.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let d = GoDuration::parse(s).map_err(|e| e.to_string())?;
     d.to_std()

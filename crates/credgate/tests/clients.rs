@@ -338,3 +338,83 @@ async fn python_grpcio_gets_through_the_proxy_what_containerd_answers_directly()
         );
     }
 }
+
+/// A `Lookup` that names a service account is answered from that account's cache entries, and
+/// the agent cannot check the token: only root, its own uid and the uids of
+/// `--allow-uids service-account-identity=UID` may make the claim. Another uid that can open
+/// the socket gets PERMISSION_DENIED (and nothing from the cache); its lookups without a claim
+/// still work. Called with grpc-go as other uids (needs root).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn only_trusted_uids_may_claim_a_service_account_identity() {
+    use std::os::unix::fs::PermissionsExt;
+    credgate_testbed::require_root("calling as other uids");
+    credgate_testbed::require("setpriv");
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let go = build_go(dir.path());
+    let agent = Agent::start(
+        dir.path(),
+        &["--allow-uids", "service-account-identity=4243"],
+    );
+    std::fs::set_permissions(&agent.socket, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let claim = LookupRequest {
+        image: IMAGE.into(),
+        service_account: Some(credgate_api::v1::ServiceAccount {
+            namespace: "team-a".into(),
+            name: "builder".into(),
+            uid: "0f6c7a8e".into(),
+            token: "forged-token-not-for-logs".into(),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+    .encode_to_vec();
+    let as_uid = |uid: u32, request: &[u8]| {
+        let mut cmd = std::process::Command::new("setpriv");
+        cmd.args(["--reuid", &uid.to_string(), "--regid", &uid.to_string()])
+            .args(["--clear-groups", "--"])
+            .arg(&go)
+            .arg("-socket")
+            .arg(&agent.socket)
+            .args([
+                "-method",
+                "/credgate.v1.Credentials/Lookup",
+                "-timeout",
+                "30",
+            ]);
+        support::foreign::run_client(cmd, request)
+    };
+    let refused = as_uid(4242, &claim);
+    assert_eq!(
+        refused.code,
+        tonic::Code::PermissionDenied as u32,
+        "{refused:?}"
+    );
+    assert!(
+        refused
+            .message
+            .contains("uid 4242 may not look up credentials for a service account"),
+        "{refused:?}"
+    );
+    assert!(refused.responses.is_empty());
+    let plain = as_uid(4242, &lookup_request());
+    assert_eq!(plain.code, 0, "{plain:?}");
+    let trusted = as_uid(4243, &claim);
+    assert_eq!(trusted.code, 0, "{trusted:?}");
+    let own = go_call(
+        &go,
+        Dial::Path,
+        &agent.socket,
+        "/credgate.v1.Credentials/Lookup",
+        &claim,
+        0,
+    );
+    assert_eq!(own.code, 0, "{own:?}");
+    let log = agent.log_text();
+    assert!(
+        log.contains("lookup refused") && log.contains("uid=4242"),
+        "{log}"
+    );
+    assert!(!log.contains("forged-token-not-for-logs"));
+}

@@ -203,6 +203,12 @@ async fn pulls_through_the_proxy_reach_the_registry_with_their_credentials() {
         );
         serde_json::from_slice(&out.stdout).unwrap_or_default()
     };
+    // Captured once the registry has confirmed the credential, after the pull's answer.
+    credgate_testbed::eventually(
+        "the pull's credential is captured",
+        Duration::from_secs(20),
+        || captured(&agent)["credentials"][0]["source_kind"] == "captured",
+    );
     let v = captured(&agent);
     let first = &v["credentials"][0];
     assert_eq!(first["source_kind"], "captured", "{v}");
@@ -324,9 +330,11 @@ async fn pulls_through_the_proxy_reach_the_registry_with_their_credentials() {
     let again: PullImageResponse = call(&proxy, PULL_IMAGE, pull(Some(PASSWORD)))
         .await
         .expect("pull");
-    assert_eq!(
-        captured(&agent)["credentials"][0]["source_kind"],
-        "captured"
+    // Captured once the registry has confirmed the credential, after the pull's answer.
+    credgate_testbed::eventually(
+        "the pull's credential is captured again",
+        Duration::from_secs(20),
+        || captured(&agent)["credentials"][0]["source_kind"] == "captured",
     );
     let _: Empty = call(
         &proxy,
@@ -352,9 +360,11 @@ async fn pulls_through_the_proxy_reach_the_registry_with_their_credentials() {
     let third: PullImageResponse = call(&proxy, PULL_IMAGE, pull(Some(PASSWORD)))
         .await
         .expect("pull");
-    assert_eq!(
-        captured(&agent)["credentials"][0]["source_kind"],
-        "captured"
+    // Captured once the registry has confirmed the credential, after the pull's answer.
+    credgate_testbed::eventually(
+        "the pull's credential is captured again",
+        Duration::from_secs(20),
+        || captured(&agent)["credentials"][0]["source_kind"] == "captured",
     );
     let _: Empty = call(
         &containerd.socket,
@@ -523,4 +533,74 @@ printf '{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.ku
     // SIGTERM stops the proxy's thread with the rest, and its socket goes.
     assert!(agent.stop().success());
     assert!(!proxy.exists());
+}
+
+/// What a pod author controls cannot make credgate serve a credential the registry never
+/// accepted: a credential for another registry (`server_address`) used on an image that can be
+/// pulled anonymously, or garbage on an anonymously readable repository, succeeds as a pull
+/// and is captured by no one; the right credential for the image's own registry is captured
+/// once the registry has confirmed it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn only_credentials_the_images_registry_checked_and_accepted_are_captured() {
+    needs_containerd();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let (locked_dir, open_dir) = (d.join("locked"), d.join("open"));
+    std::fs::create_dir_all(&locked_dir).unwrap();
+    std::fs::create_dir_all(&open_dir).unwrap();
+    let locked = Registry::start(&locked_dir, USER, PASSWORD);
+    let open = Registry::with_auth(&open_dir, "");
+    oci_image(d);
+    push(d, &locked, "team/app", USER, PASSWORD);
+    push(d, &open, "public/app", "anyone", "anything");
+    let containerd = Containerd::start(d, &[locked.host(), open.host()]);
+    let (agent, proxy) = proxy_agent(d, &containerd.socket);
+    let public = format!("{}/public/app:v1", open.host());
+    let mut request = pull_request(&public, Some(("mallory", "GARBAGE-not-for-logs")), "team-m");
+    let _: PullImageResponse = call(&proxy, PULL_IMAGE, request.clone())
+        .await
+        .expect("an anonymous registry serves the pull whatever the credential");
+    request.auth = Some(AuthConfig {
+        username: USER.into(),
+        password: PASSWORD.into(),
+        server_address: locked.host(),
+        ..Default::default()
+    });
+    let _: PullImageResponse = call(&proxy, PULL_IMAGE, request)
+        .await
+        .expect("the credential of another registry is not used: anonymous");
+    credgate_testbed::eventually("both refusals are logged", Duration::from_secs(20), || {
+        let log = agent.log_text();
+        log.contains("the registry did not check them")
+            && log.contains("their server address names another registry")
+    });
+    let lookup = agent.credgate(&["ctl", "lookup", "-o", "json", &public]);
+    let text = support::text(&lookup.stdout);
+    assert!(!text.contains("captured"), "{text}");
+    assert!(
+        !text.contains("GARBAGE") && !text.contains(PASSWORD),
+        "{text}"
+    );
+    let helper = agent.helper_get(&open.host());
+    assert!(!support::text(&helper.stdout).contains(PASSWORD));
+    assert_eq!(
+        support::text(&agent.credgate(&["ctl", "captured"]).stdout),
+        "nothing captured\n"
+    );
+    // The right credential for the locked registry, naming it: captured once confirmed.
+    let private = format!("{}/team/app:v1", locked.host());
+    let mut request = pull_request(&private, Some((USER, PASSWORD)), "team-a");
+    request.auth.as_mut().unwrap().server_address = format!("https://{}/v2/", locked.host());
+    let _: PullImageResponse = call(&proxy, PULL_IMAGE, request).await.expect("pull");
+    credgate_testbed::eventually(
+        "the confirmed credential is captured",
+        Duration::from_secs(20),
+        || {
+            support::text(&agent.credgate(&["ctl", "captured"]).stdout)
+                .contains(&format!("{}/team/app", locked.host()))
+        },
+    );
+    let log = agent.log_text();
+    assert!(!log.contains("GARBAGE-not-for-logs") && !log.contains(PASSWORD));
 }

@@ -204,6 +204,30 @@ impl Api {
         result
     }
 
+    /// A `Lookup` that names a service account is answered from that account's cache
+    /// entries, so only callers trusted to claim an identity may name one
+    /// ([`Service::ServiceAccountIdentity`]).
+    fn may_claim_identity(&self, peer: Peer, req: &pb::LookupRequest) -> Result<(), Status> {
+        if req.service_account.is_none()
+            || self
+                .agent
+                .callers()
+                .allows(Service::ServiceAccountIdentity, peer.uid)
+        {
+            return Ok(());
+        }
+        tracing::warn!(
+            uid = peer.uid,
+            pid = peer.pid,
+            "lookup refused: the caller may not claim a service account identity"
+        );
+        let uid = peer.uid.map_or("unknown".into(), |u| u.to_string());
+        Err(ApiError::Denied(format!(
+            "uid {uid} may not look up credentials for a service account (the agent trusts root, its own uid and --allow-uids service-account-identity=UID to name one)"
+        ))
+        .into())
+    }
+
     async fn lookup_inner(&self, mut req: pb::LookupRequest) -> Result<pb::LookupResponse, Status> {
         self.agent.metrics().lookup_by(&req.caller);
         let sa = req
@@ -444,11 +468,12 @@ impl Credentials for Api {
         &self,
         request: Request<pb::LookupRequest>,
     ) -> Result<Response<pb::LookupResponse>, Status> {
-        self.observed(
-            peer(&request),
-            "Lookup",
-            self.lookup_inner(request.into_inner()),
-        )
+        let peer = peer(&request);
+        let request = request.into_inner();
+        self.observed(peer, "Lookup", async {
+            self.may_claim_identity(peer, &request)?;
+            self.lookup_inner(request).await
+        })
         .await
         .map(Response::new)
     }

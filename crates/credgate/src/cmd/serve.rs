@@ -162,6 +162,11 @@ pub async fn run(args: ServeArgs) -> Result<Outcome> {
             guard,
             shutdown_timeout: limits.shutdown_timeout,
             check_every: args.captured_check_interval,
+            registry: RegistryOptions {
+                timeout: args.registry_timeout,
+                insecure: args.insecure_registry.clone(),
+            },
+            metrics: agent.metrics().clone(),
         };
         let listener = listener.into_std()?;
         // Its own thread and single-threaded runtime: a proxied call's tasks (the kubelet's

@@ -124,7 +124,7 @@ pub fn python_call(
     run_client(cmd, request)
 }
 
-fn run_client(mut cmd: Command, request: &[u8]) -> Answer {
+pub fn run_client(mut cmd: Command, request: &[u8]) -> Answer {
     let mut child = cmd
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())

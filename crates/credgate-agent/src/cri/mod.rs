@@ -23,6 +23,9 @@ use tokio::task::JoinSet;
 use crate::conn::{self, Activity, Throttle, Watched};
 use crate::status::ApiError;
 
+mod capture;
+use capture::{Capturer, Offer};
+
 /// A body of either side.
 type Body =
     http_body_util::combinators::UnsyncBoxBody<Bytes, Box<dyn std::error::Error + Send + Sync>>;
@@ -150,7 +153,7 @@ async fn ask<M: prost::Message, R: prost::Message + Default>(
 /// captured credential.
 async fn remove(
     runtime: &Runtime,
-    captured: &crate::captured::Captured,
+    captured: &std::sync::Arc<crate::captured::Captured>,
     request: hyper::Request<Incoming>,
 ) -> hyper::Response<Body> {
     use prost::Message as _;
@@ -188,7 +191,7 @@ async fn remove(
 /// more; when its image list cannot be read, nothing.
 async fn forget_absent(
     runtime: &Runtime,
-    captured: &crate::captured::Captured,
+    captured: &std::sync::Arc<crate::captured::Captured>,
     candidates: Vec<String>,
 ) {
     let Some(left) = ask::<_, wire::ListImagesResponse>(
@@ -202,15 +205,28 @@ async fn forget_absent(
         return;
     };
     let remaining: Vec<String> = left.images.iter().flat_map(repositories).collect();
-    for repo in candidates.iter().filter(|r| !remaining.contains(r)) {
-        match captured.forget(repo) {
-            Ok(true) => {
-                tracing::info!(repository = %repo, "captured pull credentials dropped: the runtime has no image of the repository")
-            }
-            Ok(false) => {}
-            Err(e) => tracing::error!(error = %e, "cannot drop captured pull credentials"),
-        }
+    let gone: Vec<String> = candidates
+        .into_iter()
+        .filter(|r| !remaining.contains(r))
+        .collect();
+    if gone.is_empty() {
+        return;
     }
+    // The sealed file is rewritten and fsynced: on a blocking thread, never on the ones that
+    // forward calls.
+    let captured = captured.clone();
+    let _ = tokio::task::spawn_blocking(move || {
+        for repo in gone {
+            match captured.forget(&repo) {
+                Ok(true) => {
+                    tracing::info!(repository = %repo, "captured pull credentials dropped: the runtime has no image of the repository")
+                }
+                Ok(false) => {}
+                Err(e) => tracing::error!(error = %e, "cannot drop captured pull credentials"),
+            }
+        }
+    })
+    .await;
 }
 
 /// An answer read whole: its head, its message bytes, its trailers.
@@ -329,16 +345,21 @@ struct Pull {
     credential: Option<crate::captured::Credential>,
     /// Whether the pull came with a pod's sandbox config.
     in_pod: bool,
+    /// The credential names another registry (`server_address`) than the image's: the
+    /// runtime does not use it, and it is neither captured nor recorded.
+    other_registry: bool,
 }
 
 fn pull_of(message: &[u8]) -> Option<Pull> {
     use prost::Message as _;
     let req = wire::PullImageRequest::decode(message).ok()?;
     let image = req.image?.image;
-    let repository = credgate_core::reference::ImageRef::parse(&image)
-        .ok()?
-        .name()
-        .to_owned();
+    let parsed = credgate_core::reference::ImageRef::parse(&image).ok()?;
+    let repository = parsed.name().to_owned();
+    let other_registry = req.auth.as_ref().is_some_and(|a| {
+        !a.server_address.is_empty()
+            && !credgate_core::helper::names_registry(&a.server_address, parsed.registry())
+    });
     let metadata = req.sandbox_config.and_then(|s| s.metadata);
     let in_pod = metadata.is_some();
     let namespace = metadata.map(|m| m.namespace).unwrap_or_default();
@@ -361,6 +382,7 @@ fn pull_of(message: &[u8]) -> Option<Pull> {
             captured_ms: crate::guard::now_ms(),
         }),
         in_pod,
+        other_registry,
     })
 }
 
@@ -376,7 +398,7 @@ fn recorded_as(
     use crate::guard::CredentialIn;
     match &pull.credential {
         None => Some(CredentialIn::NodeWide),
-        Some(_) if !pull.in_pod => None,
+        Some(_) if !pull.in_pod || pull.other_registry => None,
         Some(c) => Some(CredentialIn::Secret {
             coords: credgate_core::guard::Coords {
                 namespace: c.namespace.clone(),
@@ -390,14 +412,15 @@ fn recorded_as(
 }
 
 /// A `PullImage`: read whole (bounded), forwarded, its answer read whole; when the runtime
-/// says it succeeded, the credential it carried is captured (on disk) before the answer
-/// goes back.
+/// says it succeeded, the credential it carried for the image's registry is offered for
+/// capture (confirmed with the registry and written after the answer goes back).
 async fn pull(
     runtime: &Runtime,
-    captured: &crate::captured::Captured,
+    proxy: &Capture,
     guard: Option<&crate::guard::Guard>,
     request: hyper::Request<Incoming>,
 ) -> hyper::Response<Body> {
+    let captured = &*proxy.captured;
     let (parts, bytes) = match read_whole(request, "PullImage").await {
         Ok(read) => read,
         Err(refused) => return refused,
@@ -435,9 +458,15 @@ async fn pull(
         }
     }
     if let (Some(_), Some(credential)) = (&image_ref, pull.credential) {
-        match captured.capture(&pull.repository, credential) {
-            Ok(_) => tracing::info!(repository = %pull.repository, "pull credentials captured"),
-            Err(e) => tracing::error!(error = %e, "pull credentials not captured"),
+        if pull.other_registry {
+            proxy.metrics.capture("other_registry");
+            tracing::warn!(repository = %pull.repository, "pull credentials not captured: their server address names another registry");
+        } else {
+            proxy.capturer.offer(Offer {
+                image: pull.image,
+                repository: pull.repository,
+                credential,
+            });
         }
     }
     whole.into_response()
@@ -456,19 +485,27 @@ fn broken_runtime(e: &hyper::Error) -> hyper::Response<Body> {
     )))
 }
 
+/// What the proxy captures with: where captures are kept, the task that confirms and writes
+/// them.
+struct Capture {
+    captured: std::sync::Arc<crate::captured::Captured>,
+    capturer: Capturer,
+    metrics: crate::metrics::AgentMetrics,
+}
+
 /// Forwards one call to the runtime.
 async fn forward(
     runtime: &Runtime,
-    captured: Option<&crate::captured::Captured>,
+    capture: Option<&Capture>,
     guard: Option<&crate::guard::Guard>,
     request: hyper::Request<Incoming>,
 ) -> hyper::Response<Body> {
     let limit = deadline(request.headers());
     let call = async {
-        if let Some(captured) = captured {
+        if let Some(capture) = capture {
             match request.uri().path() {
-                PULL_IMAGE => return pull(runtime, captured, guard, request).await,
-                REMOVE_IMAGE => return remove(runtime, captured, request).await,
+                PULL_IMAGE => return pull(runtime, capture, guard, request).await,
+                REMOVE_IMAGE => return remove(runtime, &capture.captured, request).await,
                 _ => {}
             }
         }
@@ -504,6 +541,9 @@ pub struct ProxyOptions {
     pub shutdown_timeout: Duration,
     /// How often the runtime's image list is checked against the captured credentials.
     pub check_every: Duration,
+    /// How registries are reached to confirm a credential before it is captured.
+    pub registry: crate::guard::registry::RegistryOptions,
+    pub metrics: crate::metrics::AgentMetrics,
 }
 
 /// Serves the proxy on `listener`, forwarding to the runtime at `runtime`, until `shutdown`
@@ -520,6 +560,8 @@ pub async fn serve(
         guard,
         shutdown_timeout,
         check_every,
+        registry,
+        metrics,
     } = options;
     let runtime = std::sync::Arc::new(Runtime {
         path: runtime,
@@ -537,12 +579,26 @@ pub async fn serve(
                     () = tokio::time::sleep(check_every) => {}
                     () = async { let _ = stop.wait_for(|s| *s).await; } => return,
                 }
-                captured.expire();
+                let expiring = captured.clone();
+                let _ = tokio::task::spawn_blocking(move || expiring.expire()).await;
                 let held = captured.list().into_iter().map(|(repo, _)| repo).collect();
                 forget_absent(&runtime, &captured, held).await;
             }
         })
     });
+    let (capture, capture_task) = match captured.clone() {
+        Some(captured) => {
+            let verifier = crate::guard::registry::Verifier::new(registry);
+            let (capturer, task) = Capturer::start(captured.clone(), verifier, metrics.clone());
+            let capture = Capture {
+                captured,
+                capturer,
+                metrics,
+            };
+            (Some(std::sync::Arc::new(capture)), Some(task))
+        }
+        None => (None, None),
+    };
     let builder = std::sync::Arc::new({
         let mut b = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
         b.timer(TokioTimer::new())
@@ -561,15 +617,15 @@ pub async fn serve(
     .await
     {
         let runtime = runtime.clone();
-        let captured = captured.clone();
+        let capture = capture.clone();
         let guard = guard.clone();
         let service = hyper::service::service_fn(move |request: hyper::Request<Incoming>| {
             let runtime = runtime.clone();
-            let captured = captured.clone();
+            let capture = capture.clone();
             let guard = guard.clone();
             async move {
                 Ok::<_, Infallible>(
-                    forward(&runtime, captured.as_deref(), guard.as_ref(), request).await,
+                    forward(&runtime, capture.as_deref(), guard.as_ref(), request).await,
                 )
             }
         });
@@ -596,6 +652,13 @@ pub async fn serve(
     if let Some(sweeper) = sweeper {
         sweeper.abort();
         let _ = sweeper.await;
+    }
+    // The capture task ends once the last capturer is gone, after the offers it took.
+    drop(capture);
+    if let Some(task) = capture_task {
+        if tokio::time::timeout(shutdown_timeout, task).await.is_err() {
+            tracing::warn!("captures still being confirmed at the shutdown deadline: dropped");
+        }
     }
     let tasks = std::mem::take(&mut *runtime.tasks.lock().unwrap_or_else(|p| p.into_inner()));
     drop(tasks);
