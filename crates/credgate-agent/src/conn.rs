@@ -171,7 +171,7 @@ pub async fn next_connection<S, A, F>(
     shutdown: &mut tokio::sync::watch::Receiver<bool>,
     connections: &mut tokio::task::JoinSet<()>,
     mut accept: impl FnMut() -> F,
-) -> Option<S>
+) -> Option<(S, A)>
 where
     F: std::future::Future<Output = io::Result<(S, A)>>,
 {
@@ -180,7 +180,7 @@ where
             () = async { let _ = shutdown.wait_for(|s| *s).await; } => return None,
             Some(_) = connections.join_next(), if !connections.is_empty() => {}
             accepted = accept() => match accepted {
-                Ok((stream, _)) => return Some(stream),
+                Ok(pair) => return Some(pair),
                 Err(e) => accept_failed(what, throttle, &e).await,
             },
         }
@@ -188,7 +188,7 @@ where
 }
 
 /// Waits at most `timeout` for `connections` (already told to finish) to end, then ends those
-/// left, with a warning.
+/// left, with a warning unless the timeout was zero (nothing is waited for).
 pub async fn drain(
     what: &'static str,
     connections: &mut tokio::task::JoinSet<()>,
@@ -198,7 +198,7 @@ pub async fn drain(
         while connections.join_next().await.is_some() {}
     })
     .await;
-    if finished.is_err() {
+    if finished.is_err() && !timeout.is_zero() {
         tracing::warn!(
             listener = what,
             connections = connections.len(),
@@ -256,19 +256,20 @@ impl Activity {
 pub struct Watched<T> {
     io: T,
     activity: Arc<Activity>,
-    rewriter: Rewriter,
+    rewriter: Option<Rewriter>,
     /// Rewritten bytes the server has not read yet, from `at`.
     out: Vec<u8>,
     at: usize,
 }
 
 impl<T> Watched<T> {
-    /// `max_block`: the largest header block the peer may send, as sent or as decoded.
-    pub fn new(io: T, activity: Arc<Activity>, max_block: usize) -> Self {
+    /// `max_block`: for an HTTP/2 server, the largest header block the peer may send, as
+    /// sent or as decoded (its `:authority` is rewritten); `None` for other protocols.
+    pub fn new(io: T, activity: Arc<Activity>, max_block: Option<usize>) -> Self {
         Watched {
             io,
             activity,
-            rewriter: Rewriter::new(max_block),
+            rewriter: max_block.map(Rewriter::new),
             out: Vec::new(),
             at: 0,
         }
@@ -302,9 +303,15 @@ impl<T: AsyncRead + Unpin> AsyncRead for Watched<T> {
                 }
                 return Poll::Ready(Ok(()));
             }
+            let Some(rewriter) = this.rewriter.as_mut() else {
+                let before = buf.filled().len();
+                std::task::ready!(Pin::new(&mut this.io).poll_read(cx, buf))?;
+                this.activity.read(buf.filled().len() - before);
+                return Poll::Ready(Ok(()));
+            };
             let mut chunk = [0u8; READ_CHUNK];
             // Bytes that pass unchanged (the preface, DATA and the like) go straight on.
-            let passing = this.rewriter.passing();
+            let passing = rewriter.passing();
             let limit = if passing > 0 {
                 passing.min(buf.remaining())
             } else {
@@ -320,10 +327,10 @@ impl<T: AsyncRead + Unpin> AsyncRead for Watched<T> {
             }
             if passing > 0 {
                 buf.put_slice(read.filled());
-                this.rewriter.passed(n);
+                rewriter.passed(n);
                 return Poll::Ready(Ok(()));
             }
-            if let Err(e) = this.rewriter.feed(read.filled(), &mut this.out) {
+            if let Err(e) = rewriter.feed(read.filled(), &mut this.out) {
                 tracing::debug!(error = %e, "closing a connection: its HTTP/2 frames cannot be passed on");
                 return Poll::Ready(Err(io::Error::new(io::ErrorKind::InvalidData, e)));
             }
@@ -420,7 +427,7 @@ mod tests {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let (a, mut b) = tokio::io::duplex(64);
         let activity = Activity::new();
-        let mut w = Watched::new(a, activity.clone(), 64 << 10);
+        let mut w = Watched::new(a, activity.clone(), None);
         assert_eq!(activity.bytes(), 0);
         b.write_all(b"hello").await.unwrap();
         let mut buf = [0u8; 5];

@@ -11,6 +11,7 @@ pub mod captured;
 pub mod conn;
 pub mod cri;
 pub mod guard;
+pub mod listener;
 pub mod metrics;
 pub mod renewal;
 pub mod server;

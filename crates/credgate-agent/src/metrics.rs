@@ -18,7 +18,7 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 
-use crate::conn::{Slots, Throttle};
+use crate::listener::{Listener, ListenerLimits};
 
 type Labels = Vec<(&'static str, String)>;
 
@@ -413,9 +413,6 @@ impl Default for MetricsLimits {
     }
 }
 
-static ACCEPT_ERRORS: Throttle = Throttle::new(Duration::from_secs(10));
-static REFUSALS: Throttle = Throttle::new(Duration::from_secs(10));
-
 /// Serves `GET /metrics` (and `GET /healthz`) on `listener` until `shutdown` turns true, within
 /// `limits`. The connections' tasks belong to this call: they end when it returns.
 pub async fn serve(
@@ -425,54 +422,39 @@ pub async fn serve(
     metrics: AgentMetrics,
     mut shutdown: tokio::sync::watch::Receiver<bool>,
 ) {
-    let slots = Slots::new(limits.max_connections, usize::MAX, Vec::new());
-    let open = metrics.open_connections("metrics");
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder
         .timer(TokioTimer::new())
         .header_read_timeout(limits.header_timeout)
         .max_buf_size(16 << 10);
-    let mut connections = tokio::task::JoinSet::new();
-    while let Some(stream) = crate::conn::next_connection(
-        "metrics",
-        &ACCEPT_ERRORS,
-        &mut shutdown,
-        &mut connections,
-        || listener.accept(),
-    )
-    .await
-    {
-        let slot = match slots.try_take(None) {
-            Ok(slot) => slot,
-            Err(why) => {
-                metrics.connection_closed("metrics", why.as_str());
-                if let Some(held) = REFUSALS.check() {
-                    tracing::warn!(repeated = held, "metrics connection refused: too many open");
-                }
-                continue;
-            }
-        };
+    let listener_limits = ListenerLimits {
+        max_connections: limits.max_connections,
+        max_connections_per_uid: usize::MAX,
+        exempt: Vec::new(),
+        handshake_timeout: limits.header_timeout,
+        idle_timeout: limits.max_age,
+        // A scrape in flight is not waited for.
+        shutdown_timeout: Duration::ZERO,
+    };
+    let mut listener = Listener::new("metrics", listener, listener_limits, metrics);
+    while let Some(accepted) = listener.next(&mut shutdown).await {
         let render = render.clone();
         let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
             let render = render.clone();
             async move { Ok::<_, std::convert::Infallible>(respond(&req, &*render)) }
         });
-        let conn = builder.serve_connection(TokioIo::new(stream), service);
-        let open = open.clone();
-        let metrics = metrics.clone();
+        let conn = builder.serve_connection(TokioIo::new(accepted.stream), service);
         let max_age = limits.max_age;
-        open.inc();
-        connections.spawn(async move {
-            let _slot = slot;
+        let held = accepted.held;
+        listener.spawn(async move {
             match tokio::time::timeout(max_age, conn).await {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => tracing::debug!(error = %e, "metrics connection ended"),
-                Err(_) => metrics.connection_closed("metrics", "max_age"),
+                Err(_) => held.closed("max_age"),
             }
-            open.dec();
         });
     }
-    connections.shutdown().await;
+    listener.drain().await;
 }
 
 fn respond<B>(

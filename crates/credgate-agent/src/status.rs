@@ -32,6 +32,8 @@ pub enum ApiError {
     TooLarge(String),
     /// The container runtime behind the CRI proxy cannot be reached or broke off.
     Runtime(String),
+    /// The caller gave up on its call (its request ended early).
+    Cancelled(String),
 }
 
 impl From<ApiError> for Status {
@@ -56,6 +58,7 @@ impl From<ApiError> for Status {
             ApiError::Deadline(m) => (Code::DeadlineExceeded, m),
             ApiError::TooLarge(m) => (Code::ResourceExhausted, m),
             ApiError::Runtime(m) => (Code::Unavailable, m),
+            ApiError::Cancelled(m) => (Code::Cancelled, m),
         };
         Status::new(code, message)
     }

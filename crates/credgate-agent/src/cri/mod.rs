@@ -9,7 +9,6 @@
 
 use std::convert::Infallible;
 use std::path::PathBuf;
-use std::pin::Pin;
 use std::time::Duration;
 
 use credgate_api::cri::{self as wire, PULL_IMAGE, REMOVE_IMAGE};
@@ -20,10 +19,13 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{watch, Mutex};
 use tokio::task::JoinSet;
 
-use crate::conn::{self, Activity, Throttle, Watched};
+use crate::conn::Watched;
+use crate::listener::{drive, Counted, Guarded, Listener, ListenerLimits, Tracker};
 use crate::status::ApiError;
 
+mod budget;
 mod capture;
+use budget::{Budgets, Refused, Taken};
 use capture::{Capturer, Offer};
 
 /// A body of either side.
@@ -35,8 +37,6 @@ const MAX_HEADER_LIST: u32 = 64 << 10;
 
 /// The longest a call may take when the caller sets no deadline.
 const DEFAULT_DEADLINE: Duration = Duration::from_secs(300);
-
-static ACCEPT_ERRORS: Throttle = Throttle::new(Duration::from_secs(10));
 
 /// `unix:///run/containerd/containerd.sock` (or a bare path) as a socket path.
 pub fn endpoint_path(endpoint: &str) -> PathBuf {
@@ -51,6 +51,14 @@ struct Runtime {
 }
 
 impl Runtime {
+    fn new(path: PathBuf) -> Runtime {
+        Runtime {
+            path,
+            sender: Mutex::new(None),
+            tasks: std::sync::Mutex::new(JoinSet::new()),
+        }
+    }
+
     async fn sender(&self) -> std::io::Result<hyper::client::conn::http2::SendRequest<Body>> {
         let mut slot = self.sender.lock().await;
         if let Some(s) = slot.as_ref().filter(|s| !s.is_closed()) {
@@ -74,6 +82,15 @@ impl Runtime {
         *slot = Some(sender.clone());
         Ok(sender)
     }
+}
+
+/// One caller connection's side of the proxy: a connection to the runtime of its own, so that
+/// a caller that stops reading its answers fills only its own flow-control windows and holds
+/// back only its own calls, and its share of what the proxy may buffer. Dropped with the
+/// caller's connection, which closes its runtime connection.
+struct Caller {
+    runtime: Runtime,
+    budgets: Budgets,
 }
 
 /// The proxy's own error as a trailers-only answer.
@@ -127,7 +144,7 @@ fn repositories(image: &wire::Image) -> Vec<String> {
 /// One unary call of our own to the runtime: its answer's message when it succeeded and fit
 /// in `limit` bytes.
 async fn ask<M: prost::Message, R: prost::Message + Default>(
-    runtime: &Runtime,
+    caller: &Caller,
     method: &str,
     message: &M,
     limit: usize,
@@ -139,7 +156,7 @@ async fn ask<M: prost::Message, R: prost::Message + Default>(
         .body(())
         .ok()?
         .into_parts();
-    let whole = exchange(runtime, parts, Bytes::from(frame), limit)
+    let whole = exchange(caller, parts, Bytes::from(frame), limit)
         .await
         .ok()?;
     if whole.code() != Some(0) {
@@ -152,12 +169,12 @@ async fn ask<M: prost::Message, R: prost::Message + Default>(
 /// when the runtime removed it, a repository of which it has no image left loses its
 /// captured credential.
 async fn remove(
-    runtime: &Runtime,
+    caller: &Caller,
     captured: &std::sync::Arc<crate::captured::Captured>,
     request: hyper::Request<Incoming>,
 ) -> hyper::Response<Body> {
     use prost::Message as _;
-    let (parts, bytes) = match read_whole(request, "RemoveImage").await {
+    let (parts, bytes, _taken) = match read_whole(caller, request, "RemoveImage").await {
         Ok(read) => read,
         Err(refused) => return refused,
     };
@@ -166,7 +183,7 @@ async fn remove(
         .and_then(|r| r.image);
     let before: Vec<String> = match named {
         Some(spec) => ask::<_, wire::ImageStatusResponse>(
-            runtime,
+            caller,
             wire::IMAGE_STATUS,
             &wire::ImageStatusRequest { image: Some(spec) },
             MAX_PULL_MESSAGE,
@@ -177,12 +194,12 @@ async fn remove(
         .unwrap_or_default(),
         None => Vec::new(),
     };
-    let whole = match exchange(runtime, parts, bytes, MAX_PULL_MESSAGE).await {
+    let whole = match exchange(caller, parts, bytes, MAX_PULL_MESSAGE).await {
         Ok(whole) => whole,
         Err(refused) => return refused,
     };
     if whole.code() == Some(0) && !before.is_empty() {
-        forget_absent(runtime, captured, before).await;
+        forget_absent(caller, captured, before).await;
     }
     whole.into_response()
 }
@@ -190,12 +207,12 @@ async fn remove(
 /// Drops the captured credentials of those `repositories` the runtime has no image of any
 /// more; when its image list cannot be read, nothing.
 async fn forget_absent(
-    runtime: &Runtime,
+    caller: &Caller,
     captured: &std::sync::Arc<crate::captured::Captured>,
     candidates: Vec<String>,
 ) {
     let Some(left) = ask::<_, wire::ListImagesResponse>(
-        runtime,
+        caller,
         wire::LIST_IMAGES,
         &wire::ListImagesRequest {},
         MAX_LIST_MESSAGE,
@@ -234,6 +251,8 @@ struct Whole {
     parts: hyper::http::response::Parts,
     data: Bytes,
     trailers: Option<hyper::HeaderMap>,
+    /// What the answer takes of the budgets, until its body is sent or dropped.
+    taken: Taken,
 }
 
 impl Whole {
@@ -259,28 +278,37 @@ impl Whole {
             return hyper::Response::from_parts(self.parts, body);
         }
         let trailers = self.trailers;
-        let body = http_body_util::Full::new(self.data)
-            .map_err(|never| match never {})
-            .with_trailers(async move { trailers.map(Ok) })
-            .boxed_unsync();
+        let body = Guarded::new(
+            http_body_util::Full::new(self.data)
+                .map_err(|never| match never {})
+                .with_trailers(async move { trailers.map(Ok) })
+                .boxed_unsync(),
+            self.taken,
+        )
+        .boxed_unsync();
         hyper::Response::from_parts(self.parts, body)
     }
 }
 
-/// A request body read whole, within the bound; an answer to give instead when it is over.
+/// A request body read whole, within the bound and the caller's budgets; an answer to give
+/// instead when it is over.
 async fn read_whole(
+    caller: &Caller,
     request: hyper::Request<Incoming>,
     what: &str,
-) -> Result<(hyper::http::request::Parts, Bytes), hyper::Response<Body>> {
+) -> Result<(hyper::http::request::Parts, Bytes, Taken), hyper::Response<Body>> {
     let (parts, body) = request.into_parts();
-    match http_body_util::Limited::new(body, MAX_PULL_MESSAGE)
-        .collect()
-        .await
-    {
-        Ok(collected) => Ok((parts, collected.to_bytes())),
-        Err(_) => Err(status(ApiError::TooLarge(format!(
+    match budget::collect(body, MAX_PULL_MESSAGE, &caller.budgets).await {
+        Ok(c) => Ok((parts, c.data, c.taken)),
+        Err(Refused::TooLarge) => Err(status(ApiError::TooLarge(format!(
             "credgate: a {what} request larger than {} KiB",
             MAX_PULL_MESSAGE >> 10
+        )))),
+        Err(Refused::Exhausted) => Err(status(ApiError::TooLarge(format!(
+            "credgate: too many unfinished requests held for this connection or for all callers; {what} refused"
+        )))),
+        Err(Refused::Broken) => Err(status(ApiError::Cancelled(format!(
+            "credgate: the {what} request ended before its message did"
         )))),
     }
 }
@@ -289,11 +317,12 @@ async fn read_whole(
 /// bytes); an answer to give instead when the runtime cannot be reached or its answer is too
 /// large.
 async fn exchange(
-    runtime: &Runtime,
+    caller: &Caller,
     parts: hyper::http::request::Parts,
     bytes: Bytes,
     limit: usize,
 ) -> Result<Whole, hyper::Response<Body>> {
+    let runtime = &caller.runtime;
     let outbound = hyper::Request::from_parts(
         parts,
         http_body_util::Full::new(bytes)
@@ -309,19 +338,24 @@ async fn exchange(
         .await
         .map_err(|e| broken_runtime(&e))?;
     let (parts, body) = answer.into_parts();
-    let collected = http_body_util::Limited::new(body, limit)
-        .collect()
-        .await
-        .map_err(|_| {
-            status(ApiError::Runtime(
-                "credgate: the runtime's answer was cut short or too large".into(),
-            ))
-        })?;
-    let trailers = collected.trailers().cloned();
+    let collected =
+        match budget::collect(body, limit, &caller.budgets).await {
+            Ok(c) => c,
+            Err(Refused::Exhausted) => return Err(status(ApiError::TooLarge(
+                "credgate: too many unfinished answers held for this connection or for all callers"
+                    .into(),
+            ))),
+            Err(Refused::TooLarge | Refused::Broken) => {
+                return Err(status(ApiError::Runtime(
+                    "credgate: the runtime's answer was cut short or too large".into(),
+                )))
+            }
+        };
     Ok(Whole {
         parts,
-        data: collected.to_bytes(),
-        trailers,
+        data: collected.data,
+        trailers: collected.trailers,
+        taken: collected.taken,
     })
 }
 
@@ -415,13 +449,13 @@ fn recorded_as(
 /// says it succeeded, the credential it carried for the image's registry is offered for
 /// capture (confirmed with the registry and written after the answer goes back).
 async fn pull(
-    runtime: &Runtime,
+    caller: &Caller,
     proxy: &Capture,
     guard: Option<&crate::guard::Guard>,
     request: hyper::Request<Incoming>,
 ) -> hyper::Response<Body> {
     let captured = &*proxy.captured;
-    let (parts, bytes) = match read_whole(request, "PullImage").await {
+    let (parts, bytes, _taken) = match read_whole(caller, request, "PullImage").await {
         Ok(read) => read,
         Err(refused) => return refused,
     };
@@ -432,7 +466,7 @@ async fn pull(
             tracing::error!(error = %crate::server::error_chain(&e), "pull intent not recorded");
         }
     }
-    let whole = match exchange(runtime, parts, bytes, MAX_PULL_MESSAGE).await {
+    let whole = match exchange(caller, parts, bytes, MAX_PULL_MESSAGE).await {
         Ok(whole) => whole,
         Err(refused) => return refused,
     };
@@ -495,17 +529,18 @@ struct Capture {
 
 /// Forwards one call to the runtime.
 async fn forward(
-    runtime: &Runtime,
+    caller: &Caller,
     capture: Option<&Capture>,
     guard: Option<&crate::guard::Guard>,
     request: hyper::Request<Incoming>,
 ) -> hyper::Response<Body> {
     let limit = deadline(request.headers());
+    let runtime = &caller.runtime;
     let call = async {
         if let Some(capture) = capture {
             match request.uri().path() {
-                PULL_IMAGE => return pull(runtime, capture, guard, request).await,
-                REMOVE_IMAGE => return remove(runtime, &capture.captured, request).await,
+                PULL_IMAGE => return pull(caller, capture, guard, request).await,
+                REMOVE_IMAGE => return remove(caller, &capture.captured, request).await,
                 _ => {}
             }
         }
@@ -537,8 +572,9 @@ pub struct ProxyOptions {
     pub captured: Option<std::sync::Arc<crate::captured::Captured>>,
     /// The image access guard the pulls are recorded in, when it is enabled.
     pub guard: Option<crate::guard::Guard>,
-    /// How long a stop waits for calls in flight.
-    pub shutdown_timeout: Duration,
+    /// The listener's budget and deadlines (connections in all and per uid, handshake, idle,
+    /// shutdown).
+    pub limits: ListenerLimits,
     /// How often the runtime's image list is checked against the captured credentials.
     pub check_every: Duration,
     /// How registries are reached to confirm a credential before it is captured.
@@ -546,9 +582,32 @@ pub struct ProxyOptions {
     pub metrics: crate::metrics::AgentMetrics,
 }
 
+/// The proxy's listener limits by default: far more connections than a kubelet and the
+/// runtime's own tools open, the API socket's deadlines.
+pub fn default_limits() -> ListenerLimits {
+    ListenerLimits {
+        max_connections: 128,
+        max_connections_per_uid: 32,
+        exempt: Vec::new(),
+        handshake_timeout: Duration::from_secs(5),
+        idle_timeout: Duration::from_secs(300),
+        shutdown_timeout: Duration::from_secs(10),
+    }
+    .root_and_own_exempt()
+}
+
+/// Streams one caller connection may have open: a kubelet pulls a few images at a time.
+pub const MAX_STREAMS: u32 = 64;
+/// What a caller may send on a stream, and on its connection, before the proxy reads it.
+const STREAM_WINDOW: u32 = 64 << 10;
+const CONNECTION_WINDOW: u32 = 256 << 10;
+/// What the proxy queues for a caller that does not read, per stream (beyond it, the
+/// runtime's answer waits in the runtime's own windows of that caller's connection).
+const STREAM_SEND_BUFFER: usize = 64 << 10;
+
 /// Serves the proxy on `listener`, forwarding to the runtime at `runtime`, until `shutdown`
-/// turns true; then stops accepting and lets calls in flight finish for at most
-/// `shutdown_timeout`.
+/// turns true; then stops accepting and lets calls in flight finish for at most the
+/// shutdown deadline.
 pub async fn serve(
     listener: UnixListener,
     options: ProxyOptions,
@@ -558,20 +617,21 @@ pub async fn serve(
         runtime,
         captured,
         guard,
-        shutdown_timeout,
+        limits,
         check_every,
         registry,
         metrics,
     } = options;
-    let runtime = std::sync::Arc::new(Runtime {
-        path: runtime,
-        sender: Mutex::new(None),
-        tasks: std::sync::Mutex::new(JoinSet::new()),
+    let proxy_budget = Budgets::proxy();
+    // The proxy's own calls (the sweeper's) use a runtime connection of their own.
+    let own = std::sync::Arc::new(Caller {
+        runtime: Runtime::new(runtime.clone()),
+        budgets: Budgets::connection(&proxy_budget, budget::PROXY_BYTES),
     });
     // Removals that bypass the proxy (crictl rmi, the runtime's own garbage collection): the
     // runtime's image list, checked periodically, drops what no image is left of.
     let sweeper = captured.clone().map(|captured| {
-        let runtime = runtime.clone();
+        let own = own.clone();
         let mut stop = shutdown.clone();
         tokio::spawn(async move {
             loop {
@@ -582,7 +642,7 @@ pub async fn serve(
                 let expiring = captured.clone();
                 let _ = tokio::task::spawn_blocking(move || expiring.expire()).await;
                 let held = captured.list().into_iter().map(|(repo, _)| repo).collect();
-                forget_absent(&runtime, &captured, held).await;
+                forget_absent(&own, &captured, held).await;
             }
         })
     });
@@ -593,7 +653,7 @@ pub async fn serve(
             let capture = Capture {
                 captured,
                 capturer,
-                metrics,
+                metrics: metrics.clone(),
             };
             (Some(std::sync::Arc::new(capture)), Some(task))
         }
@@ -602,53 +662,52 @@ pub async fn serve(
     let builder = std::sync::Arc::new({
         let mut b = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
         b.timer(TokioTimer::new())
-            .max_concurrent_streams(256)
-            .max_header_list_size(MAX_HEADER_LIST);
+            .max_concurrent_streams(MAX_STREAMS)
+            .initial_stream_window_size(STREAM_WINDOW)
+            .initial_connection_window_size(CONNECTION_WINDOW)
+            .max_send_buf_size(STREAM_SEND_BUFFER)
+            .max_header_list_size(MAX_HEADER_LIST)
+            .max_pending_accept_reset_streams(Some(32))
+            .max_local_error_reset_streams(Some(256));
         b
     });
-    let mut connections = JoinSet::new();
-    while let Some(stream) = conn::next_connection(
-        "cri-proxy",
-        &ACCEPT_ERRORS,
-        &mut shutdown,
-        &mut connections,
-        || listener.accept(),
-    )
-    .await
-    {
-        let runtime = runtime.clone();
+    let shutdown_timeout = limits.shutdown_timeout;
+    let mut listener = Listener::new("cri-proxy", listener, limits, metrics);
+    while let Some(accepted) = listener.next(&mut shutdown).await {
+        let caller = std::sync::Arc::new(Caller {
+            runtime: Runtime::new(runtime.clone()),
+            budgets: Budgets::connection(&proxy_budget, budget::CONNECTION_BYTES),
+        });
+        let tracker = Tracker::new();
         let capture = capture.clone();
         let guard = guard.clone();
+        let streams = tracker.clone();
         let service = hyper::service::service_fn(move |request: hyper::Request<Incoming>| {
-            let runtime = runtime.clone();
+            let caller = caller.clone();
             let capture = capture.clone();
             let guard = guard.clone();
+            let open = streams.stream();
             async move {
-                Ok::<_, Infallible>(
-                    forward(&runtime, capture.as_deref(), guard.as_ref(), request).await,
-                )
+                let answer = forward(&caller, capture.as_deref(), guard.as_ref(), request).await;
+                Ok::<_, Infallible>(answer.map(|body| Counted::new(body, open)))
             }
         });
-        let io = Watched::new(stream, Activity::new(), 4 * MAX_HEADER_LIST as usize);
+        let io = Watched::new(
+            accepted.stream,
+            tracker.activity.clone(),
+            Some(4 * MAX_HEADER_LIST as usize),
+        );
         let connection = builder.serve_connection(TokioIo::new(io), service);
-        let mut stop = shutdown.clone();
-        connections.spawn(async move {
-            let mut connection: Pin<Box<_>> = Box::pin(connection);
-            tokio::select! {
-                ended = connection.as_mut() => {
-                    if let Err(e) = ended {
-                        tracing::debug!(error = %e, "CRI proxy connection ended with an error");
-                    }
-                }
-                () = async { let _ = stop.wait_for(|s| *s).await; } => {
-                    connection.as_mut().graceful_shutdown();
-                    let _ = connection.await;
-                }
-            }
-        });
+        let task = drive(
+            connection,
+            tracker,
+            listener.limits().clone(),
+            accepted.held,
+            shutdown.clone(),
+        );
+        listener.spawn(task);
     }
-    drop(listener);
-    conn::drain("cri-proxy", &mut connections, shutdown_timeout).await;
+    listener.drain().await;
     if let Some(sweeper) = sweeper {
         sweeper.abort();
         let _ = sweeper.await;
@@ -660,8 +719,7 @@ pub async fn serve(
             tracing::warn!("captures still being confirmed at the shutdown deadline: dropped");
         }
     }
-    let tasks = std::mem::take(&mut *runtime.tasks.lock().unwrap_or_else(|p| p.into_inner()));
-    drop(tasks);
+    drop(own);
 }
 
 #[cfg(test)]

@@ -109,13 +109,7 @@ fn service_account(sa: pb::ServiceAccount) -> Result<ServiceAccount, Status> {
     })
 }
 
-/// Who is calling: the peer's credentials of the unix socket (SO_PEERCRED).
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Peer {
-    pub uid: Option<u32>,
-    pub gid: Option<u32>,
-    pub pid: Option<i32>,
-}
+pub use crate::listener::Peer;
 
 /// The caller of a request, as the kernel reports it for the socket.
 pub fn peer<T>(request: &Request<T>) -> Peer {
@@ -730,6 +724,22 @@ pub struct Limits {
     pub keepalive_timeout: Duration,
     /// How long a stop waits for calls in flight before it closes their connections.
     pub shutdown_timeout: Duration,
+}
+
+impl Limits {
+    /// The listener's part of the limits (root and the agent's own uid exempt from the
+    /// per-uid share).
+    pub fn listener(&self) -> crate::listener::ListenerLimits {
+        crate::listener::ListenerLimits {
+            max_connections: self.max_connections,
+            max_connections_per_uid: self.max_connections_per_uid,
+            exempt: Vec::new(),
+            handshake_timeout: self.handshake_timeout,
+            idle_timeout: self.idle_timeout,
+            shutdown_timeout: self.shutdown_timeout,
+        }
+        .root_and_own_exempt()
+    }
 }
 
 impl Default for Limits {

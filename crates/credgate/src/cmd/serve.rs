@@ -160,7 +160,10 @@ pub async fn run(args: ServeArgs) -> Result<Outcome> {
             runtime,
             captured: Some(captured),
             guard,
-            shutdown_timeout: limits.shutdown_timeout,
+            limits: credgate_agent::listener::ListenerLimits {
+                shutdown_timeout: limits.shutdown_timeout,
+                ..credgate_agent::cri::default_limits()
+            },
             check_every: args.captured_check_interval,
             registry: RegistryOptions {
                 timeout: args.registry_timeout,
@@ -221,9 +224,18 @@ const RESERVED_DESCRIPTORS: usize = 256;
 /// limit (raised to its hard maximum first).
 fn limits(args: &ServeArgs) -> server::Limits {
     let nofile = credgate_agent::conn::raise_nofile_limit();
+    // Every listener has a budget of its own, and together they fit: the API's is what the
+    // metrics port, the CRI proxy and the reserve leave.
+    let proxy = if args.cri_proxy_socket.is_some() {
+        credgate_agent::cri::default_limits().max_connections
+    } else {
+        0
+    };
     let room = usize::try_from(nofile)
         .unwrap_or(usize::MAX)
-        .saturating_sub(RESERVED_DESCRIPTORS + metrics::MetricsLimits::default().max_connections);
+        .saturating_sub(
+            RESERVED_DESCRIPTORS + metrics::MetricsLimits::default().max_connections + proxy,
+        );
     let mut max_connections = args.max_connections.max(1);
     if max_connections > room {
         tracing::warn!(

@@ -1,0 +1,380 @@
+//! The one accept loop of every listener of the agent: the API socket, the CRI proxy's socket
+//! and the metrics port.
+//!
+//! A [`Listener`] decides at accept whether a connection may stay (the caller's uid admitted,
+//! a slot free in its budget: in all and per uid), owns every connection task it starts
+//! (stopped and drained at shutdown within a deadline), and counts what it refused. HTTP/2
+//! connections are driven by [`drive`], which closes them when their peer sent no preface in
+//! time or has been idle with no stream open. Each listener has its own budget, and the
+//! budgets together fit in the open-file limit (`credgate serve` sizes them), so that no
+//! listener can take descriptors from another.
+
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use http_body::{Body, Frame, SizeHint};
+use hyper::body::Incoming;
+use hyper_util::rt::TokioExecutor;
+use prometheus_client::metrics::gauge::Gauge;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+
+use crate::conn::{self, Activity, Slot, Slots, Throttle};
+use crate::metrics::AgentMetrics;
+
+/// Who is calling: the peer's credentials of a unix socket (SO_PEERCRED); nothing for TCP.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Peer {
+    pub uid: Option<u32>,
+    pub gid: Option<u32>,
+    pub pid: Option<i32>,
+}
+
+/// The HTTP/2 client preface (`PRI * HTTP/2.0...`) is this long; a client that has not sent
+/// it within the handshake deadline is not speaking HTTP/2 to us.
+const PREFACE_LEN: u64 = 24;
+
+/// A listening socket of some kind.
+pub trait Accept: Send {
+    type Stream: AsyncRead + AsyncWrite + Unpin + Send + 'static;
+    fn accept(&self) -> impl Future<Output = io::Result<(Self::Stream, Peer)>> + Send;
+}
+
+impl Accept for tokio::net::UnixListener {
+    type Stream = tokio::net::UnixStream;
+    async fn accept(&self) -> io::Result<(Self::Stream, Peer)> {
+        let (stream, _) = tokio::net::UnixListener::accept(self).await?;
+        let peer = match stream.peer_cred() {
+            Ok(c) => Peer {
+                uid: Some(c.uid()),
+                gid: Some(c.gid()),
+                pid: c.pid(),
+            },
+            Err(_) => Peer::default(),
+        };
+        Ok((stream, peer))
+    }
+}
+
+impl Accept for tokio::net::TcpListener {
+    type Stream = tokio::net::TcpStream;
+    async fn accept(&self) -> io::Result<(Self::Stream, Peer)> {
+        let (stream, _) = tokio::net::TcpListener::accept(self).await?;
+        Ok((stream, Peer::default()))
+    }
+}
+
+/// A listener's budget and deadlines.
+#[derive(Debug, Clone)]
+pub struct ListenerLimits {
+    /// Connections open at once, in all.
+    pub max_connections: usize,
+    /// Connections open at once for one uid that is not exempt.
+    pub max_connections_per_uid: usize,
+    /// Uids that count only against the total (root and the agent's own, on unix sockets).
+    pub exempt: Vec<u32>,
+    /// A new connection that has not sent the HTTP/2 preface by then is closed.
+    pub handshake_timeout: Duration,
+    /// A connection with no stream open and nothing sent for this long is closed.
+    pub idle_timeout: Duration,
+    /// How long a stop waits for connections to finish their calls.
+    pub shutdown_timeout: Duration,
+}
+
+impl ListenerLimits {
+    /// Root and this process's uid exempt from the per-uid share.
+    pub fn root_and_own_exempt(mut self) -> Self {
+        self.exempt = vec![0, rustix::process::geteuid().as_raw()];
+        self
+    }
+}
+
+type Admit = Arc<dyn Fn(Option<u32>) -> bool + Send + Sync>;
+
+/// A listening socket and the connections it accepted.
+pub struct Listener<L> {
+    what: &'static str,
+    socket: L,
+    slots: Slots,
+    limits: ListenerLimits,
+    admit: Admit,
+    metrics: AgentMetrics,
+    open: Gauge,
+    accept_errors: Throttle,
+    refusals: Throttle,
+    connections: JoinSet<()>,
+}
+
+/// A connection that may stay: its stream, who is on the other end, and its place in the
+/// budget (given back when [`Held`] is dropped).
+pub struct Accepted<S> {
+    pub stream: S,
+    pub peer: Peer,
+    pub held: Held,
+}
+
+/// A connection's slot in its listener's budget, and its count among the open ones.
+pub struct Held {
+    _slot: Slot,
+    open: Gauge,
+    what: &'static str,
+    metrics: AgentMetrics,
+}
+
+impl Held {
+    /// Counts why the agent closed the connection early.
+    pub fn closed(&self, reason: &'static str) {
+        self.metrics.connection_closed(self.what, reason);
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.open.dec();
+    }
+}
+
+impl<L: Accept> Listener<L> {
+    /// `what` names the listener in metrics (`listener` label) and logs.
+    pub fn new(
+        what: &'static str,
+        socket: L,
+        limits: ListenerLimits,
+        metrics: AgentMetrics,
+    ) -> Self {
+        Listener {
+            what,
+            socket,
+            slots: Slots::new(
+                limits.max_connections,
+                limits.max_connections_per_uid,
+                limits.exempt.clone(),
+            ),
+            open: metrics.open_connections(what),
+            limits,
+            admit: Arc::new(|_| true),
+            metrics,
+            accept_errors: Throttle::new(Duration::from_secs(10)),
+            refusals: Throttle::new(Duration::from_secs(10)),
+            connections: JoinSet::new(),
+        }
+    }
+
+    /// Closes at once the connections of callers `admit` says no to.
+    pub fn admit(mut self, admit: impl Fn(Option<u32>) -> bool + Send + Sync + 'static) -> Self {
+        self.admit = Arc::new(admit);
+        self
+    }
+
+    pub fn limits(&self) -> &ListenerLimits {
+        &self.limits
+    }
+
+    /// The next connection that may stay; `None` once `shutdown` turns true. Refused ones are
+    /// closed here, holding nothing, and counted.
+    pub async fn next(
+        &mut self,
+        shutdown: &mut watch::Receiver<bool>,
+    ) -> Option<Accepted<L::Stream>> {
+        loop {
+            let (stream, peer) = conn::next_connection(
+                self.what,
+                &self.accept_errors,
+                shutdown,
+                &mut self.connections,
+                || self.socket.accept(),
+            )
+            .await?;
+            if !(self.admit)(peer.uid) {
+                self.refuse("not_allowed", peer);
+                continue;
+            }
+            match self.slots.try_take(peer.uid) {
+                Ok(slot) => {
+                    self.open.inc();
+                    let held = Held {
+                        _slot: slot,
+                        open: self.open.clone(),
+                        what: self.what,
+                        metrics: self.metrics.clone(),
+                    };
+                    return Some(Accepted { stream, peer, held });
+                }
+                Err(why) => self.refuse(why.as_str(), peer),
+            }
+        }
+    }
+
+    fn refuse(&self, reason: &'static str, peer: Peer) {
+        self.metrics.connection_closed(self.what, reason);
+        if let Some(held) = self.refusals.check() {
+            tracing::warn!(
+                listener = self.what,
+                reason,
+                uid = peer.uid,
+                pid = peer.pid,
+                repeated = held,
+                "connection refused"
+            );
+        }
+    }
+
+    /// Runs a connection's task, owned by the listener.
+    pub fn spawn(&mut self, task: impl Future<Output = ()> + Send + 'static) {
+        self.connections.spawn(task);
+    }
+
+    /// After `shutdown` (the connections saw it too and are finishing their calls): stops
+    /// accepting, waits for them at most the shutdown deadline, then ends those left.
+    pub async fn drain(mut self) {
+        drop(self.socket);
+        conn::drain(
+            self.what,
+            &mut self.connections,
+            self.limits.shutdown_timeout,
+        )
+        .await;
+    }
+}
+
+/// What an HTTP/2 connection's deadlines watch: how much its peer sent and when, and how many
+/// of its streams are open.
+#[derive(Clone)]
+pub struct Tracker {
+    pub activity: Arc<Activity>,
+    streams: Arc<AtomicUsize>,
+}
+
+impl Tracker {
+    pub fn new() -> Self {
+        Tracker {
+            activity: Activity::new(),
+            streams: Arc::new(AtomicUsize::new(0)),
+        }
+    }
+
+    /// A stream counted as open until the returned guard (kept with its answer's body) drops.
+    pub fn stream(&self) -> OpenStream {
+        self.streams.fetch_add(1, Ordering::Relaxed);
+        OpenStream(self.streams.clone())
+    }
+
+    /// Why the connection should close now, if it should.
+    fn expired(&self, limits: &ListenerLimits) -> Option<&'static str> {
+        if self.activity.bytes() < PREFACE_LEN && self.activity.age() >= limits.handshake_timeout {
+            return Some("handshake_timeout");
+        }
+        if self.streams.load(Ordering::Relaxed) == 0
+            && self.activity.quiet_for() >= limits.idle_timeout
+        {
+            return Some("idle_timeout");
+        }
+        None
+    }
+}
+
+impl Default for Tracker {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// A stream counted as open while its request is handled and its answer is being sent.
+pub struct OpenStream(Arc<AtomicUsize>);
+
+impl Drop for OpenStream {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// A response body that keeps its stream counted until it is dropped.
+pub type Counted<B> = Guarded<B, OpenStream>;
+
+/// A body that keeps `G` (a count, a budget) until it is dropped.
+pub struct Guarded<B, G> {
+    body: B,
+    _guard: G,
+}
+
+impl<B, G> Guarded<B, G> {
+    pub fn new(body: B, guard: G) -> Self {
+        Guarded {
+            body,
+            _guard: guard,
+        }
+    }
+}
+
+impl<B: Body + Unpin, G: Unpin> Body for Guarded<B, G> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+/// Runs an HTTP/2 connection to its end: until the client closes it, a deadline of `limits`
+/// passes (no preface in time; idle with no stream open), or the agent stops (then it is
+/// asked to finish: GOAWAY, calls in flight complete). Counts why the agent closed it early.
+pub async fn drive<I, S, B>(
+    connection: hyper::server::conn::http2::Connection<I, S, TokioExecutor>,
+    tracker: Tracker,
+    limits: ListenerLimits,
+    held: Held,
+    mut shutdown: watch::Receiver<bool>,
+) where
+    S: hyper::service::HttpService<Incoming, ResBody = B>,
+    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    I: hyper::rt::Read + hyper::rt::Write + Unpin,
+    B: Body + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    TokioExecutor: hyper::rt::bounds::Http2ServerConnExec<S::Future, B>,
+{
+    let mut connection = std::pin::pin!(connection);
+    let every = (limits.handshake_timeout.min(limits.idle_timeout) / 4)
+        .clamp(Duration::from_millis(10), Duration::from_secs(5));
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut closing = false;
+    loop {
+        tokio::select! {
+            ended = connection.as_mut() => {
+                if let Err(e) = ended {
+                    tracing::debug!(listener = held.what, error = %e, "connection ended with an error");
+                }
+                return;
+            }
+            _ = tick.tick() => {
+                if let Some(reason) = tracker.expired(&limits) {
+                    // A silent or idle client has no call in flight: nothing to finish.
+                    tracing::debug!(listener = held.what, reason, "closing a connection");
+                    held.closed(reason);
+                    return;
+                }
+            }
+            _ = shutdown.wait_for(|s| *s), if !closing => {
+                closing = true;
+                connection.as_mut().graceful_shutdown();
+            }
+        }
+    }
+}
