@@ -542,6 +542,7 @@ mod tests {
         let f = std::fs::OpenOptions::new()
             .write(true)
             .create(true)
+            .truncate(true)
             .mode(0o600)
             .open(&path)
             .unwrap();

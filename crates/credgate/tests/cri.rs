@@ -604,3 +604,143 @@ async fn only_credentials_the_images_registry_checked_and_accepted_are_captured(
     let log = agent.log_text();
     assert!(!log.contains("GARBAGE-not-for-logs") && !log.contains(PASSWORD));
 }
+
+/// The proxy's listener has the API socket's limits: connections beyond its budget are closed
+/// as they arrive, silent ones at the handshake deadline, and meanwhile the API answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_proxy_bounds_connections_and_closes_silent_ones() {
+    use std::io::Read as _;
+    let dir = tempfile::tempdir().unwrap();
+    let (agent, proxy) = proxy_agent(dir.path(), &dir.path().join("no-runtime.sock"));
+    let mut held = Vec::new();
+    for _ in 0..160 {
+        let c = std::os::unix::net::UnixStream::connect(&proxy).unwrap();
+        c.set_read_timeout(Some(Duration::from_millis(200)))
+            .unwrap();
+        held.push(c);
+    }
+    // Beyond the budget (128 in all), closed at once: a read sees the end.
+    let closed = |c: &mut std::os::unix::net::UnixStream| matches!(c.read(&mut [0u8; 64]), Ok(0));
+    let refused = held.iter_mut().map(closed).filter(|&c| c).count();
+    assert!(refused >= 160 - 128, "{refused} closed at once");
+    let health = agent.credgate(&["ctl", "health"]);
+    assert_eq!(support::text(&health.stdout).trim(), "SERVING");
+    // The rest sent nothing: closed at the handshake deadline (5 s).
+    credgate_testbed::eventually(
+        "silent proxy connections are closed",
+        Duration::from_secs(20),
+        || held.iter_mut().all(closed),
+    );
+}
+
+/// PullImage bodies sent up to just under their limit and never finished: what the proxy
+/// holds is bounded per connection and in all (the rest are refused with RESOURCE_EXHAUSTED),
+/// and the memory comes back when the caller leaves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn half_sent_pulls_hold_a_bounded_amount_and_let_go() {
+    let dir = tempfile::tempdir().unwrap();
+    let (agent, proxy) = proxy_agent(dir.path(), &dir.path().join("no-runtime.sock"));
+    let pid = agent.child.id();
+    let before = support::h2::rss(pid);
+    let mut bodies = Vec::new();
+    let mut answers = Vec::new();
+    for _ in 0..4 {
+        let mut sender = support::h2::connect(&proxy, 1 << 20).await;
+        for _ in 0..60 {
+            // A frame prefix announcing a message just under the limit, and most of it.
+            let mut first = vec![0u8];
+            first.extend_from_slice(&((1u32 << 20) - 64).to_be_bytes());
+            first.resize((1 << 20) - 1024, b'x');
+            let (body, keep) = support::h2::unfinished(first);
+            bodies.push(keep);
+            sender.ready().await.unwrap();
+            answers.push(tokio::spawn(
+                sender.send_request(support::h2::request(PULL_IMAGE, body)),
+            ));
+        }
+    }
+    let exhausted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut waiting = tokio::task::JoinSet::new();
+    for answer in answers {
+        let exhausted = exhausted.clone();
+        waiting.spawn(async move {
+            if let Ok(Ok(answer)) = answer.await {
+                if let Some((8, message)) = support::h2::status(answer).await {
+                    assert!(message.contains("too%20many"), "{message}");
+                    exhausted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+            }
+        });
+    }
+    let count = || exhausted.load(std::sync::atomic::Ordering::Relaxed);
+    support::h2::within(Duration::from_secs(20), || {
+        (count() >= 4 * 55).then_some(())
+    })
+    .await;
+    let exhausted = count();
+    // 4 MiB a connection: at most 4 of each connection's 60 are held, the rest refused.
+    assert!(exhausted >= 4 * 55, "{exhausted} refused");
+    let during = support::h2::rss(pid);
+    assert!(
+        during < before + (48 << 20),
+        "RSS went from {before} to {during} bytes"
+    );
+    drop(bodies);
+    waiting.abort_all();
+    let settled = support::h2::within(Duration::from_secs(20), || {
+        let now = support::h2::rss(pid);
+        (now < before + (8 << 20)).then_some(now)
+    })
+    .await;
+    assert!(
+        settled.is_some(),
+        "RSS stayed at {} after the callers left (from {before})",
+        support::h2::rss(pid)
+    );
+    let health = agent.credgate(&["ctl", "health"]);
+    assert_eq!(support::text(&health.stdout).trim(), "SERVING");
+}
+
+/// A caller that leaves large answers unread holds back only its own calls: each caller has
+/// its own connection to the runtime, so another caller's calls go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_that_does_not_read_holds_back_only_its_own_calls() {
+    let dir = tempfile::tempdir().unwrap();
+    let runtime = dir.path().join("fake-runtime.sock");
+    let _fake = support::h2::fake_runtime(&runtime, 2_700_000).await;
+    let (_agent, proxy) = proxy_agent(dir.path(), &runtime);
+    // The greedy caller: three ListImages of 2.7 MB each, never read.
+    let mut greedy = support::h2::connect(&proxy, 65_535).await;
+    let mut unread = Vec::new();
+    for _ in 0..3 {
+        greedy.ready().await.unwrap();
+        let answer = greedy
+            .send_request(support::h2::request(
+                LIST_IMAGES,
+                support::h2::message(vec![0, 0, 0, 0, 0]),
+            ))
+            .await
+            .unwrap();
+        unread.push(answer);
+    }
+    // Another caller: its calls are answered as usual.
+    let mut other = support::h2::connect(&proxy, 1 << 20).await;
+    for _ in 0..20 {
+        other.ready().await.unwrap();
+        let answer = tokio::time::timeout(
+            Duration::from_secs(10),
+            other.send_request(support::h2::request(
+                IMAGE_STATUS,
+                support::h2::message(vec![0, 0, 0, 0, 0]),
+            )),
+        )
+        .await
+        .expect("another caller's call is not held back")
+        .unwrap();
+        let status = tokio::time::timeout(Duration::from_secs(10), support::h2::status(answer))
+            .await
+            .expect("its answer arrives");
+        assert_eq!(status.map(|s| s.0), Some(0));
+    }
+    drop(unread);
+}

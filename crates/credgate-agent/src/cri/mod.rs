@@ -89,7 +89,7 @@ impl Runtime {
 /// back only its own calls, and its share of what the proxy may buffer. Dropped with the
 /// caller's connection, which closes its runtime connection.
 struct Caller {
-    runtime: Runtime,
+    runtime: std::sync::Arc<Runtime>,
     budgets: Budgets,
 }
 
@@ -625,7 +625,7 @@ pub async fn serve(
     let proxy_budget = Budgets::proxy();
     // The proxy's own calls (the sweeper's) use a runtime connection of their own.
     let own = std::sync::Arc::new(Caller {
-        runtime: Runtime::new(runtime.clone()),
+        runtime: std::sync::Arc::new(Runtime::new(runtime.clone())),
         budgets: Budgets::connection(&proxy_budget, budget::PROXY_BYTES),
     });
     // Removals that bypass the proxy (crictl rmi, the runtime's own garbage collection): the
@@ -675,7 +675,7 @@ pub async fn serve(
     let mut listener = Listener::new("cri-proxy", listener, limits, metrics);
     while let Some(accepted) = listener.next(&mut shutdown).await {
         let caller = std::sync::Arc::new(Caller {
-            runtime: Runtime::new(runtime.clone()),
+            runtime: std::sync::Arc::new(Runtime::new(runtime.clone())),
             budgets: Budgets::connection(&proxy_budget, budget::CONNECTION_BYTES),
         });
         let tracker = Tracker::new();

@@ -5,6 +5,7 @@
 #![allow(dead_code)]
 
 pub mod foreign;
+pub mod h2;
 pub mod token;
 
 use std::os::unix::fs::PermissionsExt;
