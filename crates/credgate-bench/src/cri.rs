@@ -22,11 +22,11 @@ use tonic::transport::Channel;
 
 use crate::{emit, percentile, Args};
 
-const USER: &str = "bench";
-const PASSWORD: &str = "bench-password";
+pub(crate) const USER: &str = "bench";
+pub(crate) const PASSWORD: &str = "bench-password";
 
 /// A directory removed on drop.
-struct TempDir(PathBuf);
+pub(crate) struct TempDir(pub(crate) PathBuf);
 
 impl Drop for TempDir {
     fn drop(&mut self) {
@@ -35,7 +35,7 @@ impl Drop for TempDir {
 }
 
 /// `credgate serve` with the CRI proxy, killed on drop.
-struct Proxy(Child);
+pub(crate) struct Proxy(pub(crate) Child);
 
 impl Drop for Proxy {
     fn drop(&mut self) {
@@ -44,7 +44,7 @@ impl Drop for Proxy {
     }
 }
 
-fn start_proxy(dir: &Path, runtime: &Path) -> Result<(Proxy, PathBuf)> {
+pub(crate) fn start_proxy(dir: &Path, runtime: &Path) -> Result<(Proxy, PathBuf)> {
     let credgate = std::env::current_exe()?
         .parent()
         .context("program has a directory")?
@@ -83,7 +83,7 @@ fn us(d: Duration) -> f64 {
     (d.as_secs_f64() * 1e7).round() / 10.0
 }
 
-fn ms(d: Duration) -> f64 {
+pub(crate) fn ms(d: Duration) -> f64 {
     (d.as_secs_f64() * 1e6).round() / 1e3
 }
 

@@ -9,6 +9,7 @@
 mod adversary;
 mod agent;
 mod cri;
+mod cri_soak;
 mod guard;
 mod soak;
 
@@ -44,6 +45,9 @@ enum Scenario {
     /// The CRI image-service proxy beside containerd called straight: ImageStatus p50/p99
     /// and PullImage of a small image (needs root, containerd, docker-registry, skopeo).
     CriProxy,
+    /// The CRI proxy under a hostile caller while a kubelet pulls through it (needs root,
+    /// containerd, docker-registry, skopeo).
+    CriSoak,
     GuardCheck,
     GuardRecord,
     GuardOpen,
@@ -165,6 +169,7 @@ fn main() -> Result<()> {
         Scenario::Helper => agent::helper(&args),
         Scenario::Bridge => agent::bridge(&args),
         Scenario::CriProxy => cri::cri_proxy(&args),
+        Scenario::CriSoak => cri_soak::cri_soak(&args),
         Scenario::GuardCheck => guard::check(&args),
         Scenario::GuardRecord => guard::record(&args),
         Scenario::GuardOpen => guard::open(&args),

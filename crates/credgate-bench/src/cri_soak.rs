@@ -1,0 +1,328 @@
+//! `cri-soak`: the CRI proxy under attack while a kubelet pulls through it. Debian's
+//! containerd behind the proxy, a loopback docker-registry with htpasswd, and three loops for
+//! `--duration`: a "kubelet" (remove the image, pull it through the proxy with credentials,
+//! ImageStatus), a bridge-like caller of the API (`Health` on a new connection every 100 ms)
+//! and a sampler of the agent's RSS. The second half adds a hostile caller of the proxy:
+//! silent connections held open and reopened as they are closed, connections of 60 PullImage
+//! streams each sent to just under 1 MiB and never finished, and connections that ask for
+//! ListImages and never read. Reported: the kubelet's pulls and the API's answers before and
+//! during the attack, and the agent's RSS before, during and after.
+//!
+//! Needs root (containerd), and containerd, docker-registry, htpasswd and skopeo installed.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context as _, Result};
+use credgate_testbed::cri::{
+    call_on, pull_request, Empty, ImageSpec, ImageStatusRequest, ImageStatusResponse,
+    PullImageResponse, RemoveImageRequest, IMAGE_STATUS, LIST_IMAGES, PULL_IMAGE, REMOVE_IMAGE,
+};
+use credgate_testbed::{oci_image, push, Containerd, Registry};
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::{BodyExt, Full, StreamBody};
+use hyper::body::{Bytes, Frame};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use serde_json::json;
+
+use crate::cri::{ms, start_proxy, TempDir, PASSWORD, USER};
+use crate::{emit, percentile, Args};
+
+type Body = UnsyncBoxBody<Bytes, std::io::Error>;
+
+/// What one loop saw in one phase.
+#[derive(Default)]
+struct Phase {
+    ok: Vec<Duration>,
+    failed: u64,
+}
+
+impl Phase {
+    fn summary(&mut self) -> serde_json::Value {
+        let n = self.ok.len();
+        let (p50, max) = if n == 0 {
+            (Duration::ZERO, Duration::ZERO)
+        } else {
+            let max = *self.ok.iter().max().unwrap_or(&Duration::ZERO);
+            (percentile(&mut self.ok, 0.5), max)
+        };
+        json!({"ok": n, "failed": self.failed, "p50_ms": ms(p50), "max_ms": ms(max)})
+    }
+}
+
+fn rss_kb(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+pub fn cri_soak(args: &Args) -> Result<()> {
+    if let Some(why) = Containerd::unavailable() {
+        bail!("cri-soak cannot run here: {why}");
+    }
+    let dir = std::env::temp_dir().join(format!("credgate-bench-cri-soak-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let dir = TempDir(dir);
+    let d = &dir.0;
+    let registry = Registry::start(d, USER, PASSWORD);
+    oci_image(d);
+    push(d, &registry, "team/app", USER, PASSWORD);
+    let containerd = Containerd::start(d, &[registry.host()]);
+    let (proxy, proxy_socket) = start_proxy(d, &containerd.socket)?;
+    let pid = proxy.0.id();
+    let api_socket = d.join("credgate.sock");
+    let image = format!("{}/team/app:v1", registry.host());
+    let half = args.duration / 2;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let started = Instant::now();
+        let attacking = Arc::new(AtomicBool::new(false));
+        let stop = Arc::new(AtomicBool::new(false));
+        let phase = |attacking: &AtomicBool| usize::from(attacking.load(Ordering::Relaxed));
+
+        // The kubelet: remove, pull through the proxy, status.
+        let kubelet = {
+            let (attacking, stop) = (attacking.clone(), stop.clone());
+            let (direct, proxied) = (
+                credgate_api::connect(&containerd.socket).await?,
+                credgate_api::connect(&proxy_socket).await?,
+            );
+            let image = image.clone();
+            tokio::spawn(async move {
+                let mut phases = [Phase::default(), Phase::default()];
+                while !stop.load(Ordering::Relaxed) {
+                    let spec = || {
+                        Some(ImageSpec {
+                            image: image.clone(),
+                        })
+                    };
+                    let _ = call_on::<_, Empty>(
+                        direct.clone(),
+                        REMOVE_IMAGE,
+                        RemoveImageRequest { image: spec() },
+                    )
+                    .await;
+                    let at = phase(&attacking);
+                    let t = Instant::now();
+                    let pulled = tokio::time::timeout(
+                        Duration::from_secs(30),
+                        call_on::<_, PullImageResponse>(
+                            proxied.clone(),
+                            PULL_IMAGE,
+                            pull_request(&image, Some((USER, PASSWORD)), "soak"),
+                        ),
+                    )
+                    .await;
+                    let status = call_on::<_, ImageStatusResponse>(
+                        proxied.clone(),
+                        IMAGE_STATUS,
+                        ImageStatusRequest { image: spec() },
+                    )
+                    .await;
+                    match (pulled, status) {
+                        (Ok(Ok(_)), Ok(s)) if s.image.is_some() => phases[at].ok.push(t.elapsed()),
+                        _ => phases[at].failed += 1,
+                    }
+                }
+                phases
+            })
+        };
+
+        // A bridge-like caller of the API: Health on a new connection every 100 ms.
+        let api = {
+            let (attacking, stop, socket) = (attacking.clone(), stop.clone(), api_socket.clone());
+            tokio::spawn(async move {
+                let mut phases = [Phase::default(), Phase::default()];
+                while !stop.load(Ordering::Relaxed) {
+                    let at = phase(&attacking);
+                    let t = Instant::now();
+                    let health = tokio::time::timeout(Duration::from_secs(5), async {
+                        let channel = credgate_api::connect(&socket).await.ok()?;
+                        credgate_api::v1::admin_client::AdminClient::new(channel)
+                            .health(credgate_api::v1::HealthRequest {})
+                            .await
+                            .ok()
+                    })
+                    .await;
+                    match health {
+                        Ok(Some(_)) => phases[at].ok.push(t.elapsed()),
+                        _ => phases[at].failed += 1,
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                phases
+            })
+        };
+
+        // RSS, by phase (2: after the attack).
+        let rss = Arc::new(Mutex::new([0u64; 3]));
+        let sampler = {
+            let (attacking, stop, rss) = (attacking.clone(), stop.clone(), rss.clone());
+            tokio::spawn(async move {
+                while !stop.load(Ordering::Relaxed) {
+                    let at = phase(&attacking);
+                    let kb = rss_kb(pid);
+                    {
+                        let mut r = rss.lock().unwrap();
+                        r[at] = r[at].max(kb);
+                    }
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                }
+            })
+        };
+
+        tokio::time::sleep(half).await;
+        attacking.store(true, Ordering::Relaxed);
+        let attack_stop = Arc::new(AtomicBool::new(false));
+        let attack = tokio::spawn(attack(proxy_socket.clone(), attack_stop.clone()));
+        tokio::time::sleep(args.duration.saturating_sub(started.elapsed())).await;
+        attack_stop.store(true, Ordering::Relaxed);
+        let counts = attack.await.context("the attack")?;
+        stop.store(true, Ordering::Relaxed);
+        let mut pulls = kubelet.await?;
+        let mut health = api.await?;
+        sampler.await?;
+        // After: the callers are gone; what is left of the agent's memory.
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        let after = rss_kb(pid);
+        let rss = *rss.lock().unwrap();
+        emit(
+            args,
+            json!({
+                "scenario": "cri-soak", "seconds": args.duration.as_secs(),
+                "pulls_before": pulls[0].summary(), "pulls_during": pulls[1].summary(),
+                "health_before": health[0].summary(), "health_during": health[1].summary(),
+                "rss_kb_before": rss[0], "rss_kb_during": rss[1], "rss_kb_after": after,
+                "attack": counts,
+            }),
+        );
+        anyhow::Ok(())
+    })?;
+    drop(proxy);
+    Ok(())
+}
+
+/// The hostile caller, until `stop`: what it did.
+async fn attack(socket: PathBuf, stop: Arc<AtomicBool>) -> serde_json::Value {
+    let idle = {
+        let (socket, stop) = (socket.clone(), stop.clone());
+        tokio::task::spawn_blocking(move || idle(&socket, &stop))
+    };
+    let mut rounds = 0u64;
+    let mut refused = 0u64;
+    while !stop.load(Ordering::Relaxed) {
+        rounds += 1;
+        let mut held = Vec::new();
+        let mut answers = Vec::new();
+        // Half-sent pulls: 4 connections of 60 streams, just under 1 MiB each, never ended.
+        for _ in 0..4 {
+            let Some(mut sender) = connect(&socket, 1 << 20).await else {
+                continue;
+            };
+            for _ in 0..60 {
+                let mut first = vec![0u8];
+                first.extend_from_slice(&((1u32 << 20) - 64).to_be_bytes());
+                first.resize((1 << 20) - 1024, b'x');
+                let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(1);
+                let _ = tx.try_send(Bytes::from(first));
+                held.push(tx);
+                let body = StreamBody::new(tokio_stream::StreamExt::map(
+                    tokio_stream::wrappers::ReceiverStream::new(rx),
+                    |b| Ok::<_, std::io::Error>(Frame::data(b)),
+                ))
+                .boxed_unsync();
+                if sender.ready().await.is_err() {
+                    break;
+                }
+                answers.push(sender.send_request(request(PULL_IMAGE, body)));
+            }
+        }
+        // Non-reading ListImages: 3 connections of 3 streams, answers never read.
+        let mut unread = Vec::new();
+        for _ in 0..3 {
+            let Some(mut sender) = connect(&socket, 65_535).await else {
+                continue;
+            };
+            for _ in 0..3 {
+                if sender.ready().await.is_err() {
+                    break;
+                }
+                let body = Full::new(Bytes::from_static(&[0, 0, 0, 0, 0]))
+                    .map_err(|never| match never {})
+                    .boxed_unsync();
+                unread.push(sender.send_request(request(LIST_IMAGES, body)));
+            }
+        }
+        // The refused ones are answered at once; the held ones never are.
+        let mut waiting = tokio::task::JoinSet::new();
+        for a in answers {
+            waiting.spawn(async move {
+                matches!(
+                    tokio::time::timeout(Duration::from_secs(3), a).await,
+                    Ok(Ok(a)) if a.headers().get("grpc-status").is_some_and(|s| s == "8")
+                )
+            });
+        }
+        while let Some(r) = waiting.join_next().await {
+            refused += u64::from(r.unwrap_or(false));
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        drop((held, unread));
+    }
+    let idle_opened = idle.await.unwrap_or(0);
+    json!({"rounds": rounds, "pulls_refused": refused, "idle_opened": idle_opened})
+}
+
+/// Silent connections, 300 held and reopened as the agent closes them: how many were opened.
+fn idle(socket: &Path, stop: &AtomicBool) -> u64 {
+    use std::io::Read as _;
+    let mut held: Vec<std::os::unix::net::UnixStream> = Vec::new();
+    let mut opened = 0;
+    while !stop.load(Ordering::Relaxed) {
+        held.retain_mut(|c| !matches!(c.read(&mut [0u8; 64]), Ok(0)));
+        while held.len() < 300 {
+            let Ok(c) = std::os::unix::net::UnixStream::connect(socket) else {
+                break;
+            };
+            let _ = c.set_nonblocking(true);
+            opened += 1;
+            held.push(c);
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    opened
+}
+
+async fn connect(
+    socket: &Path,
+    window: u32,
+) -> Option<hyper::client::conn::http2::SendRequest<Body>> {
+    let stream = tokio::net::UnixStream::connect(socket).await.ok()?;
+    let (sender, connection) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+        .initial_stream_window_size(window)
+        .handshake(TokioIo::new(stream))
+        .await
+        .ok()?;
+    tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    Some(sender)
+}
+
+fn request(method: &str, body: Body) -> hyper::Request<Body> {
+    hyper::Request::post(format!("http://localhost{method}"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(body)
+        .expect("a request")
+}
