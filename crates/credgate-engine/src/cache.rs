@@ -170,6 +170,11 @@ impl Snapshot {
     }
 
     /// Every entry, dead or alive.
+    pub fn entries(&self) -> impl Iterator<Item = &Arc<Entry>> {
+        self.entries.values()
+    }
+
+    /// How many entries, dead or alive.
     pub fn len(&self) -> usize {
         self.entries.len()
     }

@@ -373,7 +373,9 @@ impl EngineBuilder {
                 .get(&spec.name)
                 .copied()
                 .unwrap_or_default();
+            let identity = crate::saved::identity(&spec, &opts.plugin_dir.join(&spec.name));
             providers.push(Arc::new(Provider::new(ProviderParts {
+                identity,
                 metrics: self.metrics.provider(&spec.name),
                 spec,
                 command,
@@ -769,6 +771,18 @@ impl Engine {
     }
 
     /// `sha256:` of the provider config bytes, when a config is loaded.
+    pub(crate) fn providers(&self) -> &[Arc<Provider>] {
+        &self.inner.providers
+    }
+
+    pub(crate) fn clock(&self) -> &Arc<dyn Clock> {
+        &self.inner.clock
+    }
+
+    pub(crate) fn generation_counter(&self) -> &Arc<std::sync::atomic::AtomicU64> {
+        &self.inner.memo.generation
+    }
+
     pub fn config_identity(&self) -> Option<&str> {
         self.inner.identity.as_deref()
     }

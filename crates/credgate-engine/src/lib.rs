@@ -45,6 +45,7 @@ mod memo;
 pub mod metrics;
 mod owned_thread;
 mod provider;
+pub mod saved;
 pub mod source;
 mod spawn;
 pub mod sweep;

@@ -213,6 +213,7 @@ enum Join {
 /// A provider at run time.
 pub struct Provider {
     pub spec: ProviderSpec,
+    pub identity: String,
     command: PluginCommand,
     pub cache: Cache,
     inflight: Mutex<Inflight>,
@@ -237,6 +238,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// What a provider is built from.
 pub struct ProviderParts {
     pub spec: ProviderSpec,
+    /// What decides whether a saved answer of this provider may be served again.
+    pub identity: String,
     pub command: PluginCommand,
     pub cache_capacity: usize,
     pub metrics: ProviderMetrics,
@@ -257,6 +260,7 @@ impl Provider {
     pub fn new(parts: ProviderParts) -> Self {
         Provider {
             spec: parts.spec,
+            identity: parts.identity,
             command: parts.command,
             cache: Cache::new(parts.cache_capacity),
             inflight: Mutex::default(),

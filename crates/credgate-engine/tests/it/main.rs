@@ -10,5 +10,6 @@ mod coalescing;
 mod common;
 mod hostile;
 mod plugins;
+mod saved;
 mod service_accounts;
 mod sources;
