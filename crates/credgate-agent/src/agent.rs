@@ -32,6 +32,73 @@ pub struct AgentOptions {
     /// How long a Watch event may wait for a client that does not read before the client is
     /// dropped; [`WATCH_SEND_TIMEOUT`](crate::server::WATCH_SEND_TIMEOUT) when `None`.
     pub watch_send_timeout: Option<std::time::Duration>,
+    /// Keep the providers' answers and the tracked refs sealed in this state directory across
+    /// restarts (`--persist-cache`); off when `None`.
+    pub saved_cache: Option<std::path::PathBuf>,
+}
+
+/// What the sealed provider cache did: restored at start, dropped (by reason), saved since.
+#[derive(Debug, Clone, Default)]
+pub struct SavedCacheReport {
+    pub enabled: bool,
+    pub restored: u64,
+    pub dropped: std::collections::BTreeMap<&'static str, u64>,
+    pub consumers_restored: u64,
+    /// Entries in the last save, and when it was fsynced.
+    pub saved_entries: u64,
+    pub last_saved: Option<SystemTime>,
+}
+
+/// Opens the sealed provider cache in `dir` and puts back what may be served again: the
+/// answers into the engine's caches, the named consumers' refs into the renewer (which renews
+/// at once what became due meanwhile). Runs no plugin.
+fn restore_saved(
+    dir: Option<&std::path::Path>,
+    engine: &Engine,
+    renewer: &Renewer,
+    metrics: &AgentMetrics,
+) -> (Option<crate::saved_cache::SavedCache>, SavedCacheReport) {
+    let mut report = SavedCacheReport::default();
+    let Some(dir) = dir else {
+        return (None, report);
+    };
+    let cache = match crate::saved_cache::SavedCache::open(dir) {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!(error = %e, "provider answers are not kept across restarts");
+            return (None, report);
+        }
+    };
+    report.enabled = true;
+    let loaded = cache.load();
+    report.dropped = loaded.dropped;
+    let restored = engine.restore(loaded.entries);
+    report.restored = restored.restored;
+    for (why, n) in restored.dropped {
+        *report.dropped.entry(why).or_default() += n;
+    }
+    for (consumer, refs) in loaded.consumers {
+        match renewer.set_tracked(&consumer, &refs) {
+            Ok(_) => report.consumers_restored += 1,
+            Err(e) => {
+                tracing::warn!(consumer = %consumer, error = %e, "a saved consumer's refs not restored");
+                *report.dropped.entry("consumer_invalid").or_default() += 1;
+            }
+        }
+    }
+    metrics.cache_restored.inc_by(report.restored);
+    for (why, n) in &report.dropped {
+        metrics.cache_dropped(why, *n);
+    }
+    if report.restored > 0 || !report.dropped.is_empty() {
+        tracing::info!(
+            restored = report.restored,
+            dropped = ?report.dropped,
+            consumers = report.consumers_restored,
+            "provider answers restored from the sealed cache"
+        );
+    }
+    (Some(cache), report)
 }
 
 /// The API's services, for per-service caller allowlists.
@@ -152,6 +219,8 @@ struct Inner {
     captured: std::sync::OnceLock<Arc<crate::captured::Captured>>,
     /// Held during a reload; the fingerprint of the sources the running engine was built from.
     reload: Mutex<Option<[u8; 32]>>,
+    saved_cache: Option<crate::saved_cache::SavedCache>,
+    saved_report: Mutex<SavedCacheReport>,
 }
 
 /// A running agent's shared state. Cheap to clone.
@@ -187,9 +256,17 @@ impl Agent {
                 .with_engine(engine.clone())
                 .with_clock(clock.clone())
         });
+        let (saved_cache, saved_report) = restore_saved(
+            options.saved_cache.as_deref(),
+            &engine.load(),
+            &renewer,
+            &metrics,
+        );
         let now = clock.wall();
         Ok(Agent {
             inner: Arc::new(Inner {
+                saved_cache,
+                saved_report: Mutex::new(saved_report),
                 sources: options.sources,
                 engine,
                 engine_metrics,
@@ -208,6 +285,77 @@ impl Agent {
                     .unwrap_or(crate::server::WATCH_SEND_TIMEOUT),
             }),
         })
+    }
+
+    /// What the sealed provider cache did.
+    pub fn saved_cache_report(&self) -> SavedCacheReport {
+        self.inner
+            .saved_report
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Keeps the providers' answers and the tracked refs sealed on disk, off the lookup path:
+    /// checks every second whether either changed and writes them on a blocking thread (fsynced
+    /// before they count as kept); a last write when `shutdown` turns true. Nothing when the
+    /// sealed cache is off. The caller owns the task and awaits it at shutdown.
+    pub fn spawn_saver(&self, mut shutdown: watch::Receiver<bool>) -> JoinHandle<()> {
+        let agent = self.clone();
+        tokio::spawn(async move {
+            if agent.inner.saved_cache.is_none() {
+                return;
+            }
+            let mut last = None;
+            loop {
+                let stopping = tokio::select! {
+                    () = tokio::time::sleep(std::time::Duration::from_secs(1)) => false,
+                    _ = shutdown.wait_for(|s| *s) => true,
+                };
+                let engine = agent.engine();
+                let now = (
+                    Arc::as_ptr(&engine) as usize,
+                    engine.generation(),
+                    agent.renewer().version(),
+                );
+                if last != Some(now) {
+                    let saver = agent.clone();
+                    let saved = tokio::task::spawn_blocking(move || saver.save_now()).await;
+                    if matches!(saved, Ok(true)) {
+                        last = Some(now);
+                    }
+                }
+                if stopping {
+                    return;
+                }
+            }
+        })
+    }
+
+    /// Writes the sealed provider cache now (blocking); whether it was written.
+    pub fn save_now(&self) -> bool {
+        let Some(cache) = &self.inner.saved_cache else {
+            return false;
+        };
+        let entries = self.engine().saved_entries();
+        let consumers = self.renewer().named_consumers();
+        match cache.save(entries, consumers) {
+            Ok(n) => {
+                self.inner.metrics.cache_persisted.inc_by(n as u64);
+                let mut report = self
+                    .inner
+                    .saved_report
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner());
+                report.saved_entries = n as u64;
+                report.last_saved = Some(self.inner.clock.wall());
+                true
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "provider answers not saved");
+                false
+            }
+        }
     }
 
     /// The engine in use now.

@@ -8,8 +8,6 @@
 //! proxy answers the pull.
 
 use std::collections::BTreeMap;
-use std::io::Write;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Duration;
@@ -122,7 +120,7 @@ impl Captured {
             changes: tokio::sync::watch::Sender::new(0),
         };
         let path = captured.path();
-        match read_sealed(&path) {
+        match crate::sealed::read_capped(&path, MAX_FILE) {
             Ok(Some(bytes)) => match captured.unseal(&bytes) {
                 Some(entries) => *captured.lock() = entries,
                 None => {
@@ -210,30 +208,14 @@ impl Captured {
             .cipher()
             .encrypt(&nonce, plain.as_slice())
             .expect("sealing a buffer cannot fail");
-        let path = self.path();
-        let tmp = self.dir.join(format!("{FILE}.{}.tmp", std::process::id()));
-        let write = || -> std::io::Result<()> {
-            let mut f = std::fs::OpenOptions::new()
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .mode(0o600)
-                .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-                .open(&tmp)?;
-            f.write_all(MAGIC)?;
-            f.write_all(&self.key_id.to_be_bytes())?;
-            f.write_all(&nonce)?;
-            f.write_all(&sealed)?;
-            f.sync_all()?;
-            std::fs::rename(&tmp, &path)?;
-            std::fs::File::open(&self.dir)?.sync_all()
-        };
-        write().map_err(|error| {
-            let _ = std::fs::remove_file(&tmp);
-            CaptureError::Write {
-                path: path.clone(),
-                error,
-            }
+        crate::sealed::write_atomically(
+            &self.dir,
+            FILE,
+            &[MAGIC, &self.key_id.to_be_bytes(), &nonce, &sealed],
+        )
+        .map_err(|error| CaptureError::Write {
+            path: self.path(),
+            error,
         })
     }
 
@@ -375,29 +357,6 @@ pub fn fits(repository: &str, credential: &Credential) -> Result<(), CaptureErro
 /// with their repositories and namespaces, sealed, with room to spare.
 pub const MAX_FILE: u64 = 16 << 20;
 
-/// The sealed file's bytes: `None` when there is none; an error (never a wait) when it is a
-/// link, not a regular file, not the agent's own, writable by others or larger than
-/// [`MAX_FILE`].
-fn read_sealed(path: &Path) -> Result<Option<Vec<u8>>, String> {
-    use std::io::Read as _;
-    let file = match crate::guard::trusted_file(path, false) {
-        Ok(f) => f,
-        Err(crate::guard::FileError::Io(e)) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Ok(None)
-        }
-        Err(crate::guard::FileError::Io(e)) => return Err(e.to_string()),
-        Err(crate::guard::FileError::Untrusted(e)) => return Err(e.to_string()),
-    };
-    let mut bytes = Vec::new();
-    file.take(MAX_FILE + 1)
-        .read_to_end(&mut bytes)
-        .map_err(|e| e.to_string())?;
-    if bytes.len() as u64 > MAX_FILE {
-        return Err(format!("larger than {MAX_FILE} bytes"));
-    }
-    Ok(Some(bytes))
-}
-
 /// A credential as `PullImage.auth` carries it: username and password, `auth` (base64 of
 /// `user:password`), an identity token or a registry token.
 pub fn from_auth(
@@ -433,7 +392,7 @@ pub fn from_auth(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 
     fn cred(ns: &str, user: &str, pass: &str, at: i64) -> Credential {
         Credential {

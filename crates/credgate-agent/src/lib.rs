@@ -14,6 +14,8 @@ pub mod guard;
 pub mod listener;
 pub mod metrics;
 pub mod renewal;
+pub mod saved_cache;
+pub mod sealed;
 pub mod server;
 pub mod socket;
 pub mod sources;

@@ -92,6 +92,12 @@ pub struct AgentMetrics {
     pub captures: Family<Labels, Counter>,
     /// Captured credentials dropped to stay within the limit of repositories.
     pub captured_dropped: Counter,
+    /// Provider answers restored from the sealed cache at start.
+    pub cache_restored: Counter,
+    /// Saved provider answers not restored, by reason.
+    pub cache_dropped_total: Family<Labels, Counter>,
+    /// Provider answers written to the sealed cache (each save counts what it wrote).
+    pub cache_persisted: Counter,
     /// Open connections by listener (api, metrics).
     pub connections: Family<Labels, Gauge>,
     /// Connections closed at once or early, by listener and reason (limit, uid_limit,
@@ -177,6 +183,9 @@ impl Default for AgentMetrics {
                 f
             },
             captured_dropped: Counter::default(),
+            cache_restored: Counter::default(),
+            cache_dropped_total: Family::default(),
+            cache_persisted: Counter::default(),
             connections: Family::default(),
             connections_closed: Family::default(),
             methods: Arc::new(methods),
@@ -193,6 +202,21 @@ impl AgentMetrics {
             "cri_captures",
             "Pull credentials the CRI proxy offered for capture, by result (captured, unchanged, other_registry, unconfirmed, unreachable, too_large, busy, failed)",
             self.captures.clone(),
+        );
+        r.register(
+            "cache_restored",
+            "Provider answers restored from the sealed cache at start (served with no plugin run)",
+            self.cache_restored.clone(),
+        );
+        r.register(
+            "cache_dropped",
+            "Saved provider answers not restored, by reason (provider_gone, config_changed, expired, invalid, node_key, refused)",
+            self.cache_dropped_total.clone(),
+        );
+        r.register(
+            "cache_persisted",
+            "Provider answers written to the sealed cache, summed over saves",
+            self.cache_persisted.clone(),
         );
         r.register(
             "captured_dropped",
@@ -292,6 +316,13 @@ impl AgentMetrics {
                 by_result(&self.guard_decisions, result).inc();
             }
         }
+    }
+
+    /// Counts saved provider answers not restored.
+    pub fn cache_dropped(&self, reason: &str, n: u64) {
+        self.cache_dropped_total
+            .get_or_create(&vec![("reason", reason.to_owned())])
+            .inc_by(n);
     }
 
     /// Counts what became of a credential offered for capture.

@@ -143,6 +143,8 @@ struct Shared {
     policy: RenewalPolicy,
     metrics: AgentMetrics,
     watch_ids: AtomicU64,
+    /// Bumped whenever a consumer's set of refs changes (to know when to save them).
+    version: AtomicU64,
     /// Pull credentials captured by the CRI proxy, when it runs.
     captured: OnceLock<Arc<Captured>>,
 }
@@ -232,6 +234,7 @@ impl Renewer {
                 policy,
                 metrics,
                 watch_ids: AtomicU64::new(0),
+                version: AtomicU64::new(0),
                 captured: OnceLock::new(),
             }),
         }
@@ -310,6 +313,9 @@ impl Renewer {
             .tracked_refs
             .set(st.tracker.len() as i64);
         drop(st);
+        if !change.added.is_empty() || !change.removed.is_empty() {
+            self.shared.version.fetch_add(1, Ordering::Release);
+        }
         if !change.new_refs.is_empty() || !change.removed.is_empty() {
             self.shared.wake.notify_one();
         }
@@ -406,6 +412,20 @@ impl Renewer {
         } else {
             wall - (now - t)
         }
+    }
+
+    /// A number that changes whenever a consumer's set of refs changes.
+    pub fn version(&self) -> u64 {
+        self.shared.version.load(Ordering::Acquire)
+    }
+
+    /// Named consumers (not Watch streams) and the refs each holds: what a restart restores.
+    pub fn named_consumers(&self) -> Vec<(String, Vec<String>)> {
+        self.lock()
+            .tracker
+            .named()
+            .map(|(c, refs)| (c.to_owned(), refs.map(str::to_owned).collect()))
+            .collect()
     }
 
     /// Tracked refs with their state, sorted; only those `consumer` holds when given.

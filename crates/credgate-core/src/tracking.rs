@@ -178,6 +178,15 @@ impl Tracker {
             .flat_map(|s| s.iter().map(String::as_str))
     }
 
+    /// Consumers other than Watch streams, with the refs each holds (what outlives a restart:
+    /// a Watch stream does not).
+    pub fn named(&self) -> impl Iterator<Item = (&str, impl Iterator<Item = &str>)> {
+        self.consumers
+            .iter()
+            .filter(|(name, held)| !held.is_empty() && !name.starts_with("watch:"))
+            .map(|(name, held)| (name.as_str(), held.iter().map(String::as_str)))
+    }
+
     /// Every known ref, sorted.
     pub fn refs(&self) -> impl Iterator<Item = &str> {
         self.refs.keys().map(String::as_str)

@@ -193,6 +193,11 @@ pub struct ServeArgs {
     /// Timeout of each request to a registry when verifying.
     #[arg(long, value_name = "DURATION", value_parser = parse_duration, default_value = "10s")]
     pub registry_timeout: Duration,
+    /// Keep the providers' answers and the tracked refs sealed in the state directory, so that
+    /// a restart serves them with no plugin run while they are valid (`--persist-cache=false`
+    /// turns it off).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
+    pub persist_cache: bool,
     /// Only these uids (and the agent's own) may call SERVICE (credentials, admin or
     /// image-access), checked against the socket's peer credentials; repeatable. Services
     /// without an entry are open to whoever can open the socket. `service-account-identity`

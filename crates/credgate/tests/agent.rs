@@ -484,3 +484,124 @@ fn the_agent_is_not_dumpable() {
         "a non-dumpable process's /proc files are root's"
     );
 }
+
+/// A plugin that counts its runs and answers a 12 h credential for registry.example.com, and
+/// a config naming it with `args`.
+fn counting_provider(dir: &Path, args: &str) -> PathBuf {
+    let bin = dir.join("plugins");
+    std::fs::create_dir_all(&bin).unwrap();
+    support::write_script(
+        &bin.join("counted"),
+        &format!(
+            "cat >/dev/null\necho run >> '{}'\necho '{{\"kind\":\"CredentialProviderResponse\",\"apiVersion\":\"credentialprovider.kubelet.k8s.io/v1\",\"cacheKeyType\":\"Registry\",\"cacheDuration\":\"12h\",\"auth\":{{\"registry.example.com\":{{\"username\":\"kept\",\"password\":\"kept-password-sealed\"}}}}}}'",
+            dir.join("runs").display()
+        ),
+    );
+    let config = dir.join("providers.yaml");
+    std::fs::write(
+        &config,
+        format!("apiVersion: kubelet.config.k8s.io/v1\nkind: CredentialProviderConfig\nproviders:\n- name: counted\n  matchImages: [registry.example.com]\n  defaultCacheDuration: 1h\n  apiVersion: credentialprovider.kubelet.k8s.io/v1\n  args: [{args}]\n"),
+    )
+    .unwrap();
+    config
+}
+
+fn runs(dir: &Path) -> usize {
+    std::fs::read_to_string(dir.join("runs"))
+        .map(|s| s.lines().count())
+        .unwrap_or(0)
+}
+
+fn saved_status(agent: &Agent) -> serde_json::Value {
+    let out = agent.credgate(&["ctl", "-o", "json", "status"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    v["saved_cache"].clone()
+}
+
+/// Killed (SIGKILL) and started again, the agent answers a warm key from the sealed cache with
+/// no plugin run, restores the tracked refs, and runs the plugin once for a key whose
+/// provider's config changed. The file holds nothing in the clear.
+#[test]
+fn a_killed_agent_restarts_warm_from_the_sealed_cache() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let config = counting_provider(d, "--region, eu");
+    let bin = d.join("plugins");
+    let args = [
+        "--image-credential-provider-config",
+        config.to_str().unwrap(),
+        "--image-credential-provider-bin-dir",
+        bin.to_str().unwrap(),
+    ];
+    let image = "registry.example.com/team/app:v1";
+    let agent = Agent::start(d, &args);
+    let out = agent.credgate(&["get", image]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(runs(d), 1);
+    let tracked = agent.credgate(&["ctl", "track", "nydus", image]);
+    assert!(tracked.status.success(), "{}", text(&tracked.stderr));
+    credgate_testbed::eventually(
+        "the answer is saved",
+        std::time::Duration::from_secs(20),
+        || saved_status(&agent)["saved_entries"].as_u64() == Some(1),
+    );
+    agent.signal(libc::SIGKILL);
+    drop(agent);
+    let sealed = std::fs::read(d.join("state/cache.sealed")).unwrap();
+    for clear in [
+        "kept-password-sealed",
+        "kept",
+        "nydus",
+        "registry.example.com",
+    ] {
+        assert!(
+            !sealed.windows(clear.len()).any(|w| w == clear.as_bytes()),
+            "{clear} in the clear"
+        );
+    }
+
+    let agent = Agent::start(d, &args);
+    let out = agent.credgate(&["get", "-o", "json", "registry.example.com/team/other:v2"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("kept-password-sealed"));
+    assert_eq!(runs(d), 1, "a warm key costs no plugin run after a restart");
+    let status = saved_status(&agent);
+    assert_eq!(status["restored"], 1, "{status}");
+    assert_eq!(status["consumers_restored"], 1, "{status}");
+    let list = agent.credgate(&["ctl", "list-tracked", "--consumer", "nydus"]);
+    assert!(text(&list.stdout).contains(image), "{}", text(&list.stdout));
+    let table = agent.credgate(&["ctl", "status"]);
+    assert!(
+        text(&table.stdout).contains("saved cache:    1 restored at start"),
+        "{}",
+        text(&table.stdout)
+    );
+    credgate_testbed::eventually(
+        "the restored answer is saved again",
+        std::time::Duration::from_secs(20),
+        || saved_status(&agent)["saved_entries"].as_u64() == Some(1),
+    );
+    agent.signal(libc::SIGKILL);
+    drop(agent);
+
+    // The provider's args changed: its saved answer is dropped and the plugin runs once.
+    counting_provider(d, "--region, us");
+    let agent = Agent::start(d, &args);
+    let status = saved_status(&agent);
+    assert_eq!(status["restored"], 0, "{status}");
+    assert_eq!(status["dropped"]["config_changed"], 1, "{status}");
+    let out = agent.credgate(&["get", image]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(runs(d), 2);
+    assert!(!agent.log_text().contains("kept-password-sealed"));
+    drop(agent);
+
+    // Off: nothing restored, nothing saved.
+    let mut off = args.to_vec();
+    off.push("--persist-cache=false");
+    let agent = Agent::start(d, &off);
+    assert_ne!(saved_status(&agent)["enabled"], true);
+    agent.credgate(&["get", image]);
+    assert_eq!(runs(d), 3);
+}

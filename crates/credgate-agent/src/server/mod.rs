@@ -383,6 +383,21 @@ impl Api {
             tracked_refs: u32::try_from(self.agent.renewer().len()).unwrap_or(u32::MAX),
             started_unix_ms: unix_ms(Some(self.agent.started())),
             loaded_unix_ms: unix_ms(Some(self.agent.loaded())),
+            saved_cache: Some({
+                let r = self.agent.saved_cache_report();
+                pb::SavedCacheStatus {
+                    enabled: r.enabled,
+                    restored: r.restored,
+                    dropped: r
+                        .dropped
+                        .iter()
+                        .map(|(k, v)| ((*k).to_owned(), *v))
+                        .collect(),
+                    consumers_restored: r.consumers_restored,
+                    saved_entries: r.saved_entries,
+                    last_saved_unix_ms: unix_ms(r.last_saved),
+                }
+            }),
         }
     }
 

@@ -200,6 +200,26 @@ async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcome> {
                 println!("tracked refs:   {}", r.tracked_refs);
                 println!("started:        {}", time_ms(r.started_unix_ms));
                 println!("loaded:         {}", time_ms(r.loaded_unix_ms));
+                match &r.saved_cache {
+                    Some(c) if c.enabled => {
+                        let dropped: Vec<String> =
+                            c.dropped.iter().map(|(k, v)| format!("{v} {k}")).collect();
+                        println!(
+                            "saved cache:    {} restored at start, {} dropped{}; {} consumers restored; {} saved {}",
+                            c.restored,
+                            c.dropped.values().sum::<u64>(),
+                            if dropped.is_empty() {
+                                String::new()
+                            } else {
+                                format!(" ({})", dropped.join(", "))
+                            },
+                            c.consumers_restored,
+                            c.saved_entries,
+                            time_ms(c.last_saved_unix_ms)
+                        );
+                    }
+                    _ => println!("saved cache:    off"),
+                }
                 let rows: Vec<Vec<String>> = r
                     .providers
                     .iter()

@@ -96,6 +96,7 @@ pub async fn run(args: ServeArgs) -> Result<Outcome> {
         }),
         callers,
         watch_send_timeout: Some(args.watch_send_timeout),
+        saved_cache: args.persist_cache.then(|| state_dir.clone()),
     })?;
     let socket_path = args
         .socket
@@ -122,6 +123,7 @@ pub async fn run(args: ServeArgs) -> Result<Outcome> {
 
     let (stop_tx, stop_rx) = watch::channel(false);
     let renewal_task = agent.spawn_renewal(stop_rx.clone());
+    let saver = agent.spawn_saver(stop_rx.clone());
     if let Some(addr) = args.metrics_addr {
         let listener = tokio::net::TcpListener::bind(addr)
             .await
@@ -211,6 +213,10 @@ pub async fn run(args: ServeArgs) -> Result<Outcome> {
         socket::remove_if_ours(&path, id);
     }
     renewal_task.abort();
+    // The last save of the provider answers, fsynced before the agent exits.
+    if saver.await.is_err() {
+        tracing::error!("the provider cache's saver failed");
+    }
     served.context("the API server failed")?;
     tracing::info!("credgate agent stopped");
     Ok(Outcome::Yes)

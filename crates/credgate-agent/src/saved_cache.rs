@@ -1,0 +1,434 @@
+//! The providers' answers and the tracked refs, kept across restarts in
+//! `STATE_DIR/cache.sealed`, so that a restart (a reboot, an upgrade, a fleet-wide rollout of
+//! the agent) costs no plugin run while the answers are valid.
+//!
+//! The file: `CGCACHE\n`, a format version and the node key's id (big-endian u32 each), a
+//! 96-bit nonce, then ChaCha20-Poly1305 of the JSON body under a key derived from the node key,
+//! with the 16-byte header as associated data (so the version and key id cannot be swapped).
+//! Without the node key nothing in it can be read; a file sealed under another key, of another
+//! version or damaged is discarded with a warning. The engine decides what of it may be served
+//! again ([`credgate_engine::saved`]).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use chacha20poly1305::aead::{Aead, AeadCore, KeyInit, OsRng, Payload};
+use chacha20poly1305::{ChaCha20Poly1305, Key, Nonce};
+use credgate_core::wire::CacheKeyType;
+use credgate_engine::saved::{SavedAuth, SavedEntry, SavedScope};
+use secrecy::{ExposeSecret, SecretString};
+use serde::{Deserialize, Serialize};
+use zeroize::Zeroizing;
+
+use crate::guard::keys::NodeKey;
+
+const MAGIC: &[u8; 8] = b"CGCACHE\n";
+const VERSION: u32 = 1;
+const HEADER: usize = 16;
+const FILE: &str = "cache.sealed";
+const KEY_LABEL: &[u8] = b"provider cache v1";
+
+/// The largest file read or written.
+pub const MAX_FILE: u64 = 16 << 20;
+/// The most answers kept (the longest-lived first).
+pub const MAX_ENTRIES: usize = 4096;
+
+/// Why the saved state could not be opened or written.
+#[derive(Debug, thiserror::Error)]
+pub enum SavedError {
+    #[error("the node key is unavailable: {0}")]
+    Key(String),
+    /// The cause is in the message (and so not a `source`: a chain prints it once).
+    #[error("cannot write {path}: {error}")]
+    Write {
+        path: PathBuf,
+        error: std::io::Error,
+    },
+}
+
+#[derive(Serialize, Deserialize)]
+struct StoredScope {
+    namespace: String,
+    name: String,
+    uid: String,
+    annotations: Vec<(String, String)>,
+    token_sha256: Option<String>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct StoredAuth {
+    key: String,
+    username: String,
+    password: String,
+}
+
+#[derive(Serialize, Deserialize)]
+struct StoredEntry {
+    provider: String,
+    identity: String,
+    key_type: String,
+    image: String,
+    registry: String,
+    scope: Option<StoredScope>,
+    auth: Vec<StoredAuth>,
+    fetched_ms: u64,
+    expires_ms: u64,
+}
+
+#[derive(Serialize, Deserialize)]
+struct StoredConsumer {
+    consumer: String,
+    refs: Vec<String>,
+}
+
+#[derive(Serialize, Deserialize, Default)]
+struct Stored {
+    entries: Vec<StoredEntry>,
+    consumers: Vec<StoredConsumer>,
+}
+
+/// What was read at start.
+#[derive(Debug, Default)]
+pub struct Loaded {
+    pub entries: Vec<SavedEntry>,
+    /// Named consumers and their refs.
+    pub consumers: Vec<(String, Vec<String>)>,
+    /// Why nothing (or not everything) could be read: `refused` (a link, another uid's, too
+    /// large), `node_key` (sealed under another key, or damaged), `invalid` (an entry that does
+    /// not decode).
+    pub dropped: BTreeMap<&'static str, u64>,
+}
+
+/// The sealed file of one state directory.
+pub struct SavedCache {
+    dir: PathBuf,
+    key: Zeroizing<[u8; 32]>,
+    key_id: u32,
+}
+
+fn ms(t: SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+fn at(ms: u64) -> SystemTime {
+    UNIX_EPOCH + Duration::from_millis(ms)
+}
+
+fn key_type_name(k: CacheKeyType) -> &'static str {
+    match k {
+        CacheKeyType::Image => "Image",
+        CacheKeyType::Registry => "Registry",
+        CacheKeyType::Global => "Global",
+    }
+}
+
+fn key_type(name: &str) -> Option<CacheKeyType> {
+    match name {
+        "Image" => Some(CacheKeyType::Image),
+        "Registry" => Some(CacheKeyType::Registry),
+        "Global" => Some(CacheKeyType::Global),
+        _ => None,
+    }
+}
+
+impl SavedCache {
+    /// The sealed file of `state_dir` (the node key's directory).
+    pub fn open(state_dir: &Path) -> Result<SavedCache, SavedError> {
+        let node = NodeKey::load_or_create(state_dir)
+            .map_err(|e| SavedError::Key(crate::server::error_chain(&e)))?;
+        Ok(SavedCache {
+            dir: state_dir.to_owned(),
+            key: node.derive(KEY_LABEL),
+            key_id: node.id(),
+        })
+    }
+
+    fn path(&self) -> PathBuf {
+        self.dir.join(FILE)
+    }
+
+    fn header(&self) -> [u8; HEADER] {
+        let mut h = [0u8; HEADER];
+        h[..8].copy_from_slice(MAGIC);
+        h[8..12].copy_from_slice(&VERSION.to_be_bytes());
+        h[12..].copy_from_slice(&self.key_id.to_be_bytes());
+        h
+    }
+
+    fn cipher(&self) -> ChaCha20Poly1305 {
+        ChaCha20Poly1305::new(Key::from_slice(&*self.key))
+    }
+
+    /// Reads the file, if there is one; what cannot be read is counted in `dropped`, with a
+    /// warning, and a file sealed under another key is removed.
+    pub fn load(&self) -> Loaded {
+        let mut loaded = Loaded::default();
+        let path = self.path();
+        let bytes = match crate::sealed::read_capped(&path, MAX_FILE) {
+            Ok(Some(b)) => b,
+            Ok(None) => return loaded,
+            Err(why) => {
+                tracing::warn!(path = %path.display(), error = %why, "saved provider answers refused: nothing is restored from the file");
+                loaded.dropped.insert("refused", 1);
+                return loaded;
+            }
+        };
+        let Some(stored) = self.unseal(&bytes) else {
+            tracing::warn!(path = %path.display(), "saved provider answers sealed under another node key, of another version, or damaged: discarded");
+            let _ = std::fs::remove_file(&path);
+            loaded.dropped.insert("node_key", 1);
+            return loaded;
+        };
+        for e in stored.entries {
+            match entry(e) {
+                Some(e) => loaded.entries.push(e),
+                None => *loaded.dropped.entry("invalid").or_default() += 1,
+            }
+        }
+        loaded.consumers = stored
+            .consumers
+            .into_iter()
+            .map(|c| (c.consumer, c.refs))
+            .collect();
+        loaded
+    }
+
+    fn unseal(&self, bytes: &[u8]) -> Option<Stored> {
+        let (header, rest) = bytes.split_at_checked(HEADER)?;
+        if header != self.header() {
+            return None;
+        }
+        let (nonce, sealed) = rest.split_at_checked(12)?;
+        let plain = Zeroizing::new(
+            self.cipher()
+                .decrypt(
+                    Nonce::from_slice(nonce),
+                    Payload {
+                        msg: sealed,
+                        aad: header,
+                    },
+                )
+                .ok()?,
+        );
+        serde_json::from_slice(&plain).ok()
+    }
+
+    /// Seals `entries` (the longest-lived [`MAX_ENTRIES`]) and `consumers` and replaces the
+    /// file, fsynced before it returns; how many entries it holds. Blocking: call it off the
+    /// lookup path.
+    pub fn save(
+        &self,
+        mut entries: Vec<SavedEntry>,
+        consumers: Vec<(String, Vec<String>)>,
+    ) -> Result<usize, SavedError> {
+        entries.sort_by_key(|e| std::cmp::Reverse(e.expires));
+        entries.truncate(MAX_ENTRIES);
+        let mut stored = Stored {
+            entries: entries.into_iter().map(stored).collect(),
+            consumers: consumers
+                .into_iter()
+                .map(|(consumer, refs)| StoredConsumer { consumer, refs })
+                .collect(),
+        };
+        // Over the file's bound: the shortest-lived go first.
+        let plain = loop {
+            let plain = Zeroizing::new(serde_json::to_vec(&stored).expect("entries serialize"));
+            if plain.len() as u64 + 64 <= MAX_FILE || stored.entries.is_empty() {
+                break plain;
+            }
+            let keep = stored.entries.len() / 2;
+            stored.entries.truncate(keep);
+        };
+        let n = stored.entries.len();
+        for e in stored.entries {
+            for a in e.auth {
+                drop(Zeroizing::new(a.password));
+            }
+        }
+        let header = self.header();
+        let nonce = ChaCha20Poly1305::generate_nonce(&mut OsRng);
+        let sealed = self
+            .cipher()
+            .encrypt(
+                &nonce,
+                Payload {
+                    msg: plain.as_slice(),
+                    aad: &header,
+                },
+            )
+            .expect("sealing a buffer cannot fail");
+        crate::sealed::write_atomically(&self.dir, FILE, &[&header, &nonce, &sealed]).map_err(
+            |error| SavedError::Write {
+                path: self.path(),
+                error,
+            },
+        )?;
+        Ok(n)
+    }
+}
+
+fn stored(e: SavedEntry) -> StoredEntry {
+    StoredEntry {
+        provider: e.provider,
+        identity: e.provider_identity,
+        key_type: key_type_name(e.key_type).to_owned(),
+        image: e.image,
+        registry: e.registry,
+        scope: e.scope.map(|s| StoredScope {
+            namespace: s.namespace,
+            name: s.name,
+            uid: s.uid,
+            annotations: s.annotations,
+            token_sha256: s.token_sha256.map(hex::encode),
+        }),
+        auth: e
+            .auth
+            .into_iter()
+            .map(|a| StoredAuth {
+                key: a.key,
+                username: a.username,
+                password: a.password.expose_secret().to_owned(),
+            })
+            .collect(),
+        fetched_ms: ms(e.fetched),
+        expires_ms: ms(e.expires),
+    }
+}
+
+fn entry(e: StoredEntry) -> Option<SavedEntry> {
+    let scope = match e.scope {
+        None => None,
+        Some(s) => Some(SavedScope {
+            namespace: s.namespace,
+            name: s.name,
+            uid: s.uid,
+            annotations: s.annotations,
+            token_sha256: match s.token_sha256 {
+                None => None,
+                Some(h) => Some(hex::decode(h).ok()?.try_into().ok()?),
+            },
+        }),
+    };
+    Some(SavedEntry {
+        provider: e.provider,
+        provider_identity: e.identity,
+        key_type: key_type(&e.key_type)?,
+        image: e.image,
+        registry: e.registry,
+        scope,
+        auth: e
+            .auth
+            .into_iter()
+            .map(|a| SavedAuth {
+                key: a.key,
+                username: a.username,
+                password: SecretString::from(a.password),
+            })
+            .collect(),
+        fetched: at(e.fetched_ms),
+        expires: at(e.expires_ms),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn private_dir() -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
+        dir
+    }
+
+    fn saved(password: &str) -> SavedEntry {
+        SavedEntry {
+            provider: "ecr".into(),
+            provider_identity: "sha256:abc".into(),
+            key_type: CacheKeyType::Registry,
+            image: "1234.dkr.ecr.eu-west-1.amazonaws.com/app:v1".into(),
+            registry: "1234.dkr.ecr.eu-west-1.amazonaws.com".into(),
+            scope: Some(SavedScope {
+                namespace: "team-a".into(),
+                name: "builder".into(),
+                uid: "u1".into(),
+                annotations: vec![("role".into(), "r".into())],
+                token_sha256: Some([7; 32]),
+            }),
+            auth: vec![SavedAuth {
+                key: "*.dkr.ecr.*.amazonaws.com".into(),
+                username: "AWS".into(),
+                password: SecretString::from(password.to_owned()),
+            }],
+            fetched: SystemTime::now(),
+            expires: SystemTime::now() + Duration::from_secs(3600),
+        }
+    }
+
+    #[test]
+    fn sealed_round_trip_nothing_in_the_clear_and_another_key_discards() {
+        let dir = private_dir();
+        let cache = SavedCache::open(dir.path()).unwrap();
+        let n = cache
+            .save(
+                vec![saved("ecr-password-not-in-clear")],
+                vec![("nydus".into(), vec!["registry.example.com/app:v1".into()])],
+            )
+            .unwrap();
+        assert_eq!(n, 1);
+        let bytes = std::fs::read(dir.path().join(FILE)).unwrap();
+        for clear in [
+            &b"ecr-password-not-in-clear"[..],
+            b"AWS",
+            b"nydus",
+            b"team-a",
+            b"ecr",
+        ] {
+            assert!(
+                !bytes.windows(clear.len()).any(|w| w == clear),
+                "{clear:?} in the clear"
+            );
+        }
+        let loaded = SavedCache::open(dir.path()).unwrap().load();
+        assert_eq!(loaded.entries.len(), 1);
+        let e = &loaded.entries[0];
+        assert_eq!(
+            e.auth[0].password.expose_secret(),
+            "ecr-password-not-in-clear"
+        );
+        assert_eq!(e.scope.as_ref().unwrap().token_sha256, Some([7; 32]));
+        assert_eq!(loaded.consumers[0].0, "nydus");
+        // The header is bound: another version or key id does not open.
+        let mut tampered = bytes.clone();
+        tampered[11] ^= 1;
+        std::fs::write(dir.path().join(FILE), &tampered).unwrap();
+        let loaded = SavedCache::open(dir.path()).unwrap().load();
+        assert_eq!(loaded.dropped.get("node_key"), Some(&1));
+        assert!(loaded.entries.is_empty());
+        // A replaced node key: discarded.
+        cache.save(vec![saved("x")], vec![]).unwrap();
+        std::fs::write(dir.path().join("node.key"), [3u8; 32]).unwrap();
+        let loaded = SavedCache::open(dir.path()).unwrap().load();
+        assert_eq!(loaded.dropped.get("node_key"), Some(&1));
+        assert!(!dir.path().join(FILE).exists());
+    }
+
+    #[test]
+    fn a_link_or_an_oversized_file_is_refused() {
+        let dir = private_dir();
+        let cache = SavedCache::open(dir.path()).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", dir.path().join(FILE)).unwrap();
+        assert_eq!(cache.load().dropped.get("refused"), Some(&1));
+        std::fs::remove_file(dir.path().join(FILE)).unwrap();
+        let f = std::fs::File::create(dir.path().join(FILE)).unwrap();
+        f.set_len(MAX_FILE + 1).unwrap();
+        std::fs::set_permissions(
+            dir.path().join(FILE),
+            std::fs::Permissions::from_mode(0o600),
+        )
+        .unwrap();
+        assert_eq!(cache.load().dropped.get("refused"), Some(&1));
+    }
+}
