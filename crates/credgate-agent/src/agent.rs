@@ -78,7 +78,7 @@ fn restore_saved(
         *report.dropped.entry(why).or_default() += n;
     }
     for (consumer, refs) in loaded.consumers {
-        match renewer.set_tracked(&consumer, &refs) {
+        match renewer.restore(&consumer, &refs) {
             Ok(_) => report.consumers_restored += 1,
             Err(e) => {
                 tracing::warn!(consumer = %consumer, error = %e, "a saved consumer's refs not restored");

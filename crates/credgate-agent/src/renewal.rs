@@ -90,6 +90,20 @@ impl Value {
 
 type CapturedCredential = crate::captured::Credential;
 
+/// How far the first renewal checks of restored refs are spread.
+pub const RESTORE_JITTER: Duration = Duration::from_secs(10);
+
+/// A delay in `[0, max)` that differs by ref and by process (a stable hash, not a random
+/// source: enough to spread agents and refs apart).
+fn jitter(seed: u64, r: &str, max: Duration) -> Duration {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    seed.hash(&mut h);
+    r.hash(&mut h);
+    let max_ms = u64::try_from(max.as_millis()).unwrap_or(u64::MAX).max(1);
+    Duration::from_millis(h.finish() % max_ms)
+}
+
 /// Renewal state of one ref, for operators.
 #[derive(Debug, Clone)]
 pub struct TrackedInfo {
@@ -300,12 +314,21 @@ impl Renewer {
 
     /// Applies a tracking change and schedules new refs at once.
     fn apply(&self, f: impl FnOnce(&mut Tracker, Instant) -> Change) -> Change {
+        self.apply_at(f, |_| Duration::ZERO)
+    }
+
+    /// Applies a tracking change and schedules each new ref `delay(ref)` from now.
+    fn apply_at(
+        &self,
+        f: impl FnOnce(&mut Tracker, Instant) -> Change,
+        delay: impl Fn(&str) -> Duration,
+    ) -> Change {
         let now = self.shared.clock.now();
         let mut st = self.lock();
         let change = f(&mut st.tracker, now);
         for r in &change.new_refs {
             let mut rs = RefState::new();
-            rs.next = Some(now);
+            rs.next = Some(now + delay(r));
             st.refs.insert(r.clone(), rs);
         }
         self.shared
@@ -342,6 +365,20 @@ impl Renewer {
         Self::validate(consumer, refs)?;
         self.check_room(consumer, refs, true)?;
         Ok(self.apply(|t, now| t.set(consumer, refs.iter().map(String::as_str), now)))
+    }
+
+    /// What a restart restores: like [`Renewer::set_tracked`], with each ref's first check
+    /// spread over [`RESTORE_JITTER`], so that agents restarted together (a rollout, a
+    /// reboot of many nodes) do not renew at the same instant. A ref whose saved answer is
+    /// still valid beyond the renewal lead costs no plugin run at that check.
+    pub fn restore(&self, consumer: &str, refs: &[String]) -> Result<Change, TrackError> {
+        Self::validate(consumer, refs)?;
+        self.check_room(consumer, refs, true)?;
+        let seed = u64::from(std::process::id());
+        Ok(self.apply_at(
+            |t, now| t.set(consumer, refs.iter().map(String::as_str), now),
+            |r| jitter(seed, r, RESTORE_JITTER),
+        ))
     }
 
     /// Subscribes to refs; each is tracked by the subscription while it lives.

@@ -45,6 +45,8 @@ pub struct Sources {
     pub timeouts: HashMap<String, Duration>,
     /// Per-provider minimum cache durations (exec-storm protection; none by default).
     pub min_cache_durations: HashMap<String, Duration>,
+    /// Per-provider limits on plugin runs a second.
+    pub plugin_rates: HashMap<String, credgate_engine::rate::PluginRate>,
 }
 
 impl Sources {
@@ -108,6 +110,7 @@ impl Sources {
                 default_timeout: self.default_timeout.unwrap_or(defaults.default_timeout),
                 timeouts: self.timeouts.clone(),
                 min_cache_durations: self.min_cache_durations.clone(),
+                plugin_rates: self.plugin_rates.clone(),
                 ..defaults
             });
         }

@@ -54,6 +54,8 @@ pub struct EngineOptions {
     pub max_runs_per_provider: usize,
     /// Plugin runs of all providers in flight at once.
     pub max_runs: usize,
+    /// Per-provider limits on plugin runs a second (off unless set): runs wait for their turn.
+    pub plugin_rates: HashMap<String, crate::rate::PluginRate>,
 }
 
 impl Default for EngineOptions {
@@ -70,6 +72,7 @@ impl Default for EngineOptions {
             // still waits at most two runs; low enough that no burst forks without limit.
             max_runs_per_provider: 128,
             max_runs: 512,
+            plugin_rates: HashMap::new(),
         }
     }
 }
@@ -342,6 +345,7 @@ impl EngineBuilder {
             .timeouts
             .keys()
             .chain(opts.min_cache_durations.keys())
+            .chain(opts.plugin_rates.keys())
             .find(|n| !specs.iter().any(|s| &s.name == *n))
         {
             return Err(BuildError::UnknownProvider(name.clone()));
@@ -374,7 +378,9 @@ impl EngineBuilder {
                 .copied()
                 .unwrap_or_default();
             let identity = crate::saved::identity(&spec, &opts.plugin_dir.join(&spec.name));
+            let rate = opts.plugin_rates.get(&spec.name).copied();
             providers.push(Arc::new(Provider::new(ProviderParts {
+                rate,
                 identity,
                 metrics: self.metrics.provider(&spec.name),
                 spec,

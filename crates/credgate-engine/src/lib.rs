@@ -45,6 +45,7 @@ mod memo;
 pub mod metrics;
 mod owned_thread;
 mod provider;
+pub mod rate;
 pub mod saved;
 pub mod source;
 mod spawn;

@@ -62,6 +62,7 @@ type Labels = Vec<(&'static str, String)>;
 #[derive(Clone)]
 pub struct EngineMetrics {
     runs: Family<Labels, Counter>,
+    delayed: Family<Labels, Counter>,
     run_seconds: Family<Labels, Histogram, fn() -> Histogram>,
     errors: Family<Labels, Counter>,
     hits: Family<Labels, FastCounter>,
@@ -77,6 +78,7 @@ impl Default for EngineMetrics {
     fn default() -> Self {
         EngineMetrics {
             runs: Family::default(),
+            delayed: Family::default(),
             run_seconds: Family::new_with_constructor(run_histogram as fn() -> Histogram),
             errors: Family::default(),
             hits: Family::default(),
@@ -91,6 +93,11 @@ impl EngineMetrics {
     pub fn register(&self, registry: &mut Registry) {
         let r = registry.sub_registry_with_prefix("credgate");
         r.register("plugin_runs", "Plugin executions", self.runs.clone());
+        r.register(
+            "plugin_runs_delayed",
+            "Plugin runs that waited for their turn under --plugin-rate",
+            self.delayed.clone(),
+        );
         r.register(
             "plugin_run_duration_seconds",
             "Plugin execution time",
@@ -124,6 +131,7 @@ impl EngineMetrics {
         ProviderMetrics {
             name: name.to_owned(),
             runs: self.runs.get_or_create(&l).clone(),
+            delayed: self.delayed.get_or_create(&l).clone(),
             run_seconds: self.run_seconds.get_or_create(&l).clone(),
             hits: self.hits.get_or_create(&l).clone(),
             misses: self.misses.get_or_create(&l).clone(),
@@ -138,6 +146,8 @@ impl EngineMetrics {
 pub struct ProviderMetrics {
     name: String,
     pub runs: Counter,
+    /// Runs that waited for their turn under a rate limit.
+    pub delayed: Counter,
     pub run_seconds: Histogram,
     pub hits: FastCounter,
     pub misses: Counter,

@@ -214,6 +214,7 @@ enum Join {
 pub struct Provider {
     pub spec: ProviderSpec,
     pub identity: String,
+    rate: Option<crate::rate::Bucket>,
     command: PluginCommand,
     pub cache: Cache,
     inflight: Mutex<Inflight>,
@@ -240,6 +241,8 @@ pub struct ProviderParts {
     pub spec: ProviderSpec,
     /// What decides whether a saved answer of this provider may be served again.
     pub identity: String,
+    /// The most runs a second, when limited.
+    pub rate: Option<crate::rate::PluginRate>,
     pub command: PluginCommand,
     pub cache_capacity: usize,
     pub metrics: ProviderMetrics,
@@ -261,6 +264,7 @@ impl Provider {
         Provider {
             spec: parts.spec,
             identity: parts.identity,
+            rate: parts.rate.map(crate::rate::Bucket::new),
             command: parts.command,
             cache: Cache::new(parts.cache_capacity),
             inflight: Mutex::default(),
@@ -472,6 +476,11 @@ impl Provider {
         // many providers at once, cannot fork without limit. Waiting for a slot is not part
         // of the plugin's timeout.
         let _slot = self.slots.acquire().await;
+        if let Some(rate) = &self.rate {
+            if rate.take().await {
+                self.metrics.delayed.inc();
+            }
+        }
         let _global = self.global_slots.acquire().await;
         let started = Instant::now();
         self.metrics.runs.inc();

@@ -80,6 +80,21 @@ pub struct SourceArgs {
     /// protection against plugins that answer 0s or microseconds. Repeatable; off by default.
     #[arg(long, value_name = "NAME=DURATION", value_parser = parse_named_duration)]
     pub min_cache_duration: Vec<PerProvider>,
+    /// At most N plugin runs a second for a provider (`ecr=20/s,burst=200`): runs beyond it
+    /// wait for their turn (lookups of the same key join them) instead of failing. Repeatable;
+    /// off by default.
+    #[arg(long, value_name = "NAME=N/s[,burst=M]", value_parser = parse_plugin_rate)]
+    pub plugin_rate: Vec<(String, credgate_engine::rate::PluginRate)>,
+}
+
+fn parse_plugin_rate(s: &str) -> Result<(String, credgate_engine::rate::PluginRate), String> {
+    let (name, rate) = s
+        .split_once('=')
+        .ok_or_else(|| "expected PROVIDER=N/s[,burst=M]".to_owned())?;
+    Ok((
+        name.to_owned(),
+        credgate_engine::rate::PluginRate::parse(rate)?,
+    ))
 }
 
 #[derive(Args)]

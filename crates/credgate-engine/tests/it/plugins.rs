@@ -707,3 +707,70 @@ async fn a_dropped_engine_leaves_no_thread_behind() {
         "dropping the engine joined them"
     );
 }
+
+/// `--plugin-rate`: runs beyond the rate wait for their turn and succeed; none fails, and the
+/// waits are counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugin_rate_queues_runs_instead_of_failing_them() {
+    let dir = tempfile::tempdir().unwrap();
+    counting_plugin(
+        dir.path(),
+        "p",
+        &response(
+            WIRE_V1,
+            "Image",
+            Some("1h"),
+            &[("registry.example.com", "u", "p")],
+        ),
+    );
+    let e = engine_opts(one_provider(), dir.path(), |o| {
+        o.plugin_rates.insert(
+            "p".into(),
+            credgate_engine::rate::PluginRate {
+                per_second: 5.0,
+                burst: 1,
+            },
+        );
+    });
+    let started = std::time::Instant::now();
+    let images: Vec<String> = (0..6)
+        .map(|i| format!("registry.example.com/team/app-{i}:v1"))
+        .collect();
+    let lookups = images.iter().map(|i| {
+        let e = e.clone();
+        let i = i.clone();
+        async move { e.lookup(&req(&i)).await.unwrap() }
+    });
+    let all = futures_join_all(lookups).await;
+    assert!(all
+        .iter()
+        .all(|l| l.errors.is_empty() && l.credentials.len() == 1));
+    assert_eq!(runs_of(dir.path(), "p"), 6);
+    // One at once, then five at 5/s: about a second, never all at once.
+    assert!(
+        started.elapsed() >= Duration::from_millis(900),
+        "{:?}",
+        started.elapsed()
+    );
+    let mut text = String::new();
+    let mut registry = prometheus_client::registry::Registry::default();
+    e.metrics().register(&mut registry);
+    prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+    assert!(
+        text.contains("credgate_plugin_runs_delayed_total{provider=\"p\"} 5"),
+        "{text}"
+    );
+}
+
+async fn futures_join_all<F: std::future::Future>(fs: impl IntoIterator<Item = F>) -> Vec<F::Output>
+where
+    F: Send + 'static,
+    F::Output: Send + 'static,
+{
+    let handles: Vec<_> = fs.into_iter().map(tokio::spawn).collect();
+    let mut out = Vec::new();
+    for h in handles {
+        out.push(h.await.unwrap());
+    }
+    out
+}

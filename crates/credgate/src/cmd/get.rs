@@ -183,6 +183,7 @@ pub fn sources(args: &SourceArgs) -> Result<Sources> {
             .iter()
             .filter_map(|f| Some((f.name.clone()?, f.duration)))
             .collect(),
+        plugin_rates: args.plugin_rate.iter().cloned().collect(),
     })
 }
 
