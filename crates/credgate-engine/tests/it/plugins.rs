@@ -762,9 +762,9 @@ async fn a_plugin_rate_queues_runs_instead_of_failing_them() {
     );
 }
 
-async fn futures_join_all<F: std::future::Future>(fs: impl IntoIterator<Item = F>) -> Vec<F::Output>
+async fn futures_join_all<F>(fs: impl IntoIterator<Item = F>) -> Vec<F::Output>
 where
-    F: Send + 'static,
+    F: std::future::Future + Send + 'static,
     F::Output: Send + 'static,
 {
     let handles: Vec<_> = fs.into_iter().map(tokio::spawn).collect();
