@@ -11,6 +11,7 @@ mod agent;
 mod cri;
 mod cri_soak;
 mod guard;
+mod rollout;
 mod soak;
 
 use std::future::Future;
@@ -48,6 +49,9 @@ enum Scenario {
     /// The CRI proxy under a hostile caller while a kubelet pulls through it (needs root,
     /// containerd, docker-registry, skopeo).
     CriSoak,
+    /// A fleet-wide restart: -n agents restarted in --reps waves, plugin runs per wave and
+    /// the time to a first answer, with and without the sealed provider cache.
+    Rollout,
     GuardCheck,
     GuardRecord,
     GuardOpen,
@@ -170,6 +174,7 @@ fn main() -> Result<()> {
         Scenario::Bridge => agent::bridge(&args),
         Scenario::CriProxy => cri::cri_proxy(&args),
         Scenario::CriSoak => cri_soak::cri_soak(&args),
+        Scenario::Rollout => rollout::rollout(&args),
         Scenario::GuardCheck => guard::check(&args),
         Scenario::GuardRecord => guard::record(&args),
         Scenario::GuardOpen => guard::open(&args),
