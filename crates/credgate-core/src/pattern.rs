@@ -223,6 +223,64 @@ impl Pattern {
         }
     }
 
+    /// Why this pattern does not match the target (`None` when it does): what `credgate
+    /// explain` says of a provider whose `matchImages` miss an image.
+    pub fn mismatch(&self, target: &Target<'_>) -> Option<Mismatch> {
+        if self.matches(target) {
+            return None;
+        }
+        let host = match &self.host {
+            Host::Literal(h) => (**h != *target.host).then(|| Mismatch::Host {
+                want: h.to_string(),
+                got: target.host.to_owned(),
+                matching_labels: 0,
+            }),
+            Host::Labels(labels) => {
+                let got: Vec<&str> = target.host.split('.').collect();
+                if got.len() != labels.len() {
+                    Some(Mismatch::LabelCount {
+                        want: labels.len(),
+                        got: got.len(),
+                    })
+                } else {
+                    let authority = self.raw_authority();
+                    let texts: Vec<&str> = split_host_port(&authority).0.split('.').collect();
+                    labels.iter().zip(&got).enumerate().find_map(|(i, (l, g))| {
+                        let ok = match l {
+                            Label::Literal(w) => **w == **g,
+                            Label::Glob(glob) => glob_match(glob, g),
+                            Label::Bad => false,
+                        };
+                        (!ok).then(|| Mismatch::Host {
+                            want: texts.get(i).copied().unwrap_or_default().to_owned(),
+                            got: (*g).to_owned(),
+                            matching_labels: i,
+                        })
+                    })
+                }
+            }
+        };
+        if let Some(m) = host {
+            return Some(m);
+        }
+        if *self.port != *target.port {
+            return Some(Mismatch::Port {
+                want: self.port.to_string(),
+                got: target.port.to_owned(),
+            });
+        }
+        Some(Mismatch::Path {
+            want: self.path.to_string(),
+            got: target.path.to_owned(),
+        })
+    }
+
+    fn raw_authority(&self) -> String {
+        parse_schemeless(&self.raw)
+            .map(|p| p.authority)
+            .unwrap_or_default()
+    }
+
     /// The reasons this pattern can never match anything, for `check-config`.
     pub fn lints(&self) -> Vec<PatternLint> {
         let mut out = Vec::new();
@@ -250,6 +308,63 @@ impl Pattern {
 impl fmt::Display for Pattern {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.raw)
+    }
+}
+
+/// Why a pattern does not match an image.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Mismatch {
+    /// A host label (or a literal host) differs: the first `matching_labels` agreed.
+    Host {
+        want: String,
+        got: String,
+        matching_labels: usize,
+    },
+    /// Another number of host labels: a `*` stands for exactly one label.
+    LabelCount { want: usize, got: usize },
+    /// The host matches; the port does not (either side may have none).
+    Port { want: String, got: String },
+    /// Host and port match; the pattern's path is not a prefix of the image's.
+    Path { want: String, got: String },
+}
+
+impl Mismatch {
+    /// How close it came: the higher, the closer (a port or path miss beats any host miss).
+    pub fn closeness(&self) -> usize {
+        match self {
+            Mismatch::Path { .. } => 1001,
+            Mismatch::Port { .. } => 1000,
+            Mismatch::Host {
+                matching_labels, ..
+            } => 1 + matching_labels,
+            Mismatch::LabelCount { .. } => 0,
+        }
+    }
+}
+
+impl fmt::Display for Mismatch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Mismatch::Host { want, got, .. } => {
+                write!(f, "host label {got:?} does not match {want:?}")
+            }
+            Mismatch::LabelCount { want, got } => write!(
+                f,
+                "the pattern's host has {want} labels, the image's {got} (a * matches exactly one label)"
+            ),
+            Mismatch::Port { want, got } => match (want.is_empty(), got.is_empty()) {
+                (true, false) => write!(
+                    f,
+                    "the pattern has no port and does not match a host with a port (:{got})"
+                ),
+                (false, true) => write!(f, "the pattern wants port :{want}, the image has none"),
+                _ => write!(f, "the pattern wants port :{want}, the image has :{got}"),
+            },
+            Mismatch::Path { want, got } => write!(
+                f,
+                "the pattern's path {want:?} is not a prefix of the image's path {got:?}"
+            ),
+        }
     }
 }
 
@@ -454,3 +569,53 @@ fn class_item<T: Sym>(p: &[T], i: usize) -> (T, usize) {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod mismatch_tests {
+    use super::*;
+
+    fn why(pattern: &str, image: &str) -> Option<String> {
+        Pattern::parse(pattern)
+            .unwrap()
+            .mismatch(&Target::from_image_name(image))
+            .map(|m| m.to_string())
+    }
+
+    #[test]
+    fn each_way_a_pattern_misses_is_named() {
+        assert_eq!(why("*.example.com", "registry.example.com/a"), None);
+        assert_eq!(
+            why("*.example.com", "registry.example.com:5000/a").unwrap(),
+            "the pattern has no port and does not match a host with a port (:5000)"
+        );
+        assert_eq!(
+            why("*.example.com", "a.b.example.com/x").unwrap(),
+            "the pattern's host has 3 labels, the image's 4 (a * matches exactly one label)"
+        );
+        assert_eq!(
+            why("*.dkr.ecr.*.amazonaws.com", "1.dkr.ecr.us-east-1.amazonaws.cn/x").unwrap(),
+            "host label \"cn\" does not match \"com\""
+        );
+        assert_eq!(
+            why("registry.example.com/team", "registry.example.com/other/app").unwrap(),
+            "the pattern's path \"/team\" is not a prefix of the image's path \"/other/app\""
+        );
+        assert_eq!(
+            why("reg.io:5000", "reg.io/a").unwrap(),
+            "the pattern wants port :5000, the image has none"
+        );
+        assert_eq!(
+            why("reg.io", "other.io/a").unwrap(),
+            "host label \"other.io\" does not match \"reg.io\""
+        );
+        let port = Pattern::parse("*.example.com")
+            .unwrap()
+            .mismatch(&Target::from_image_name("r.example.com:5000/a"))
+            .unwrap();
+        let host = Pattern::parse("*.other.com")
+            .unwrap()
+            .mismatch(&Target::from_image_name("r.example.com:5000/a"))
+            .unwrap();
+        assert!(port.closeness() > host.closeness());
+    }
+}

@@ -777,6 +777,10 @@ impl Engine {
     }
 
     /// `sha256:` of the provider config bytes, when a config is loaded.
+    pub(crate) fn statics(&self) -> &[StaticSource] {
+        &self.inner.statics
+    }
+
     pub(crate) fn providers(&self) -> &[Arc<Provider>] {
         &self.inner.providers
     }

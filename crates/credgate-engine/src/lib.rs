@@ -41,6 +41,7 @@ pub mod clock;
 pub mod engine;
 pub mod error;
 pub mod exec;
+pub mod explain;
 mod memo;
 pub mod metrics;
 mod owned_thread;

@@ -586,6 +586,16 @@ impl Provider {
     }
 
     /// A snapshot for operators.
+    /// Until when the provider is backing off (a lookup now is refused without a run).
+    pub fn backoff_until(&self) -> Option<SystemTime> {
+        let state = lock(&self.state);
+        let now = self.clock.now();
+        state
+            .next_allowed
+            .filter(|t| *t > now)
+            .map(|t| self.clock.wall() + (t - now))
+    }
+
     pub fn status(&self) -> ProviderStatus {
         let state = lock(&self.state);
         ProviderStatus {

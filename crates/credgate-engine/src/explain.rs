@@ -1,0 +1,142 @@
+//! Why a lookup gives what it gives: each source in try-order, whether it applies to the image
+//! and why not (the pattern that matched, or the closest one and how it missed), and for each
+//! provider that applies what its cache holds, its last run and its backoff. Runs no plugin.
+
+use std::time::{Duration, SystemTime};
+
+use credgate_core::keyring;
+use credgate_core::pattern::{Mismatch, Pattern, Target};
+use credgate_core::wire::CacheKeyType;
+
+use crate::engine::{Engine, LookupError, LookupRequest, SourceKind};
+use crate::provider::{Mode, ProviderStatus};
+
+/// A provider's cached answer for the image.
+#[derive(Debug, Clone)]
+pub struct CachedView {
+    pub key_type: CacheKeyType,
+    pub expires: Option<SystemTime>,
+    pub age: Duration,
+    pub credentials: usize,
+}
+
+/// What a provider that applies would do now.
+#[derive(Debug, Clone)]
+pub struct ProviderView {
+    pub cached: Option<CachedView>,
+    pub status: ProviderStatus,
+    pub backoff_until: Option<SystemTime>,
+    /// It needs a service account (`tokenAttributes.requireServiceAccount`) and none was given:
+    /// it is not run.
+    pub skipped_without_service_account: bool,
+}
+
+/// One source of the lookup.
+#[derive(Debug, Clone)]
+pub struct ExplainedSource {
+    pub kind: SourceKind,
+    pub name: String,
+    pub matched: bool,
+    /// The pattern (or docker config key) that matched, or the closest one that did not.
+    pub pattern: Option<String>,
+    /// Why the closest pattern did not match.
+    pub why_not: Option<String>,
+    /// For a provider that applies.
+    pub provider: Option<ProviderView>,
+}
+
+/// The engine's view of a lookup.
+#[derive(Debug, Clone)]
+pub struct Explanation {
+    /// The normalized image name.
+    pub image: String,
+    pub sources: Vec<ExplainedSource>,
+}
+
+fn closest<'a>(
+    patterns: impl IntoIterator<Item = &'a Pattern>,
+    target: &Target<'_>,
+) -> (bool, Option<String>, Option<Mismatch>) {
+    let mut best: Option<(&Pattern, Mismatch)> = None;
+    for p in patterns {
+        match p.mismatch(target) {
+            None => return (true, Some(p.as_str().to_owned()), None),
+            Some(m) => {
+                if best.as_ref().is_none_or(|(_, b)| m.closeness() > b.closeness()) {
+                    best = Some((p, m));
+                }
+            }
+        }
+    }
+    match best {
+        Some((p, m)) => (false, Some(p.as_str().to_owned()), Some(m)),
+        None => (false, None, None),
+    }
+}
+
+impl Engine {
+    /// Explains a lookup of `req.image` (an image, with an optional service account).
+    pub fn explain(&self, req: &LookupRequest<'_>) -> Result<Explanation, LookupError> {
+        let image = credgate_core::reference::ImageRef::parse(req.image)?;
+        let (name, registry) = (image.name(), image.registry());
+        let target = Target::from_image_name(name);
+        let default_registry = credgate_core::reference::is_default_registry(name);
+        let (now, wall) = (self.clock().now(), self.clock().wall());
+        let mut sources = Vec::new();
+        for s in self.statics() {
+            let picked = keyring::select_target(&target, default_registry, &[(0usize, &s.auth)]);
+            let (matched, pattern, why) = match picked.first() {
+                Some((_, auth)) => (true, Some(auth.key().to_owned()), None),
+                None => {
+                    let keys: Vec<Pattern> = (0..s.auth.len())
+                        .filter_map(|i| s.auth.get(i))
+                        .filter_map(|a| Pattern::parse(a.key()).ok())
+                        .collect();
+                    closest(&keys, &target)
+                }
+            };
+            sources.push(ExplainedSource {
+                kind: SourceKind::DockerConfig,
+                name: s.name.clone(),
+                matched,
+                pattern,
+                why_not: why.map(|m| m.to_string()),
+                provider: None,
+            });
+        }
+        for p in self.providers() {
+            let (matched, pattern, why) = closest(&p.spec.match_images, &target);
+            let provider = matched.then(|| {
+                let mode = p.mode(req.service_account);
+                let skipped = matches!(mode, Ok(Mode::Skip));
+                let scope = mode.ok().and_then(|m| m.scope().cloned());
+                let cached = p
+                    .cached(name, registry, scope.as_deref(), now)
+                    .map(|e| CachedView {
+                        key_type: e.key_type,
+                        expires: e.expires.map(|x| wall + (x - now)),
+                        age: now.saturating_duration_since(e.fetched),
+                        credentials: e.auth.len(),
+                    });
+                ProviderView {
+                    cached,
+                    status: p.status(),
+                    backoff_until: p.backoff_until(),
+                    skipped_without_service_account: skipped,
+                }
+            });
+            sources.push(ExplainedSource {
+                kind: SourceKind::Provider,
+                name: p.spec.name.clone(),
+                matched,
+                pattern,
+                why_not: why.map(|m| m.to_string()),
+                provider,
+            });
+        }
+        Ok(Explanation {
+            image: name.to_owned(),
+            sources,
+        })
+    }
+}
