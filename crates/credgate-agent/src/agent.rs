@@ -221,6 +221,8 @@ struct Inner {
     reload: Mutex<Option<[u8; 32]>>,
     saved_cache: Option<crate::saved_cache::SavedCache>,
     saved_report: Mutex<SavedCacheReport>,
+    /// The CRI proxy's recent pulls.
+    pulls: Arc<crate::pulls::PullLog>,
 }
 
 /// A running agent's shared state. Cheap to clone.
@@ -267,6 +269,7 @@ impl Agent {
             inner: Arc::new(Inner {
                 saved_cache,
                 saved_report: Mutex::new(saved_report),
+                pulls: Arc::default(),
                 sources: options.sources,
                 engine,
                 engine_metrics,
@@ -285,6 +288,43 @@ impl Agent {
                     .unwrap_or(crate::server::WATCH_SEND_TIMEOUT),
             }),
         })
+    }
+
+    /// The CRI proxy's pull decision log.
+    pub fn pulls(&self) -> &Arc<crate::pulls::PullLog> {
+        &self.inner.pulls
+    }
+
+    /// Explains a lookup of `image` (no plugin run): the engine's sources, the captured pod
+    /// credential of its repository, and a verdict.
+    pub fn explain(
+        &self,
+        image: &str,
+        service_account: Option<&credgate_engine::ServiceAccount>,
+    ) -> Result<credgate_api::v1::ExplainResponse, credgate_engine::LookupError> {
+        let engine = self.engine();
+        let explained = engine.explain(&credgate_engine::LookupRequest {
+            image,
+            service_account,
+            ..Default::default()
+        })?;
+        let now = self.inner.clock.wall();
+        let mut answer = crate::explain::to_wire(&explained, now);
+        if let Some(c) = self
+            .captured()
+            .and_then(|c| c.for_repository(&explained.image_repository()))
+        {
+            answer.captured = true;
+            answer.captured_namespace = c.namespace.clone();
+            answer.captured_unix_ms = c.captured_ms;
+            answer.verdict = format!(
+                "{}: the pod credential the CRI proxy captured for the repository (namespace {}) comes first; then: {}",
+                explained.image,
+                if c.namespace.is_empty() { "-" } else { &c.namespace },
+                answer.verdict
+            );
+        }
+        Ok(answer)
     }
 
     /// What the sealed provider cache did.

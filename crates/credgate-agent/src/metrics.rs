@@ -48,6 +48,8 @@ pub const METHODS: &[&str] = &[
     "Reload",
     "ListCaptured",
     "ForgetCaptured",
+    "Explain",
+    "ListPulls",
     "CheckAccess",
     "RecordPullIntent",
     "RecordPullResult",
@@ -92,6 +94,8 @@ pub struct AgentMetrics {
     pub captures: Family<Labels, Counter>,
     /// Captured credentials dropped to stay within the limit of repositories.
     pub captured_dropped: Counter,
+    /// Pulls through the CRI proxy by the credentials the kubelet sent and the result.
+    pub cri_pulls: Family<Labels, Counter>,
     /// Provider answers restored from the sealed cache at start.
     pub cache_restored: Counter,
     /// Saved provider answers not restored, by reason.
@@ -183,6 +187,7 @@ impl Default for AgentMetrics {
                 f
             },
             captured_dropped: Counter::default(),
+            cri_pulls: Family::default(),
             cache_restored: Counter::default(),
             cache_dropped_total: Family::default(),
             cache_persisted: Counter::default(),
@@ -202,6 +207,11 @@ impl AgentMetrics {
             "cri_captures",
             "Pull credentials the CRI proxy offered for capture, by result (captured, unchanged, other_registry, unconfirmed, unreachable, too_large, busy, failed)",
             self.captures.clone(),
+        );
+        r.register(
+            "cri_pulls",
+            "Pulls through the CRI proxy by auth (none, captured, provider, docker_config, unknown) and result (ok, unauthorized, not_found, error)",
+            self.cri_pulls.clone(),
         );
         r.register(
             "cache_restored",
@@ -316,6 +326,16 @@ impl AgentMetrics {
                 by_result(&self.guard_decisions, result).inc();
             }
         }
+    }
+
+    /// Counts a pull through the CRI proxy.
+    pub fn cri_pull(&self, auth: &str, result: &str) {
+        self.cri_pulls
+            .get_or_create(&vec![
+                ("auth", auth.to_owned()),
+                ("result", result.to_owned()),
+            ])
+            .inc();
     }
 
     /// Counts saved provider answers not restored.

@@ -593,11 +593,19 @@ mod mismatch_tests {
             "the pattern's host has 3 labels, the image's 4 (a * matches exactly one label)"
         );
         assert_eq!(
-            why("*.dkr.ecr.*.amazonaws.com", "1.dkr.ecr.us-east-1.amazonaws.cn/x").unwrap(),
+            why(
+                "*.dkr.ecr.*.amazonaws.com",
+                "1.dkr.ecr.us-east-1.amazonaws.cn/x"
+            )
+            .unwrap(),
             "host label \"cn\" does not match \"com\""
         );
         assert_eq!(
-            why("registry.example.com/team", "registry.example.com/other/app").unwrap(),
+            why(
+                "registry.example.com/team",
+                "registry.example.com/other/app"
+            )
+            .unwrap(),
             "the pattern's path \"/team\" is not a prefix of the image's path \"/other/app\""
         );
         assert_eq!(

@@ -62,7 +62,10 @@ fn closest<'a>(
         match p.mismatch(target) {
             None => return (true, Some(p.as_str().to_owned()), None),
             Some(m) => {
-                if best.as_ref().is_none_or(|(_, b)| m.closeness() > b.closeness()) {
+                if best
+                    .as_ref()
+                    .is_none_or(|(_, b)| m.closeness() > b.closeness())
+                {
                     best = Some((p, m));
                 }
             }
@@ -138,5 +141,99 @@ impl Engine {
             image: name.to_owned(),
             sources,
         })
+    }
+}
+
+fn rounded(d: Duration) -> credgate_core::duration::Rounded {
+    credgate_core::duration::Rounded(d)
+}
+
+impl Explanation {
+    /// The repository of the image (its normalized name without tag or digest).
+    pub fn image_repository(&self) -> String {
+        credgate_core::reference::ImageRef::parse(&self.image)
+            .map(|i| i.name().to_owned())
+            .unwrap_or_else(|_| self.image.clone())
+    }
+
+    /// One line: what a puller would get, or why it would get nothing.
+    pub fn verdict(&self, now: SystemTime) -> String {
+        let configs = self
+            .sources
+            .iter()
+            .filter(|s| s.kind == SourceKind::DockerConfig && s.matched)
+            .count();
+        let mut parts = Vec::new();
+        if configs > 0 {
+            parts.push(format!("{configs} docker config(s) match"));
+        }
+        for s in self
+            .sources
+            .iter()
+            .filter(|s| s.kind == SourceKind::Provider && s.matched)
+        {
+            let Some(v) = &s.provider else { continue };
+            let line = if v.skipped_without_service_account {
+                format!(
+                    "provider {} needs a service account and none was given",
+                    s.name
+                )
+            } else if let Some(c) = &v.cached {
+                let left = c
+                    .expires
+                    .and_then(|e| e.duration_since(now).ok())
+                    .map(|d| format!(", valid {}", rounded(d)))
+                    .unwrap_or_default();
+                format!(
+                    "{} credential(s) from provider {} (cached{left})",
+                    c.credentials, s.name
+                )
+            } else if let Some(until) = v.backoff_until {
+                let left = until.duration_since(now).unwrap_or_default();
+                format!(
+                    "provider {} is backing off for {} after {} failures: {}",
+                    s.name,
+                    rounded(left),
+                    v.status.consecutive_failures,
+                    v.status.last_error.as_deref().unwrap_or("-")
+                )
+            } else if let Some(e) = v
+                .status
+                .last_error
+                .as_deref()
+                .filter(|_| v.status.consecutive_failures > 0)
+            {
+                format!(
+                    "provider {} would run its plugin again; its last run failed: {e}",
+                    s.name
+                )
+            } else {
+                format!("provider {} would run its plugin (nothing cached)", s.name)
+            };
+            parts.push(line);
+        }
+        if !parts.is_empty() {
+            return format!("{}: {}", self.image, parts.join("; "));
+        }
+        let registry = self.image.split('/').next().unwrap_or(&self.image);
+        let closest = self
+            .sources
+            .iter()
+            .filter(|s| s.kind == SourceKind::Provider)
+            .find(|s| s.why_not.is_some());
+        match closest {
+            Some(s) => format!(
+                "no credential source matches {registry}: provider {}'s pattern {} does not match ({})",
+                s.name,
+                s.pattern.as_deref().unwrap_or("-"),
+                s.why_not.as_deref().unwrap_or("-")
+            ),
+            None if self.sources.is_empty() => {
+                format!("no credential source at all: {registry} is pulled anonymously")
+            }
+            None => format!(
+                "no credential source matches {registry}: it is pulled anonymously"
+            ),
+        }
     }
 }

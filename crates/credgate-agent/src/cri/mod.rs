@@ -25,6 +25,7 @@ use crate::status::ApiError;
 
 mod budget;
 mod capture;
+mod decision;
 use budget::{Budgets, Refused, Taken};
 use capture::{Capturer, Offer};
 
@@ -266,6 +267,18 @@ impl Whole {
             .and_then(|v| v.parse().ok())
     }
 
+    /// The gRPC status message, percent-decoded.
+    fn message(&self) -> String {
+        let raw = self
+            .trailers
+            .as_ref()
+            .and_then(|t| t.get("grpc-message"))
+            .or_else(|| self.parts.headers.get("grpc-message"))
+            .map(|v| v.as_bytes())
+            .unwrap_or_default();
+        decision::percent_decode(raw)
+    }
+
     /// The answer as the runtime gave it, in the same shape: a trailers-only answer (the
     /// status in the head, which ended the stream) goes back as one, since grpc-go reads a
     /// status in a head that does not end the stream as `server closed the stream without
@@ -382,6 +395,8 @@ struct Pull {
     /// The credential names another registry (`server_address`) than the image's: the
     /// runtime does not use it, and it is neither captured nor recorded.
     other_registry: bool,
+    pod_namespace: String,
+    pod_name: String,
 }
 
 fn pull_of(message: &[u8]) -> Option<Pull> {
@@ -396,6 +411,10 @@ fn pull_of(message: &[u8]) -> Option<Pull> {
     });
     let metadata = req.sandbox_config.and_then(|s| s.metadata);
     let in_pod = metadata.is_some();
+    let pod_name = metadata
+        .as_ref()
+        .map(|m| m.name.clone())
+        .unwrap_or_default();
     let namespace = metadata.map(|m| m.namespace).unwrap_or_default();
     let credential = req.auth.and_then(|auth| {
         crate::captured::from_auth(
@@ -410,13 +429,15 @@ fn pull_of(message: &[u8]) -> Option<Pull> {
         image,
         repository,
         credential: credential.map(|(username, password)| crate::captured::Credential {
-            namespace,
+            namespace: namespace.clone(),
             username,
             password,
             captured_ms: crate::guard::now_ms(),
         }),
         in_pod,
         other_registry,
+        pod_namespace: namespace.clone(),
+        pod_name,
     })
 }
 
@@ -466,6 +487,7 @@ async fn pull(
             tracing::error!(error = %crate::server::error_chain(&e), "pull intent not recorded");
         }
     }
+    let started = std::time::Instant::now();
     let whole = match exchange(caller, parts, bytes, MAX_PULL_MESSAGE).await {
         Ok(whole) => whole,
         Err(refused) => return refused,
@@ -473,6 +495,13 @@ async fn pull(
     let Some(pull) = asked else {
         return whole.into_response();
     };
+    decision::log(
+        &proxy.agent,
+        &pull,
+        whole.code().unwrap_or(2),
+        &whole.message(),
+        started.elapsed(),
+    );
     use prost::Message as _;
     let image_ref = (whole.code() == Some(0))
         .then(|| grpc_message(&whole.data))
@@ -525,6 +554,8 @@ struct Capture {
     captured: std::sync::Arc<crate::captured::Captured>,
     capturer: Capturer,
     metrics: crate::metrics::AgentMetrics,
+    /// For the pull decision log: the engine, the pull ring.
+    agent: crate::Agent,
 }
 
 /// Forwards one call to the runtime.
@@ -580,6 +611,8 @@ pub struct ProxyOptions {
     /// How registries are reached to confirm a credential before it is captured.
     pub registry: crate::guard::registry::RegistryOptions,
     pub metrics: crate::metrics::AgentMetrics,
+    /// The agent whose engine and pull log the pull decisions use.
+    pub agent: crate::Agent,
 }
 
 /// The proxy's listener limits by default: far more connections than a kubelet and the
@@ -621,6 +654,7 @@ pub async fn serve(
         check_every,
         registry,
         metrics,
+        agent,
     } = options;
     let proxy_budget = Budgets::proxy();
     // The proxy's own calls (the sweeper's) use a runtime connection of their own.
@@ -654,6 +688,7 @@ pub async fn serve(
                 captured,
                 capturer,
                 metrics: metrics.clone(),
+                agent,
             };
             (Some(std::sync::Arc::new(capture)), Some(task))
         }

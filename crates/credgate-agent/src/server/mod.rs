@@ -201,8 +201,12 @@ impl Api {
     /// A `Lookup` that names a service account is answered from that account's cache
     /// entries, so only callers trusted to claim an identity may name one
     /// ([`Service::ServiceAccountIdentity`]).
-    fn may_claim_identity(&self, peer: Peer, req: &pb::LookupRequest) -> Result<(), Status> {
-        if req.service_account.is_none()
+    fn may_claim_identity(
+        &self,
+        peer: Peer,
+        claim: Option<&pb::ServiceAccount>,
+    ) -> Result<(), Status> {
+        if claim.is_none()
             || self
                 .agent
                 .callers()
@@ -480,7 +484,7 @@ impl Credentials for Api {
         let peer = peer(&request);
         let request = request.into_inner();
         self.observed(peer, "Lookup", async {
-            self.may_claim_identity(peer, &request)?;
+            self.may_claim_identity(peer, request.service_account.as_ref())?;
             self.lookup_inner(request).await
         })
         .await
@@ -674,6 +678,67 @@ impl Admin for Api {
                 })
                 .collect();
             Ok(Response::new(pb::ListCapturedResponse { captured: list }))
+        })
+        .await
+    }
+
+    async fn explain(
+        &self,
+        request: Request<pb::ExplainRequest>,
+    ) -> Result<Response<pb::ExplainResponse>, Status> {
+        let peer = peer(&request);
+        let req = request.into_inner();
+        self.observed(peer, "Explain", async {
+            self.may_claim_identity(peer, req.service_account.as_ref())?;
+            let sa = req.service_account.map(service_account).transpose()?;
+            let answer = self
+                .agent
+                .explain(&req.image, sa.as_ref())
+                .map_err(ApiError::from)?;
+            Ok(Response::new(answer))
+        })
+        .await
+    }
+
+    async fn list_pulls(
+        &self,
+        request: Request<pb::ListPullsRequest>,
+    ) -> Result<Response<pb::ListPullsResponse>, Status> {
+        let peer = peer(&request);
+        let req = request.into_inner();
+        self.observed(peer, "ListPulls", async {
+            let repository = if req.image.is_empty() {
+                None
+            } else {
+                Some(
+                    credgate_core::reference::ImageRef::parse(&req.image)
+                        .map_err(|e| {
+                            status::invalid(format!(
+                                "invalid image {}: {e}",
+                                credgate_core::text::Quoted(&req.image)
+                            ))
+                        })?
+                        .name()
+                        .to_owned(),
+                )
+            };
+            let pulls = self
+                .agent
+                .pulls()
+                .list(repository.as_deref())
+                .into_iter()
+                .map(|p| pb::Pull {
+                    at_unix_ms: unix_ms(Some(p.at)),
+                    image: p.image,
+                    pod_namespace: p.pod_namespace,
+                    pod_name: p.pod_name,
+                    auth: p.auth,
+                    code: p.code,
+                    message: p.message,
+                    duration_ms: u64::try_from(p.duration.as_millis()).unwrap_or(u64::MAX),
+                })
+                .collect();
+            Ok(Response::new(pb::ListPullsResponse { pulls }))
         })
         .await
     }

@@ -172,6 +172,7 @@ pub async fn run(args: ServeArgs) -> Result<Outcome> {
                 insecure: args.insecure_registry.clone(),
             },
             metrics: agent.metrics().clone(),
+            agent: agent.clone(),
         };
         let listener = listener.into_std()?;
         // Its own thread and single-threaded runtime: a proxied call's tasks (the kubelet's

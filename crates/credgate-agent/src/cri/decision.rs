@@ -1,0 +1,164 @@
+//! The pull decision log: for each `PullImage` through the proxy, one line at info (the image,
+//! the pod, whether the kubelet sent credentials and which source they match, the runtime's
+//! code and message), `credgate_cri_pulls_total{auth,result}`, a record in the agent's ring
+//! (`credgate ctl pulls`), and, for a pull that went without credentials and failed as
+//! unauthorized while a provider or docker config would have answered, a warning that says so
+//! and what to check (once per image per interval).
+
+use std::time::{Duration, SystemTime};
+
+use secrecy::ExposeSecret;
+
+use super::Pull;
+use crate::pulls::{result_of, PullRecord};
+
+/// Which source the credential the kubelet sent matches: `captured`, `provider:NAME`,
+/// `docker-config` or `unknown` (a pod's own pull secret the proxy has not captured).
+fn source_of(
+    agent: &crate::Agent,
+    pull: &Pull,
+    credential: &crate::captured::Credential,
+) -> String {
+    if agent
+        .captured()
+        .and_then(|c| c.for_repository(&pull.repository))
+        .is_some_and(|held| held.same(credential))
+    {
+        return "captured".into();
+    }
+    let password = credential.password.expose_secret();
+    let request = credgate_engine::LookupRequest {
+        image: &pull.image,
+        ..Default::default()
+    };
+    agent
+        .engine()
+        .lookup_cached(&request, |creds| {
+            creds
+                .iter()
+                .find(|c| {
+                    c.username == credential.username && c.password.expose_secret() == password
+                })
+                .map(|c| match c.kind {
+                    credgate_engine::SourceKind::Provider => format!("provider:{}", c.source),
+                    credgate_engine::SourceKind::DockerConfig => "docker-config".to_owned(),
+                })
+        })
+        .ok()
+        .flatten()
+        .flatten()
+        .unwrap_or_else(|| "unknown".into())
+}
+
+/// The metric's label for an `auth` value.
+fn auth_label(auth: &str) -> &'static str {
+    match auth {
+        "none" => "none",
+        "captured" => "captured",
+        "docker-config" => "docker_config",
+        a if a.starts_with("provider:") => "provider",
+        _ => "unknown",
+    }
+}
+
+pub(super) fn log(agent: &crate::Agent, pull: &Pull, code: i32, message: &str, took: Duration) {
+    let auth = match &pull.credential {
+        None => "none".to_owned(),
+        Some(c) => source_of(agent, pull, c),
+    };
+    let result = result_of(code, message);
+    agent.metrics().cri_pull(auth_label(&auth), result);
+    tracing::info!(
+        image = %pull.image,
+        pod_namespace = %pull.pod_namespace,
+        pod = %pull.pod_name,
+        auth = %auth,
+        code,
+        result,
+        message = %message,
+        millis = u64::try_from(took.as_millis()).unwrap_or(u64::MAX),
+        "pull"
+    );
+    if auth == "none" && result == "unauthorized" {
+        warn_if_a_source_would_have_answered(agent, pull);
+    }
+    agent.pulls().push(PullRecord {
+        at: SystemTime::now(),
+        image: pull.image.clone(),
+        pod_namespace: pull.pod_namespace.clone(),
+        pod_name: pull.pod_name.clone(),
+        auth,
+        code,
+        message: message.to_owned(),
+        duration: took,
+    });
+}
+
+/// The kubelet pulled without credentials and the registry said unauthorized, although a
+/// provider or a docker config matches the image: the kubelet did not ask (its config or bin
+/// dir), or asked and got nothing.
+fn warn_if_a_source_would_have_answered(agent: &crate::Agent, pull: &Pull) {
+    let Ok(explained) = agent.engine().explain(&credgate_engine::LookupRequest {
+        image: &pull.image,
+        ..Default::default()
+    }) else {
+        return;
+    };
+    let matching: Vec<String> = explained
+        .sources
+        .iter()
+        .filter(|s| s.matched)
+        .map(|s| match s.kind {
+            credgate_engine::SourceKind::Provider => {
+                format!(
+                    "provider {} ({})",
+                    s.name,
+                    s.pattern.as_deref().unwrap_or("-")
+                )
+            }
+            credgate_engine::SourceKind::DockerConfig => format!("docker config {}", s.name),
+        })
+        .collect();
+    if matching.is_empty() || !agent.pulls().may_warn(&pull.image) {
+        return;
+    }
+    tracing::warn!(
+        image = %pull.image,
+        pod_namespace = %pull.pod_namespace,
+        pod = %pull.pod_name,
+        sources = %matching.join(", "),
+        "a pull without credentials failed as unauthorized, but the agent has a source for the image: check the kubelet's --image-credential-provider-config and --image-credential-provider-bin-dir (credgate kubelet-config), and the entry's matchImages; `credgate explain IMAGE` shows the agent's view"
+    );
+}
+
+/// A `grpc-message` value, percent-decoded (gRPC encodes bytes outside printable ASCII and
+/// `%` itself).
+pub(super) fn percent_decode(raw: &[u8]) -> String {
+    let mut out = Vec::with_capacity(raw.len());
+    let mut i = 0;
+    while i < raw.len() {
+        if raw[i] == b'%' && i + 2 < raw.len() {
+            let hex = std::str::from_utf8(&raw[i + 1..i + 3]).ok();
+            if let Some(b) = hex.and_then(|h| u8::from_str_radix(h, 16).ok()) {
+                out.push(b);
+                i += 3;
+                continue;
+            }
+        }
+        out.push(raw[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn grpc_messages_are_percent_decoded() {
+        assert_eq!(
+            super::percent_decode(b"401%20Unauthorized%3A%20x%"),
+            "401 Unauthorized: x%"
+        );
+        assert_eq!(super::percent_decode(b"100%25"), "100%");
+    }
+}

@@ -1,0 +1,64 @@
+//! The engine's explanation of a lookup as the API's `ExplainResponse` (shared by the agent's
+//! RPC and `credgate explain` without an agent).
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use credgate_api::v1 as pb;
+use credgate_core::wire::CacheKeyType;
+use credgate_engine::explain::Explanation;
+use credgate_engine::SourceKind;
+
+fn ms(t: Option<SystemTime>) -> i64 {
+    t.and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
+
+/// The explanation, with its verdict at `now`.
+pub fn to_wire(e: &Explanation, now: SystemTime) -> pb::ExplainResponse {
+    let sources = e
+        .sources
+        .iter()
+        .map(|s| {
+            let mut out = pb::ExplainedSource {
+                kind: match s.kind {
+                    SourceKind::DockerConfig => "docker-config",
+                    SourceKind::Provider => "provider",
+                }
+                .into(),
+                name: s.name.clone(),
+                matched: s.matched,
+                pattern: s.pattern.clone().unwrap_or_default(),
+                why_not: s.why_not.clone().unwrap_or_default(),
+                ..Default::default()
+            };
+            if let Some(v) = &s.provider {
+                if let Some(c) = &v.cached {
+                    out.cached = true;
+                    out.cache_key_type = match c.key_type {
+                        CacheKeyType::Image => "Image",
+                        CacheKeyType::Registry => "Registry",
+                        CacheKeyType::Global => "Global",
+                    }
+                    .into();
+                    out.cache_expires_unix_ms = ms(c.expires);
+                    out.cache_age_ms = u64::try_from(c.age.as_millis()).unwrap_or(u64::MAX);
+                    out.cached_credentials = u32::try_from(c.credentials).unwrap_or(u32::MAX);
+                }
+                out.runs = v.status.runs;
+                out.last_run_unix_ms = ms(v.status.last_run);
+                out.last_success_unix_ms = ms(v.status.last_success);
+                out.last_error = v.status.last_error.clone().unwrap_or_default();
+                out.consecutive_failures = v.status.consecutive_failures;
+                out.backoff_until_unix_ms = ms(v.backoff_until);
+                out.skipped_without_service_account = v.skipped_without_service_account;
+            }
+            out
+        })
+        .collect();
+    pb::ExplainResponse {
+        image: e.image.clone(),
+        sources,
+        verdict: e.verdict(now),
+        ..Default::default()
+    }
+}

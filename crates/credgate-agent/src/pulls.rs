@@ -1,0 +1,152 @@
+//! The CRI proxy's pull decision log: the recent pulls (a bounded ring, never a secret), for
+//! `credgate ctl pulls`, and the throttle of the "unauthorized without credentials" warning.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Mutex;
+use std::time::{Duration, Instant, SystemTime};
+
+/// Pulls kept.
+pub const RING: usize = 256;
+/// The longest runtime message kept with a pull.
+const MESSAGE: usize = 512;
+/// A warning about one image at most this often.
+pub const WARN_EVERY: Duration = Duration::from_secs(600);
+/// Images remembered for the warning's throttle.
+const WARNED: usize = 1024;
+
+/// One pull through the proxy.
+#[derive(Debug, Clone)]
+pub struct PullRecord {
+    pub at: SystemTime,
+    pub image: String,
+    pub pod_namespace: String,
+    pub pod_name: String,
+    /// `none`, `captured`, `provider:NAME`, `docker-config`, `unknown`.
+    pub auth: String,
+    /// The runtime's gRPC code (0: pulled) and message.
+    pub code: i32,
+    pub message: String,
+    pub duration: Duration,
+}
+
+/// What the runtime's answer says, for the metric's `result` label.
+pub fn result_of(code: i32, message: &str) -> &'static str {
+    let m = message.to_ascii_lowercase();
+    match code {
+        0 => "ok",
+        _ if m.contains("401")
+            || m.contains("403")
+            || m.contains("unauthorized")
+            || m.contains("authorization failed")
+            || m.contains("access denied")
+            || m.contains("denied") =>
+        {
+            "unauthorized"
+        }
+        5 => "not_found",
+        _ if m.contains("not found") => "not_found",
+        _ => "error",
+    }
+}
+
+/// The ring and the warning's throttle.
+#[derive(Default)]
+pub struct PullLog {
+    ring: Mutex<VecDeque<PullRecord>>,
+    warned: Mutex<HashMap<String, Instant>>,
+}
+
+impl PullLog {
+    pub fn push(&self, mut record: PullRecord) {
+        if record.message.len() > MESSAGE {
+            let mut cut = MESSAGE;
+            while !record.message.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            record.message.truncate(cut);
+            record.message.push('…');
+        }
+        let mut ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
+        if ring.len() == RING {
+            ring.pop_front();
+        }
+        ring.push_back(record);
+    }
+
+    /// The recent pulls, newest first; of `repository` (a normalized name) only when given.
+    pub fn list(&self, repository: Option<&str>) -> Vec<PullRecord> {
+        let ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
+        ring.iter()
+            .rev()
+            .filter(|r| {
+                repository.is_none_or(|want| {
+                    credgate_core::reference::ImageRef::parse(&r.image)
+                        .is_ok_and(|i| i.name() == want)
+                })
+            })
+            .cloned()
+            .collect()
+    }
+
+    /// Whether a warning about `image` may be logged now (once per [`WARN_EVERY`]).
+    pub fn may_warn(&self, image: &str) -> bool {
+        let now = Instant::now();
+        let mut warned = self.warned.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(at) = warned.get(image) {
+            if now.duration_since(*at) < WARN_EVERY {
+                return false;
+            }
+        }
+        if warned.len() >= WARNED {
+            warned.retain(|_, at| now.duration_since(*at) < WARN_EVERY);
+            if warned.len() >= WARNED {
+                return false;
+            }
+        }
+        warned.insert(image.to_owned(), now);
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(image: &str, message: &str) -> PullRecord {
+        PullRecord {
+            at: SystemTime::now(),
+            image: image.into(),
+            pod_namespace: "ns".into(),
+            pod_name: "pod".into(),
+            auth: "none".into(),
+            code: 2,
+            message: message.into(),
+            duration: Duration::from_millis(3),
+        }
+    }
+
+    #[test]
+    fn the_ring_is_bounded_newest_first_and_filtered_by_repository() {
+        let log = PullLog::default();
+        for i in 0..RING + 10 {
+            log.push(record(
+                &format!("reg.io/app-{}:v1", i % 3),
+                &"x".repeat(2000),
+            ));
+        }
+        let all = log.list(None);
+        assert_eq!(all.len(), RING);
+        assert!(all[0].message.chars().count() <= MESSAGE + 1);
+        let one = log.list(Some("reg.io/app-1"));
+        assert!(!one.is_empty() && one.iter().all(|r| r.image.starts_with("reg.io/app-1:")));
+        assert!(log.may_warn("reg.io/app-1:v1"));
+        assert!(!log.may_warn("reg.io/app-1:v1"));
+        assert_eq!(
+            result_of(2, "failed to resolve: 401 Unauthorized"),
+            "unauthorized"
+        );
+        assert_eq!(result_of(0, ""), "ok");
+        assert_eq!(result_of(5, "x"), "not_found");
+        assert_eq!(result_of(2, "invalid reference format"), "error");
+    }
+}
