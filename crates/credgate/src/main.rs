@@ -45,6 +45,7 @@ fn main() -> ExitCode {
             Command::Serve(args) => cmd::serve::run(*args).await,
             Command::Ctl(args) => cmd::ctl::run(args).await,
             Command::Get(args) => cmd::get::run(args).await,
+            Command::Explain(args) => cmd::explain::run(args).await,
             Command::CheckConfig(args) => cmd::check::run(args),
             Command::KubeletConfig(args) => cmd::kubelet_config::run(args),
             Command::Match(args) => cmd::matching::run(args),

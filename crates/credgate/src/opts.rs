@@ -50,6 +50,13 @@ pub enum Command {
       --link-dir /usr/libexec/kubernetes/kubelet-plugins/credential-provider/exec \
       > /etc/kubernetes/credential-provider-config.yaml")]
     KubeletConfig(KubeletConfigArgs),
+    /// Why a pull of an image gets the credentials it gets, or none: each source in try-order,
+    /// whether it matches and why not, each matching provider's cache, last run and backoff,
+    /// the captured pod credential, and a verdict. Runs no plugin; never prints a secret.
+    #[command(
+        after_help = "Examples:\n  credgate explain registry.example.com:5000/team/app:v1\n  credgate explain -o json --service-account team-a/builder 123456789012.dkr.ecr.us-east-1.amazonaws.com/app:v2\n  credgate explain --image-credential-provider-config examples/provider-config.yaml \\\n      --image-credential-provider-bin-dir examples/plugins registry.example.com/team/app:v1"
+    )]
+    Explain(ExplainArgs),
     /// Does a matchImages/auth pattern match an image? Prints true or false.
     #[command(
         after_help = "Examples:\n  credgate match '*.dkr.ecr.*.amazonaws.com' 123456789012.dkr.ecr.us-east-1.amazonaws.com/app:v1\n  credgate match docker.io nginx:1.25\n  credgate match 'registry.io:5000/team' registry.io:5000/teams/app"
@@ -143,6 +150,22 @@ pub struct GetArgs {
     pub output: Output,
     /// Ask the agent on this socket (default: CREDGATE_SOCKET, else the default socket when it
     /// exists and no --image-credential-provider-config is given).
+    #[arg(long, value_name = "PATH")]
+    pub socket: Option<PathBuf>,
+    #[command(flatten)]
+    pub sources: SourceArgs,
+}
+
+#[derive(Args)]
+pub struct ExplainArgs {
+    /// The image, as a pod spec names it.
+    pub image: String,
+    /// The pod's service account, `NAMESPACE/NAME[/UID]` (for providers with tokenAttributes).
+    #[arg(long, value_name = "SA")]
+    pub service_account: Option<String>,
+    #[arg(short, long, value_enum, default_value_t = Output::Table)]
+    pub output: Output,
+    /// Ask the agent on this socket (default: as `get` decides).
     #[arg(long, value_name = "PATH")]
     pub socket: Option<PathBuf>,
     #[command(flatten)]
@@ -426,6 +449,12 @@ pub enum CtlCall {
     Ping,
     /// Admin.ListCaptured / ForgetCaptured: the pull credentials the CRI proxy captured
     /// (never their secrets); `captured forget REPO` drops one.
+    /// Admin.ListPulls: the CRI proxy's recent pulls (newest first): pod, whether the kubelet
+    /// sent credentials and which source they match, the runtime's answer. Never a secret.
+    #[command(
+        after_help = "Example:\n  credgate ctl pulls\n  credgate ctl pulls registry.example.com/team/app"
+    )]
+    Pulls { image: Option<String> },
     #[command(
         after_help = "Example:\n  credgate ctl captured\n  credgate ctl captured forget registry.example.com/team/app"
     )]

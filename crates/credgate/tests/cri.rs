@@ -744,3 +744,165 @@ async fn a_caller_that_does_not_read_holds_back_only_its_own_calls() {
     }
     drop(unread);
 }
+
+/// The agent's metrics page (the agent started with `--metrics-addr 127.0.0.1:0`).
+fn metrics_text(agent: &Agent) -> String {
+    use std::io::{Read as _, Write as _};
+    let log = agent.log_text();
+    let addr = log
+        .split("addr=")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .expect("the metrics address is logged")
+        .to_owned();
+    let mut c = std::net::TcpStream::connect(addr).unwrap();
+    c.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    let mut text = String::new();
+    c.read_to_string(&mut text).unwrap();
+    text
+}
+
+/// "Why was this pull anonymous?": pulls through the proxy are logged with whether the kubelet
+/// sent credentials and what the runtime answered, counted, listed by `ctl pulls`; a pull
+/// without credentials that fails as unauthorized while a provider matches the image gets a
+/// warning saying what to check; `credgate explain` names a provider whose pattern misses by
+/// the port, as text and as JSON.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn pulls_are_logged_and_explained() {
+    needs_containerd();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let registry = Registry::start(d, USER, PASSWORD);
+    oci_image(d);
+    push(d, &registry, "team/app", USER, PASSWORD);
+    let containerd = Containerd::start(d, &[registry.host()]);
+    // Two providers: one for the registry's host and port (its plugin answers the right
+    // credential), one for the host alone, which misses by the port.
+    let bin = d.join("plugins");
+    std::fs::create_dir_all(&bin).unwrap();
+    let answer = format!(
+        "{{\"kind\":\"CredentialProviderResponse\",\"apiVersion\":\"credentialprovider.kubelet.k8s.io/v1\",\"cacheKeyType\":\"Registry\",\"cacheDuration\":\"1h\",\"auth\":{{\"{}\":{{\"username\":\"{USER}\",\"password\":\"{PASSWORD}\"}}}}}}",
+        registry.host()
+    );
+    for name in ["right", "portless"] {
+        support::write_script(&bin.join(name), &format!("cat >/dev/null\necho '{answer}'"));
+    }
+    let config = d.join("providers.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "apiVersion: kubelet.config.k8s.io/v1\nkind: CredentialProviderConfig\nproviders:\n- name: right\n  matchImages: [\"{}\"]\n  defaultCacheDuration: 1h\n  apiVersion: credentialprovider.kubelet.k8s.io/v1\n- name: portless\n  matchImages: [\"127.0.0.1\"]\n  defaultCacheDuration: 1h\n  apiVersion: credentialprovider.kubelet.k8s.io/v1\n",
+            registry.host()
+        ),
+    )
+    .unwrap();
+    let (agent, proxy) = proxy_agent_with(
+        d,
+        &containerd.socket,
+        &[
+            "--image-credential-provider-config",
+            config.to_str().unwrap(),
+            "--image-credential-provider-bin-dir",
+            bin.to_str().unwrap(),
+            "--metrics-addr",
+            "127.0.0.1:0",
+        ],
+    );
+    let image = format!("{}/team/app:v1", registry.host());
+    // The kubelet pulls without credentials (its provider config does not name the agent):
+    // unauthorized, twice; one warning.
+    for _ in 0..2 {
+        let e =
+            call::<_, PullImageResponse>(&proxy, PULL_IMAGE, pull_request(&image, None, "team-a"))
+                .await
+                .unwrap_err();
+        assert_ne!(e.code(), tonic::Code::Ok);
+    }
+    let pulled: PullImageResponse = call(
+        &proxy,
+        PULL_IMAGE,
+        pull_request(&image, Some((USER, PASSWORD)), "team-a"),
+    )
+    .await
+    .expect("with credentials");
+    assert!(pulled.image_ref.starts_with("sha256:"));
+    let log = agent.log_text();
+    let pull_lines: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains(" pull ") || l.contains("\"pull\""))
+        .collect();
+    assert!(
+        pull_lines
+            .iter()
+            .filter(
+                |l| l.contains("auth=none") && l.contains("result=\"unauthorized\"")
+                    || l.contains("auth=none") && l.contains("result=unauthorized")
+            )
+            .count()
+            >= 2,
+        "{log}"
+    );
+    let warnings: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("a pull without credentials failed as unauthorized"))
+        .collect();
+    assert_eq!(warnings.len(), 1, "once per image: {log}");
+    assert!(warnings[0].contains("provider right"), "{}", warnings[0]);
+    assert!(!log.contains(PASSWORD), "the password reached the log");
+    // The ring, newest first; the metric by auth and result.
+    let pulls = agent.credgate(&["ctl", "pulls"]);
+    let text = support::text(&pulls.stdout);
+    let rows: Vec<&str> = text.lines().skip(1).collect();
+    assert_eq!(rows.len(), 3, "{text}");
+    assert!(
+        rows[0].contains("pulled") && rows[0].contains("team-a/app-0"),
+        "{text}"
+    );
+    assert!(
+        rows[1].contains("none") && rows[1].contains("2: failed to pull"),
+        "{text}"
+    );
+    let json = agent.credgate(&["ctl", "-o", "json", "pulls", &image]);
+    let v: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    assert_eq!(v["pulls"].as_array().unwrap().len(), 3);
+    assert!(
+        v["pulls"][1]["message"]
+            .as_str()
+            .unwrap()
+            .contains("401 Unauthorized"),
+        "{v}"
+    );
+    assert_eq!(
+        v["pulls"][0]["auth"], "unknown",
+        "a credential of no source the agent holds"
+    );
+    assert!(!support::text(&json.stdout).contains(PASSWORD));
+    let metrics = metrics_text(&agent);
+    assert!(
+        metrics.contains("credgate_cri_pulls_total{auth=\"none\",result=\"unauthorized\"} 2"),
+        "{metrics}"
+    );
+    // `explain`: the right provider matches (its answer is not cached yet: the kubelet never
+    // asked), the portless one misses by the port; text and JSON.
+    let out = agent.credgate(&["explain", &image]);
+    let text = support::text(&out.stdout);
+    assert!(out.status.success(), "{}", support::text(&out.stderr));
+    assert!(text.contains("provider right: matches"), "{text}");
+    assert!(
+        text.contains("provider portless: does not match (closest: 127.0.0.1: the pattern has no port and does not match a host with a port"),
+        "{text}"
+    );
+    assert!(text.contains("verdict: "), "{text}");
+    let out = agent.credgate(&["explain", "-o", "json", &image]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["sources"][0]["name"], "right");
+    assert_eq!(v["sources"][0]["matched"], true);
+    assert_eq!(v["sources"][1]["matched"], false);
+    assert!(v["sources"][1]["why_not"]
+        .as_str()
+        .unwrap()
+        .contains("port"));
+    assert!(!support::text(&out.stdout).contains(PASSWORD));
+}

@@ -290,6 +290,36 @@ async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcome> {
             let r = answer(admin.ping(pb::PingRequest {})).await?;
             show(out, &r, |_| "pong".to_owned())?;
         }
+        CtlCall::Pulls { image } => {
+            let r = answer(admin.list_pulls(pb::ListPullsRequest {
+                image: image.unwrap_or_default(),
+            }))
+            .await?;
+            if out == Output::Json {
+                json(&r)?;
+            } else if r.pulls.is_empty() {
+                println!("no pulls through the CRI proxy yet");
+            } else {
+                let rows: Vec<Vec<String>> = r
+                    .pulls
+                    .iter()
+                    .map(|p| {
+                        vec![
+                            time_ms(p.at_unix_ms),
+                            p.image.clone(),
+                            format!("{}/{}", p.pod_namespace, p.pod_name),
+                            p.auth.clone(),
+                            if p.code == 0 {
+                                "pulled".into()
+                            } else {
+                                format!("{}: {}", p.code, p.message)
+                            },
+                        ]
+                    })
+                    .collect();
+                print_table(&["AT", "IMAGE", "POD", "AUTH", "RESULT"], &rows);
+            }
+        }
         CtlCall::Captured { action: None } => {
             let r = answer(admin.list_captured(pb::ListCapturedRequest {})).await?;
             if out == Output::Json {

@@ -66,15 +66,15 @@ impl Row {
     }
 }
 
-/// Which agent `get` should ask, if any.
-fn agent_socket(args: &GetArgs) -> Option<PathBuf> {
-    if let Some(p) = &args.socket {
+/// Which agent `get` (and `explain`) should ask, if any.
+pub fn agent_socket(socket: Option<&PathBuf>, sources: &SourceArgs) -> Option<PathBuf> {
+    if let Some(p) = socket {
         return Some(p.clone());
     }
     if std::env::var_os(credgate_api::SOCKET_ENV).is_some_and(|v| !v.is_empty()) {
         return Some(credgate_api::socket_path(None));
     }
-    if args.sources.image_credential_provider_config.is_some() {
+    if sources.image_credential_provider_config.is_some() {
         return None;
     }
     let default = credgate_api::default_socket_path();
@@ -90,7 +90,7 @@ pub async fn run(args: GetArgs) -> Result<Outcome> {
         )));
     }
     let min_valid_for = args.min_valid_for.unwrap_or_default();
-    let (image, rows, warnings) = match agent_socket(&args) {
+    let (image, rows, warnings) = match agent_socket(args.socket.as_ref(), &args.sources) {
         Some(socket) => remote(&socket, &args.image, min_valid_for).await?,
         None => {
             // Explicit docker configs are read (a missing one is an error, as in serve); the

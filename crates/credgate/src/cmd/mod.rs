@@ -1,6 +1,7 @@
 pub mod check;
 pub mod ctl;
 pub mod ctl_guard;
+pub mod explain;
 pub mod get;
 pub mod kubelet_config;
 pub mod matching;

@@ -1,0 +1,162 @@
+//! `credgate explain IMAGE`: why a pull gets the credentials it gets, or none. Asks the running
+//! agent (its view: caches, last runs, backoff, captured credentials) when there is one, else
+//! computes the same from the flags in-process (no captured credentials there).
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context, Result};
+use credgate_api::v1::admin_client::AdminClient;
+use credgate_api::v1::{self as pb};
+
+use super::ctl::{answer, json};
+use super::get::{agent_socket, build_engine, rfc3339};
+use crate::opts::{ExplainArgs, Output};
+use crate::{usage, Outcome};
+
+fn service_account(s: &str) -> Result<pb::ServiceAccount> {
+    let parts: Vec<&str> = s.split('/').collect();
+    match parts.as_slice() {
+        [ns, name] | [ns, name, ""] => Ok(pb::ServiceAccount {
+            namespace: (*ns).into(),
+            name: (*name).into(),
+            ..Default::default()
+        }),
+        [ns, name, uid] => Ok(pb::ServiceAccount {
+            namespace: (*ns).into(),
+            name: (*name).into(),
+            uid: (*uid).into(),
+            ..Default::default()
+        }),
+        _ => Err(usage(format!(
+            "--service-account {s:?}: expected NAMESPACE/NAME[/UID]"
+        ))),
+    }
+}
+
+pub async fn run(args: ExplainArgs) -> Result<Outcome> {
+    if let Err(e) = credgate_core::reference::ImageRef::parse(&args.image) {
+        return Err(usage(format!(
+            "invalid image reference {:?}: {e}",
+            args.image
+        )));
+    }
+    let sa = args
+        .service_account
+        .as_deref()
+        .map(service_account)
+        .transpose()?;
+    let explained = match agent_socket(args.socket.as_ref(), &args.sources) {
+        Some(socket) => {
+            let channel = credgate_api::connect(&socket)
+                .await
+                .with_context(|| format!("cannot reach the agent at {}", socket.display()))?;
+            answer(AdminClient::new(channel).explain(pb::ExplainRequest {
+                image: args.image.clone(),
+                service_account: sa,
+            }))
+            .await?
+        }
+        None => {
+            let engine = build_engine(&args.sources)?;
+            let sa = sa.map(|s| credgate_engine::ServiceAccount {
+                namespace: s.namespace,
+                name: s.name,
+                uid: s.uid,
+                token: secrecy::SecretString::from(String::new()),
+                annotations: Default::default(),
+            });
+            let e = engine.explain(&credgate_engine::LookupRequest {
+                image: &args.image,
+                service_account: sa.as_ref(),
+                ..Default::default()
+            })?;
+            credgate_agent::explain::to_wire(&e, SystemTime::now())
+        }
+    };
+    if args.output == Output::Json {
+        json(&explained)?;
+    } else {
+        print!("{}", text(&explained));
+    }
+    Ok(Outcome::Yes)
+}
+
+fn at(ms: i64) -> String {
+    if ms <= 0 {
+        return "-".into();
+    }
+    rfc3339(UNIX_EPOCH + Duration::from_millis(ms.unsigned_abs()))
+}
+
+/// The explanation for a person: the verdict first, then each source.
+fn text(e: &pb::ExplainResponse) -> String {
+    let mut out = format!(
+        "image:   {}\nverdict: {}\n\nsources, in try-order:\n",
+        e.image, e.verdict
+    );
+    if e.captured {
+        out.push_str(&format!(
+            "  captured pod credential: namespace {}, captured {}\n",
+            if e.captured_namespace.is_empty() {
+                "-"
+            } else {
+                &e.captured_namespace
+            },
+            at(e.captured_unix_ms)
+        ));
+    }
+    if e.sources.is_empty() {
+        out.push_str("  none: no docker config and no provider config\n");
+    }
+    for s in &e.sources {
+        let head = format!("  {} {}", s.kind, s.name);
+        if !s.matched {
+            out.push_str(&format!(
+                "{head}: does not match{}\n",
+                if s.pattern.is_empty() {
+                    String::new()
+                } else {
+                    format!(" (closest: {}: {})", s.pattern, s.why_not)
+                }
+            ));
+            continue;
+        }
+        out.push_str(&format!("{head}: matches {}\n", s.pattern));
+        if s.kind != "provider" {
+            continue;
+        }
+        if s.skipped_without_service_account {
+            out.push_str(
+                "      needs a service account (--service-account): not run without one\n",
+            );
+        }
+        if s.cached {
+            out.push_str(&format!(
+                "      cache: {} credential(s), key {}, expires {}, fetched {} ago\n",
+                s.cached_credentials,
+                s.cache_key_type,
+                at(s.cache_expires_unix_ms),
+                credgate_core::duration::Rounded(Duration::from_millis(s.cache_age_ms))
+            ));
+        } else {
+            out.push_str("      cache: nothing for this image: a lookup runs the plugin\n");
+        }
+        out.push_str(&format!(
+            "      runs: {}, last run {}, last success {}\n",
+            s.runs,
+            at(s.last_run_unix_ms),
+            at(s.last_success_unix_ms)
+        ));
+        if s.backoff_until_unix_ms > 0 {
+            out.push_str(&format!(
+                "      backing off until {} after {} failures\n",
+                at(s.backoff_until_unix_ms),
+                s.consecutive_failures
+            ));
+        }
+        if !s.last_error.is_empty() {
+            out.push_str(&format!("      last error: {}\n", s.last_error));
+        }
+    }
+    out
+}
