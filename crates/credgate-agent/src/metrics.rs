@@ -96,6 +96,9 @@ pub struct AgentMetrics {
     pub captured_dropped: Counter,
     /// Pulls through the CRI proxy by the credentials the kubelet sent and the result.
     pub cri_pulls: Family<Labels, Counter>,
+    /// Pulls without credentials that failed as unauthorized while a source of the agent
+    /// matched the image.
+    pub cri_pulls_missed: Counter,
     /// Provider answers restored from the sealed cache at start.
     pub cache_restored: Counter,
     /// Saved provider answers not restored, by reason.
@@ -188,6 +191,7 @@ impl Default for AgentMetrics {
             },
             captured_dropped: Counter::default(),
             cri_pulls: Family::default(),
+            cri_pulls_missed: Counter::default(),
             cache_restored: Counter::default(),
             cache_dropped_total: Family::default(),
             cache_persisted: Counter::default(),
@@ -212,6 +216,11 @@ impl AgentMetrics {
             "cri_pulls",
             "Pulls through the CRI proxy by auth (none, captured, provider, docker_config, unknown) and result (ok, unauthorized, not_found, error)",
             self.cri_pulls.clone(),
+        );
+        r.register(
+            "cri_pulls_missed",
+            "Pulls through the CRI proxy without credentials that failed as unauthorized while a provider or docker config of the agent matched the image",
+            self.cri_pulls_missed.clone(),
         );
         r.register(
             "cache_restored",

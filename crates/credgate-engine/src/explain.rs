@@ -80,10 +80,26 @@ fn closest<'a>(
 impl Engine {
     /// Explains a lookup of `req.image` (an image, with an optional service account).
     pub fn explain(&self, req: &LookupRequest<'_>) -> Result<Explanation, LookupError> {
-        let image = credgate_core::reference::ImageRef::parse(req.image)?;
-        let (name, registry) = (image.name(), image.registry());
-        let target = Target::from_image_name(name);
-        let default_registry = credgate_core::reference::is_default_registry(name);
+        let parts;
+        let image;
+        let (name, registry, target, default_registry) = if req.registry_host {
+            parts = credgate_core::pattern::parse_schemeless(req.image)
+                .map_err(|_| LookupError::InvalidHost(req.image.to_owned()))?;
+            let default = matches!(
+                req.image,
+                "docker.io" | "index.docker.io" | "registry-1.docker.io"
+            );
+            (req.image, req.image, Target::from_parts(&parts), default)
+        } else {
+            image = credgate_core::reference::ImageRef::parse(req.image)?;
+            let name = image.name();
+            (
+                name,
+                image.registry(),
+                Target::from_image_name(name),
+                credgate_core::reference::is_default_registry(name),
+            )
+        };
         let (now, wall) = (self.clock().now(), self.clock().wall());
         let mut sources = Vec::new();
         for s in self.statics() {
@@ -149,6 +165,37 @@ fn rounded(d: Duration) -> credgate_core::duration::Rounded {
 }
 
 impl Explanation {
+    /// A short reason per source for a lookup that found nothing: what was tried, and why each
+    /// gave nothing.
+    pub fn reasons(&self) -> Vec<String> {
+        if self.sources.is_empty() {
+            return vec!["no docker config and no provider config".into()];
+        }
+        self.sources
+            .iter()
+            .map(|s| {
+                let what = match s.kind {
+                    SourceKind::Provider => format!("provider {}", s.name),
+                    SourceKind::DockerConfig => format!("docker config {}", s.name),
+                };
+                match (&s.provider, s.matched) {
+                    (Some(v), true) if v.skipped_without_service_account => {
+                        format!("{what} needs a service account")
+                    }
+                    (_, true) => format!(
+                        "{what} matched ({}) and gave no credential for {}",
+                        s.pattern.as_deref().unwrap_or("-"),
+                        self.image
+                    ),
+                    (_, false) => match (&s.pattern, &s.why_not) {
+                        (Some(p), Some(w)) => format!("{what}: {p} does not match ({w})"),
+                        _ => format!("{what}: nothing matches"),
+                    },
+                }
+            })
+            .collect()
+    }
+
     /// The repository of the image (its normalized name without tag or digest).
     pub fn image_repository(&self) -> String {
         credgate_core::reference::ImageRef::parse(&self.image)

@@ -95,6 +95,7 @@ fn get() -> Result<Zeroizing<String>, String> {
         image: host.clone(),
         registry_host: true,
         caller: "docker-helper".into(),
+        explain: true,
         ..Default::default()
     };
     let mut answer: LookupResponse =
@@ -112,6 +113,14 @@ fn get() -> Result<Zeroizing<String>, String> {
         })?;
     let Some(first) = answer.credentials.first() else {
         if answer.failures.is_empty() {
+            // Clients read the "not found" text from stdout exactly; what was tried goes to
+            // stderr.
+            if !answer.reasons.is_empty() {
+                eprintln!(
+                    "credgate: no credentials for {host}: {}",
+                    answer.reasons.join("; ")
+                );
+            }
             return Err(NOT_FOUND.into());
         }
         let why: Vec<&str> = answer.failures.iter().map(|f| f.message.as_str()).collect();

@@ -136,9 +136,17 @@ fn skopeo_pulls_through_the_docker_credential_helper() {
     let out = skopeo_inspect(&authfile, &format!("{other}/team-a/app:v1"), &agent.socket);
     assert!(!out.status.success());
     let err = text(&out.stderr);
+    // The helper's "not found" is no error: skopeo goes on anonymously. What the helper tried
+    // reaches skopeo's stderr as the helper wrote it.
     assert!(
-        !err.contains("credgate"),
+        !err.contains("lookup failed") && !err.contains("cannot reach"),
         "the helper's answer is not an error: {err}"
+    );
+    assert!(
+        err.contains("credgate: no credentials for localhost:")
+            && err.contains("provider registry-login: 127.0.0.1:")
+            && err.contains("does not match"),
+        "the helper says which providers it tried: {err}"
     );
     assert!(
         err.to_lowercase().contains("unauthorized") || err.contains("authentication required"),

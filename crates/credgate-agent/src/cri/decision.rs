@@ -119,7 +119,11 @@ fn warn_if_a_source_would_have_answered(agent: &crate::Agent, pull: &Pull) {
             credgate_engine::SourceKind::DockerConfig => format!("docker config {}", s.name),
         })
         .collect();
-    if matching.is_empty() || !agent.pulls().may_warn(&pull.image) {
+    if matching.is_empty() {
+        return;
+    }
+    agent.metrics().cri_pulls_missed.inc();
+    if !agent.pulls().may_warn(&pull.image) {
         return;
     }
     tracing::warn!(

@@ -93,6 +93,7 @@ pub fn provider_answer(
             .map(|e| e.key.kind().as_str().to_owned())
             .unwrap_or_default(),
         cache_for_ms: i64::try_from(cache_for.as_millis()).unwrap_or(i64::MAX),
+        reasons: Vec::new(),
     }
 }
 
@@ -265,9 +266,23 @@ impl Api {
             .map_err(ApiError::from)?;
         if let Some(mut answer) = served {
             self.with_captured(&mut answer, req.registry_host);
+            if req.explain && answer.credentials.is_empty() {
+                answer.reasons = engine
+                    .explain(&request)
+                    .map(|e| e.reasons())
+                    .unwrap_or_default();
+            }
             return Ok(answer);
         }
         let lookup = engine.lookup(&request).await.map_err(ApiError::from)?;
+        let reasons = if req.explain && lookup.credentials.is_empty() && lookup.errors.is_empty() {
+            engine
+                .explain(&request)
+                .map(|e| e.reasons())
+                .unwrap_or_default()
+        } else {
+            Vec::new()
+        };
         let failures: Vec<pb::ProviderFailure> = lookup.errors.iter().map(failure).collect();
         let fallback = (!failures.is_empty() && sa.is_none() && !req.registry_host)
             .then(|| self.agent.renewer().last_good(&req.image))
@@ -281,9 +296,13 @@ impl Api {
             credentials,
             failures,
             last_known_good,
+            reasons,
             ..Default::default()
         };
         self.with_captured(&mut answer, req.registry_host);
+        if !answer.credentials.is_empty() {
+            answer.reasons.clear();
+        }
         Ok(answer)
     }
 
