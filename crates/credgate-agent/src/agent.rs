@@ -310,6 +310,9 @@ impl Agent {
         })?;
         let now = self.inner.clock.wall();
         let mut answer = crate::explain::to_wire(&explained, now);
+        if let Some(guard) = self.guard() {
+            self.explain_guard(guard, image, &mut answer);
+        }
         if let Some(c) = self
             .captured()
             .and_then(|c| c.for_repository(&explained.image_repository()))
@@ -317,14 +320,73 @@ impl Agent {
             answer.captured = true;
             answer.captured_namespace = c.namespace.clone();
             answer.captured_unix_ms = c.captured_ms;
+            let prefix = format!("{}: ", explained.image);
+            let rest = answer
+                .verdict
+                .strip_prefix(&prefix)
+                .unwrap_or(&answer.verdict)
+                .to_owned();
             answer.verdict = format!(
-                "{}: the pod credential the CRI proxy captured for the repository (namespace {}) comes first; then: {}",
-                explained.image,
+                "{}the pod credential the CRI proxy captured for the repository (namespace {}) comes first; then {rest}",
+                prefix,
                 if c.namespace.is_empty() { "-" } else { &c.namespace },
-                answer.verdict
             );
         }
         Ok(answer)
+    }
+
+    /// The guard's records of `image` and its decision for node-wide credentials.
+    fn explain_guard(
+        &self,
+        guard: &Guard,
+        image: &str,
+        answer: &mut credgate_api::v1::ExplainResponse,
+    ) {
+        let Ok((name, _)) = crate::guard::normalize(image) else {
+            return;
+        };
+        let Ok(store) = guard.store() else {
+            answer.guard_node_wide_decision = "the guard's store cannot be read".into();
+            return;
+        };
+        let mut first_ref = None;
+        for record in store.records() {
+            let Some(entry) = record.names.get(&name) else {
+                continue;
+            };
+            first_ref.get_or_insert_with(|| record.image_ref.clone());
+            let mut namespaces: Vec<&str> = entry
+                .secrets
+                .iter()
+                .map(|s| s.coords.namespace.as_str())
+                .collect();
+            namespaces.sort_unstable();
+            namespaces.dedup();
+            answer.guard_records.push(format!(
+                "{}: node-wide {}; {} secret(s){}; {} service account(s)",
+                record.image_ref,
+                if entry.node_accessible { "yes" } else { "no" },
+                entry.secrets.len(),
+                if namespaces.is_empty() {
+                    String::new()
+                } else {
+                    format!(" of {}", namespaces.join(", "))
+                },
+                entry.service_accounts.len()
+            ));
+        }
+        if let Some(image_ref) = first_ref {
+            if let Ok(c) = guard.check(
+                image,
+                &image_ref,
+                true,
+                crate::guard::PullPolicy::IfNotPresent,
+                &[crate::guard::CredentialIn::NodeWide],
+            ) {
+                answer.guard_node_wide_decision =
+                    format!("{} ({}): {}", c.answer.as_str(), c.reason, c.message);
+            }
+        }
     }
 
     /// What the sealed provider cache did.

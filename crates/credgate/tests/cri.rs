@@ -895,6 +895,19 @@ async fn pulls_are_logged_and_explained() {
         "{text}"
     );
     assert!(text.contains("verdict: "), "{text}");
+    // The guard recorded the pulls: the image's ID, pulled with a secret of team-a, not
+    // node-wide; a workload with node-wide credentials only must authenticate.
+    assert!(
+        text.contains(&format!(
+            "{}: node-wide no; 1 secret(s) of team-a",
+            pulled.image_ref
+        )),
+        "{text}"
+    );
+    assert!(
+        text.contains("a workload with node-wide credentials only: must_authenticate"),
+        "{text}"
+    );
     let out = agent.credgate(&["explain", "-o", "json", &image]);
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["sources"][0]["name"], "right");

@@ -158,5 +158,17 @@ fn text(e: &pb::ExplainResponse) -> String {
             out.push_str(&format!("      last error: {}\n", s.last_error));
         }
     }
+    if !e.guard_records.is_empty() {
+        out.push_str("\nimage access guard:\n");
+        for r in &e.guard_records {
+            out.push_str(&format!("  {r}\n"));
+        }
+        if !e.guard_node_wide_decision.is_empty() {
+            out.push_str(&format!(
+                "  a workload with node-wide credentials only: {}\n",
+                e.guard_node_wide_decision
+            ));
+        }
+    }
     out
 }
