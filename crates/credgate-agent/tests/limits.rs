@@ -505,7 +505,7 @@ async fn a_request_that_does_not_decode_is_invalid_argument() {
     let r = tokio::task::spawn_blocking(move || {
         credgate_api::unary::call::<_, pb::LookupResponse>(
             &socket,
-            "/credgate.v1.Credentials/Lookup",
+            credgate_api::methods::LOOKUP,
             &NotUtf8 {
                 image: vec![0xff, 0xfe, 0xfd],
             },

@@ -602,7 +602,7 @@ async fn a_socket_directory_another_user_owns_is_refused_by_agent_and_clients() 
     assert!(chain.contains("owner: 65534"), "{chain}");
     let unary: Result<pb::PingResponse, _> = credgate_api::unary::call(
         &path,
-        "/credgate.v1.Admin/Ping",
+        credgate_api::methods::PING,
         &pb::PingRequest {},
         Duration::from_secs(5),
     );

@@ -49,6 +49,17 @@ pub mod v1 {
     }
 }
 
+/// The `credgate.v1` methods as gRPC paths, for clients that call them without generated
+/// stubs (the blocking client of the helper and the bridge, raw HTTP/2 in tests and benchmarks).
+pub mod methods {
+    pub const LOOKUP: &str = "/credgate.v1.Credentials/Lookup";
+    pub const WATCH: &str = "/credgate.v1.Credentials/Watch";
+    pub const HEALTH: &str = "/credgate.v1.Admin/Health";
+    pub const PING: &str = "/credgate.v1.Admin/Ping";
+    pub const STATUS: &str = "/credgate.v1.Admin/Status";
+    pub const VERIFY: &str = "/credgate.v1.ImageAccess/Verify";
+}
+
 pub mod authority;
 pub mod cri;
 pub mod hpack;

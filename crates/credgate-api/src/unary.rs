@@ -508,7 +508,7 @@ mod tests {
         let started = std::time::Instant::now();
         let r: Result<crate::v1::HealthResponse, _> = call(
             &path,
-            "/credgate.v1.Admin/Health",
+            crate::methods::HEALTH,
             &crate::v1::HealthRequest {},
             Duration::from_millis(400),
         );
@@ -532,7 +532,7 @@ mod tests {
         std::fs::write(&path, "").unwrap();
         let r: Result<crate::v1::HealthResponse, _> = call(
             &path,
-            "/credgate.v1.Admin/Health",
+            crate::methods::HEALTH,
             &crate::v1::HealthRequest {},
             Duration::from_secs(1),
         );
@@ -580,7 +580,7 @@ mod tests {
         };
         let r = exchange(
             &mut peer,
-            "/credgate.v1.Admin/Health",
+            crate::methods::HEALTH,
             &grpc_message(&crate::v1::HealthRequest {}),
         )
         .and_then(Answer::finish);
@@ -634,7 +634,7 @@ mod tests {
             put_frame(&mut tail, frame::PING, frame::ACK, 0, b"12345678");
             assert!(sent.ends_with(&tail), "chunk {chunk}");
             let request = request_bytes(
-                "/credgate.v1.Admin/Health",
+                crate::methods::HEALTH,
                 &grpc_message(&crate::v1::HealthRequest {}),
             );
             assert_eq!(sent.len(), request.len() + tail.len(), "chunk {chunk}");

@@ -171,7 +171,7 @@ pub fn start(socket: &Path, plan: &Plan) -> std::io::Result<Attack> {
                     image: format!("soak.test/{}", "a".repeat(1 << 20)),
                     ..Default::default()
                 };
-                let bytes = one_call("/credgate.v1.Credentials/Lookup", &request);
+                let bytes = one_call(credgate_api::methods::LOOKUP, &request);
                 while running() {
                     if let Ok(mut c) = UnixStream::connect(&socket) {
                         let _ = c.set_write_timeout(Some(Duration::from_secs(2)));
@@ -264,7 +264,7 @@ fn verify_loop(socket: &Path, port: u16, counts: &Counts, running: &dyn Fn() -> 
     while running() {
         let _: Result<pb::VerifyResponse, _> = credgate_api::unary::call(
             socket,
-            "/credgate.v1.ImageAccess/Verify",
+            credgate_api::methods::VERIFY,
             &request,
             Duration::from_secs(15),
         );
@@ -351,7 +351,7 @@ fn one_call(method: &str, message: &impl Message) -> Vec<u8> {
 fn watch_streams(watch: &pb::WatchRequest, streams: u32) -> Vec<u8> {
     let mut out = Vec::new();
     greedy_preface(&mut out);
-    let head = request_head("/credgate.v1.Credentials/Watch");
+    let head = request_head(credgate_api::methods::WATCH);
     let body = grpc_message(watch);
     for i in 0..streams {
         let id = 1 + 2 * i;

@@ -18,7 +18,7 @@ use serde_json::json;
 use crate::cri::{ms, TempDir};
 use crate::{emit, percentile, Args};
 
-const LOOKUP: &str = "/credgate.v1.Credentials/Lookup";
+use credgate_api::methods::LOOKUP;
 const IMAGE: &str = "rollout.example.com/team/app:v1";
 
 struct Node {

@@ -26,7 +26,7 @@ use credgate_core::wire::CacheKeyType;
 use secrecy::ExposeSecret;
 use zeroize::Zeroizing;
 
-const LOOKUP: &str = "/credgate.v1.Credentials/Lookup";
+use credgate_api::methods::LOOKUP;
 /// Longer than a plugin's default timeout (1 minute): a miss runs one. The kubelet's own
 /// deadline for a plugin is also one minute, so it gives up first.
 const TIMEOUT: Duration = Duration::from_secs(90);

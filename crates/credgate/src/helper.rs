@@ -19,7 +19,7 @@ use credgate_core::helper;
 use zeroize::{Zeroize, Zeroizing};
 
 const NOT_FOUND: &str = "credentials not found in native keychain";
-const LOOKUP: &str = "/credgate.v1.Credentials/Lookup";
+use credgate_api::methods::LOOKUP;
 /// How long the agent may take to answer: longer than a plugin's default timeout (1 minute),
 /// since a miss runs one.
 const TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);

@@ -78,7 +78,7 @@ async fn grpc_go_dialing_as_the_kubelet_does_is_served_on_the_api_socket() {
             &go,
             dial,
             &agent.socket,
-            "/credgate.v1.Admin/Health",
+            credgate_api::methods::HEALTH,
             &[],
             0,
         );
@@ -91,7 +91,7 @@ async fn grpc_go_dialing_as_the_kubelet_does_is_served_on_the_api_socket() {
             &go,
             dial,
             &agent.socket,
-            "/credgate.v1.Credentials/Lookup",
+            credgate_api::methods::LOOKUP,
             &lookup_request(),
             0,
         );
@@ -100,7 +100,7 @@ async fn grpc_go_dialing_as_the_kubelet_does_is_served_on_the_api_socket() {
             &go,
             dial,
             &agent.socket,
-            "/credgate.v1.Credentials/Watch",
+            credgate_api::methods::WATCH,
             &WatchRequest {
                 refs: vec![IMAGE.into()],
             }
@@ -125,11 +125,11 @@ async fn python_grpcio_with_default_options_is_served_on_the_api_socket() {
     let dir = tempfile::tempdir().unwrap();
     let agent = example_agent(dir.path());
     let own = own_lookup(&agent).await;
-    let health = python_call(&agent.socket, "/credgate.v1.Admin/Health", &[], 0, 30);
+    let health = python_call(&agent.socket, credgate_api::methods::HEALTH, &[], 0, 30);
     assert_eq!(health.decode::<HealthResponse>().status, "SERVING");
     let lookup = python_call(
         &agent.socket,
-        "/credgate.v1.Credentials/Lookup",
+        credgate_api::methods::LOOKUP,
         &lookup_request(),
         0,
         30,
@@ -137,7 +137,7 @@ async fn python_grpcio_with_default_options_is_served_on_the_api_socket() {
     assert_eq!(pairs(&lookup.decode()), pairs(&own));
     let watch = python_call(
         &agent.socket,
-        "/credgate.v1.Credentials/Watch",
+        credgate_api::methods::WATCH,
         &WatchRequest {
             refs: vec![IMAGE.into()],
         }
@@ -377,12 +377,7 @@ async fn only_trusted_uids_may_claim_a_service_account_identity() {
             .arg(&go)
             .arg("-socket")
             .arg(&agent.socket)
-            .args([
-                "-method",
-                "/credgate.v1.Credentials/Lookup",
-                "-timeout",
-                "30",
-            ]);
+            .args(["-method", credgate_api::methods::LOOKUP, "-timeout", "30"]);
         support::foreign::run_client(cmd, request)
     };
     let refused = as_uid(4242, &claim);
@@ -406,7 +401,7 @@ async fn only_trusted_uids_may_claim_a_service_account_identity() {
         &go,
         Dial::Path,
         &agent.socket,
-        "/credgate.v1.Credentials/Lookup",
+        credgate_api::methods::LOOKUP,
         &claim,
         0,
     );
