@@ -94,6 +94,8 @@ pub struct Captured {
     key_id: u32,
     max_age: Option<Duration>,
     max_entries: usize,
+    /// The agent's clock (ages of captures).
+    clock: std::sync::Arc<dyn credgate_engine::clock::Clock>,
     /// What is served; held only to read or swap, never across the sealed write.
     by_repository: Mutex<BTreeMap<String, Credential>>,
     /// Serializes writers (each seals the whole map, fsyncs, then swaps it in), so that a
@@ -115,6 +117,7 @@ impl Captured {
             key_id: node.id(),
             max_age,
             max_entries: MAX_ENTRIES,
+            clock: std::sync::Arc::new(credgate_engine::clock::SystemClock::new()),
             by_repository: Mutex::new(BTreeMap::new()),
             writer: Mutex::new(()),
             changes: tokio::sync::watch::Sender::new(0),
@@ -219,6 +222,17 @@ impl Captured {
         })
     }
 
+    /// Tells the age of captures by `clock` (the agent's) instead of the system's.
+    pub fn with_clock(mut self, clock: std::sync::Arc<dyn credgate_engine::clock::Clock>) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// Now, in Unix ms, by the agent's clock: what a capture is stamped with.
+    pub fn now_ms(&self) -> i64 {
+        crate::guard::unix_ms(self.clock.wall())
+    }
+
     /// Keeps at most `n` repositories' credentials instead of [`MAX_ENTRIES`].
     pub fn with_max_entries(mut self, n: usize) -> Self {
         self.max_entries = n.max(1);
@@ -283,7 +297,7 @@ impl Captured {
     /// Drops credentials older than the maximum age.
     pub fn expire(&self) {
         let Some(max) = self.max_age else { return };
-        let oldest = crate::guard::now_ms() - i64::try_from(max.as_millis()).unwrap_or(i64::MAX);
+        let oldest = self.now_ms() - i64::try_from(max.as_millis()).unwrap_or(i64::MAX);
         let stale: Vec<String> = self
             .lock()
             .iter()

@@ -399,7 +399,8 @@ struct Pull {
     pod_name: String,
 }
 
-fn pull_of(message: &[u8]) -> Option<Pull> {
+/// `now_ms`: when it is captured, by the agent's clock.
+fn pull_of(message: &[u8], now_ms: i64) -> Option<Pull> {
     use prost::Message as _;
     let req = wire::PullImageRequest::decode(message).ok()?;
     let image = req.image?.image;
@@ -432,7 +433,7 @@ fn pull_of(message: &[u8]) -> Option<Pull> {
             namespace: namespace.clone(),
             username,
             password,
-            captured_ms: crate::guard::now_ms(),
+            captured_ms: now_ms,
         }),
         in_pod,
         other_registry,
@@ -480,7 +481,7 @@ async fn pull(
         Ok(read) => read,
         Err(refused) => return refused,
     };
-    let asked = grpc_message(&bytes).and_then(pull_of);
+    let asked = grpc_message(&bytes).and_then(|m| pull_of(m, captured.now_ms()));
     // The intent is on disk before the runtime starts pulling.
     if let (Some(guard), Some(pull)) = (guard, &asked) {
         if let Err(e) = guard.record_intent(&pull.image).await {

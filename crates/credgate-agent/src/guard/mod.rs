@@ -157,7 +157,7 @@ pub fn now_ms() -> i64 {
 }
 
 /// `t` in milliseconds since the Unix epoch.
-fn unix_ms(t: SystemTime) -> i64 {
+pub(crate) fn unix_ms(t: SystemTime) -> i64 {
     t.duration_since(SystemTime::UNIX_EPOCH)
         .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }

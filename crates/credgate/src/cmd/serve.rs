@@ -152,7 +152,8 @@ pub async fn run(args: ServeArgs) -> Result<Outcome> {
         let runtime = credgate_agent::cri::endpoint_path(&args.cri_runtime_endpoint);
         let captured = Arc::new(
             credgate_agent::captured::Captured::open(&state_dir, args.captured_credential_max_age)
-                .context("cannot keep captured pull credentials")?,
+                .context("cannot keep captured pull credentials")?
+                .with_clock(agent.clock().clone()),
         );
         agent.set_captured(captured.clone());
         let guard = agent.guard().cloned();
