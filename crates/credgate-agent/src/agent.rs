@@ -30,12 +30,15 @@ pub struct AgentOptions {
     /// Which callers may use each API service.
     pub callers: CallerAllowlist,
     /// How long a Watch event may wait for a client that does not read before the client is
-    /// dropped; [`WATCH_SEND_TIMEOUT`](crate::server::WATCH_SEND_TIMEOUT) when `None`.
+    /// dropped; [`WATCH_SEND_TIMEOUT`] when `None`.
     pub watch_send_timeout: Option<std::time::Duration>,
     /// Keep the providers' answers and the tracked refs sealed in this state directory across
     /// restarts (`--persist-cache`); off when `None`.
     pub saved_cache: Option<std::path::PathBuf>,
 }
+
+/// How long a Watch event may wait for room before its client is dropped.
+pub const WATCH_SEND_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// What the sealed provider cache did: restored at start, dropped (by reason), saved since.
 #[derive(Debug, Clone, Default)]
@@ -283,9 +286,7 @@ impl Agent {
                 reload: Mutex::new(fingerprint),
                 captured: std::sync::OnceLock::new(),
                 callers: options.callers,
-                watch_send_timeout: options
-                    .watch_send_timeout
-                    .unwrap_or(crate::server::WATCH_SEND_TIMEOUT),
+                watch_send_timeout: options.watch_send_timeout.unwrap_or(WATCH_SEND_TIMEOUT),
             }),
         })
     }

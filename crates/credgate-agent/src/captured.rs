@@ -110,7 +110,7 @@ impl Captured {
     /// another key, or damaged, is discarded with a warning.
     pub fn open(state_dir: &Path, max_age: Option<Duration>) -> Result<Captured, CaptureError> {
         let node = NodeKey::load_or_create(state_dir)
-            .map_err(|e| CaptureError::Key(crate::server::error_chain(&e)))?;
+            .map_err(|e| CaptureError::Key(crate::error_chain(&e)))?;
         let captured = Captured {
             dir: state_dir.to_owned(),
             key: node.derive(KEY_LABEL),
@@ -123,7 +123,7 @@ impl Captured {
             changes: tokio::sync::watch::Sender::new(0),
         };
         let path = captured.path();
-        match crate::sealed::read_capped(&path, MAX_FILE) {
+        match crate::state::read_capped(&path, MAX_FILE) {
             Ok(Some(bytes)) => match captured.unseal(&bytes) {
                 Some(entries) => *captured.lock() = entries,
                 None => {
@@ -211,7 +211,7 @@ impl Captured {
             .cipher()
             .encrypt(&nonce, plain.as_slice())
             .expect("sealing a buffer cannot fail");
-        crate::sealed::write_atomically(
+        crate::state::write_atomically(
             &self.dir,
             FILE,
             &[MAGIC, &self.key_id.to_be_bytes(), &nonce, &sealed],
@@ -230,7 +230,7 @@ impl Captured {
 
     /// Now, in Unix ms, by the agent's clock: what a capture is stamped with.
     pub fn now_ms(&self) -> i64 {
-        crate::guard::unix_ms(self.clock.wall())
+        crate::state::unix_ms(self.clock.wall())
     }
 
     /// Keeps at most `n` repositories' credentials instead of [`MAX_ENTRIES`].
@@ -429,12 +429,12 @@ mod tests {
         let c = Captured::open(dir.path(), None).unwrap();
         c.capture(
             "reg.io/team/app",
-            cred("team-a", "alice", "s3cret-pw", crate::guard::now_ms()),
+            cred("team-a", "alice", "s3cret-pw", crate::state::now_ms()),
         )
         .unwrap();
         c.capture(
             "reg.io/team/db",
-            cred("team-a", "bob", "other-pw", crate::guard::now_ms() + 1),
+            cred("team-a", "bob", "other-pw", crate::state::now_ms() + 1),
         )
         .unwrap();
         let file = std::fs::read(dir.path().join(FILE)).unwrap();
@@ -527,11 +527,11 @@ mod tests {
     fn forgetting_and_expiry() {
         let dir = private_dir();
         let c = Captured::open(dir.path(), Some(Duration::from_secs(60))).unwrap();
-        c.capture("reg.io/a", cred("", "u", "p", crate::guard::now_ms()))
+        c.capture("reg.io/a", cred("", "u", "p", crate::state::now_ms()))
             .unwrap();
         c.capture(
             "reg.io/old",
-            cred("", "u", "p", crate::guard::now_ms() - 120_000),
+            cred("", "u", "p", crate::state::now_ms() - 120_000),
         )
         .unwrap();
         c.expire();

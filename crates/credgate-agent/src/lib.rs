@@ -17,11 +17,22 @@ pub mod metrics;
 pub mod pulls;
 pub mod renewal;
 pub mod saved_cache;
-pub mod sealed;
 pub mod server;
 pub mod socket;
 pub mod sources;
+pub mod state;
 pub mod status;
 
 pub use agent::{Agent, AgentOptions, CallerAllowlist, Reloaded, Service};
 pub use sources::{SourceError, Sources};
+
+/// `outer: inner: root`, one line.
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut parts = vec![e.to_string()];
+    let mut cur = e.source();
+    while let Some(s) = cur {
+        parts.push(s.to_string());
+        cur = s.source();
+    }
+    parts.join(": ")
+}

@@ -137,7 +137,7 @@ impl SavedCache {
     /// The sealed file of `state_dir` (the node key's directory).
     pub fn open(state_dir: &Path) -> Result<SavedCache, SavedError> {
         let node = NodeKey::load_or_create(state_dir)
-            .map_err(|e| SavedError::Key(crate::server::error_chain(&e)))?;
+            .map_err(|e| SavedError::Key(crate::error_chain(&e)))?;
         Ok(SavedCache {
             dir: state_dir.to_owned(),
             key: node.derive(KEY_LABEL),
@@ -166,7 +166,7 @@ impl SavedCache {
     pub fn load(&self) -> Loaded {
         let mut loaded = Loaded::default();
         let path = self.path();
-        let bytes = match crate::sealed::read_capped(&path, MAX_FILE) {
+        let bytes = match crate::state::read_capped(&path, MAX_FILE) {
             Ok(Some(b)) => b,
             Ok(None) => return loaded,
             Err(why) => {
@@ -259,7 +259,7 @@ impl SavedCache {
                 },
             )
             .expect("sealing a buffer cannot fail");
-        crate::sealed::write_atomically(&self.dir, FILE, &[&header, &nonce, &sealed]).map_err(
+        crate::state::write_atomically(&self.dir, FILE, &[&header, &nonce, &sealed]).map_err(
             |error| SavedError::Write {
                 path: self.path(),
                 error,

@@ -145,7 +145,7 @@ mod tests {
         let Err(e) = sources.build(None, None) else {
             panic!("a bad docker config was accepted")
         };
-        let chain = crate::server::error_chain(&e);
+        let chain = crate::error_chain(&e);
         let parts: Vec<&str> = chain.split(": ").collect();
         let mut seen = std::collections::HashSet::new();
         assert!(parts.iter().all(|p| seen.insert(*p)), "{chain}");

@@ -485,7 +485,7 @@ async fn pull(
     // The intent is on disk before the runtime starts pulling.
     if let (Some(guard), Some(pull)) = (guard, &asked) {
         if let Err(e) = guard.record_intent(&pull.image).await {
-            tracing::error!(error = %crate::server::error_chain(&e), "pull intent not recorded");
+            tracing::error!(error = %crate::error_chain(&e), "pull intent not recorded");
         }
     }
     let started = std::time::Instant::now();
@@ -518,7 +518,7 @@ async fn pull(
             (None, _) => guard.record_result(&pull.image, "", false, None).await,
         };
         if let Err(e) = result {
-            tracing::error!(error = %crate::server::error_chain(&e), "pull result not recorded");
+            tracing::error!(error = %crate::error_chain(&e), "pull result not recorded");
         }
     }
     if let (Some(_), Some(credential)) = (&image_ref, pull.credential) {

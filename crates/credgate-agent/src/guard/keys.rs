@@ -47,23 +47,23 @@ impl NodeKey {
     /// readable by nobody else.
     pub fn load_or_create(dir: &Path) -> Result<NodeKey, KeyError> {
         use std::os::unix::fs::PermissionsExt;
-        super::state_dir(dir)?;
+        crate::state::state_dir(dir)?;
         let path = dir.join("node.key");
         let io = |source| KeyError::Io {
             path: path.clone(),
             source,
         };
-        let opened = super::trusted_file(&path, false).and_then(|f| {
+        let opened = crate::state::trusted_file(&path, false).and_then(|f| {
             let mode = f
                 .metadata()
-                .map_err(super::FileError::Io)?
+                .map_err(crate::state::FileError::Io)?
                 .permissions()
                 .mode()
                 & 0o777;
             Ok((f, mode))
         });
         match opened {
-            Err(super::FileError::Untrusted(e)) => Err(e.into()),
+            Err(crate::state::FileError::Untrusted(e)) => Err(e.into()),
             Ok((_, mode)) if mode & 0o077 != 0 => Err(KeyError::Exposed {
                 path: path.clone(),
                 mode,
@@ -77,7 +77,7 @@ impl NodeKey {
                 })?;
                 Ok(NodeKey::from_bytes(key))
             }
-            Err(super::FileError::Io(e)) if e.kind() == std::io::ErrorKind::NotFound => {
+            Err(crate::state::FileError::Io(e)) if e.kind() == std::io::ErrorKind::NotFound => {
                 let mut key = [0u8; 32];
                 std::fs::File::open("/dev/urandom")
                     .and_then(|mut r| r.read_exact(&mut key))
@@ -109,7 +109,7 @@ impl NodeKey {
                     }
                 }
             }
-            Err(super::FileError::Io(e)) => Err(io(e)),
+            Err(crate::state::FileError::Io(e)) => Err(io(e)),
         }
     }
 

@@ -14,7 +14,7 @@ pub mod store;
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use credgate_core::guard::{
@@ -123,9 +123,9 @@ pub enum GuardError {
     InvalidImageRef(String),
     /// Carries the whole cause (`read-only file system`, `database or disk is full`): it is
     /// what an operator needs to act, and never holds a secret.
-    #[error("the guard's records are unavailable: {}", crate::server::error_chain(&**.0))]
+    #[error("the guard's records are unavailable: {}", crate::error_chain(&**.0))]
     Unavailable(Arc<StoreError>),
-    #[error("the guard's records could not be written: {}", crate::server::error_chain(.0))]
+    #[error("the guard's records could not be written: {}", crate::error_chain(.0))]
     Write(StoreError),
 }
 
@@ -149,17 +149,6 @@ pub fn normalize(image: &str) -> Result<(String, String), GuardError> {
         (None, None) => format!("{name}:latest"),
     };
     Ok((name, reference))
-}
-
-/// Milliseconds since the Unix epoch, by the system's clock.
-pub fn now_ms() -> i64 {
-    unix_ms(SystemTime::now())
-}
-
-/// `t` in milliseconds since the Unix epoch.
-pub(crate) fn unix_ms(t: SystemTime) -> i64 {
-    t.duration_since(SystemTime::UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
 
 /// The guard.
@@ -212,7 +201,7 @@ impl Guard {
 
     /// Now, in milliseconds since the Unix epoch, by the guard's clock.
     fn now_ms(&self) -> i64 {
-        unix_ms(self.clock.wall())
+        crate::state::unix_ms(self.clock.wall())
     }
 
     /// Verification tries the engine's credentials for a node-wide credential.
@@ -560,61 +549,6 @@ type Opener<T, E> = Box<dyn Fn() -> Result<T, E> + Send + Sync>;
 
 /// Something opened once; while opening fails, the last error is kept and opening is retried
 /// when it is next needed, at most every [`REOPEN_INTERVAL`].
-/// Creates the state directory (0700) when it is absent, and refuses it unless it is the
-/// agent's own: not a link, owned by the agent's uid, writable by nobody else.
-pub fn state_dir(dir: &std::path::Path) -> Result<(), credgate_api::trust::TrustError> {
-    use std::os::unix::fs::DirBuilderExt;
-    if std::fs::symlink_metadata(dir).is_err() {
-        let _ = std::fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(dir);
-    }
-    credgate_api::trust::check_dir(dir, credgate_api::trust::Owner::Me)
-}
-
-/// Why a state file could not be opened.
-pub(crate) enum FileError {
-    Io(std::io::Error),
-    Untrusted(credgate_api::trust::TrustError),
-}
-
-/// Opens a file of the state directory without following a link (created 0600 when `create`),
-/// and refuses it unless it is a regular file (a FIFO is refused without waiting for a
-/// writer), the agent owns it and nobody else can write it.
-pub(crate) fn trusted_file(
-    path: &std::path::Path,
-    create: bool,
-) -> Result<std::fs::File, FileError> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .append(create)
-        .create(create)
-        .mode(0o600)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
-        .open(path)
-        .map_err(|e| {
-            if e.raw_os_error() == Some(libc::ELOOP) {
-                FileError::Untrusted(credgate_api::trust::TrustError::Symlink(path.to_owned()))
-            } else {
-                FileError::Io(e)
-            }
-        })?;
-    let meta = file.metadata().map_err(FileError::Io)?;
-    credgate_api::trust::check(path, &meta, credgate_api::trust::Owner::Me)
-        .map_err(FileError::Untrusted)?;
-    if !meta.is_file() {
-        return Err(FileError::Untrusted(
-            credgate_api::trust::TrustError::WrongKind {
-                path: path.to_owned(),
-                want: "regular file",
-            },
-        ));
-    }
-    Ok(file)
-}
-
 struct Retrying<T, E> {
     value: OnceLock<T>,
     /// The last failure and when it happened; `None` once opened.
@@ -632,7 +566,7 @@ impl<T, E: std::error::Error + 'static> Retrying<T, E> {
                 None
             }
             Err(e) => {
-                tracing::error!(error = %crate::server::error_chain(&e), "{what}");
+                tracing::error!(error = %crate::error_chain(&e), "{what}");
                 Some((Arc::new(e), Instant::now()))
             }
         };

@@ -273,14 +273,14 @@ impl Store {
             path: dir.to_owned(),
             source,
         };
-        super::state_dir(dir)?;
+        crate::state::state_dir(dir)?;
         let path = dir.join("guard.db");
         // Created 0600 before SQLite opens it; its -wal and -shm files take the same mode. A
         // link or a file someone else can write is refused: the directory is the agent's alone,
         // so what is checked here is what SQLite opens.
-        super::trusted_file(&path, true).map_err(|e| match e {
-            super::FileError::Io(source) => io(source),
-            super::FileError::Untrusted(e) => StoreError::Untrusted(e),
+        crate::state::trusted_file(&path, true).map_err(|e| match e {
+            crate::state::FileError::Io(source) => io(source),
+            crate::state::FileError::Untrusted(e) => StoreError::Untrusted(e),
         })?;
         for side in ["guard.db-wal", "guard.db-shm"] {
             let p = dir.join(side);

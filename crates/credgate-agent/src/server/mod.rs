@@ -110,6 +110,7 @@ fn service_account(sa: pb::ServiceAccount) -> Result<ServiceAccount, Status> {
     })
 }
 
+pub use crate::error_chain;
 pub use crate::listener::Peer;
 
 /// The caller of a request, as the kernel reports it for the socket.
@@ -159,8 +160,7 @@ pub struct Api {
 /// Watch events queued for a client that is not reading, beyond the transport's own window.
 pub const WATCH_BUFFER: usize = 16;
 
-/// How long a Watch event may wait for room before its client is dropped.
-pub const WATCH_SEND_TIMEOUT: Duration = Duration::from_secs(30);
+pub use crate::agent::WATCH_SEND_TIMEOUT;
 
 impl Api {
     pub fn new(agent: Agent, shutdown: watch::Receiver<bool>) -> Self {
@@ -789,17 +789,6 @@ impl Admin for Api {
         })
         .await
     }
-}
-
-/// `outer: inner: root`, one line.
-pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut parts = vec![e.to_string()];
-    let mut cur = e.source();
-    while let Some(s) = cur {
-        parts.push(s.to_string());
-        cur = s.source();
-    }
-    parts.join(": ")
 }
 
 /// What one client may hold of the agent, and how long anything may take.

@@ -68,7 +68,7 @@ pub async fn run(args: ServeArgs) -> Result<Outcome> {
     // key and forged records: the agent does not start on it. One that merely cannot be created
     // yet (a read-only or full disk) does not stop the agent: the guard reports it, fails safe
     // and tries again, and credentials keep being served meanwhile.
-    match credgate_agent::guard::state_dir(&state_dir) {
+    match credgate_agent::state::state_dir(&state_dir) {
         Ok(()) => {}
         Err(e @ credgate_api::trust::TrustError::Io { .. }) => {
             tracing::error!(dir = %state_dir.display(), error = %e, "cannot set up the state directory");

@@ -1,0 +1,123 @@
+//! The agent's state directory and its files: the directory trusted only when it is the
+//! agent's own, files opened without following links and refused unless they are the agent's
+//! regular files, and the sealed files (`captured.sealed`, `cache.sealed`) read as the other
+//! state files are (no links, a regular file of the agent's uid that nobody else can write, size
+//! capped before reading, never waited on) and replaced whole (written to a private temporary
+//! file, fsynced, renamed into place, the directory fsynced), so that a crash leaves the old
+//! file or the new one, never a mix.
+
+use std::io::{Read as _, Write as _};
+use std::os::unix::fs::OpenOptionsExt as _;
+use std::path::Path;
+use std::time::SystemTime;
+
+/// The file's bytes: `None` when there is none; an error (never a wait) when it is a link,
+/// not a regular file, not the agent's own, writable by others, or larger than `max` bytes.
+pub fn read_capped(path: &Path, max: u64) -> Result<Option<Vec<u8>>, String> {
+    let file = match trusted_file(path, false) {
+        Ok(f) => f,
+        Err(FileError::Io(e)) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(FileError::Io(e)) => return Err(e.to_string()),
+        Err(FileError::Untrusted(e)) => return Err(e.to_string()),
+    };
+    let mut bytes = Vec::new();
+    file.take(max + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| e.to_string())?;
+    if bytes.len() as u64 > max {
+        return Err(format!("larger than {max} bytes"));
+    }
+    Ok(Some(bytes))
+}
+
+/// Replaces `dir/file` with `parts`, written one after another: a 0600 temporary file (never
+/// through a link, never waiting on a FIFO), fsynced, renamed into place, the directory
+/// fsynced.
+pub fn write_atomically(dir: &Path, file: &str, parts: &[&[u8]]) -> std::io::Result<()> {
+    let path = dir.join(file);
+    let tmp = dir.join(format!("{file}.{}.tmp", std::process::id()));
+    let write = || -> std::io::Result<()> {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+            .open(&tmp)?;
+        for part in parts {
+            f.write_all(part)?;
+        }
+        f.sync_all()?;
+        std::fs::rename(&tmp, &path)?;
+        std::fs::File::open(dir)?.sync_all()
+    };
+    write().inspect_err(|_| {
+        let _ = std::fs::remove_file(&tmp);
+    })
+}
+
+/// Milliseconds since the Unix epoch, by the system's clock.
+pub fn now_ms() -> i64 {
+    unix_ms(SystemTime::now())
+}
+
+/// `t` in milliseconds since the Unix epoch.
+pub fn unix_ms(t: SystemTime) -> i64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
+
+/// Creates the state directory (0700) when it is absent, and refuses it unless it is the
+/// agent's own: not a link, owned by the agent's uid, writable by nobody else.
+pub fn state_dir(dir: &std::path::Path) -> Result<(), credgate_api::trust::TrustError> {
+    use std::os::unix::fs::DirBuilderExt;
+    if std::fs::symlink_metadata(dir).is_err() {
+        let _ = std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir);
+    }
+    credgate_api::trust::check_dir(dir, credgate_api::trust::Owner::Me)
+}
+
+/// Why a state file could not be opened.
+pub(crate) enum FileError {
+    Io(std::io::Error),
+    Untrusted(credgate_api::trust::TrustError),
+}
+
+/// Opens a file of the state directory without following a link (created 0600 when `create`),
+/// and refuses it unless it is a regular file (a FIFO is refused without waiting for a
+/// writer), the agent owns it and nobody else can write it.
+pub(crate) fn trusted_file(
+    path: &std::path::Path,
+    create: bool,
+) -> Result<std::fs::File, FileError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .append(create)
+        .create(create)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| {
+            if e.raw_os_error() == Some(libc::ELOOP) {
+                FileError::Untrusted(credgate_api::trust::TrustError::Symlink(path.to_owned()))
+            } else {
+                FileError::Io(e)
+            }
+        })?;
+    let meta = file.metadata().map_err(FileError::Io)?;
+    credgate_api::trust::check(path, &meta, credgate_api::trust::Owner::Me)
+        .map_err(FileError::Untrusted)?;
+    if !meta.is_file() {
+        return Err(FileError::Untrusted(
+            credgate_api::trust::TrustError::WrongKind {
+                path: path.to_owned(),
+                want: "regular file",
+            },
+        ));
+    }
+    Ok(file)
+}
