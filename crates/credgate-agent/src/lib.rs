@@ -14,6 +14,7 @@ pub mod explain;
 pub mod guard;
 pub mod listener;
 pub mod metrics;
+pub mod node;
 pub mod pulls;
 pub mod renewal;
 pub mod saved_cache;

@@ -3,13 +3,13 @@
 //! SIGHUP reloads the provider config.
 
 use std::path::PathBuf;
-use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use credgate_agent::socket::{self, SocketAccess};
+use credgate_agent::socket::SocketAccess;
 
 use credgate_agent::guard::registry::RegistryOptions;
 use credgate_agent::guard::GuardOptions;
+use credgate_agent::node::{Node, NodeError, NodeOptions, ProxyConfig};
 use credgate_agent::{metrics, server, Agent, AgentOptions, CallerAllowlist};
 use credgate_core::guard::{Allowlist, Policy};
 use credgate_core::renewal::RenewalPolicy;
@@ -76,125 +76,55 @@ pub async fn run(args: ServeArgs) -> Result<Outcome> {
         Err(e) => return Err(anyhow::Error::new(e).context("refusing the state directory")),
     }
     let limits = limits(&args);
+    let registry = RegistryOptions {
+        timeout: args.registry_timeout,
+        insecure: args.insecure_registry.clone(),
+    };
     let mut callers = CallerAllowlist::default();
     for (service, uids) in &args.allow_uids {
         callers.allow(*service, uids.iter().copied());
     }
-    let agent = Agent::new(AgentOptions {
-        sources,
-        renewal,
-        clock: None,
-        guard: Some(GuardOptions {
-            policy,
-            allowlist,
-            max_age: args.pull_record_max_age,
-            state_dir: state_dir.clone(),
-            registry: RegistryOptions {
-                timeout: args.registry_timeout,
-                insecure: args.insecure_registry.clone(),
-            },
-        }),
-        callers,
-        watch_send_timeout: Some(args.watch_send_timeout),
-        saved_cache: args.persist_cache.then(|| state_dir.clone()),
-    })?;
-    let socket_path = args
-        .socket
-        .clone()
-        .unwrap_or_else(credgate_api::default_socket_path);
-    let listener = socket::bind(
-        &socket_path,
-        &SocketAccess {
+    let options = NodeOptions {
+        agent: AgentOptions {
+            sources,
+            renewal,
+            clock: None,
+            guard: Some(GuardOptions {
+                policy,
+                allowlist,
+                max_age: args.pull_record_max_age,
+                state_dir: state_dir.clone(),
+                registry: registry.clone(),
+            }),
+            callers,
+            watch_send_timeout: Some(args.watch_send_timeout),
+            saved_cache: args.persist_cache.then(|| state_dir.clone()),
+        },
+        state_dir: state_dir.clone(),
+        socket: args
+            .socket
+            .clone()
+            .unwrap_or_else(credgate_api::default_socket_path),
+        socket_access: SocketAccess {
             group: args.socket_group.clone(),
         },
-    )
-    .await?;
-    let bound = socket::identity(&socket_path);
-    // Plugins of an agent that was killed (SIGKILL, OOM) outlive it; this one ends them.
-    tokio::task::spawn_blocking(|| {
-        let n = credgate_engine::sweep::orphans();
-        if n > 0 {
-            tracing::warn!(
-                processes = n,
-                "killed plugin processes left running by an agent that is gone"
-            );
-        }
-    });
-
-    let (stop_tx, stop_rx) = watch::channel(false);
-    let renewal_task = agent.spawn_renewal(stop_rx.clone());
-    let saver = agent.spawn_saver(stop_rx.clone());
-    if let Some(addr) = args.metrics_addr {
-        let listener = tokio::net::TcpListener::bind(addr)
-            .await
-            .with_context(|| format!("cannot listen for metrics on {addr}"))?;
-        tracing::info!(addr = %listener.local_addr()?, "serving metrics at /metrics");
-        let scraped = agent.clone();
-        let render: metrics::Render = Arc::new(move || {
-            scraped.refresh_gauges();
-            metrics::render(scraped.registry())
-        });
-        let stop = stop_rx.clone();
-        let counters = agent.metrics().clone();
-        tokio::spawn(metrics::serve(
-            listener,
-            render,
-            metrics::MetricsLimits::default(),
-            counters,
-            stop,
-        ));
-    }
-    let mut cri_proxy = None;
-    if let Some(path) = &args.cri_proxy_socket {
-        let listener = socket::bind(path, &SocketAccess { group: None })
-            .await
-            .with_context(|| format!("cannot serve the CRI proxy on {}", path.display()))?;
-        let runtime = credgate_agent::cri::endpoint_path(&args.cri_runtime_endpoint);
-        let captured = Arc::new(
-            credgate_agent::captured::Captured::open(&state_dir, args.captured_credential_max_age)
-                .context("cannot keep captured pull credentials")?
-                .with_clock(agent.clock().clone()),
-        );
-        agent.set_captured(captured.clone());
-        let guard = agent.guard().cloned();
-        tracing::info!(socket = %path.display(), runtime = %runtime.display(), "serving the CRI image-service proxy");
-        let stop = stop_rx.clone();
-        let options = credgate_agent::cri::ProxyOptions {
-            runtime,
-            captured: Some(captured),
-            guard,
-            limits: credgate_agent::listener::ListenerLimits {
-                shutdown_timeout: limits.shutdown_timeout,
-                ..credgate_agent::cri::default_limits()
-            },
+        limits,
+        metrics_addr: args.metrics_addr,
+        proxy: args.cri_proxy_socket.clone().map(|socket| ProxyConfig {
+            socket,
+            runtime_endpoint: args.cri_runtime_endpoint.clone(),
+            captured_max_age: args.captured_credential_max_age,
             check_every: args.captured_check_interval,
-            registry: RegistryOptions {
-                timeout: args.registry_timeout,
-                insecure: args.insecure_registry.clone(),
-            },
-            metrics: agent.metrics().clone(),
-            agent: agent.clone(),
-        };
-        let listener = listener.into_std()?;
-        // Its own thread and single-threaded runtime: a proxied call's tasks (the kubelet's
-        // connection, the call, the runtime's connection) wake each other on one thread
-        // instead of across workers.
-        let thread = std::thread::Builder::new()
-            .name("cri-proxy".into())
-            .spawn(move || -> std::io::Result<()> {
-                let runtime = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()?;
-                runtime.block_on(async move {
-                    let listener = tokio::net::UnixListener::from_std(listener)?;
-                    credgate_agent::cri::serve(listener, options, stop).await;
-                    Ok(())
-                })
-            })
-            .context("cannot start the CRI proxy's thread")?;
-        cri_proxy = Some((path.clone(), socket::identity(path), thread));
-    }
-    tokio::spawn(signals(agent.clone(), stop_tx)?);
+            registry,
+        }),
+    };
+    let socket_path = options.socket.clone();
+    let node = Node::start(options).await.map_err(|e| match e {
+        NodeError::Agent(e) => anyhow::Error::new(e),
+        e => anyhow::Error::new(e),
+    })?;
+    let agent = node.agent().clone();
+    let signals = tokio::spawn(signals(agent.clone(), node.stopper())?);
     tracing::info!(
         socket = %socket_path.display(),
         state_dir = %state_dir.display(),
@@ -202,23 +132,9 @@ pub async fn run(args: ServeArgs) -> Result<Outcome> {
         policy = %policy,
         "credgate agent serving"
     );
-    // On a worker, not in this `block_on`: a connection is then accepted by the worker that
-    // the listener's readiness woke, instead of that worker waking this thread to accept.
-    let served = tokio::spawn(server::serve_with(agent, listener, limits, stop_rx)).await;
-    socket::remove_if_ours(&socket_path, bound);
-    if let Some((path, id, thread)) = cri_proxy {
-        match tokio::task::spawn_blocking(move || thread.join()).await {
-            Ok(Ok(Ok(()))) => {}
-            Ok(Ok(Err(e))) => tracing::error!(error = %e, "the CRI proxy failed"),
-            _ => tracing::error!("the CRI proxy's thread panicked"),
-        }
-        socket::remove_if_ours(&path, id);
-    }
-    renewal_task.abort();
-    // The last save of the provider answers, fsynced before the agent exits.
-    if saver.await.is_err() {
-        tracing::error!("the provider cache's saver failed");
-    }
+    let served = node.run().await;
+    signals.abort();
+    let _ = signals.await;
     served.context("the API server failed")?;
     tracing::info!("credgate agent stopped");
     Ok(Outcome::Yes)
