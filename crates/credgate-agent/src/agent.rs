@@ -16,7 +16,7 @@ use tokio::task::JoinHandle;
 use crate::guard::{Guard, GuardOptions};
 use crate::metrics::AgentMetrics;
 use crate::renewal::Renewer;
-use crate::sources::{SourceError, Sources};
+use credgate_engine::sources::{SourceError, Sources};
 
 /// How to run an agent.
 #[derive(Clone, Default)]

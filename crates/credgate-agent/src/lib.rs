@@ -20,12 +20,11 @@ pub mod renewal;
 pub mod saved_cache;
 pub mod server;
 pub mod socket;
-pub mod sources;
 pub mod state;
 pub mod status;
 
 pub use agent::{Agent, AgentOptions, CallerAllowlist, Reloaded, Service};
-pub use sources::{SourceError, Sources};
+pub use credgate_engine::sources::{SourceError, Sources};
 
 /// `outer: inner: root`, one line.
 pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {

@@ -131,8 +131,8 @@ mod tests {
         use crate::guard::keys::KeyError;
         use crate::guard::store::StoreError;
         use crate::socket::SocketError;
-        use crate::sources::SourceError;
         use credgate_core::text::repeated_cause;
+        use credgate_engine::sources::SourceError;
         use std::sync::Arc;
         let io = || std::io::Error::other("disk on fire");
         let trust = || credgate_api::trust::TrustError::Io {

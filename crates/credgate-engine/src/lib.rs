@@ -49,6 +49,7 @@ mod provider;
 pub mod rate;
 pub mod saved;
 pub mod source;
+pub mod sources;
 mod spawn;
 pub mod sweep;
 pub mod sys;
@@ -60,3 +61,4 @@ pub use engine::{
 };
 pub use error::ProviderError;
 pub use provider::{BackoffPolicy, ProviderStatus, ServiceAccount};
+pub use sources::{SourceError, Sources};

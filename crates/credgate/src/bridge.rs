@@ -201,8 +201,8 @@ fn respond(
 /// The provider run in this process, with the same engine, when the agent is away.
 mod fallback {
     use super::*;
-    use credgate_agent::Sources;
     use credgate_core::renewal::RenewalPolicy;
+    use credgate_engine::Sources;
     use credgate_engine::{LookupRequest, ServiceAccount};
     use secrecy::SecretString;
 

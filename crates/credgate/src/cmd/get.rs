@@ -7,9 +7,9 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
 use anyhow::{Context, Result};
-use credgate_agent::Sources;
 use credgate_api::v1::credentials_client::CredentialsClient;
 use credgate_api::v1::LookupRequest as WireLookup;
+use credgate_engine::Sources;
 use credgate_engine::{Credential, Engine, LookupRequest};
 use secrecy::ExposeSecret;
 use serde::Serialize;

@@ -6,10 +6,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use credgate_engine::clock::Clock;
-use credgate_engine::metrics::EngineMetrics;
-use credgate_engine::source::{load_docker_config, load_provider_config, LoadError};
-use credgate_engine::{BuildError, Engine, EngineOptions};
+use crate::clock::Clock;
+use crate::metrics::EngineMetrics;
+use crate::source::{load_docker_config, load_provider_config, LoadError};
+use crate::{BuildError, Engine, EngineOptions};
 
 /// Why an engine could not be built from its sources.
 #[derive(Debug, thiserror::Error)]
@@ -46,7 +46,7 @@ pub struct Sources {
     /// Per-provider minimum cache durations (exec-storm protection; none by default).
     pub min_cache_durations: HashMap<String, Duration>,
     /// Per-provider limits on plugin runs a second.
-    pub plugin_rates: HashMap<String, credgate_engine::rate::PluginRate>,
+    pub plugin_rates: HashMap<String, crate::rate::PluginRate>,
 }
 
 impl Sources {
@@ -73,14 +73,14 @@ impl Sources {
         use sha2::{Digest, Sha256};
         let mut h = Sha256::new();
         let mut add = |path: &std::path::Path| -> Option<()> {
-            let bytes = credgate_engine::source::read(path).ok()?;
+            let bytes = crate::source::read(path).ok()?;
             h.update(path.as_os_str().as_encoded_bytes());
             h.update((bytes.len() as u64).to_be_bytes());
             h.update(&bytes);
             Some(())
         };
         if let Some(config) = &self.provider_config {
-            for file in credgate_engine::source::config_files(config).ok()? {
+            for file in crate::source::config_files(config).ok()? {
                 add(&file)?;
             }
         }
@@ -145,7 +145,13 @@ mod tests {
         let Err(e) = sources.build(None, None) else {
             panic!("a bad docker config was accepted")
         };
-        let chain = crate::error_chain(&e);
+        let mut parts = vec![e.to_string()];
+        let mut cur = std::error::Error::source(&e);
+        while let Some(s) = cur {
+            parts.push(s.to_string());
+            cur = s.source();
+        }
+        let chain = parts.join(": ");
         let parts: Vec<&str> = chain.split(": ").collect();
         let mut seen = std::collections::HashSet::new();
         assert!(parts.iter().all(|p| seen.insert(*p)), "{chain}");
