@@ -7,7 +7,6 @@
 //! ([`tracking`]). Nothing here touches the file system, processes, clocks or the
 //! network; every function is testable from string literals.
 
-pub mod bridge;
 pub mod config;
 pub mod dockerconfig;
 pub mod duration;

@@ -21,7 +21,7 @@ use std::time::Duration;
 use clap::Parser;
 use credgate_api::unary::{self, CallError};
 use credgate_api::v1::{self as pb};
-use credgate_core::bridge::{self, AuthEntry, KubeletRequest};
+use credgate_core::wire::bridge::{self, AuthEntry, KubeletRequest};
 use credgate_core::wire::CacheKeyType;
 use secrecy::ExposeSecret;
 use zeroize::Zeroizing;

@@ -1,8 +1,12 @@
-//! The plugin wire format: `CredentialProviderRequest` written to a plugin's stdin and
-//! `CredentialProviderResponse` read from its stdout, identical in the three versions.
+//! The kubelet's plugin protocol, both directions. Here, the plugin's side as credgate runs
+//! plugins: `CredentialProviderRequest` written to a plugin's stdin and
+//! `CredentialProviderResponse` read from its stdout, identical in the three versions;
+//! [`bridge`], the other side, as the bridge answers the kubelet.
 //!
 //! The decoder never lets plugin output reach an error: stdout may hold secrets, so errors name
 //! only the field that was wrong, never its value.
+
+pub mod bridge;
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;

@@ -10,9 +10,9 @@ use std::time::Duration;
 use secrecy::{ExposeSecret, SecretString};
 use serde::{Deserialize, Serialize};
 
+use super::CacheKeyType;
 use crate::config::WireVersion;
 use crate::duration::GoDuration;
-use crate::wire::CacheKeyType;
 
 /// The most the bridge reads from stdin: an image, a service-account token and annotations.
 pub const MAX_REQUEST: usize = 256 << 10;
