@@ -466,15 +466,10 @@ fn the_agent_is_not_dumpable() {
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while !socket.exists() {
+    credgate_testbed::eventually("the agent comes up", Duration::from_secs(20), || {
         assert!(child.try_wait().unwrap().is_none(), "the agent exited");
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the agent did not come up"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+        socket.exists()
+    });
     let environ = std::fs::metadata(format!("/proc/{}/environ", child.id())).unwrap();
     let _ = child.kill();
     let _ = child.wait();

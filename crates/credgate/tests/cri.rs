@@ -41,11 +41,9 @@ fn proxy_agent_with(dir: &Path, runtime: &Path, more: &[&str]) -> (Agent, PathBu
     ];
     args.extend_from_slice(more);
     let agent = Agent::start(dir, &args);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !proxy.exists() {
-        assert!(Instant::now() < deadline, "the CRI proxy did not come up");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    credgate_testbed::eventually("the CRI proxy comes up", Duration::from_secs(20), || {
+        proxy.exists()
+    });
     (agent, proxy)
 }
 
