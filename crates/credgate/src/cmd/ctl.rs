@@ -54,6 +54,8 @@ pub async fn run(args: CtlArgs) -> Result<Outcome> {
     call(channel, args.call, args.output).await
 }
 
+/// One RPC: each command's printing is its own function (here for the credentials service,
+/// in `ctl_admin` for the admin service, in `ctl_guard` for the image access guard's).
 async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcome> {
     let mut creds = CredentialsClient::new(channel.clone());
     let mut admin = AdminClient::new(channel.clone());
@@ -103,77 +105,8 @@ async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcome> {
                 format!("added: {}, removed: {}", r.added, r.removed)
             })?;
         }
-        CtlCall::ListTracked { consumer } => {
-            let r = answer(creds.list_tracked(pb::ListTrackedRequest {
-                consumer: consumer.unwrap_or_default(),
-            }))
-            .await?;
-            if out == Output::Json {
-                json(&r)?;
-            } else {
-                let rows: Vec<Vec<String>> = r
-                    .refs
-                    .iter()
-                    .map(|t| {
-                        vec![
-                            t.r#ref.clone(),
-                            if t.consumers.is_empty() {
-                                "(grace)".into()
-                            } else {
-                                t.consumers.join(",")
-                            },
-                            t.credentials.to_string(),
-                            time_ms(t.expires_at_unix_ms),
-                            time_ms(t.next_attempt_unix_ms),
-                            t.consecutive_failures.to_string(),
-                            if t.last_error.is_empty() {
-                                "-".into()
-                            } else {
-                                t.last_error.clone()
-                            },
-                        ]
-                    })
-                    .collect();
-                print_table(
-                    &[
-                        "REF",
-                        "CONSUMERS",
-                        "CREDS",
-                        "EXPIRES",
-                        "NEXT RENEWAL",
-                        "FAILURES",
-                        "LAST ERROR",
-                    ],
-                    &rows,
-                );
-            }
-        }
-        CtlCall::Watch { refs, count } => {
-            let mut stream = answer(creds.watch(pb::WatchRequest { refs })).await?;
-            let mut seen = 0u64;
-            while let Some(event) = stream.next().await {
-                let event = event.map_err(status_error)?;
-                if out == Output::Json {
-                    println!("{}", serde_json::to_string(&event)?);
-                } else {
-                    let users: Vec<String> = event
-                        .credentials
-                        .iter()
-                        .map(|c| format!("{}@{}", c.username, c.source))
-                        .collect();
-                    println!(
-                        "{} revision {}: {}",
-                        event.r#ref,
-                        event.revision,
-                        users.join(", ")
-                    );
-                }
-                seen += 1;
-                if count.is_some_and(|n| seen >= n) {
-                    break;
-                }
-            }
-        }
+        CtlCall::ListTracked { consumer } => return list_tracked(&mut creds, consumer, out).await,
+        CtlCall::Watch { refs, count } => return watch(&mut creds, refs, count, out).await,
         CtlCall::Health => {
             let r = answer(admin.health(pb::HealthRequest {})).await?;
             show(out, &r, |r| r.status.clone())?;
@@ -182,80 +115,7 @@ async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcome> {
             let r = answer(admin.version(pb::VersionRequest {})).await?;
             show(out, &r, |r| format!("credgate {} ({})", r.version, r.api))?;
         }
-        CtlCall::Status => {
-            let r = answer(admin.status(pb::StatusRequest {})).await?;
-            if out == Output::Json {
-                json(&r)?;
-            } else {
-                let or_none = |s: &str| {
-                    if s.is_empty() {
-                        "none".to_owned()
-                    } else {
-                        s.to_owned()
-                    }
-                };
-                println!("config:         {}", or_none(&r.config_path));
-                println!("identity:       {}", or_none(&r.config_identity));
-                println!("docker configs: {}", or_none(&r.docker_configs.join(", ")));
-                println!("tracked refs:   {}", r.tracked_refs);
-                println!("started:        {}", time_ms(r.started_unix_ms));
-                println!("loaded:         {}", time_ms(r.loaded_unix_ms));
-                match &r.saved_cache {
-                    Some(c) if c.enabled => {
-                        let dropped: Vec<String> =
-                            c.dropped.iter().map(|(k, v)| format!("{v} {k}")).collect();
-                        println!(
-                            "saved cache:    {} restored at start, {} dropped{}; {} consumers restored; {} saved {}",
-                            c.restored,
-                            c.dropped.values().sum::<u64>(),
-                            if dropped.is_empty() {
-                                String::new()
-                            } else {
-                                format!(" ({})", dropped.join(", "))
-                            },
-                            c.consumers_restored,
-                            c.saved_entries,
-                            time_ms(c.last_saved_unix_ms)
-                        );
-                    }
-                    _ => println!("saved cache:    off"),
-                }
-                let rows: Vec<Vec<String>> = r
-                    .providers
-                    .iter()
-                    .map(|p| {
-                        vec![
-                            p.name.clone(),
-                            p.runs.to_string(),
-                            p.errors.to_string(),
-                            p.refused_in_backoff.to_string(),
-                            p.cache_entries.to_string(),
-                            time_ms(p.last_run_unix_ms),
-                            time_ms(p.next_renewal_unix_ms),
-                            if p.last_error.is_empty() {
-                                "-".into()
-                            } else {
-                                p.last_error.clone()
-                            },
-                        ]
-                    })
-                    .collect();
-                println!();
-                print_table(
-                    &[
-                        "PROVIDER",
-                        "RUNS",
-                        "ERRORS",
-                        "BACKOFF REFUSALS",
-                        "ENTRIES",
-                        "LAST RUN",
-                        "NEXT RENEWAL",
-                        "LAST ERROR",
-                    ],
-                    &rows,
-                );
-            }
-        }
+        CtlCall::Status => return super::ctl_admin::status(&mut admin, out).await,
         CtlCall::Reload => {
             let r = answer(admin.reload(pb::ReloadRequest {})).await?;
             if out == Output::Json {
@@ -290,65 +150,9 @@ async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcome> {
             let r = answer(admin.ping(pb::PingRequest {})).await?;
             show(out, &r, |_| "pong".to_owned())?;
         }
-        CtlCall::Pulls { image } => {
-            let r = answer(admin.list_pulls(pb::ListPullsRequest {
-                image: image.unwrap_or_default(),
-            }))
-            .await?;
-            if out == Output::Json {
-                json(&r)?;
-            } else if r.pulls.is_empty() {
-                println!("no pulls through the CRI proxy yet");
-            } else {
-                let rows: Vec<Vec<String>> = r
-                    .pulls
-                    .iter()
-                    .map(|p| {
-                        vec![
-                            time_ms(p.at_unix_ms),
-                            p.image.clone(),
-                            format!("{}/{}", p.pod_namespace, p.pod_name),
-                            p.auth.clone(),
-                            if p.code == 0 {
-                                "pulled".into()
-                            } else {
-                                format!("{}: {}", p.code, p.message)
-                            },
-                        ]
-                    })
-                    .collect();
-                print_table(&["AT", "IMAGE", "POD", "AUTH", "RESULT"], &rows);
-            }
-        }
+        CtlCall::Pulls { image } => return super::ctl_admin::pulls(&mut admin, image, out).await,
         CtlCall::Captured { action: None } => {
-            let r = answer(admin.list_captured(pb::ListCapturedRequest {})).await?;
-            if out == Output::Json {
-                json(&r)?;
-            } else if r.captured.is_empty() {
-                println!("nothing captured");
-            } else {
-                let rows: Vec<Vec<String>> = r
-                    .captured
-                    .iter()
-                    .map(|c| {
-                        vec![
-                            c.repository.clone(),
-                            if c.namespace.is_empty() {
-                                "-".into()
-                            } else {
-                                c.namespace.clone()
-                            },
-                            c.username.clone(),
-                            time_ms(c.captured_unix_ms),
-                            time_ms(c.expires_unix_ms),
-                        ]
-                    })
-                    .collect();
-                print_table(
-                    &["REPOSITORY", "NAMESPACE", "USERNAME", "CAPTURED", "EXPIRES"],
-                    &rows,
-                );
-            }
+            return super::ctl_admin::captured(&mut admin, out).await
         }
         CtlCall::Captured {
             action: Some(crate::opts::CapturedAction::Forget { repository }),
@@ -362,6 +166,90 @@ async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcome> {
                 }
                 .to_owned()
             })?;
+        }
+    }
+    Ok(Outcome::Yes)
+}
+
+pub(super) async fn list_tracked(
+    creds: &mut CredentialsClient<Channel>,
+    consumer: Option<String>,
+    out: Output,
+) -> Result<Outcome> {
+    let r = answer(creds.list_tracked(pb::ListTrackedRequest {
+        consumer: consumer.unwrap_or_default(),
+    }))
+    .await?;
+    if out == Output::Json {
+        json(&r)?;
+    } else {
+        let rows: Vec<Vec<String>> = r
+            .refs
+            .iter()
+            .map(|t| {
+                vec![
+                    t.r#ref.clone(),
+                    if t.consumers.is_empty() {
+                        "(grace)".into()
+                    } else {
+                        t.consumers.join(",")
+                    },
+                    t.credentials.to_string(),
+                    time_ms(t.expires_at_unix_ms),
+                    time_ms(t.next_attempt_unix_ms),
+                    t.consecutive_failures.to_string(),
+                    if t.last_error.is_empty() {
+                        "-".into()
+                    } else {
+                        t.last_error.clone()
+                    },
+                ]
+            })
+            .collect();
+        print_table(
+            &[
+                "REF",
+                "CONSUMERS",
+                "CREDS",
+                "EXPIRES",
+                "NEXT RENEWAL",
+                "FAILURES",
+                "LAST ERROR",
+            ],
+            &rows,
+        );
+    }
+    Ok(Outcome::Yes)
+}
+
+pub(super) async fn watch(
+    creds: &mut CredentialsClient<Channel>,
+    refs: Vec<String>,
+    count: Option<u64>,
+    out: Output,
+) -> Result<Outcome> {
+    let mut stream = answer(creds.watch(pb::WatchRequest { refs })).await?;
+    let mut seen = 0u64;
+    while let Some(event) = stream.next().await {
+        let event = event.map_err(status_error)?;
+        if out == Output::Json {
+            println!("{}", serde_json::to_string(&event)?);
+        } else {
+            let users: Vec<String> = event
+                .credentials
+                .iter()
+                .map(|c| format!("{}@{}", c.username, c.source))
+                .collect();
+            println!(
+                "{} revision {}: {}",
+                event.r#ref,
+                event.revision,
+                users.join(", ")
+            );
+        }
+        seen += 1;
+        if count.is_some_and(|n| seen >= n) {
+            break;
         }
     }
     Ok(Outcome::Yes)

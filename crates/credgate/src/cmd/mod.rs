@@ -1,5 +1,6 @@
 pub mod check;
 pub mod ctl;
+pub mod ctl_admin;
 pub mod ctl_guard;
 pub mod explain;
 pub mod get;

@@ -1,0 +1,155 @@
+//! `credgate ctl` commands of the `Admin` service whose answers need more than a line.
+
+use anyhow::Result;
+use credgate_api::v1::admin_client::AdminClient;
+use credgate_api::v1::{self as pb};
+use tonic::transport::Channel;
+
+use super::ctl::{answer, json};
+use super::get::{print_table, time_ms};
+use crate::opts::Output;
+use crate::Outcome;
+
+pub(super) async fn status(admin: &mut AdminClient<Channel>, out: Output) -> Result<Outcome> {
+    let r = answer(admin.status(pb::StatusRequest {})).await?;
+    if out == Output::Json {
+        json(&r)?;
+    } else {
+        let or_none = |s: &str| {
+            if s.is_empty() {
+                "none".to_owned()
+            } else {
+                s.to_owned()
+            }
+        };
+        println!("config:         {}", or_none(&r.config_path));
+        println!("identity:       {}", or_none(&r.config_identity));
+        println!("docker configs: {}", or_none(&r.docker_configs.join(", ")));
+        println!("tracked refs:   {}", r.tracked_refs);
+        println!("started:        {}", time_ms(r.started_unix_ms));
+        println!("loaded:         {}", time_ms(r.loaded_unix_ms));
+        match &r.saved_cache {
+            Some(c) if c.enabled => {
+                let dropped: Vec<String> =
+                    c.dropped.iter().map(|(k, v)| format!("{v} {k}")).collect();
+                println!(
+                    "saved cache:    {} restored at start, {} dropped{}; {} consumers restored; {} saved {}",
+                    c.restored,
+                    c.dropped.values().sum::<u64>(),
+                    if dropped.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" ({})", dropped.join(", "))
+                    },
+                    c.consumers_restored,
+                    c.saved_entries,
+                    time_ms(c.last_saved_unix_ms)
+                );
+            }
+            _ => println!("saved cache:    off"),
+        }
+        let rows: Vec<Vec<String>> = r
+            .providers
+            .iter()
+            .map(|p| {
+                vec![
+                    p.name.clone(),
+                    p.runs.to_string(),
+                    p.errors.to_string(),
+                    p.refused_in_backoff.to_string(),
+                    p.cache_entries.to_string(),
+                    time_ms(p.last_run_unix_ms),
+                    time_ms(p.next_renewal_unix_ms),
+                    if p.last_error.is_empty() {
+                        "-".into()
+                    } else {
+                        p.last_error.clone()
+                    },
+                ]
+            })
+            .collect();
+        println!();
+        print_table(
+            &[
+                "PROVIDER",
+                "RUNS",
+                "ERRORS",
+                "BACKOFF REFUSALS",
+                "ENTRIES",
+                "LAST RUN",
+                "NEXT RENEWAL",
+                "LAST ERROR",
+            ],
+            &rows,
+        );
+    }
+    Ok(Outcome::Yes)
+}
+
+pub(super) async fn pulls(
+    admin: &mut AdminClient<Channel>,
+    image: Option<String>,
+    out: Output,
+) -> Result<Outcome> {
+    let r = answer(admin.list_pulls(pb::ListPullsRequest {
+        image: image.unwrap_or_default(),
+    }))
+    .await?;
+    if out == Output::Json {
+        json(&r)?;
+    } else if r.pulls.is_empty() {
+        println!("no pulls through the CRI proxy yet");
+    } else {
+        let rows: Vec<Vec<String>> = r
+            .pulls
+            .iter()
+            .map(|p| {
+                vec![
+                    time_ms(p.at_unix_ms),
+                    p.image.clone(),
+                    format!("{}/{}", p.pod_namespace, p.pod_name),
+                    p.auth.clone(),
+                    if p.code == 0 {
+                        "pulled".into()
+                    } else {
+                        format!("{}: {}", p.code, p.message)
+                    },
+                ]
+            })
+            .collect();
+        print_table(&["AT", "IMAGE", "POD", "AUTH", "RESULT"], &rows);
+    }
+    Ok(Outcome::Yes)
+}
+
+pub(super) async fn captured(admin: &mut AdminClient<Channel>, out: Output) -> Result<Outcome> {
+    let r = answer(admin.list_captured(pb::ListCapturedRequest {})).await?;
+    if out == Output::Json {
+        json(&r)?;
+    } else if r.captured.is_empty() {
+        println!("nothing captured");
+    } else {
+        let rows: Vec<Vec<String>> = r
+            .captured
+            .iter()
+            .map(|c| {
+                vec![
+                    c.repository.clone(),
+                    if c.namespace.is_empty() {
+                        "-".into()
+                    } else {
+                        c.namespace.clone()
+                    },
+                    c.username.clone(),
+                    time_ms(c.captured_unix_ms),
+                    time_ms(c.expires_unix_ms),
+                ]
+            })
+            .collect();
+        print_table(
+            &["REPOSITORY", "NAMESPACE", "USERNAME", "CAPTURED", "EXPIRES"],
+            &rows,
+        );
+    }
+    Ok(Outcome::Yes)
+}
