@@ -8,6 +8,7 @@
 //! - [`cri`]: the CRI image-service messages a kubelet sends, and a unary call over a socket.
 
 pub mod cri;
+pub mod fake_runtime;
 mod image;
 mod process;
 mod registry;

@@ -705,7 +705,14 @@ async fn half_sent_pulls_hold_a_bounded_amount_and_let_go() {
 async fn a_caller_that_does_not_read_holds_back_only_its_own_calls() {
     let dir = tempfile::tempdir().unwrap();
     let runtime = dir.path().join("fake-runtime.sock");
-    let _fake = support::h2::fake_runtime(&runtime, 2_700_000).await;
+    let _fake = credgate_testbed::fake_runtime::start(
+        &runtime,
+        credgate_testbed::fake_runtime::Answers {
+            list_bytes: 2_700_000,
+            ..Default::default()
+        },
+    )
+    .await;
     let (_agent, proxy) = proxy_agent(dir.path(), &runtime);
     // The greedy caller: three ListImages of 2.7 MB each, never read.
     let mut greedy = support::h2::connect(&proxy, 65_535).await;
@@ -916,4 +923,77 @@ async fn pulls_are_logged_and_explained() {
         .unwrap()
         .contains("port"));
     assert!(!support::text(&out.stdout).contains(PASSWORD));
+}
+
+/// The proxy's pull logic against a fake runtime (no root, no containerd): a failed pull's
+/// trailers-only answer reaches the caller as it was sent, the pull is logged and counted, the
+/// warning names the provider that matches, and a pull with the credential a provider gives is
+/// attributed to that provider.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pull_decision_log_against_a_fake_runtime() {
+    use credgate_testbed::fake_runtime::{self, Answers};
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let runtime_socket = d.join("fake-runtime.sock");
+    let fake = fake_runtime::start(
+        &runtime_socket,
+        Answers {
+            pull: Err((2, "failed to resolve reference: 401 Unauthorized".into())),
+            ..Default::default()
+        },
+    )
+    .await;
+    let bin = d.join("plugins");
+    std::fs::create_dir_all(&bin).unwrap();
+    support::write_script(
+        &bin.join("p"),
+        "cat >/dev/null\necho '{\"kind\":\"CredentialProviderResponse\",\"apiVersion\":\"credentialprovider.kubelet.k8s.io/v1\",\"cacheKeyType\":\"Registry\",\"cacheDuration\":\"1h\",\"auth\":{\"registry.example.com\":{\"username\":\"puller\",\"password\":\"fake-runtime-secret\"}}}'",
+    );
+    let config = d.join("providers.yaml");
+    std::fs::write(&config, "apiVersion: kubelet.config.k8s.io/v1\nkind: CredentialProviderConfig\nproviders:\n- name: p\n  matchImages: [registry.example.com]\n  defaultCacheDuration: 1h\n  apiVersion: credentialprovider.kubelet.k8s.io/v1\n").unwrap();
+    let (agent, proxy) = proxy_agent_with(
+        d,
+        &runtime_socket,
+        &[
+            "--image-credential-provider-config",
+            config.to_str().unwrap(),
+            "--image-credential-provider-bin-dir",
+            bin.to_str().unwrap(),
+        ],
+    );
+    let image = "registry.example.com/team/app:v1";
+    let e = call::<_, PullImageResponse>(&proxy, PULL_IMAGE, pull_request(image, None, "ns-a"))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (e.code(), e.message()),
+        (
+            tonic::Code::Unknown,
+            "failed to resolve reference: 401 Unauthorized"
+        )
+    );
+    credgate_testbed::eventually("the warning", Duration::from_secs(20), || {
+        agent
+            .log_text()
+            .contains("a pull without credentials failed as unauthorized")
+    });
+    // The provider's credential, once the agent holds it, is attributed to the provider.
+    let out = agent.credgate(&["get", image]);
+    assert!(out.status.success(), "{}", support::text(&out.stderr));
+    fake.answers.lock().unwrap().pull = Ok("sha256:feed".into());
+    let pulled: PullImageResponse = call(
+        &proxy,
+        PULL_IMAGE,
+        pull_request(image, Some(("puller", "fake-runtime-secret")), "ns-a"),
+    )
+    .await
+    .unwrap();
+    assert_eq!(pulled.image_ref, "sha256:feed");
+    let v: serde_json::Value =
+        serde_json::from_slice(&agent.credgate(&["ctl", "-o", "json", "pulls"]).stdout).unwrap();
+    assert_eq!(v["pulls"][0]["auth"], "provider:p", "{v}");
+    assert_eq!(v["pulls"][0]["code"], 0);
+    assert_eq!(v["pulls"][1]["auth"], "none");
+    assert_eq!(v["pulls"][1]["code"], 2);
+    assert!(!agent.log_text().contains("fake-runtime-secret"));
 }

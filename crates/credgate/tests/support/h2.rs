@@ -1,7 +1,6 @@
 //! Raw HTTP/2 for the proxy's hardening tests: a hyper client whose request bodies the test
-//! controls (sent in part, never ended) and whose answers it may leave unread, and a fake
-//! runtime that answers `ListImages` with a large message (a fake for one component: what the
-//! proxy does with a caller that stops reading).
+//! controls (sent in part, never ended) and whose answers it may leave unread (the fake runtime
+//! they are tested against is credgate-testbed's).
 
 use std::path::Path;
 use std::time::Duration;
@@ -10,7 +9,7 @@ use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::{Bytes, Frame, Incoming};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use tokio::net::{UnixListener, UnixStream};
+use tokio::net::UnixStream;
 
 pub type Body = UnsyncBoxBody<Bytes, std::io::Error>;
 pub type Sender = hyper::client::conn::http2::SendRequest<Body>;
@@ -75,63 +74,6 @@ pub async fn status(answer: hyper::Response<Incoming>) -> Option<(u32, String)> 
     }
     let collected = answer.into_body().collect().await.ok()?;
     from(collected.trailers()?)
-}
-
-/// A fake container runtime on `socket`: `ListImages` is answered with a message of `list`
-/// bytes, every other method with an empty message; all OK.
-pub async fn fake_runtime(socket: &Path, list: usize) -> tokio::task::JoinHandle<()> {
-    let listener = UnixListener::bind(socket).unwrap();
-    let big = {
-        let mut frame = vec![0u8];
-        frame.extend_from_slice(&(list as u32).to_be_bytes());
-        // Field 1 (images), repeated: each an Image with an id of `id` bytes.
-        let mut msg = Vec::with_capacity(list);
-        let id = vec![b'a'; 1000];
-        while msg.len() + 1006 <= list {
-            msg.extend_from_slice(&[0x0a, 0xeb, 0x07, 0x0a, 0xe8, 0x07]);
-            msg.extend_from_slice(&id);
-        }
-        frame[1..5].copy_from_slice(&(msg.len() as u32).to_be_bytes());
-        frame.extend_from_slice(&msg);
-        Bytes::from(frame)
-    };
-    tokio::spawn(async move {
-        loop {
-            let Ok((stream, _)) = listener.accept().await else {
-                return;
-            };
-            let big = big.clone();
-            tokio::spawn(async move {
-                let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
-                    let big = big.clone();
-                    async move {
-                        let path = req.uri().path().to_owned();
-                        let _ = req.into_body().collect().await;
-                        let data = if path.ends_with("/ListImages") {
-                            big
-                        } else {
-                            Bytes::from_static(&[0, 0, 0, 0, 0])
-                        };
-                        let mut trailers = hyper::HeaderMap::new();
-                        trailers.insert("grpc-status", "0".parse().unwrap());
-                        let body = Full::new(data)
-                            .map_err(|never| -> std::io::Error { match never {} })
-                            .with_trailers(async move { Some(Ok(trailers)) });
-                        Ok::<_, std::convert::Infallible>(
-                            hyper::Response::builder()
-                                .header("content-type", "application/grpc")
-                                .body(body)
-                                .unwrap(),
-                        )
-                    }
-                });
-                let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
-                    .timer(TokioTimer::new())
-                    .serve_connection(TokioIo::new(stream), service)
-                    .await;
-            });
-        }
-    })
 }
 
 /// The resident set of process `pid`, in bytes.

@@ -1,0 +1,144 @@
+//! A fake container runtime on a unix socket, for the CRI proxy's tests that run without root
+//! and containerd (a fake for one component: the proxy's logic around the runtime's answers).
+//! `ListImages` is answered with a message of a chosen size, `PullImage` with an image ID or a
+//! trailers-only error (as containerd answers a failed pull), every other method with an empty
+//! message.
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use http_body_util::{BodyExt, Full};
+use hyper::body::{Bytes, Incoming};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use tokio::net::UnixListener;
+
+/// How the fake answers; change it while it runs.
+#[derive(Debug, Clone)]
+pub struct Answers {
+    /// The size of a `ListImages` answer.
+    pub list_bytes: usize,
+    /// `PullImage`: the image ID, or a gRPC code and message.
+    pub pull: Result<String, (i32, String)>,
+}
+
+impl Default for Answers {
+    fn default() -> Self {
+        Answers {
+            list_bytes: 16,
+            pull: Ok("sha256:0123456789abcdef".into()),
+        }
+    }
+}
+
+/// A running fake; stops when dropped.
+pub struct FakeRuntime {
+    pub answers: Arc<Mutex<Answers>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for FakeRuntime {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+fn grpc_frame(message: &[u8]) -> Bytes {
+    let mut frame = vec![0u8];
+    frame.extend_from_slice(&(message.len() as u32).to_be_bytes());
+    frame.extend_from_slice(message);
+    Bytes::from(frame)
+}
+
+/// A `ListImagesResponse` of about `size` bytes (images with 1000-byte ids).
+fn list(size: usize) -> Bytes {
+    let mut msg = Vec::with_capacity(size);
+    let id = vec![b'a'; 1000];
+    while msg.len() + 1006 <= size {
+        msg.extend_from_slice(&[0x0a, 0xeb, 0x07, 0x0a, 0xe8, 0x07]);
+        msg.extend_from_slice(&id);
+    }
+    grpc_frame(&msg)
+}
+
+fn percent_encode(s: &str) -> String {
+    let mut out = String::new();
+    for b in s.bytes() {
+        if (0x20..0x7f).contains(&b) && b != b'%' {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+type Body = http_body_util::combinators::UnsyncBoxBody<Bytes, std::io::Error>;
+
+fn answer(path: &str, answers: &Answers) -> hyper::Response<Body> {
+    let ok = |data: Bytes| {
+        let mut trailers = hyper::HeaderMap::new();
+        trailers.insert("grpc-status", "0".parse().unwrap());
+        hyper::Response::builder()
+            .header("content-type", "application/grpc")
+            .body(
+                Full::new(data)
+                    .map_err(|never| -> std::io::Error { match never {} })
+                    .with_trailers(async move { Some(Ok(trailers)) })
+                    .boxed_unsync(),
+            )
+            .unwrap()
+    };
+    if path.ends_with("/ListImages") {
+        return ok(list(answers.list_bytes));
+    }
+    if path.ends_with("/PullImage") {
+        return match &answers.pull {
+            Ok(id) => {
+                // PullImageResponse { image_ref = 1 }
+                let mut msg = vec![0x0a, id.len() as u8];
+                msg.extend_from_slice(id.as_bytes());
+                ok(grpc_frame(&msg))
+            }
+            Err((code, message)) => hyper::Response::builder()
+                .header("content-type", "application/grpc")
+                .header("grpc-status", code.to_string())
+                .header("grpc-message", percent_encode(message))
+                .body(
+                    http_body_util::Empty::new()
+                        .map_err(|never| -> std::io::Error { match never {} })
+                        .boxed_unsync(),
+                )
+                .unwrap(),
+        };
+    }
+    ok(grpc_frame(&[]))
+}
+
+/// Serves on `socket` until dropped.
+pub async fn start(socket: &Path, answers: Answers) -> FakeRuntime {
+    let listener = UnixListener::bind(socket).unwrap();
+    let answers = Arc::new(Mutex::new(answers));
+    let shared = answers.clone();
+    let task = tokio::spawn(async move {
+        let mut connections = tokio::task::JoinSet::new();
+        while let Ok((stream, _)) = listener.accept().await {
+            let answers = shared.clone();
+            connections.spawn(async move {
+                let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
+                    let answers = answers.clone();
+                    async move {
+                        let path = req.uri().path().to_owned();
+                        let _ = req.into_body().collect().await;
+                        let now = answers.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                        Ok::<_, std::convert::Infallible>(answer(&path, &now))
+                    }
+                });
+                let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                    .timer(TokioTimer::new())
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    FakeRuntime { answers, task }
+}
