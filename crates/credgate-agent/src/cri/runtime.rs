@@ -1,0 +1,249 @@
+//! The proxy's client of the runtime: one HTTP/2 connection per caller connection (made on
+//! first use, again after it fails), calls whose request and answer are read whole within the
+//! caller's budgets, and the proxy's own unary calls.
+
+use std::path::PathBuf;
+
+use http_body_util::BodyExt;
+use hyper::body::{Bytes, Incoming};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use tokio::net::UnixStream;
+use tokio::sync::Mutex;
+use tokio::task::JoinSet;
+
+use super::budget::{self, Budgets, Refused, Taken};
+use super::{decision, Body, MAX_PULL_MESSAGE};
+use crate::listener::Guarded;
+use crate::status::ApiError;
+
+/// One HTTP/2 connection to the runtime, made on first use and again after it fails.
+pub(super) struct Runtime {
+    pub(super) path: PathBuf,
+    pub(super) sender: Mutex<Option<hyper::client::conn::http2::SendRequest<Body>>>,
+    pub(super) tasks: std::sync::Mutex<JoinSet<()>>,
+}
+
+impl Runtime {
+    pub(super) fn new(path: PathBuf) -> Runtime {
+        Runtime {
+            path,
+            sender: Mutex::new(None),
+            tasks: std::sync::Mutex::new(JoinSet::new()),
+        }
+    }
+
+    pub(super) async fn sender(
+        &self,
+    ) -> std::io::Result<hyper::client::conn::http2::SendRequest<Body>> {
+        let mut slot = self.sender.lock().await;
+        if let Some(s) = slot.as_ref().filter(|s| !s.is_closed()) {
+            return Ok(s.clone());
+        }
+        let stream = UnixStream::connect(&self.path).await?;
+        let (sender, connection) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+            .timer(TokioTimer::new())
+            .handshake(TokioIo::new(stream))
+            .await
+            .map_err(std::io::Error::other)?;
+        let mut tasks = self.tasks.lock().unwrap_or_else(|p| p.into_inner());
+        // Connections that ended are reaped here, so the set holds the live one only.
+        while tasks.try_join_next().is_some() {}
+        tasks.spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::debug!(error = %e, "runtime connection ended");
+            }
+        });
+        drop(tasks);
+        *slot = Some(sender.clone());
+        Ok(sender)
+    }
+}
+
+/// One caller connection's side of the proxy: a connection to the runtime of its own, so that
+/// a caller that stops reading its answers fills only its own flow-control windows and holds
+/// back only its own calls, and its share of what the proxy may buffer. Dropped with the
+/// caller's connection, which closes its runtime connection.
+pub(super) struct Caller {
+    pub(super) runtime: std::sync::Arc<Runtime>,
+    pub(super) budgets: Budgets,
+}
+
+/// The proxy's own error as a trailers-only answer.
+pub(super) fn status(e: ApiError) -> hyper::Response<Body> {
+    tonic::Status::from(e)
+        .into_http::<tonic::body::Body>()
+        .map(|b| b.map_err(|e| Box::new(e) as _).boxed_unsync())
+}
+
+/// One unary call of our own to the runtime: its answer's message when it succeeded and fit
+/// in `limit` bytes.
+pub(super) async fn ask<M: prost::Message, R: prost::Message + Default>(
+    caller: &Caller,
+    method: &str,
+    message: &M,
+    limit: usize,
+) -> Option<R> {
+    let frame = credgate_api::unary::grpc_message(message);
+    let (parts, ()) = hyper::Request::post(method)
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(())
+        .ok()?
+        .into_parts();
+    let whole = exchange(caller, parts, Bytes::from(frame), limit)
+        .await
+        .ok()?;
+    if whole.code() != Some(0) {
+        return None;
+    }
+    R::decode(grpc_message(&whole.data)?).ok()
+}
+
+/// An answer read whole: its head, its message bytes, its trailers.
+pub(super) struct Whole {
+    pub(super) parts: hyper::http::response::Parts,
+    pub(super) data: Bytes,
+    pub(super) trailers: Option<hyper::HeaderMap>,
+    /// What the answer takes of the budgets, until its body is sent or dropped.
+    pub(super) taken: Taken,
+}
+
+impl Whole {
+    /// The gRPC status code (in the trailers, or in the head of a trailers-only answer).
+    pub(super) fn code(&self) -> Option<i32> {
+        self.trailers
+            .as_ref()
+            .and_then(|t| t.get("grpc-status"))
+            .or_else(|| self.parts.headers.get("grpc-status"))
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse().ok())
+    }
+
+    /// The gRPC status message, percent-decoded.
+    pub(super) fn message(&self) -> String {
+        let raw = self
+            .trailers
+            .as_ref()
+            .and_then(|t| t.get("grpc-message"))
+            .or_else(|| self.parts.headers.get("grpc-message"))
+            .map(|v| v.as_bytes())
+            .unwrap_or_default();
+        decision::percent_decode(raw)
+    }
+
+    /// The answer as the runtime gave it, in the same shape: a trailers-only answer (the
+    /// status in the head, which ended the stream) goes back as one, since grpc-go reads a
+    /// status in a head that does not end the stream as `server closed the stream without
+    /// sending trailers`.
+    pub(super) fn into_response(self) -> hyper::Response<Body> {
+        if self.data.is_empty() && self.trailers.is_none() {
+            let body = http_body_util::Empty::new()
+                .map_err(|never| match never {})
+                .boxed_unsync();
+            return hyper::Response::from_parts(self.parts, body);
+        }
+        let trailers = self.trailers;
+        let body = Guarded::new(
+            http_body_util::Full::new(self.data)
+                .map_err(|never| match never {})
+                .with_trailers(async move { trailers.map(Ok) })
+                .boxed_unsync(),
+            self.taken,
+        )
+        .boxed_unsync();
+        hyper::Response::from_parts(self.parts, body)
+    }
+}
+
+/// A request body read whole, within the bound and the caller's budgets; an answer to give
+/// instead when it is over.
+pub(super) async fn read_whole(
+    caller: &Caller,
+    request: hyper::Request<Incoming>,
+    what: &str,
+) -> Result<(hyper::http::request::Parts, Bytes, Taken), hyper::Response<Body>> {
+    let (parts, body) = request.into_parts();
+    match budget::collect(body, MAX_PULL_MESSAGE, &caller.budgets).await {
+        Ok(c) => Ok((parts, c.data, c.taken)),
+        Err(Refused::TooLarge) => Err(status(ApiError::TooLarge(format!(
+            "credgate: a {what} request larger than {} KiB",
+            MAX_PULL_MESSAGE >> 10
+        )))),
+        Err(Refused::Exhausted) => Err(status(ApiError::TooLarge(format!(
+            "credgate: too many unfinished requests held for this connection or for all callers; {what} refused"
+        )))),
+        Err(Refused::Broken) => Err(status(ApiError::Cancelled(format!(
+            "credgate: the {what} request ended before its message did"
+        )))),
+    }
+}
+
+/// Forwards a call whose request was read whole and reads its answer whole (at most `limit`
+/// bytes); an answer to give instead when the runtime cannot be reached or its answer is too
+/// large.
+pub(super) async fn exchange(
+    caller: &Caller,
+    parts: hyper::http::request::Parts,
+    bytes: Bytes,
+    limit: usize,
+) -> Result<Whole, hyper::Response<Body>> {
+    let runtime = &caller.runtime;
+    let outbound = hyper::Request::from_parts(
+        parts,
+        http_body_util::Full::new(bytes)
+            .map_err(|never| match never {})
+            .boxed_unsync(),
+    );
+    let mut sender = runtime
+        .sender()
+        .await
+        .map_err(|e| unreachable_runtime(runtime, &e))?;
+    let answer = sender
+        .send_request(outbound)
+        .await
+        .map_err(|e| broken_runtime(&e))?;
+    let (parts, body) = answer.into_parts();
+    let collected =
+        match budget::collect(body, limit, &caller.budgets).await {
+            Ok(c) => c,
+            Err(Refused::Exhausted) => return Err(status(ApiError::TooLarge(
+                "credgate: too many unfinished answers held for this connection or for all callers"
+                    .into(),
+            ))),
+            Err(Refused::TooLarge | Refused::Broken) => {
+                return Err(status(ApiError::Runtime(
+                    "credgate: the runtime's answer was cut short or too large".into(),
+                )))
+            }
+        };
+    Ok(Whole {
+        parts,
+        data: collected.data,
+        trailers: collected.trailers,
+        taken: collected.taken,
+    })
+}
+
+/// The message of an uncompressed gRPC frame.
+pub(super) fn grpc_message(frame: &[u8]) -> Option<&[u8]> {
+    let (&flag, rest) = frame.split_first()?;
+    if flag != 0 {
+        return None;
+    }
+    let (len, msg) = rest.split_at_checked(4)?;
+    let len = u32::from_be_bytes(len.try_into().ok()?) as usize;
+    msg.get(..len)
+}
+
+pub(super) fn unreachable_runtime(runtime: &Runtime, e: &std::io::Error) -> hyper::Response<Body> {
+    status(ApiError::Runtime(format!(
+        "credgate: cannot reach the container runtime at {}: {e}",
+        runtime.path.display()
+    )))
+}
+
+pub(super) fn broken_runtime(e: &hyper::Error) -> hyper::Response<Body> {
+    status(ApiError::Runtime(format!(
+        "credgate: the container runtime's connection failed: {e}"
+    )))
+}
