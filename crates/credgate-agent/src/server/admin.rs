@@ -1,0 +1,189 @@
+//! The `Admin` service: health, status, reload, captured credentials, explain, pulls.
+
+use credgate_api::v1::{self as pb};
+use tonic::{Request, Response, Status};
+
+use super::*;
+
+#[tonic::async_trait]
+impl Admin for Api {
+    async fn health(
+        &self,
+        request: Request<pb::HealthRequest>,
+    ) -> Result<Response<pb::HealthResponse>, Status> {
+        self.observed(peer(&request), "Health", async {
+            Ok(Response::new(pb::HealthResponse {
+                status: "SERVING".to_owned(),
+            }))
+        })
+        .await
+    }
+
+    async fn version(
+        &self,
+        request: Request<pb::VersionRequest>,
+    ) -> Result<Response<pb::VersionResponse>, Status> {
+        self.observed(peer(&request), "Version", async {
+            Ok(Response::new(pb::VersionResponse {
+                version: env!("CARGO_PKG_VERSION").to_owned(),
+                api: credgate_api::API.to_owned(),
+            }))
+        })
+        .await
+    }
+
+    async fn status(
+        &self,
+        request: Request<pb::StatusRequest>,
+    ) -> Result<Response<pb::StatusResponse>, Status> {
+        self.observed(peer(&request), "Status", async {
+            Ok(Response::new(self.status_inner()))
+        })
+        .await
+    }
+
+    async fn reload(
+        &self,
+        request: Request<pb::ReloadRequest>,
+    ) -> Result<Response<pb::ReloadResponse>, Status> {
+        self.observed(peer(&request), "Reload", async {
+            let agent = self.agent.clone();
+            let reloaded = tokio::task::spawn_blocking(move || agent.reload())
+                .await
+                .map_err(|_| ApiError::Internal("reload task failed"))?
+                .map_err(|e| {
+                    let msg = error_chain(&e);
+                    tracing::error!(error = %msg, "reload refused; the old config keeps serving");
+                    ApiError::Reload(msg)
+                })?;
+            Ok(Response::new(pb::ReloadResponse {
+                config_identity: reloaded.identity.unwrap_or_default(),
+                changed: reloaded.changed,
+            }))
+        })
+        .await
+    }
+
+    async fn ping(
+        &self,
+        _: Request<pb::PingRequest>,
+    ) -> Result<Response<pb::PingResponse>, Status> {
+        Ok(Response::new(pb::PingResponse {}))
+    }
+
+    async fn list_captured(
+        &self,
+        request: Request<pb::ListCapturedRequest>,
+    ) -> Result<Response<pb::ListCapturedResponse>, Status> {
+        self.observed(peer(&request), "ListCaptured", async {
+            let Some(captured) = self.agent.captured() else {
+                return Ok(Response::new(pb::ListCapturedResponse::default()));
+            };
+            let age = captured
+                .max_age()
+                .map(|a| i64::try_from(a.as_millis()).unwrap_or(i64::MAX));
+            let list = captured
+                .list()
+                .into_iter()
+                .map(|(repository, c)| pb::CapturedCredential {
+                    repository,
+                    namespace: c.namespace,
+                    username: c.username,
+                    captured_unix_ms: c.captured_ms,
+                    expires_unix_ms: age.map_or(0, |a| c.captured_ms.saturating_add(a)),
+                })
+                .collect();
+            Ok(Response::new(pb::ListCapturedResponse { captured: list }))
+        })
+        .await
+    }
+
+    async fn explain(
+        &self,
+        request: Request<pb::ExplainRequest>,
+    ) -> Result<Response<pb::ExplainResponse>, Status> {
+        let peer = peer(&request);
+        let req = request.into_inner();
+        self.observed(peer, "Explain", async {
+            self.may_claim_identity(peer, req.service_account.as_ref())?;
+            let sa = req.service_account.map(service_account).transpose()?;
+            let answer = self
+                .agent
+                .explain(&req.image, sa.as_ref())
+                .map_err(ApiError::from)?;
+            Ok(Response::new(answer))
+        })
+        .await
+    }
+
+    async fn list_pulls(
+        &self,
+        request: Request<pb::ListPullsRequest>,
+    ) -> Result<Response<pb::ListPullsResponse>, Status> {
+        let peer = peer(&request);
+        let req = request.into_inner();
+        self.observed(peer, "ListPulls", async {
+            let repository = if req.image.is_empty() {
+                None
+            } else {
+                Some(
+                    credgate_core::reference::ImageRef::parse(&req.image)
+                        .map_err(|e| {
+                            status::invalid(format!(
+                                "invalid image {}: {e}",
+                                credgate_core::text::Quoted(&req.image)
+                            ))
+                        })?
+                        .name()
+                        .to_owned(),
+                )
+            };
+            let pulls = self
+                .agent
+                .pulls()
+                .list(repository.as_deref())
+                .into_iter()
+                .map(|p| pb::Pull {
+                    at_unix_ms: unix_ms(Some(p.at)),
+                    image: p.image,
+                    pod_namespace: p.pod_namespace,
+                    pod_name: p.pod_name,
+                    auth: p.auth,
+                    code: p.code,
+                    message: p.message,
+                    duration_ms: u64::try_from(p.duration.as_millis()).unwrap_or(u64::MAX),
+                })
+                .collect();
+            Ok(Response::new(pb::ListPullsResponse { pulls }))
+        })
+        .await
+    }
+
+    async fn forget_captured(
+        &self,
+        request: Request<pb::ForgetCapturedRequest>,
+    ) -> Result<Response<pb::ForgetCapturedResponse>, Status> {
+        let peer = peer(&request);
+        let req = request.into_inner();
+        self.observed(peer, "ForgetCaptured", async {
+            let Some(captured) = self.agent.captured() else {
+                return Err(ApiError::NotEnabled(
+                    "the CRI proxy does not run on this agent (--cri-proxy-socket)",
+                )
+                .into());
+            };
+            let repository = credgate_core::reference::ImageRef::parse(&req.repository)
+                .map_err(|e| {
+                    status::invalid(format!(
+                        "invalid repository {}: {e}",
+                        credgate_core::text::Quoted(&req.repository)
+                    ))
+                })?
+                .name()
+                .to_owned();
+            let forgotten = captured.forget(&repository).map_err(ApiError::from)?;
+            Ok(Response::new(pb::ForgetCapturedResponse { forgotten }))
+        })
+        .await
+    }
+}
