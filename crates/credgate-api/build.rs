@@ -8,6 +8,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     tonic_prost_build::configure()
         .build_server(true)
         .build_client(true)
+        // A message that does not decode is INVALID_ARGUMENT (src/codec.rs).
+        .codec_path("crate::codec::Codec")
         .type_attribute(".credgate.v1", "#[derive(serde::Serialize)]")
         // Messages with secrets get a hand-written, redacting Debug (src/redact.rs).
         .skip_debug([

@@ -61,6 +61,7 @@ pub mod methods {
 }
 
 pub mod authority;
+pub mod codec;
 pub mod cri;
 pub mod hpack;
 mod redact;

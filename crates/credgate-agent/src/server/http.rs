@@ -122,23 +122,7 @@ impl hyper::service::Service<hyper::Request<Incoming>> for CallService {
                 )))
                 .into_http(),
             };
-            let mut response = response;
-            undecodable_is_invalid_argument(response.headers_mut());
             Ok(response.map(|body| Counted::new(body, open)))
         })
-    }
-}
-
-/// A request whose message does not decode is the client's error: INVALID_ARGUMENT, not the
-/// INTERNAL that tonic's codec answers (a status in the answer's head, for every call that
-/// fails before its handler).
-fn undecodable_is_invalid_argument(headers: &mut hyper::HeaderMap) {
-    let undecodable = headers.get("grpc-status").is_some_and(|s| s == "13")
-        && headers.get("grpc-message").is_some_and(|m| {
-            m.as_bytes().starts_with(b"failed%20to%20decode")
-                || m.as_bytes().starts_with(b"failed to decode")
-        });
-    if undecodable {
-        headers.insert("grpc-status", hyper::header::HeaderValue::from_static("3"));
     }
 }
