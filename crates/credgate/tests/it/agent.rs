@@ -1,12 +1,10 @@
 //! `credgate serve` as a process: start-up on the README's example, `get` and `ctl` through the
 //! socket, SIGHUP reload (a bad config refused), SIGTERM exit 0, bad config at start exit 1.
 
-mod support;
-
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use support::{text, Agent};
+use crate::support::{text, Agent};
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -190,7 +188,7 @@ fn as_user(uid: u32, program: &str) -> Command {
 fn per_service_uid_allowlists_refuse_other_callers() {
     use std::os::unix::fs::PermissionsExt;
     credgate_testbed::require_root("calling as other uids");
-    support::require("setpriv");
+    crate::support::require("setpriv");
     let dir = tempfile::tempdir().unwrap();
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     let agent = Agent::start(
@@ -248,7 +246,7 @@ fn per_service_uid_allowlists_refuse_other_callers() {
     let agent = Agent::start(dir.path(), &["--allow-uids", "credentials=4243"]);
     std::fs::set_permissions(&agent.socket, std::fs::Permissions::from_mode(0o666)).unwrap();
     let helper_as = |uid: u32| {
-        support::output_with_stdin(
+        crate::support::output_with_stdin(
             as_user(uid, env!("CARGO_BIN_EXE_docker-credential-credgate"))
                 .arg("get")
                 .env("CREDGATE_SOCKET", &agent.socket),
@@ -320,7 +318,7 @@ async fn agent_killed_during_renewal_leaves_no_plugin_behind() {
     let d = dir.path();
     let bin = d.join("plugins");
     std::fs::create_dir_all(&bin).unwrap();
-    support::write_script(
+    crate::support::write_script(
         &bin.join("slow-token"),
         r#"cat >/dev/null
 if [ -e "$0.slow" ]; then
@@ -449,7 +447,7 @@ fn the_agent_is_not_dumpable() {
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
     use std::time::Duration;
     credgate_testbed::require_root("running the agent as another user");
-    support::require("setpriv");
+    crate::support::require("setpriv");
     let dir = tempfile::tempdir().unwrap();
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     let home = dir.path().join("nobody");
@@ -485,7 +483,7 @@ fn the_agent_is_not_dumpable() {
 fn counting_provider(dir: &Path, args: &str) -> PathBuf {
     let bin = dir.join("plugins");
     std::fs::create_dir_all(&bin).unwrap();
-    support::write_script(
+    crate::support::write_script(
         &bin.join("counted"),
         &format!(
             "cat >/dev/null\necho run >> '{}'\necho '{{\"kind\":\"CredentialProviderResponse\",\"apiVersion\":\"credentialprovider.kubelet.k8s.io/v1\",\"cacheKeyType\":\"Registry\",\"cacheDuration\":\"12h\",\"auth\":{{\"registry.example.com\":{{\"username\":\"kept\",\"password\":\"kept-password-sealed\"}}}}}}'",

@@ -5,16 +5,14 @@
 //! directly to Debian's containerd gets: the same status code and message (a trailers-only
 //! error stays one) and the same response bytes. The proxy tests need root (containerd).
 
-mod support;
-
 use std::path::Path;
 
+use crate::support::foreign::{build_go, go_call, python_call, Answer, Dial};
+use crate::support::{oci_image, push, Agent, Registry};
 use credgate_api::v1::{HealthResponse, LookupRequest, LookupResponse, WatchEvent, WatchRequest};
 use credgate_testbed::cri::*;
 use credgate_testbed::Containerd;
 use prost::Message;
-use support::foreign::{build_go, go_call, python_call, Answer, Dial};
-use support::{oci_image, push, Agent, Registry};
 
 const IMAGE: &str = "registry.example.com/team/app:v1";
 const USER: &str = "go-user";
@@ -378,7 +376,7 @@ async fn only_trusted_uids_may_claim_a_service_account_identity() {
             .arg("-socket")
             .arg(&agent.socket)
             .args(["-method", credgate_api::methods::LOOKUP, "-timeout", "30"]);
-        support::foreign::run_client(cmd, request)
+        crate::support::foreign::run_client(cmd, request)
     };
     let refused = as_uid(4242, &claim);
     assert_eq!(

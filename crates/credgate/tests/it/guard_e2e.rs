@@ -2,12 +2,10 @@
 //! per-repository access (a token endpoint written for the tests), `credgate serve`, tenants A
 //! and B talking to the agent's ImageAccess API.
 
-mod support;
-
+use crate::support::token::TokenServer;
+use crate::support::{oci_image, push, text, Agent, Registry};
 use credgate_api::v1::image_access_client::ImageAccessClient;
 use credgate_api::v1::{self as pb};
-use support::token::TokenServer;
-use support::{oci_image, push, text, Agent, Registry};
 
 const ADMIN: (&str, &str) = ("admin", "admin-pw");
 
@@ -47,7 +45,7 @@ fn private_registry(d: &std::path::Path) -> (TokenServer, Registry, String) {
             ("bob", "bob-pw", &["team-b/app"]),
         ],
     );
-    let registry = support::registry_with_tokens(d, &tokens);
+    let registry = crate::support::registry_with_tokens(d, &tokens);
     oci_image(d);
     push(d, &registry, "team-a/app", ADMIN.0, ADMIN.1);
     push(d, &registry, "team-b/app", ADMIN.0, ADMIN.1);
@@ -267,13 +265,13 @@ async fn node_wide_verification_uses_the_nodes_providers() {
             ("node", "node-pw", &["team-a/app"]),
         ],
     );
-    let registry = support::registry_with_tokens(d, &tokens);
+    let registry = crate::support::registry_with_tokens(d, &tokens);
     oci_image(d);
     push(d, &registry, "team-a/app", ADMIN.0, ADMIN.1);
     let digest = digest_of(&registry, "team-a/app");
     let bin = d.join("plugins");
     std::fs::create_dir_all(&bin).unwrap();
-    support::write_script(
+    crate::support::write_script(
         &bin.join("node-login"),
         &format!(
             r#"cat >/dev/null

@@ -2,12 +2,10 @@
 //! real plugin scripts, the bridge executed with a request on stdin, its stdout read as the
 //! kubelet reads a plugin's.
 
-mod support;
-
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
-use support::{output_with_stdin, text, write_script, Agent};
+use crate::support::{output_with_stdin, text, write_script, Agent};
 
 const SECRET: &str = "bridge-Pa55word-not-for-logs";
 const V1: &str = "credentialprovider.kubelet.k8s.io/v1";

@@ -2,13 +2,11 @@
 //! the rules and the Grafana dashboard name is one the agent really exports; the image builds
 //! with podman and runs.
 
-mod support;
-
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use support::text;
+use crate::support::text;
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -19,7 +17,7 @@ fn exported() -> BTreeSet<String> {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     std::fs::create_dir_all(d.join("plugins")).unwrap();
-    support::write_script(
+    crate::support::write_script(
         &d.join("plugins/p"),
         r#"cat >/dev/null; echo '{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.kubelet.k8s.io/v1","cacheKeyType":"Image","cacheDuration":"1m","auth":{"reg.io":{"username":"u","password":"p"}}}'"#,
     );
@@ -31,7 +29,7 @@ fn exported() -> BTreeSet<String> {
         .unwrap()
         .port();
     let addr = format!("127.0.0.1:{port}");
-    let agent = support::Agent::start(
+    let agent = crate::support::Agent::start(
         d,
         &[
             "--image-credential-provider-config",
@@ -141,8 +139,8 @@ fn alerting_rules_and_the_dashboard_name_metrics_the_agent_exports() {
 #[ignore = "needs root"]
 fn the_image_builds_and_its_binaries_run() {
     credgate_testbed::require_root("building images with podman (rootful, vfs)");
-    support::require("podman");
-    let bin_dir = support::bin_dir();
+    crate::support::require("podman");
+    let bin_dir = crate::support::bin_dir();
     let tag = format!("localhost/credgate-test:{}", std::process::id());
     let podman = |args: &[&str]| {
         Command::new("podman")

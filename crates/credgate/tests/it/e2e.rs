@@ -3,11 +3,11 @@
 //! registry's credentials, and real `skopeo inspect` calling `docker-credential-credgate`
 //! through an auth file's `credHelpers`.
 
-mod support;
-
 use std::path::Path;
 
-use support::{helper_get, oci_image, push, skopeo_inspect, text, write_script, Agent, Registry};
+use crate::support::{
+    helper_get, oci_image, push, skopeo_inspect, text, write_script, Agent, Registry,
+};
 
 const USER: &str = "alice";
 const PASSWORD: &str = "e2e-Pa55word-not-for-logs";
@@ -231,7 +231,7 @@ fn erase_is_refused_unless_opted_out_and_store_reads_a_bounded_input() {
         if ignore {
             cmd.env("CREDGATE_HELPER_ERASE", "ignore");
         }
-        support::output_with_stdin(&mut cmd, input)
+        crate::support::output_with_stdin(&mut cmd, input)
     };
     let out = helper("erase", false, b"https://index.docker.io/v1/");
     assert_eq!(out.status.code(), Some(1));

@@ -4,15 +4,13 @@
 //! loop), a lost node key, intent recovery, the maximum age, pull policy Never, and the
 //! allowlist refused at start.
 
-mod support;
-
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::support::Agent;
 use credgate_api::v1::image_access_client::ImageAccessClient;
 use credgate_api::v1::{self as pb};
-use support::Agent;
 
 fn node_wide() -> Option<pb::PullCredential> {
     Some(pb::PullCredential::node_wide())
@@ -171,7 +169,7 @@ async fn a_damaged_store_fails_safe_without_a_crash_loop() {
     assert_eq!(e.code(), tonic::Code::FailedPrecondition);
     // The agent keeps serving the rest of its API.
     let out = agent.credgate(&["ctl", "health"]);
-    assert_eq!(support::text(&out.stdout).trim(), "SERVING");
+    assert_eq!(crate::support::text(&out.stdout).trim(), "SERVING");
     // The damaged file is left for the operator, untouched.
     let bytes = std::fs::read(state.join("guard.db")).unwrap();
     assert!(bytes.starts_with(b"this is not a database"));
@@ -294,7 +292,7 @@ fn invalid_allowlist_entries_are_refused_at_start() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
-    let err = support::text(&out.stderr);
+    let err = crate::support::text(&out.stderr);
     assert!(
         err.contains("invalid --preloaded-images-verification-allowlist"),
         "{err}"

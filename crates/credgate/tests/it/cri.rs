@@ -4,16 +4,14 @@
 //! runtime's own answers and status codes. Needs root (containerd) and containerd installed
 //! (`scripts/test` installs it).
 
-mod support;
-
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use std::time::{Duration, Instant};
 
+use crate::support::{oci_image, push, Agent, Registry};
 use credgate_testbed::cri::*;
 use credgate_testbed::Containerd;
-use support::{oci_image, push, Agent, Registry};
 
 const USER: &str = "cri-user";
 const PASSWORD: &str = "cri-Pa55word-not-for-logs";
@@ -165,7 +163,7 @@ async fn pulls_through_the_proxy_reach_the_registry_with_their_credentials() {
         );
     }
     let empty = agent.credgate(&["ctl", "captured"]);
-    assert_eq!(support::text(&empty.stdout), "nothing captured\n");
+    assert_eq!(crate::support::text(&empty.stdout), "nothing captured\n");
     let pulled: PullImageResponse = call(&proxy, PULL_IMAGE, pull(Some(PASSWORD)))
         .await
         .expect("the pull with the right credentials succeeds");
@@ -196,8 +194,8 @@ async fn pulls_through_the_proxy_reach_the_registry_with_their_credentials() {
         assert!(
             matches!(out.status.code(), Some(0 | 1)),
             "{}{}",
-            support::text(&out.stdout),
-            support::text(&out.stderr)
+            crate::support::text(&out.stdout),
+            crate::support::text(&out.stderr)
         );
         serde_json::from_slice(&out.stdout).unwrap_or_default()
     };
@@ -217,7 +215,7 @@ async fn pulls_through_the_proxy_reach_the_registry_with_their_credentials() {
     );
     // `credgate get` names the source of a captured credential in its PROVIDER cell.
     let table = agent.credgate(&["get", &other_tag]);
-    let text = support::text(&table.stdout);
+    let text = crate::support::text(&table.stdout);
     assert!(
         text.lines()
             .nth(1)
@@ -225,13 +223,21 @@ async fn pulls_through_the_proxy_reach_the_registry_with_their_credentials() {
         "{text}"
     );
     let helper = agent.helper_get(&registry.host());
-    assert!(helper.status.success(), "{}", support::text(&helper.stdout));
+    assert!(
+        helper.status.success(),
+        "{}",
+        crate::support::text(&helper.stdout)
+    );
     let answer: serde_json::Value = serde_json::from_slice(&helper.stdout).unwrap();
     assert_eq!(answer["Secret"], PASSWORD);
     // `ctl captured` lists it, never its secret; `forget` of another repository drops nothing.
     let listed = agent.credgate(&["ctl", "captured", "-o", "json"]);
-    let text = support::text(&listed.stdout);
-    assert!(listed.status.success(), "{}", support::text(&listed.stderr));
+    let text = crate::support::text(&listed.stdout);
+    assert!(
+        listed.status.success(),
+        "{}",
+        crate::support::text(&listed.stderr)
+    );
     assert!(
         text.contains(&format!("{}/team/app", registry.host())) && text.contains("team-a"),
         "{text}"
@@ -244,9 +250,9 @@ async fn pulls_through_the_proxy_reach_the_registry_with_their_credentials() {
         &format!("{}/team/other", registry.host()),
     ]);
     assert!(
-        support::text(&none.stdout).contains("nothing captured"),
+        crate::support::text(&none.stdout).contains("nothing captured"),
         "{}",
-        support::text(&none.stdout)
+        crate::support::text(&none.stdout)
     );
     // The image access guard recorded the pull: another namespace's different secret must
     // authenticate; the same secret content under another name is allowed.
@@ -266,22 +272,22 @@ async fn pulls_through_the_proxy_reach_the_registry_with_their_credentials() {
         other.status.code(),
         Some(1),
         "{}",
-        support::text(&other.stdout)
+        crate::support::text(&other.stdout)
     );
     assert!(
-        support::text(&other.stdout).contains("MUST_AUTHENTICATE"),
+        crate::support::text(&other.stdout).contains("MUST_AUTHENTICATE"),
         "{}",
-        support::text(&other.stdout)
+        crate::support::text(&other.stdout)
     );
     let same = check(&format!("team-b/copy/88bb={USER}:{PASSWORD}"));
     assert!(
         same.status.success(),
         "{}{}",
-        support::text(&same.stdout),
-        support::text(&same.stderr)
+        crate::support::text(&same.stdout),
+        crate::support::text(&same.stderr)
     );
     let records = agent.credgate(&["ctl", "list-records", "-o", "json"]);
-    let listed = support::text(&records.stdout);
+    let listed = crate::support::text(&records.stdout);
     assert!(
         listed.contains("team-a") && listed.contains("cri-pull-"),
         "{listed}"
@@ -410,7 +416,7 @@ async fn captures_and_rotations_are_pushed_to_watchers() {
     // A provider for the registry that has no credential of its own, for the kubelet bridge.
     let bin = d.join("plugins");
     std::fs::create_dir_all(&bin).unwrap();
-    support::write_script(
+    crate::support::write_script(
         &bin.join("nothing"),
         r#"cat >/dev/null
 printf '{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.kubelet.k8s.io/v1","cacheKeyType":"Registry","cacheDuration":"1m","auth":{}}'"#,
@@ -474,14 +480,18 @@ printf '{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.ku
     // The kubelet bridge serves it to a snapshotter that asks (`--captured`), keyed by the
     // repository, and never to the kubelet.
     let bridge = |more: &[&str]| -> serde_json::Value {
-        let out = support::output_with_stdin(
+        let out = crate::support::output_with_stdin(
             Command::new(env!("CARGO_BIN_EXE_credgate-credential-provider"))
                 .args(["--provider", "nothing"])
                 .args(more)
                 .env("CREDGATE_SOCKET", &agent.socket),
             format!(r#"{{"apiVersion":"credentialprovider.kubelet.k8s.io/v1","kind":"CredentialProviderRequest","image":"{watched}"}}"#).as_bytes(),
         );
-        assert!(out.status.success(), "{}", support::text(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            crate::support::text(&out.stderr)
+        );
         serde_json::from_slice(&out.stdout).unwrap()
     };
     let repository = format!("{}/team/app", registry.host());
@@ -574,16 +584,16 @@ async fn only_credentials_the_images_registry_checked_and_accepted_are_captured(
             && log.contains("their server address names another registry")
     });
     let lookup = agent.credgate(&["ctl", "lookup", "-o", "json", &public]);
-    let text = support::text(&lookup.stdout);
+    let text = crate::support::text(&lookup.stdout);
     assert!(!text.contains("captured"), "{text}");
     assert!(
         !text.contains("GARBAGE") && !text.contains(PASSWORD),
         "{text}"
     );
     let helper = agent.helper_get(&open.host());
-    assert!(!support::text(&helper.stdout).contains(PASSWORD));
+    assert!(!crate::support::text(&helper.stdout).contains(PASSWORD));
     assert_eq!(
-        support::text(&agent.credgate(&["ctl", "captured"]).stdout),
+        crate::support::text(&agent.credgate(&["ctl", "captured"]).stdout),
         "nothing captured\n"
     );
     // The right credential for the locked registry, naming it: captured once confirmed.
@@ -595,7 +605,7 @@ async fn only_credentials_the_images_registry_checked_and_accepted_are_captured(
         "the confirmed credential is captured",
         Duration::from_secs(20),
         || {
-            support::text(&agent.credgate(&["ctl", "captured"]).stdout)
+            crate::support::text(&agent.credgate(&["ctl", "captured"]).stdout)
                 .contains(&format!("{}/team/app", locked.host()))
         },
     );
@@ -622,7 +632,7 @@ async fn the_proxy_bounds_connections_and_closes_silent_ones() {
     let refused = held.iter_mut().map(closed).filter(|&c| c).count();
     assert!(refused >= 160 - 128, "{refused} closed at once");
     let health = agent.credgate(&["ctl", "health"]);
-    assert_eq!(support::text(&health.stdout).trim(), "SERVING");
+    assert_eq!(crate::support::text(&health.stdout).trim(), "SERVING");
     // The rest sent nothing: closed at the handshake deadline (5 s).
     credgate_testbed::eventually(
         "silent proxy connections are closed",
@@ -639,21 +649,21 @@ async fn half_sent_pulls_hold_a_bounded_amount_and_let_go() {
     let dir = tempfile::tempdir().unwrap();
     let (agent, proxy) = proxy_agent(dir.path(), &dir.path().join("no-runtime.sock"));
     let pid = agent.child.id();
-    let before = support::h2::rss(pid);
+    let before = crate::support::h2::rss(pid);
     let mut bodies = Vec::new();
     let mut answers = Vec::new();
     for _ in 0..4 {
-        let mut sender = support::h2::connect(&proxy, 1 << 20).await;
+        let mut sender = crate::support::h2::connect(&proxy, 1 << 20).await;
         for _ in 0..60 {
             // A frame prefix announcing a message just under the limit, and most of it.
             let mut first = vec![0u8];
             first.extend_from_slice(&((1u32 << 20) - 64).to_be_bytes());
             first.resize((1 << 20) - 1024, b'x');
-            let (body, keep) = support::h2::unfinished(first);
+            let (body, keep) = crate::support::h2::unfinished(first);
             bodies.push(keep);
             sender.ready().await.unwrap();
             answers.push(tokio::spawn(
-                sender.send_request(support::h2::request(PULL_IMAGE, body)),
+                sender.send_request(crate::support::h2::request(PULL_IMAGE, body)),
             ));
         }
     }
@@ -663,7 +673,7 @@ async fn half_sent_pulls_hold_a_bounded_amount_and_let_go() {
         let exhausted = exhausted.clone();
         waiting.spawn(async move {
             if let Ok(Ok(answer)) = answer.await {
-                if let Some((8, message)) = support::h2::status(answer).await {
+                if let Some((8, message)) = crate::support::h2::status(answer).await {
                     assert!(message.contains("too%20many"), "{message}");
                     exhausted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 }
@@ -671,32 +681,32 @@ async fn half_sent_pulls_hold_a_bounded_amount_and_let_go() {
         });
     }
     let count = || exhausted.load(std::sync::atomic::Ordering::Relaxed);
-    support::h2::within(Duration::from_secs(20), || {
+    crate::support::h2::within(Duration::from_secs(20), || {
         (count() >= 4 * 55).then_some(())
     })
     .await;
     let exhausted = count();
     // 4 MiB a connection: at most 4 of each connection's 60 are held, the rest refused.
     assert!(exhausted >= 4 * 55, "{exhausted} refused");
-    let during = support::h2::rss(pid);
+    let during = crate::support::h2::rss(pid);
     assert!(
         during < before + (48 << 20),
         "RSS went from {before} to {during} bytes"
     );
     drop(bodies);
     waiting.abort_all();
-    let settled = support::h2::within(Duration::from_secs(20), || {
-        let now = support::h2::rss(pid);
+    let settled = crate::support::h2::within(Duration::from_secs(20), || {
+        let now = crate::support::h2::rss(pid);
         (now < before + (8 << 20)).then_some(now)
     })
     .await;
     assert!(
         settled.is_some(),
         "RSS stayed at {} after the callers left (from {before})",
-        support::h2::rss(pid)
+        crate::support::h2::rss(pid)
     );
     let health = agent.credgate(&["ctl", "health"]);
-    assert_eq!(support::text(&health.stdout).trim(), "SERVING");
+    assert_eq!(crate::support::text(&health.stdout).trim(), "SERVING");
 }
 
 /// A caller that leaves large answers unread holds back only its own calls: each caller has
@@ -715,36 +725,37 @@ async fn a_caller_that_does_not_read_holds_back_only_its_own_calls() {
     .await;
     let (_agent, proxy) = proxy_agent(dir.path(), &runtime);
     // The greedy caller: three ListImages of 2.7 MB each, never read.
-    let mut greedy = support::h2::connect(&proxy, 65_535).await;
+    let mut greedy = crate::support::h2::connect(&proxy, 65_535).await;
     let mut unread = Vec::new();
     for _ in 0..3 {
         greedy.ready().await.unwrap();
         let answer = greedy
-            .send_request(support::h2::request(
+            .send_request(crate::support::h2::request(
                 LIST_IMAGES,
-                support::h2::message(vec![0, 0, 0, 0, 0]),
+                crate::support::h2::message(vec![0, 0, 0, 0, 0]),
             ))
             .await
             .unwrap();
         unread.push(answer);
     }
     // Another caller: its calls are answered as usual.
-    let mut other = support::h2::connect(&proxy, 1 << 20).await;
+    let mut other = crate::support::h2::connect(&proxy, 1 << 20).await;
     for _ in 0..20 {
         other.ready().await.unwrap();
         let answer = tokio::time::timeout(
             Duration::from_secs(10),
-            other.send_request(support::h2::request(
+            other.send_request(crate::support::h2::request(
                 IMAGE_STATUS,
-                support::h2::message(vec![0, 0, 0, 0, 0]),
+                crate::support::h2::message(vec![0, 0, 0, 0, 0]),
             )),
         )
         .await
         .expect("another caller's call is not held back")
         .unwrap();
-        let status = tokio::time::timeout(Duration::from_secs(10), support::h2::status(answer))
-            .await
-            .expect("its answer arrives");
+        let status =
+            tokio::time::timeout(Duration::from_secs(10), crate::support::h2::status(answer))
+                .await
+                .expect("its answer arrives");
         assert_eq!(status.map(|s| s.0), Some(0));
     }
     drop(unread);
@@ -792,7 +803,7 @@ async fn pulls_are_logged_and_explained() {
         registry.host()
     );
     for name in ["right", "portless"] {
-        support::write_script(&bin.join(name), &format!("cat >/dev/null\necho '{answer}'"));
+        crate::support::write_script(&bin.join(name), &format!("cat >/dev/null\necho '{answer}'"));
     }
     let config = d.join("providers.yaml");
     std::fs::write(
@@ -858,7 +869,7 @@ async fn pulls_are_logged_and_explained() {
     assert!(!log.contains(PASSWORD), "the password reached the log");
     // The ring, newest first; the metric by auth and result.
     let pulls = agent.credgate(&["ctl", "pulls"]);
-    let text = support::text(&pulls.stdout);
+    let text = crate::support::text(&pulls.stdout);
     let rows: Vec<&str> = text.lines().skip(1).collect();
     assert_eq!(rows.len(), 3, "{text}");
     assert!(
@@ -883,7 +894,7 @@ async fn pulls_are_logged_and_explained() {
         v["pulls"][0]["auth"], "unknown",
         "a credential of no source the agent holds"
     );
-    assert!(!support::text(&json.stdout).contains(PASSWORD));
+    assert!(!crate::support::text(&json.stdout).contains(PASSWORD));
     let metrics = metrics_text(&agent);
     assert!(
         metrics.contains("credgate_cri_pulls_total{auth=\"none\",result=\"unauthorized\"} 2"),
@@ -892,8 +903,12 @@ async fn pulls_are_logged_and_explained() {
     // `explain`: the right provider matches (its answer is not cached yet: the kubelet never
     // asked), the portless one misses by the port; text and JSON.
     let out = agent.credgate(&["explain", &image]);
-    let text = support::text(&out.stdout);
-    assert!(out.status.success(), "{}", support::text(&out.stderr));
+    let text = crate::support::text(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        crate::support::text(&out.stderr)
+    );
     assert!(text.contains("provider right: matches"), "{text}");
     assert!(
         text.contains("provider portless: does not match (closest: 127.0.0.1: the pattern has no port and does not match a host with a port"),
@@ -922,7 +937,7 @@ async fn pulls_are_logged_and_explained() {
         .as_str()
         .unwrap()
         .contains("port"));
-    assert!(!support::text(&out.stdout).contains(PASSWORD));
+    assert!(!crate::support::text(&out.stdout).contains(PASSWORD));
 }
 
 /// The proxy's pull logic against a fake runtime (no root, no containerd): a failed pull's
@@ -945,7 +960,7 @@ async fn the_pull_decision_log_against_a_fake_runtime() {
     .await;
     let bin = d.join("plugins");
     std::fs::create_dir_all(&bin).unwrap();
-    support::write_script(
+    crate::support::write_script(
         &bin.join("p"),
         "cat >/dev/null\necho '{\"kind\":\"CredentialProviderResponse\",\"apiVersion\":\"credentialprovider.kubelet.k8s.io/v1\",\"cacheKeyType\":\"Registry\",\"cacheDuration\":\"1h\",\"auth\":{\"registry.example.com\":{\"username\":\"puller\",\"password\":\"fake-runtime-secret\"}}}'",
     );
@@ -979,7 +994,11 @@ async fn the_pull_decision_log_against_a_fake_runtime() {
     });
     // The provider's credential, once the agent holds it, is attributed to the provider.
     let out = agent.credgate(&["get", image]);
-    assert!(out.status.success(), "{}", support::text(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        crate::support::text(&out.stderr)
+    );
     fake.answers.lock().unwrap().pull = Ok("sha256:feed".into());
     let pulled: PullImageResponse = call(
         &proxy,
