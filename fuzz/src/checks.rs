@@ -1,5 +1,5 @@
 //! What each fuzz target checks, shared by the libFuzzer targets (`fuzz_targets/`) and the
-//! corpus replay in the normal test suite (`crates/credgate-core/tests/fuzz_corpus.rs`).
+//! corpus replay in the normal test suite (`crates/credgate-core/tests/it/fuzz_corpus.rs`).
 //! Every function takes arbitrary bytes; a panic is a finding.
 
 use credgate_core::config::{ProviderConfig, WireVersion};

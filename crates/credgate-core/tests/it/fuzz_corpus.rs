@@ -2,10 +2,10 @@
 //! normal suite keeps every input the fuzzers have found interesting, without libFuzzer.
 //! `scripts/fuzz` runs the fuzzers themselves.
 
-#[path = "../../../fuzz/src/checks.rs"]
+#[path = "../../../../fuzz/src/checks.rs"]
 mod checks;
 
-#[path = "../../../fuzz/src/replay.rs"]
+#[path = "../../../../fuzz/src/replay.rs"]
 mod replay;
 
 use replay::replay;
