@@ -42,9 +42,9 @@ pub struct NodeOptions {
 /// Why a node could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum NodeError {
-    #[error("cannot build the agent: {0}")]
+    #[error("cannot build the agent")]
     Agent(#[from] SourceError),
-    #[error("cannot serve the API: {0}")]
+    #[error("cannot serve the API")]
     Socket(#[source] SocketError),
     #[error("cannot listen for metrics on {addr}: {error}")]
     Metrics {

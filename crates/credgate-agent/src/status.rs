@@ -176,6 +176,14 @@ mod tests {
                 source: load(),
             }),
             Box::new(TrackError::NoConsumer),
+            Box::new(crate::node::NodeError::Socket(SocketError::Untrusted(
+                trust(),
+            ))),
+            Box::new(crate::node::NodeError::Agent(SourceError::NoBinDir)),
+            Box::new(crate::saved_cache::SavedError::Write {
+                path: "/x".into(),
+                error: io(),
+            }),
         ];
         for e in &errors {
             assert_eq!(repeated_cause(&**e), None, "{e}");

@@ -5,7 +5,7 @@
 //! unauthorized while a provider or docker config would have answered, a warning that says so
 //! and what to check (once per image per interval).
 
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use secrecy::ExposeSecret;
 
@@ -83,7 +83,7 @@ pub(super) fn log(agent: &crate::Agent, pull: &Pull, code: i32, message: &str, t
         warn_if_a_source_would_have_answered(agent, pull);
     }
     agent.pulls().push(PullRecord {
-        at: SystemTime::now(),
+        at: agent.clock().wall(),
         image: pull.image.clone(),
         pod_namespace: pull.pod_namespace.clone(),
         pod_name: pull.pod_name.clone(),

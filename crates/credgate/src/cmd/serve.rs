@@ -120,6 +120,7 @@ pub async fn run(args: ServeArgs) -> Result<Outcome> {
     };
     let socket_path = options.socket.clone();
     let node = Node::start(options).await.map_err(|e| match e {
+        // A bad config reads as it always did: the config's own error, not "cannot build".
         NodeError::Agent(e) => anyhow::Error::new(e),
         e => anyhow::Error::new(e),
     })?;
