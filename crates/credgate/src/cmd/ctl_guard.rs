@@ -143,6 +143,9 @@ fn print_record(r: &pb::PullRecord) {
     print_table(&["IMAGE ID", "NAME", "PULLED BY", "CHANGED"], &rows);
 }
 
+type Client = ImageAccessClient<Channel>;
+
+/// One `ImageAccess` RPC; the longer ones print in their own functions below.
 pub async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcome> {
     let mut guard = ImageAccessClient::new(channel);
     match call {
@@ -153,27 +156,16 @@ pub async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcom
             pull_policy,
             credentials: creds,
         } => {
-            let policy = match pull_policy {
-                PullPolicyArg::Always => pb::PullPolicy::Always,
-                PullPolicyArg::IfNotPresent => pb::PullPolicy::IfNotPresent,
-                PullPolicyArg::Never => pb::PullPolicy::Never,
-            };
-            let r = answer(guard.check_access(pb::CheckAccessRequest {
+            return check_access(
+                &mut guard,
                 image,
-                image_ref: image_ref.unwrap_or_default(),
-                present: !absent,
-                pull_policy: policy as i32,
-                credentials: credentials(&creds)?,
-            }))
-            .await?;
-            show(out, &r, |r| {
-                decision_line(r.decision, &r.reason, &r.message)
-            })?;
-            let allowed = matches!(
-                pb::Decision::try_from(r.decision),
-                Ok(pb::Decision::Allow | pb::Decision::Pull)
-            );
-            return Ok(if allowed { Outcome::Yes } else { Outcome::No });
+                image_ref,
+                absent,
+                pull_policy,
+                creds,
+                out,
+            )
+            .await
         }
         CtlCall::RecordIntent { image } => {
             answer(guard.record_pull_intent(pb::RecordPullIntentRequest { image })).await?;
@@ -188,33 +180,7 @@ pub async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcom
             image_ref,
             failed,
             credentials: creds,
-        } => {
-            let mut list = credentials(&creds)?;
-            if list.len() > 1 {
-                return Err(usage(
-                    "a pull used one credential: give one --secret, --service-account or --node-wide",
-                ));
-            }
-            answer(guard.record_pull_result(pb::RecordPullResultRequest {
-                image,
-                image_ref: image_ref.unwrap_or_default(),
-                success: !failed,
-                credential: list.pop(),
-            }))
-            .await?;
-            if out == Output::Json {
-                json(&serde_json::json!({}))?;
-            } else {
-                println!(
-                    "{}",
-                    if failed {
-                        "failed pull recorded"
-                    } else {
-                        "pull recorded"
-                    }
-                );
-            }
-        }
+        } => return record_result(&mut guard, image, image_ref, failed, creds, out).await,
         CtlCall::Verify {
             image,
             image_ref,
@@ -240,58 +206,8 @@ pub async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcom
         CtlCall::Prune {
             present,
             older_than,
-        } => {
-            let images = present_images(&present)?;
-            let before = SystemTime::now()
-                .checked_sub(older_than)
-                .unwrap_or(SystemTime::UNIX_EPOCH)
-                .duration_since(SystemTime::UNIX_EPOCH)
-                .unwrap_or(Duration::ZERO);
-            let r = answer(guard.prune(pb::PruneRequest {
-                present: images,
-                before_unix_ms: i64::try_from(before.as_millis()).unwrap_or(i64::MAX),
-            }))
-            .await?;
-            show(out, &r, |r| {
-                format!(
-                    "records deleted: {}, intents recovered: {}, intents dropped: {}",
-                    r.records_deleted, r.intents_recovered, r.intents_dropped
-                )
-            })?;
-        }
-        CtlCall::ListRecords => {
-            // Every page, one after another: one answer never holds them all.
-            let mut r = pb::ListRecordsResponse::default();
-            let mut token = String::new();
-            loop {
-                let page = answer(guard.list_records(pb::ListRecordsRequest {
-                    page_size: 0,
-                    page_token: std::mem::take(&mut token),
-                }))
-                .await?;
-                r.records.extend(page.records);
-                r.intents.extend(page.intents);
-                if page.next_page_token.is_empty() {
-                    break;
-                }
-                token = page.next_page_token;
-            }
-            if out == Output::Json {
-                json(&r)?;
-            } else {
-                for rec in &r.records {
-                    print_record(rec);
-                }
-                for i in &r.intents {
-                    println!(
-                        "intent: {} (x{}) since {}",
-                        i.image,
-                        i.count,
-                        time_ms(i.created_unix_ms)
-                    );
-                }
-            }
-        }
+        } => return prune(&mut guard, present, older_than, out).await,
+        CtlCall::ListRecords => return list_records(&mut guard, out).await,
         CtlCall::GetRecord { image_ref } => {
             let r = answer(guard.get_record(pb::GetRecordRequest { image_ref })).await?;
             if out == Output::Json {
@@ -313,6 +229,135 @@ pub async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcom
             return Ok(if r.deleted { Outcome::Yes } else { Outcome::No });
         }
         _ => unreachable!("only ImageAccess calls are routed here"),
+    }
+    Ok(Outcome::Yes)
+}
+
+async fn check_access(
+    guard: &mut Client,
+    image: String,
+    image_ref: Option<String>,
+    absent: bool,
+    pull_policy: PullPolicyArg,
+    creds: CredentialArgs,
+    out: Output,
+) -> Result<Outcome> {
+    let policy = match pull_policy {
+        PullPolicyArg::Always => pb::PullPolicy::Always,
+        PullPolicyArg::IfNotPresent => pb::PullPolicy::IfNotPresent,
+        PullPolicyArg::Never => pb::PullPolicy::Never,
+    };
+    let r = answer(guard.check_access(pb::CheckAccessRequest {
+        image,
+        image_ref: image_ref.unwrap_or_default(),
+        present: !absent,
+        pull_policy: policy as i32,
+        credentials: credentials(&creds)?,
+    }))
+    .await?;
+    show(out, &r, |r| {
+        decision_line(r.decision, &r.reason, &r.message)
+    })?;
+    let allowed = matches!(
+        pb::Decision::try_from(r.decision),
+        Ok(pb::Decision::Allow | pb::Decision::Pull)
+    );
+    Ok(if allowed { Outcome::Yes } else { Outcome::No })
+}
+
+async fn record_result(
+    guard: &mut Client,
+    image: String,
+    image_ref: Option<String>,
+    failed: bool,
+    creds: CredentialArgs,
+    out: Output,
+) -> Result<Outcome> {
+    let mut list = credentials(&creds)?;
+    if list.len() > 1 {
+        return Err(usage(
+            "a pull used one credential: give one --secret, --service-account or --node-wide",
+        ));
+    }
+    answer(guard.record_pull_result(pb::RecordPullResultRequest {
+        image,
+        image_ref: image_ref.unwrap_or_default(),
+        success: !failed,
+        credential: list.pop(),
+    }))
+    .await?;
+    if out == Output::Json {
+        json(&serde_json::json!({}))?;
+    } else {
+        println!(
+            "{}",
+            if failed {
+                "failed pull recorded"
+            } else {
+                "pull recorded"
+            }
+        );
+    }
+    Ok(Outcome::Yes)
+}
+
+async fn prune(
+    guard: &mut Client,
+    present: Vec<String>,
+    older_than: Duration,
+    out: Output,
+) -> Result<Outcome> {
+    let images = present_images(&present)?;
+    let before = SystemTime::now()
+        .checked_sub(older_than)
+        .unwrap_or(SystemTime::UNIX_EPOCH)
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap_or(Duration::ZERO);
+    let r = answer(guard.prune(pb::PruneRequest {
+        present: images,
+        before_unix_ms: i64::try_from(before.as_millis()).unwrap_or(i64::MAX),
+    }))
+    .await?;
+    show(out, &r, |r| {
+        format!(
+            "records deleted: {}, intents recovered: {}, intents dropped: {}",
+            r.records_deleted, r.intents_recovered, r.intents_dropped
+        )
+    })?;
+    Ok(Outcome::Yes)
+}
+
+async fn list_records(guard: &mut Client, out: Output) -> Result<Outcome> {
+    // Every page, one after another: one answer never holds them all.
+    let mut r = pb::ListRecordsResponse::default();
+    let mut token = String::new();
+    loop {
+        let page = answer(guard.list_records(pb::ListRecordsRequest {
+            page_size: 0,
+            page_token: std::mem::take(&mut token),
+        }))
+        .await?;
+        r.records.extend(page.records);
+        r.intents.extend(page.intents);
+        if page.next_page_token.is_empty() {
+            break;
+        }
+        token = page.next_page_token;
+    }
+    if out == Output::Json {
+        json(&r)?;
+    } else {
+        for rec in &r.records {
+            print_record(rec);
+        }
+        for i in &r.intents {
+            println!(
+                "intent: {} (x{}) since {}",
+                i.image,
+                i.count,
+                time_ms(i.created_unix_ms)
+            );
+        }
     }
     Ok(Outcome::Yes)
 }
