@@ -219,10 +219,13 @@ mod fallback {
             ..Default::default()
         };
         let engine = sources.build(None, None).map_err(|e| {
-            format!(
-                "the agent is unreachable and the fallback config failed: {}",
-                credgate_agent::server::error_chain(&e)
-            )
+            let mut why = e.to_string();
+            let mut cause = std::error::Error::source(&e);
+            while let Some(c) = cause {
+                why.push_str(&format!(": {c}"));
+                cause = c.source();
+            }
+            format!("the agent is unreachable and the fallback config failed: {why}")
         })?;
         if !engine.has_provider(provider) {
             return Err(format!("no provider {provider:?} in {}", config.display()));
@@ -248,11 +251,35 @@ mod fallback {
                 ..Default::default()
             }))
             .map_err(|e| e.to_string())?;
-        let answer = credgate_agent::server::provider_answer(
-            &lookup,
-            &RenewalPolicy::default(),
+        // The engine's answer as the kubelet's response, as the agent would give it (the
+        // agent is not linked into the bridge: it stays as small as a plugin).
+        if lookup.credentials.is_empty() {
+            if let Some(e) = lookup.errors.first() {
+                return Err(e.to_string());
+            }
+        }
+        let auth: Vec<AuthEntry<'_>> = lookup
+            .credentials
+            .iter()
+            .map(|c| AuthEntry {
+                pattern: &c.pattern,
+                username: &c.username,
+                password: c.password.expose_secret(),
+            })
+            .collect();
+        let key_type = lookup
+            .entries
+            .first()
+            .map_or(CacheKeyType::Image, |e| e.key.kind());
+        let cache_for = RenewalPolicy::default().client_cache_for(
             std::time::Instant::now(),
+            lookup.entries.iter().map(|e| e.times()),
         );
-        respond(request, &answer)
+        Ok(Zeroizing::new(bridge::encode_response(
+            request.api_version,
+            key_type,
+            cache_for,
+            &auth,
+        )))
     }
 }
