@@ -178,6 +178,35 @@ fn timed(cmd: &mut Command, stdin: &[u8]) -> Result<(Duration, Vec<u8>)> {
     Ok((took, out.stdout))
 }
 
+/// A static C plugin, built with gcc in a temporary directory; `None` without gcc.
+fn c_plugin() -> Result<Option<PathBuf>> {
+    let dir = std::env::temp_dir().join(format!("credgate-bench-c-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let src = dir.join("plugin.c");
+    std::fs::write(
+        &src,
+        r#"#include <stdio.h>
+#include <unistd.h>
+int main(void) {
+    char buf[4096];
+    while (read(0, buf, sizeof buf) > 0) {}
+    fputs("{\"kind\":\"CredentialProviderResponse\",\"apiVersion\":\"credentialprovider.kubelet.k8s.io/v1\",\"cacheKeyType\":\"Registry\",\"cacheDuration\":\"1h\",\"auth\":{\"registry.example.com\":{\"username\":\"u\",\"password\":\"p\"}}}", stdout);
+    return 0;
+}
+"#,
+    )?;
+    let bin = dir.join("plugin");
+    match Command::new("gcc")
+        .args(["-O2", "-static", "-o"])
+        .arg(&bin)
+        .arg(&src)
+        .status()
+    {
+        Ok(s) if s.success() => Ok(Some(bin)),
+        _ => Ok(None),
+    }
+}
+
 fn kubelet_request(image: &str) -> Vec<u8> {
     format!(r#"{{"kind":"CredentialProviderRequest","apiVersion":"credentialprovider.kubelet.k8s.io/v1","image":"{image}"}}"#).into_bytes()
 }
@@ -205,9 +234,13 @@ pub fn bridge(args: &Args) -> Result<()> {
         )
     };
     let nothing = || timed(Command::new(&bridge).arg("--version"), b"");
+    // A plugin as small as one gets: C, statically linked, reading the request and printing a
+    // fixed answer (compiled here with gcc; without gcc the comparison is left out).
+    let c_plugin = c_plugin()?;
     let served = serve(args)?;
     let mut exec = Vec::with_capacity(args.n);
     let mut idle = Vec::with_capacity(args.n);
+    let mut c_runs = Vec::with_capacity(args.n);
     for i in 0..10 + args.n {
         let (b, out) = run(&served.socket, &args.image)?;
         let answer: serde_json::Value = serde_json::from_slice(&out)?;
@@ -216,13 +249,20 @@ pub fn bridge(args: &Args) -> Result<()> {
             "the bridge answered no credential"
         );
         let (n, _) = nothing()?;
+        let c = match &c_plugin {
+            Some(path) => Some(timed(&mut Command::new(path), &kubelet_request(&args.image))?.0),
+            None => None,
+        };
         if i >= 10 {
             exec.push(b);
             idle.push(n);
+            c_runs.extend(c);
         }
     }
     let ms = |d: Duration| (d.as_secs_f64() * 1e6).round() / 1e3;
     let (e50, n50) = (percentile(&mut exec, 0.5), percentile(&mut idle, 0.5));
+    let c50 = (!c_runs.is_empty()).then(|| percentile(&mut c_runs, 0.5));
+    let size = std::fs::metadata(&bridge).map_or(0, |m| m.len());
     emit(
         args,
         json!({
@@ -230,6 +270,9 @@ pub fn bridge(args: &Args) -> Result<()> {
             "bridge_p50_ms": ms(e50), "bridge_p99_ms": ms(percentile(&mut exec, 0.99)),
             "nothing_p50_ms": ms(n50), "nothing_p99_ms": ms(percentile(&mut idle, 0.99)),
             "p50_ratio": ((e50.as_secs_f64() / n50.as_secs_f64()) * 1000.0).round() / 1000.0,
+            "c_plugin_p50_ms": c50.map(ms),
+            "ratio_to_c_plugin": c50.map(|c| ((e50.as_secs_f64() / c.as_secs_f64()) * 1000.0).round() / 1000.0),
+            "bridge_bytes": size,
         }),
     );
     drop(served);
