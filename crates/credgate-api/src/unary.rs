@@ -138,8 +138,9 @@ fn request_bytes(method: &str, message: &[u8]) -> Vec<u8> {
     out
 }
 
-/// Percent-decoding of `grpc-message`.
-fn decode_message(raw: &[u8]) -> String {
+/// Percent-decoding of a `grpc-message` value (gRPC encodes bytes outside printable ASCII and
+/// `%` itself); a `%` not followed by two hex digits stays as it is.
+pub fn decode_message(raw: &[u8]) -> String {
     let mut out = Vec::with_capacity(raw.len());
     let mut i = 0;
     while i < raw.len() {
@@ -472,6 +473,11 @@ mod tests {
         assert_eq!(decode_message(b"bad%20ref%3A x"), "bad ref: x");
         assert_eq!(decode_message(b"100%"), "100%");
         assert_eq!(decode_message(b"%zz"), "%zz");
+        assert_eq!(
+            decode_message(b"401%20Unauthorized%3A%20x%"),
+            "401 Unauthorized: x%"
+        );
+        assert_eq!(decode_message(b"100%25"), "100%");
     }
 
     #[test]

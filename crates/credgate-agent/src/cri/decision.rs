@@ -134,35 +134,3 @@ fn warn_if_a_source_would_have_answered(agent: &crate::Agent, pull: &Pull) {
         "a pull without credentials failed as unauthorized, but the agent has a source for the image: check the kubelet's --image-credential-provider-config and --image-credential-provider-bin-dir (credgate kubelet-config), and the entry's matchImages; `credgate explain IMAGE` shows the agent's view"
     );
 }
-
-/// A `grpc-message` value, percent-decoded (gRPC encodes bytes outside printable ASCII and
-/// `%` itself).
-pub(super) fn percent_decode(raw: &[u8]) -> String {
-    let mut out = Vec::with_capacity(raw.len());
-    let mut i = 0;
-    while i < raw.len() {
-        if raw[i] == b'%' && i + 2 < raw.len() {
-            let hex = std::str::from_utf8(&raw[i + 1..i + 3]).ok();
-            if let Some(b) = hex.and_then(|h| u8::from_str_radix(h, 16).ok()) {
-                out.push(b);
-                i += 3;
-                continue;
-            }
-        }
-        out.push(raw[i]);
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn grpc_messages_are_percent_decoded() {
-        assert_eq!(
-            super::percent_decode(b"401%20Unauthorized%3A%20x%"),
-            "401 Unauthorized: x%"
-        );
-        assert_eq!(super::percent_decode(b"100%25"), "100%");
-    }
-}

@@ -12,7 +12,7 @@ use tokio::sync::Mutex;
 use tokio::task::JoinSet;
 
 use super::budget::{self, Budgets, Refused, Taken};
-use super::{decision, Body, MAX_PULL_MESSAGE};
+use super::{Body, MAX_PULL_MESSAGE};
 use crate::listener::Guarded;
 use crate::status::ApiError;
 
@@ -128,7 +128,7 @@ impl Whole {
             .or_else(|| self.parts.headers.get("grpc-message"))
             .map(|v| v.as_bytes())
             .unwrap_or_default();
-        decision::percent_decode(raw)
+        credgate_api::unary::decode_message(raw)
     }
 
     /// The answer as the runtime gave it, in the same shape: a trailers-only answer (the
