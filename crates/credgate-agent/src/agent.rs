@@ -316,7 +316,7 @@ impl Agent {
         }
         if let Some(c) = self
             .captured()
-            .and_then(|c| c.for_repository(&explained.image_repository()))
+            .and_then(|c| c.for_repository(&explained.image))
         {
             answer.captured = true;
             answer.captured_namespace = c.namespace.clone();

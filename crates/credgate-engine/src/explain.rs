@@ -48,7 +48,8 @@ pub struct ExplainedSource {
 /// The engine's view of a lookup.
 #[derive(Debug, Clone)]
 pub struct Explanation {
-    /// The normalized image name.
+    /// The normalized image name: the repository, without tag or digest (or the registry host
+    /// of a host lookup).
     pub image: String,
     pub sources: Vec<ExplainedSource>,
 }
@@ -194,13 +195,6 @@ impl Explanation {
                 }
             })
             .collect()
-    }
-
-    /// The repository of the image (its normalized name without tag or digest).
-    pub fn image_repository(&self) -> String {
-        credgate_core::reference::ImageRef::parse(&self.image)
-            .map(|i| i.name().to_owned())
-            .unwrap_or_else(|_| self.image.clone())
     }
 
     /// One line: what a puller would get, or why it would get nothing.
