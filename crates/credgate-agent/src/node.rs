@@ -191,7 +191,6 @@ impl Node {
             },
             check_every: config.check_every,
             registry: config.registry.clone(),
-            metrics: agent.metrics().clone(),
             agent: agent.clone(),
         };
         let listener = listener.into_std().map_err(|e| failed(e.to_string()))?;

@@ -310,7 +310,7 @@ async fn pull(
     }
     if let (Some(_), Some(credential)) = (&image_ref, pull.credential) {
         if pull.other_registry {
-            proxy.metrics.capture("other_registry");
+            proxy.agent.metrics().capture("other_registry");
             tracing::warn!(repository = %pull.repository, "pull credentials not captured: their server address names another registry");
         } else {
             proxy.capturer.offer(Offer {
@@ -328,8 +328,7 @@ async fn pull(
 struct Capture {
     captured: std::sync::Arc<crate::captured::Captured>,
     capturer: Capturer,
-    metrics: crate::metrics::AgentMetrics,
-    /// For the pull decision log: the engine, the pull ring.
+    /// Its metrics, and for the pull decision log its engine and pull ring.
     agent: crate::Agent,
 }
 
@@ -385,8 +384,7 @@ pub struct ProxyOptions {
     pub check_every: Duration,
     /// How registries are reached to confirm a credential before it is captured.
     pub registry: crate::guard::registry::RegistryOptions,
-    pub metrics: crate::metrics::AgentMetrics,
-    /// The agent whose engine and pull log the pull decisions use.
+    /// The agent: its metrics, and the engine and pull log the pull decisions use.
     pub agent: crate::Agent,
 }
 
@@ -428,9 +426,9 @@ pub async fn serve(
         limits,
         check_every,
         registry,
-        metrics,
         agent,
     } = options;
+    let metrics = agent.metrics().clone();
     let proxy_budget = Budgets::proxy();
     // The proxy's own calls (the sweeper's) use a runtime connection of their own.
     let own = std::sync::Arc::new(Caller {
@@ -462,7 +460,6 @@ pub async fn serve(
             let capture = Capture {
                 captured,
                 capturer,
-                metrics: metrics.clone(),
                 agent,
             };
             (Some(std::sync::Arc::new(capture)), Some(task))
