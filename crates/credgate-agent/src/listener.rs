@@ -230,6 +230,43 @@ impl<L: Accept> Listener<L> {
         self.connections.spawn(task);
     }
 
+    /// Serves an accepted connection with HTTP/2 as `builder` is set up, `service` answering
+    /// its requests: the client's header blocks re-emitted with `:authority: localhost` (each
+    /// at most 4 x `max_header_list`, as sent or decoded), the connection driven under the
+    /// listener's deadlines by a task the listener owns.
+    pub fn serve_http2<S, B>(
+        &mut self,
+        accepted: Accepted<L::Stream>,
+        tracker: Tracker,
+        builder: &hyper::server::conn::http2::Builder<TokioExecutor>,
+        service: S,
+        max_header_list: u32,
+        shutdown: watch::Receiver<bool>,
+    ) where
+        S: hyper::service::HttpService<Incoming, ResBody = B> + Send + 'static,
+        S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+        S::Future: Send + 'static,
+        B: Body + Send + 'static,
+        B::Data: Send,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+        TokioExecutor: hyper::rt::bounds::Http2ServerConnExec<S::Future, B>,
+    {
+        let io = hyper_util::rt::TokioIo::new(conn::Watched::new(
+            accepted.stream,
+            tracker.activity.clone(),
+            Some(4 * max_header_list as usize),
+        ));
+        let connection = builder.serve_connection(io, service);
+        let task = drive(
+            connection,
+            tracker,
+            self.limits.clone(),
+            accepted.held,
+            shutdown,
+        );
+        self.connections.spawn(task);
+    }
+
     /// After `shutdown` (the connections saw it too and are finishing their calls): stops
     /// accepting, waits for them at most the shutdown deadline, then ends those left.
     pub async fn drain(mut self) {
@@ -335,7 +372,7 @@ impl<B: Body + Unpin, G: Unpin> Body for Guarded<B, G> {
 /// Runs an HTTP/2 connection to its end: until the client closes it, a deadline of `limits`
 /// passes (no preface in time; idle with no stream open), or the agent stops (then it is
 /// asked to finish: GOAWAY, calls in flight complete). Counts why the agent closed it early.
-pub async fn drive<I, S, B>(
+async fn drive<I, S, B>(
     connection: hyper::server::conn::http2::Connection<I, S, TokioExecutor>,
     tracker: Tracker,
     limits: ListenerLimits,

@@ -14,12 +14,11 @@ use std::time::Duration;
 use credgate_api::cri::{self as wire, PULL_IMAGE, REMOVE_IMAGE};
 use http_body_util::BodyExt;
 use hyper::body::{Bytes, Incoming};
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::rt::{TokioExecutor, TokioTimer};
 use tokio::net::UnixListener;
 use tokio::sync::watch;
 
-use crate::conn::Watched;
-use crate::listener::{drive, Counted, Listener, ListenerLimits, Tracker};
+use crate::listener::{Counted, Listener, ListenerLimits, Tracker};
 use crate::status::ApiError;
 
 mod budget;
@@ -499,20 +498,14 @@ pub async fn serve(
                 Ok::<_, Infallible>(answer.map(|body| Counted::new(body, open)))
             }
         });
-        let io = Watched::new(
-            accepted.stream,
-            tracker.activity.clone(),
-            Some(4 * MAX_HEADER_LIST as usize),
-        );
-        let connection = builder.serve_connection(TokioIo::new(io), service);
-        let task = drive(
-            connection,
+        listener.serve_http2(
+            accepted,
             tracker,
-            listener.limits().clone(),
-            accepted.held,
+            &builder,
+            service,
+            MAX_HEADER_LIST,
             shutdown.clone(),
         );
-        listener.spawn(task);
     }
     listener.drain().await;
     if let Some(sweeper) = sweeper {

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use hyper::body::Incoming;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::rt::{TokioExecutor, TokioTimer};
 use tokio::net::UnixListener;
 use tokio::sync::watch;
 use tonic::codegen::Service;
@@ -20,8 +20,7 @@ use tonic::service::Routes;
 
 use super::{Limits, Peer};
 use crate::agent::CallerAllowlist;
-use crate::conn::Watched;
-use crate::listener::{drive, Counted, Listener, Tracker};
+use crate::listener::{Counted, Listener, Tracker};
 use crate::metrics::AgentMetrics;
 
 /// How many bytes one stream may have queued for a client that does not read.
@@ -70,20 +69,14 @@ pub(super) async fn serve(
             tracker: tracker.clone(),
             timeout: limits.request_timeout,
         };
-        let io = TokioIo::new(Watched::new(
-            accepted.stream,
-            tracker.activity.clone(),
-            Some(4 * MAX_HEADER_LIST as usize),
-        ));
-        let connection = builder.serve_connection(io, service);
-        let task = drive(
-            connection,
+        listener.serve_http2(
+            accepted,
             tracker,
-            listener.limits().clone(),
-            accepted.held,
+            &builder,
+            service,
+            MAX_HEADER_LIST,
             shutdown.clone(),
         );
-        listener.spawn(task);
     }
     // Connections saw the same shutdown signal and are finishing their calls.
     listener.drain().await;
