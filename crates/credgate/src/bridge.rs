@@ -174,11 +174,6 @@ fn respond(
     request: &KubeletRequest,
     answer: &pb::LookupResponse,
 ) -> Result<Zeroizing<Vec<u8>>, String> {
-    if answer.credentials.is_empty() {
-        if let Some(f) = answer.failures.first() {
-            return Err(f.message.clone());
-        }
-    }
     let auth: Vec<AuthEntry<'_>> = answer
         .credentials
         .iter()
@@ -188,13 +183,31 @@ fn respond(
             password: &c.password,
         })
         .collect();
-    let key_type = bridge::parse_key_type(&answer.cache_key_type).unwrap_or(CacheKeyType::Image);
-    let cache_for = Duration::from_millis(answer.cache_for_ms.max(0).unsigned_abs());
+    kubelet_response(
+        request,
+        answer.failures.first().map(|f| f.message.clone()),
+        &auth,
+        bridge::parse_key_type(&answer.cache_key_type).unwrap_or(CacheKeyType::Image),
+        Duration::from_millis(answer.cache_for_ms.max(0).unsigned_abs()),
+    )
+}
+
+/// The kubelet's response with `auth` (a provider's failure instead, when it gave nothing).
+fn kubelet_response(
+    request: &KubeletRequest,
+    failure: Option<String>,
+    auth: &[AuthEntry<'_>],
+    key_type: CacheKeyType,
+    cache_for: Duration,
+) -> Result<Zeroizing<Vec<u8>>, String> {
+    if let (true, Some(failure)) = (auth.is_empty(), failure) {
+        return Err(failure);
+    }
     Ok(Zeroizing::new(bridge::encode_response(
         request.api_version,
         key_type,
         cache_for,
-        &auth,
+        auth,
     )))
 }
 
@@ -253,11 +266,6 @@ mod fallback {
             .map_err(|e| e.to_string())?;
         // The engine's answer as the kubelet's response, as the agent would give it (the
         // agent is not linked into the bridge: it stays as small as a plugin).
-        if lookup.credentials.is_empty() {
-            if let Some(e) = lookup.errors.first() {
-                return Err(e.to_string());
-            }
-        }
         let auth: Vec<AuthEntry<'_>> = lookup
             .credentials
             .iter()
@@ -267,19 +275,18 @@ mod fallback {
                 password: c.password.expose_secret(),
             })
             .collect();
-        let key_type = lookup
-            .entries
-            .first()
-            .map_or(CacheKeyType::Image, |e| e.key.kind());
-        let cache_for = RenewalPolicy::default().client_cache_for(
-            std::time::Instant::now(),
-            lookup.entries.iter().map(|e| e.times()),
-        );
-        Ok(Zeroizing::new(bridge::encode_response(
-            request.api_version,
-            key_type,
-            cache_for,
+        kubelet_response(
+            request,
+            lookup.errors.first().map(ToString::to_string),
             &auth,
-        )))
+            lookup
+                .entries
+                .first()
+                .map_or(CacheKeyType::Image, |e| e.key.kind()),
+            RenewalPolicy::default().client_cache_for(
+                std::time::Instant::now(),
+                lookup.entries.iter().map(|e| e.times()),
+            ),
+        )
     }
 }
