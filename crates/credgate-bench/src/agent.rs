@@ -215,15 +215,7 @@ fn kubelet_request(image: &str) -> Vec<u8> {
 /// the same binary; then, on a cold agent, 100 bridge processes at once for 100 images of one
 /// registry beside 100 do-nothing processes at once.
 pub fn bridge(args: &Args) -> Result<()> {
-    let bridge = std::env::current_exe()?
-        .parent()
-        .context("program has a directory")?
-        .join("credgate-credential-provider");
-    ensure!(
-        bridge.is_file(),
-        "{} not found: build it first (cargo build --release --bin credgate-credential-provider)",
-        bridge.display()
-    );
+    let bridge = crate::sibling("credgate-credential-provider")?;
     let provider = "credgate-static-plugin";
     let run = |socket: &Path, image: &str| {
         timed(

@@ -45,15 +45,7 @@ impl Drop for Proxy {
 }
 
 pub(crate) fn start_proxy(dir: &Path, runtime: &Path) -> Result<(Proxy, PathBuf)> {
-    let credgate = std::env::current_exe()?
-        .parent()
-        .context("program has a directory")?
-        .join("credgate");
-    ensure!(
-        credgate.is_file(),
-        "{} not found: build it first (cargo build --release --bins)",
-        credgate.display()
-    );
+    let credgate = crate::sibling("credgate")?;
     let socket = dir.join("cri.sock");
     let child = Command::new(&credgate)
         .arg("serve")
@@ -91,26 +83,59 @@ fn ratio(a: Duration, b: Duration) -> f64 {
     ((a.as_secs_f64() / b.as_secs_f64()) * 1000.0).round() / 1000.0
 }
 
-pub fn cri_proxy(args: &Args) -> Result<()> {
-    if let Some(why) = Containerd::unavailable() {
-        bail!("cri-proxy cannot run here: {why}");
+/// A node for the CRI scenarios: a loopback registry with htpasswd holding `team/app:v1`,
+/// containerd trusting it, and the agent's proxy in front of containerd; all stopped and
+/// removed on drop (the fields drop in order: the agent, containerd, the registry, the
+/// directory).
+pub(crate) struct Node {
+    pub(crate) proxy: Proxy,
+    pub(crate) proxy_socket: PathBuf,
+    pub(crate) containerd: Containerd,
+    pub(crate) registry: Registry,
+    pub(crate) dir: TempDir,
+}
+
+impl Node {
+    /// `scenario` names the temporary directory; fails when containerd cannot run here.
+    pub(crate) fn start(scenario: &str) -> Result<Node> {
+        if let Some(why) = Containerd::unavailable() {
+            bail!("{scenario} cannot run here: {why}");
+        }
+        let dir =
+            std::env::temp_dir().join(format!("credgate-bench-{scenario}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let dir = TempDir(dir);
+        let d = &dir.0;
+        let registry = Registry::start(d, USER, PASSWORD);
+        oci_image(d);
+        push(d, &registry, "team/app", USER, PASSWORD);
+        let containerd = Containerd::start(d, &[registry.host()]);
+        let (proxy, proxy_socket) = start_proxy(d, &containerd.socket)?;
+        Ok(Node {
+            proxy,
+            proxy_socket,
+            containerd,
+            registry,
+            dir,
+        })
     }
-    let dir = std::env::temp_dir().join(format!("credgate-bench-cri-{}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
-    let dir = TempDir(dir);
-    let d = &dir.0;
-    let registry = Registry::start(d, USER, PASSWORD);
-    oci_image(d);
-    push(d, &registry, "team/app", USER, PASSWORD);
-    let containerd = Containerd::start(d, &[registry.host()]);
-    let (_proxy, proxy_socket) = start_proxy(d, &containerd.socket)?;
-    let image = format!("{}/team/app:v1", registry.host());
+
+    /// The image pushed to the registry.
+    pub(crate) fn image(&self) -> String {
+        format!("{}/team/app:v1", self.registry.host())
+    }
+}
+
+pub fn cri_proxy(args: &Args) -> Result<()> {
+    let node = Node::start("cri-proxy")?;
+    let (containerd, proxy_socket) = (&node.containerd, &node.proxy_socket);
+    let image = node.image();
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     rt.block_on(async {
         let direct = credgate_api::connect(&containerd.socket).await?;
-        let proxied = credgate_api::connect(&proxy_socket).await?;
+        let proxied = credgate_api::connect(proxy_socket).await?;
         let pull = |channel: &Channel| {
             call_on::<_, PullImageResponse>(
                 channel.clone(),

@@ -15,19 +15,18 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context as _, Result};
+use anyhow::{Context as _, Result};
 use credgate_testbed::cri::{
     call_on, pull_request, Empty, ImageSpec, ImageStatusRequest, ImageStatusResponse,
     PullImageResponse, RemoveImageRequest, IMAGE_STATUS, LIST_IMAGES, PULL_IMAGE, REMOVE_IMAGE,
 };
-use credgate_testbed::{oci_image, push, Containerd, Registry};
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::{Bytes, Frame};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde_json::json;
 
-use crate::cri::{ms, start_proxy, TempDir, PASSWORD, USER};
+use crate::cri::{ms, Node, PASSWORD, USER};
 use crate::{emit, percentile, Args};
 
 type Body = UnsyncBoxBody<Bytes, std::io::Error>;
@@ -64,21 +63,11 @@ fn rss_kb(pid: u32) -> u64 {
 }
 
 pub fn cri_soak(args: &Args) -> Result<()> {
-    if let Some(why) = Containerd::unavailable() {
-        bail!("cri-soak cannot run here: {why}");
-    }
-    let dir = std::env::temp_dir().join(format!("credgate-bench-cri-soak-{}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
-    let dir = TempDir(dir);
-    let d = &dir.0;
-    let registry = Registry::start(d, USER, PASSWORD);
-    oci_image(d);
-    push(d, &registry, "team/app", USER, PASSWORD);
-    let containerd = Containerd::start(d, &[registry.host()]);
-    let (proxy, proxy_socket) = start_proxy(d, &containerd.socket)?;
-    let pid = proxy.0.id();
-    let api_socket = d.join("credgate.sock");
-    let image = format!("{}/team/app:v1", registry.host());
+    let node = Node::start("cri-soak")?;
+    let (containerd, proxy_socket) = (&node.containerd, &node.proxy_socket);
+    let pid = node.proxy.0.id();
+    let api_socket = node.dir.0.join("credgate.sock");
+    let image = node.image();
     let half = args.duration / 2;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -95,7 +84,7 @@ pub fn cri_soak(args: &Args) -> Result<()> {
             let (attacking, stop) = (attacking.clone(), stop.clone());
             let (direct, proxied) = (
                 credgate_api::connect(&containerd.socket).await?,
-                credgate_api::connect(&proxy_socket).await?,
+                credgate_api::connect(proxy_socket).await?,
             );
             let image = image.clone();
             tokio::spawn(async move {
@@ -184,7 +173,7 @@ pub fn cri_soak(args: &Args) -> Result<()> {
         tokio::time::sleep(half).await;
         attacking.store(true, Ordering::Relaxed);
         let attack_stop = Arc::new(AtomicBool::new(false));
-        let attack = tokio::spawn(attack(proxy_socket.clone(), attack_stop.clone()));
+        let attack = tokio::spawn(attack(proxy_socket.to_owned(), attack_stop.clone()));
         tokio::time::sleep(args.duration.saturating_sub(started.elapsed())).await;
         attack_stop.store(true, Ordering::Relaxed);
         let counts = attack.await.context("the attack")?;
@@ -208,7 +197,7 @@ pub fn cri_soak(args: &Args) -> Result<()> {
         );
         anyhow::Ok(())
     })?;
-    drop(proxy);
+    drop(node);
     Ok(())
 }
 

@@ -183,6 +183,20 @@ fn main() -> Result<()> {
     }
 }
 
+/// A program built beside this one (`credgate`, the bridge), which must exist.
+pub fn sibling(name: &str) -> Result<PathBuf> {
+    let path = std::env::current_exe()?
+        .parent()
+        .context("program has a directory")?
+        .join(name);
+    anyhow::ensure!(
+        path.is_file(),
+        "{} not found: build it first (cargo build --release --bins)",
+        path.display()
+    );
+    Ok(path)
+}
+
 pub fn bin_dir(args: &Args) -> Result<PathBuf> {
     match &args.image_credential_provider_bin_dir {
         Some(d) => Ok(d.clone()),

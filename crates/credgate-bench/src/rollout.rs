@@ -108,15 +108,7 @@ fn runs(dir: &Path) -> usize {
 }
 
 pub fn rollout(args: &Args) -> Result<()> {
-    let credgate = std::env::current_exe()?
-        .parent()
-        .context("program has a directory")?
-        .join("credgate");
-    ensure!(
-        credgate.is_file(),
-        "{} not found: build it first",
-        credgate.display()
-    );
+    let credgate = crate::sibling("credgate")?;
     let agents = args.n.max(1);
     let waves = args.reps.clamp(1, agents);
     for persist in [true, false] {
