@@ -8,7 +8,7 @@
 use std::path::Path;
 
 use crate::support::foreign::{build_go, go_call, python_call, Answer, Dial};
-use crate::support::{oci_image, push, Agent, Registry};
+use crate::support::{oci_image, proxy_agent, push, Agent, Registry};
 use credgate_api::v1::{HealthResponse, LookupRequest, LookupResponse, WatchEvent, WatchRequest};
 use credgate_testbed::cri::*;
 use credgate_testbed::Containerd;
@@ -152,22 +152,7 @@ async fn python_grpcio_with_default_options_is_served_on_the_api_socket() {
 async fn the_proxys_own_errors_reach_grpc_go_and_grpcio_whole() {
     let dir = tempfile::tempdir().unwrap();
     let go = build_go(dir.path());
-    let proxy = dir.path().join("cri.sock");
-    let runtime = format!("unix://{}", dir.path().join("no-runtime.sock").display());
-    let _agent = Agent::start(
-        dir.path(),
-        &[
-            "--cri-proxy-socket",
-            proxy.to_str().unwrap(),
-            "--cri-runtime-endpoint",
-            &runtime,
-        ],
-    );
-    credgate_testbed::eventually(
-        "the CRI proxy comes up",
-        std::time::Duration::from_secs(20),
-        || proxy.exists(),
-    );
+    let (_agent, proxy) = proxy_agent(dir.path(), &dir.path().join("no-runtime.sock"));
     let request = pull_request("registry.example.com/team/app:v1", None, "team-a").encode_to_vec();
     let mut answers: Vec<Answer> = Dial::ALL
         .iter()
@@ -211,22 +196,7 @@ fn node(dir: &Path) -> Node {
     oci_image(dir);
     push(dir, &registry, "team/app", USER, PASSWORD);
     let containerd = Containerd::start(dir, &[registry.host()]);
-    let proxy = dir.join("cri.sock");
-    let runtime = format!("unix://{}", containerd.socket.display());
-    let agent = Agent::start(
-        dir,
-        &[
-            "--cri-proxy-socket",
-            proxy.to_str().unwrap(),
-            "--cri-runtime-endpoint",
-            &runtime,
-        ],
-    );
-    credgate_testbed::eventually(
-        "the CRI proxy comes up",
-        std::time::Duration::from_secs(20),
-        || proxy.exists(),
-    );
+    let (agent, proxy) = proxy_agent(dir, &containerd.socket);
     Node {
         registry,
         containerd,

@@ -4,12 +4,11 @@
 //! runtime's own answers and status codes. Needs root (containerd) and containerd installed
 //! (`scripts/test` installs it).
 
-use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use std::time::{Duration, Instant};
 
-use crate::support::{oci_image, push, Agent, Registry};
+use crate::support::{oci_image, proxy_agent, proxy_agent_with, push, Agent, Registry};
 use credgate_testbed::cri::*;
 use credgate_testbed::Containerd;
 
@@ -22,27 +21,6 @@ fn needs_containerd() {
     if let Some(why) = Containerd::unavailable() {
         panic!("{why}: run as root with containerd installed, as scripts/test does");
     }
-}
-
-fn proxy_agent(dir: &Path, runtime: &Path) -> (Agent, PathBuf) {
-    proxy_agent_with(dir, runtime, &[])
-}
-
-fn proxy_agent_with(dir: &Path, runtime: &Path, more: &[&str]) -> (Agent, PathBuf) {
-    let proxy = dir.join("cri.sock");
-    let runtime = format!("unix://{}", runtime.display());
-    let mut args = vec![
-        "--cri-proxy-socket",
-        proxy.to_str().unwrap(),
-        "--cri-runtime-endpoint",
-        &runtime,
-    ];
-    args.extend_from_slice(more);
-    let agent = Agent::start(dir, &args);
-    credgate_testbed::eventually("the CRI proxy comes up", Duration::from_secs(20), || {
-        proxy.exists()
-    });
-    (agent, proxy)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

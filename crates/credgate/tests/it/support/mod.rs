@@ -134,6 +134,29 @@ impl Drop for Agent {
     }
 }
 
+/// `credgate serve` with the CRI proxy on `dir/cri.sock` in front of the runtime at `runtime`
+/// (and `more` flags), once the proxy's socket is there; the proxy's socket.
+pub fn proxy_agent_with(dir: &Path, runtime: &Path, more: &[&str]) -> (Agent, PathBuf) {
+    let proxy = dir.join("cri.sock");
+    let runtime = format!("unix://{}", runtime.display());
+    let mut args = vec![
+        "--cri-proxy-socket",
+        proxy.to_str().unwrap(),
+        "--cri-runtime-endpoint",
+        &runtime,
+    ];
+    args.extend_from_slice(more);
+    let agent = Agent::start(dir, &args);
+    credgate_testbed::eventually("the CRI proxy comes up", Duration::from_secs(20), || {
+        proxy.exists()
+    });
+    (agent, proxy)
+}
+
+pub fn proxy_agent(dir: &Path, runtime: &Path) -> (Agent, PathBuf) {
+    proxy_agent_with(dir, runtime, &[])
+}
+
 pub fn helper_get(socket: &Path, input: impl AsRef<[u8]>) -> Output {
     output_with_stdin(
         Command::new(env!("CARGO_BIN_EXE_docker-credential-credgate"))
