@@ -70,6 +70,33 @@ impl Accept for tokio::net::TcpListener {
     }
 }
 
+/// How many bytes one stream may have queued for a client that does not read (beyond it, a
+/// proxied answer waits in the runtime's own windows of that caller's connection).
+pub const STREAM_SEND_BUFFER: usize = 64 << 10;
+/// The server's receive window: what a client may send on a stream, and on a connection,
+/// before the agent has read it.
+pub const STREAM_WINDOW: u32 = 64 << 10;
+pub const CONNECTION_WINDOW: u32 = 256 << 10;
+
+/// The HTTP/2 server settings every gRPC listener of the agent shares: at most `max_streams`
+/// open streams and `max_header_list` bytes of headers per request, the windows and send
+/// buffer above, and bounds on streams a client resets or makes fail.
+pub fn http2_builder(
+    max_streams: u32,
+    max_header_list: u32,
+) -> hyper::server::conn::http2::Builder<TokioExecutor> {
+    let mut b = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+    b.timer(hyper_util::rt::TokioTimer::new())
+        .max_concurrent_streams(max_streams)
+        .initial_stream_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONNECTION_WINDOW)
+        .max_send_buf_size(STREAM_SEND_BUFFER)
+        .max_header_list_size(max_header_list)
+        .max_pending_accept_reset_streams(Some(32))
+        .max_local_error_reset_streams(Some(256));
+    b
+}
+
 /// A listener's budget and deadlines.
 #[derive(Debug, Clone)]
 pub struct ListenerLimits {

@@ -14,7 +14,6 @@ use std::time::Duration;
 use credgate_api::cri::{self as wire, PULL_IMAGE, REMOVE_IMAGE};
 use http_body_util::BodyExt;
 use hyper::body::{Bytes, Incoming};
-use hyper_util::rt::{TokioExecutor, TokioTimer};
 use tokio::net::UnixListener;
 use tokio::sync::watch;
 
@@ -403,12 +402,6 @@ pub fn default_limits() -> ListenerLimits {
 
 /// Streams one caller connection may have open: a kubelet pulls a few images at a time.
 pub const MAX_STREAMS: u32 = 64;
-/// What a caller may send on a stream, and on its connection, before the proxy reads it.
-const STREAM_WINDOW: u32 = 64 << 10;
-const CONNECTION_WINDOW: u32 = 256 << 10;
-/// What the proxy queues for a caller that does not read, per stream (beyond it, the
-/// runtime's answer waits in the runtime's own windows of that caller's connection).
-const STREAM_SEND_BUFFER: usize = 64 << 10;
 
 /// Serves the proxy on `listener`, forwarding to the runtime at `runtime`, until `shutdown`
 /// turns true; then stops accepting and lets calls in flight finish for at most the
@@ -465,18 +458,8 @@ pub async fn serve(
         }
         None => (None, None),
     };
-    let builder = std::sync::Arc::new({
-        let mut b = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
-        b.timer(TokioTimer::new())
-            .max_concurrent_streams(MAX_STREAMS)
-            .initial_stream_window_size(STREAM_WINDOW)
-            .initial_connection_window_size(CONNECTION_WINDOW)
-            .max_send_buf_size(STREAM_SEND_BUFFER)
-            .max_header_list_size(MAX_HEADER_LIST)
-            .max_pending_accept_reset_streams(Some(32))
-            .max_local_error_reset_streams(Some(256));
-        b
-    });
+    // The API's windows, send buffer and reset bounds.
+    let builder = crate::listener::http2_builder(MAX_STREAMS, MAX_HEADER_LIST);
     let shutdown_timeout = limits.shutdown_timeout;
     let mut listener = Listener::new("cri-proxy", listener, limits, metrics);
     while let Some(accepted) = listener.next(&mut shutdown).await {

@@ -8,11 +8,9 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::time::Duration;
 
 use hyper::body::Incoming;
-use hyper_util::rt::{TokioExecutor, TokioTimer};
 use tokio::net::UnixListener;
 use tokio::sync::watch;
 use tonic::codegen::Service;
@@ -20,15 +18,9 @@ use tonic::service::Routes;
 
 use super::{Limits, Peer};
 use crate::agent::CallerAllowlist;
-use crate::listener::{Counted, Listener, Tracker};
+use crate::listener::{http2_builder, Counted, Listener, Tracker};
 use crate::metrics::AgentMetrics;
 
-/// How many bytes one stream may have queued for a client that does not read.
-pub const STREAM_SEND_BUFFER: usize = 64 << 10;
-/// The server's receive window: what a client may send on a stream, and on a connection,
-/// before the agent has read it.
-pub const STREAM_WINDOW: u32 = 64 << 10;
-pub const CONNECTION_WINDOW: u32 = 256 << 10;
 /// The largest header block a client may send.
 pub const MAX_HEADER_LIST: u32 = 16 << 10;
 
@@ -43,19 +35,10 @@ pub(super) async fn serve(
     metrics: AgentMetrics,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+    let mut builder = http2_builder(limits.max_streams, MAX_HEADER_LIST);
     builder
-        .timer(TokioTimer::new())
-        .max_concurrent_streams(limits.max_streams)
-        .initial_stream_window_size(STREAM_WINDOW)
-        .initial_connection_window_size(CONNECTION_WINDOW)
-        .max_send_buf_size(STREAM_SEND_BUFFER)
-        .max_header_list_size(MAX_HEADER_LIST)
-        .max_pending_accept_reset_streams(Some(32))
-        .max_local_error_reset_streams(Some(256))
         .keep_alive_interval(Some(limits.keepalive_interval))
         .keep_alive_timeout(limits.keepalive_timeout);
-    let builder = Arc::new(builder);
     // Root and the agent's own uid count only against the total, so that another local user
     // can never take every connection from them; a caller that no service admits has nothing
     // to do here and is closed at once, holding nothing.
