@@ -19,6 +19,8 @@ const WARNED: usize = 1024;
 pub struct PullRecord {
     pub at: SystemTime,
     pub image: String,
+    /// The image's normalized repository, for `ctl pulls IMAGE`.
+    pub repository: String,
     pub pod_namespace: String,
     pub pod_name: String,
     /// `none`, `captured`, `provider:NAME`, `docker-config`, `unknown`.
@@ -78,12 +80,7 @@ impl PullLog {
         let ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
         ring.iter()
             .rev()
-            .filter(|r| {
-                repository.is_none_or(|want| {
-                    credgate_core::reference::ImageRef::parse(&r.image)
-                        .is_ok_and(|i| i.name() == want)
-                })
-            })
+            .filter(|r| repository.is_none_or(|want| r.repository == want))
             .cloned()
             .collect()
     }
@@ -116,6 +113,7 @@ mod tests {
         PullRecord {
             at: SystemTime::now(),
             image: image.into(),
+            repository: image.split(':').next().unwrap_or(image).into(),
             pod_namespace: "ns".into(),
             pod_name: "pod".into(),
             auth: "none".into(),

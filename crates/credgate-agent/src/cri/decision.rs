@@ -85,6 +85,7 @@ pub(super) fn log(agent: &crate::Agent, pull: &Pull, code: i32, message: &str, t
     agent.pulls().push(PullRecord {
         at: agent.clock().wall(),
         image: pull.image.clone(),
+        repository: pull.repository.clone(),
         pod_namespace: pull.pod_namespace.clone(),
         pod_name: pull.pod_name.clone(),
         auth,
