@@ -105,10 +105,11 @@ async fn handle(offer: Offer, captured: Arc<Captured>, verifier: Verifier, metri
         metrics.capture("unchanged");
         return;
     }
-    let Some(target) = target(&image) else {
+    let Ok(parsed) = ImageRef::parse(&image) else {
         metrics.capture("failed");
         return;
     };
+    let target = Target::of(&parsed);
     match verifier
         .authenticates(
             &target,
@@ -152,20 +153,4 @@ async fn handle(offer: Offer, captured: Arc<Captured>, verifier: Verifier, metri
             tracing::error!(repository = %repository, error = %e, "pull credentials not captured");
         }
     }
-}
-
-/// The manifest a confirmation asks about: the image's registry, repository and tag or
-/// digest.
-fn target(image: &str) -> Option<Target> {
-    let parsed = ImageRef::parse(image).ok()?;
-    let reference = parsed
-        .digest()
-        .or(parsed.tag())
-        .unwrap_or("latest")
-        .to_owned();
-    Some(Target {
-        registry: parsed.registry().to_owned(),
-        repository: parsed.path().to_owned(),
-        reference,
-    })
 }

@@ -447,16 +447,7 @@ impl Guard {
         if image_ref.is_empty() {
             return Err(GuardError::Missing("image_ref"));
         }
-        let reference = parsed
-            .digest()
-            .map(str::to_owned)
-            .or_else(|| parsed.tag().map(str::to_owned))
-            .unwrap_or_else(|| "latest".to_owned());
-        let target = registry::Target {
-            registry: parsed.registry().to_owned(),
-            repository: parsed.path().to_owned(),
-            reference,
-        };
+        let target = registry::Target::of(&parsed);
         let node_wide = if credentials
             .iter()
             .any(|c| matches!(c, CredentialIn::NodeWide))

@@ -42,6 +42,22 @@ pub struct Target {
     pub reference: String,
 }
 
+impl Target {
+    /// The manifest an image reference names: its registry, repository and digest, else tag,
+    /// else `latest`.
+    pub fn of(image: &credgate_core::reference::ImageRef<'_>) -> Target {
+        Target {
+            registry: image.registry().to_owned(),
+            repository: image.path().to_owned(),
+            reference: image
+                .digest()
+                .or(image.tag())
+                .unwrap_or("latest")
+                .to_owned(),
+        }
+    }
+}
+
 /// The outcome.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Verified {
