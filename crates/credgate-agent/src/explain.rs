@@ -1,7 +1,7 @@
 //! The engine's explanation of a lookup as the API's `ExplainResponse` (shared by the agent's
 //! RPC and `credgate explain` without an agent).
 
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::SystemTime;
 
 use credgate_api::v1 as pb;
 use credgate_core::wire::CacheKeyType;
@@ -9,8 +9,7 @@ use credgate_engine::explain::Explanation;
 use credgate_engine::SourceKind;
 
 fn ms(t: Option<SystemTime>) -> i64 {
-    t.and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+    t.map_or(0, crate::state::unix_ms)
 }
 
 /// The explanation, with its verdict at `now`.

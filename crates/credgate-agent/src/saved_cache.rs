@@ -108,8 +108,7 @@ pub struct SavedCache {
 }
 
 fn ms(t: SystemTime) -> u64 {
-    t.duration_since(UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+    u64::try_from(crate::state::unix_ms(t)).unwrap_or(0)
 }
 
 fn at(ms: u64) -> SystemTime {

@@ -32,8 +32,7 @@ use crate::agent::{Agent, CallerAllowlist, Service};
 
 /// Milliseconds since the Unix epoch; 0 for `None` or times before it.
 pub fn unix_ms(t: Option<SystemTime>) -> i64 {
-    t.and_then(|t| t.duration_since(SystemTime::UNIX_EPOCH).ok())
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+    t.map_or(0, crate::state::unix_ms)
 }
 
 /// The wire form of a credential.
