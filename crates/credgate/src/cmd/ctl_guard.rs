@@ -13,7 +13,8 @@ use super::get::{print_table, time_ms};
 use crate::opts::{CredentialArgs, CtlCall, Output, PullPolicyArg};
 use crate::{usage, Outcome};
 
-fn object(s: &str, what: &str) -> Result<pb::ObjectRef> {
+/// `NAMESPACE/NAME[/UID]` of flag `what`.
+pub(super) fn object(s: &str, what: &str) -> Result<pb::ObjectRef> {
     let parts: Vec<&str> = s.split('/').collect();
     match parts.as_slice() {
         [ns, name] | [ns, name, ""] => Ok(pb::ObjectRef {

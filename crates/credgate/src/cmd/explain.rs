@@ -14,23 +14,13 @@ use crate::opts::{ExplainArgs, Output};
 use crate::{usage, Outcome};
 
 fn service_account(s: &str) -> Result<pb::ServiceAccount> {
-    let parts: Vec<&str> = s.split('/').collect();
-    match parts.as_slice() {
-        [ns, name] | [ns, name, ""] => Ok(pb::ServiceAccount {
-            namespace: (*ns).into(),
-            name: (*name).into(),
-            ..Default::default()
-        }),
-        [ns, name, uid] => Ok(pb::ServiceAccount {
-            namespace: (*ns).into(),
-            name: (*name).into(),
-            uid: (*uid).into(),
-            ..Default::default()
-        }),
-        _ => Err(usage(format!(
-            "--service-account {s:?}: expected NAMESPACE/NAME[/UID]"
-        ))),
-    }
+    let o = super::ctl_guard::object(s, "--service-account")?;
+    Ok(pb::ServiceAccount {
+        namespace: o.namespace,
+        name: o.name,
+        uid: o.uid,
+        ..Default::default()
+    })
 }
 
 pub async fn run(args: ExplainArgs) -> Result<Outcome> {
