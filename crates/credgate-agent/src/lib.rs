@@ -26,13 +26,4 @@ pub mod status;
 pub use agent::{Agent, AgentOptions, CallerAllowlist, Reloaded, Service};
 pub use credgate_engine::sources::{SourceError, Sources};
 
-/// `outer: inner: root`, one line.
-pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut parts = vec![e.to_string()];
-    let mut cur = e.source();
-    while let Some(s) = cur {
-        parts.push(s.to_string());
-        cur = s.source();
-    }
-    parts.join(": ")
-}
+pub use credgate_core::text::error_chain;

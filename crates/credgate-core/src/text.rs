@@ -30,6 +30,17 @@ impl fmt::Debug for Quoted<'_> {
     }
 }
 
+/// `outer: inner: root`, one line: an error and its causes as operators read them.
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut parts = vec![e.to_string()];
+    let mut cur = e.source();
+    while let Some(s) = cur {
+        parts.push(s.to_string());
+        cur = s.source();
+    }
+    parts.join(": ")
+}
+
 /// The first error of `e`'s chain whose message already contains its `source()`'s, which a
 /// chain (`outer: inner`) would then print twice; `None` when every cause is printed once.
 /// Each error type's tests run it on every variant that has a source.

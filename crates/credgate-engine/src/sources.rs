@@ -145,13 +145,7 @@ mod tests {
         let Err(e) = sources.build(None, None) else {
             panic!("a bad docker config was accepted")
         };
-        let mut parts = vec![e.to_string()];
-        let mut cur = std::error::Error::source(&e);
-        while let Some(s) = cur {
-            parts.push(s.to_string());
-            cur = s.source();
-        }
-        let chain = parts.join(": ");
+        let chain = credgate_core::text::error_chain(&e);
         let parts: Vec<&str> = chain.split(": ").collect();
         let mut seen = std::collections::HashSet::new();
         assert!(parts.iter().all(|p| seen.insert(*p)), "{chain}");

@@ -232,13 +232,10 @@ mod fallback {
             ..Default::default()
         };
         let engine = sources.build(None, None).map_err(|e| {
-            let mut why = e.to_string();
-            let mut cause = std::error::Error::source(&e);
-            while let Some(c) = cause {
-                why.push_str(&format!(": {c}"));
-                cause = c.source();
-            }
-            format!("the agent is unreachable and the fallback config failed: {why}")
+            format!(
+                "the agent is unreachable and the fallback config failed: {}",
+                credgate_core::text::error_chain(&e)
+            )
         })?;
         if !engine.has_provider(provider) {
             return Err(format!("no provider {provider:?} in {}", config.display()));
