@@ -114,6 +114,20 @@ fn service_account(sa: pb::ServiceAccount) -> Result<ServiceAccount, Status> {
 pub use crate::error_chain;
 pub use crate::listener::Peer;
 
+/// An answer with no credential and no failure says why, source by source (`explain`).
+fn with_reasons(
+    engine: &credgate_engine::Engine,
+    request: &LookupRequest<'_>,
+    answer: &mut pb::LookupResponse,
+) {
+    if answer.credentials.is_empty() && answer.failures.is_empty() {
+        answer.reasons = engine
+            .explain(request)
+            .map(|e| e.reasons())
+            .unwrap_or_default();
+    }
+}
+
 /// The caller of a request, as the kernel reports it for the socket.
 pub fn peer<T>(request: &Request<T>) -> Peer {
     request
@@ -267,23 +281,12 @@ impl Api {
             .map_err(ApiError::from)?;
         if let Some(mut answer) = served {
             self.with_captured(&mut answer, req.registry_host);
-            if req.explain && answer.credentials.is_empty() {
-                answer.reasons = engine
-                    .explain(&request)
-                    .map(|e| e.reasons())
-                    .unwrap_or_default();
+            if req.explain {
+                with_reasons(&engine, &request, &mut answer);
             }
             return Ok(answer);
         }
         let lookup = engine.lookup(&request).await.map_err(ApiError::from)?;
-        let reasons = if req.explain && lookup.credentials.is_empty() && lookup.errors.is_empty() {
-            engine
-                .explain(&request)
-                .map(|e| e.reasons())
-                .unwrap_or_default()
-        } else {
-            Vec::new()
-        };
         let failures: Vec<pb::ProviderFailure> = lookup.errors.iter().map(failure).collect();
         let fallback = (!failures.is_empty() && sa.is_none() && !req.registry_host)
             .then(|| self.agent.renewer().last_good(&req.image))
@@ -297,12 +300,11 @@ impl Api {
             credentials,
             failures,
             last_known_good,
-            reasons,
             ..Default::default()
         };
         self.with_captured(&mut answer, req.registry_host);
-        if !answer.credentials.is_empty() {
-            answer.reasons.clear();
+        if req.explain {
+            with_reasons(&engine, &request, &mut answer);
         }
         Ok(answer)
     }
