@@ -4,7 +4,7 @@
 //! A [`Listener`] decides at accept whether a connection may stay (the caller's uid admitted,
 //! a slot free in its budget: in all and per uid), owns every connection task it starts
 //! (stopped and drained at shutdown within a deadline), and counts what it refused. HTTP/2
-//! connections are driven by [`drive`], which closes them when their peer sent no preface in
+//! connections are served by [`Listener::serve_http2`], which closes them when their peer sent no preface in
 //! time or has been idle with no stream open. Each listener has its own budget, and the
 //! budgets together fit in the open-file limit (`credgate serve` sizes them), so that no
 //! listener can take descriptors from another.
