@@ -96,9 +96,10 @@ fn census() -> Census {
         if let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) {
             // The fields after the parenthesized command name: state, ppid, ...
             let after = stat.rsplit_once(')').map_or("", |(_, a)| a);
-            let state = after.split_whitespace().next();
-            let ppid = after.split_whitespace().nth(1);
-            if ppid == Some(&me.to_string()) && state != Some("Z") {
+            let fields: Vec<&str> = after.split_whitespace().collect();
+            let state = fields.first().copied();
+            let ppid = fields.get(1).copied();
+            if ppid == Some(&me.to_string()) && state != Some("Z") && !dying(pid, &fields) {
                 c.children += 1;
             }
             if state == Some("Z") {
@@ -122,6 +123,31 @@ fn census() -> Census {
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
         .unwrap_or(0);
     c
+}
+
+/// A plugin the engine killed and released its slot for: SIGKILL pending, or the kernel
+/// already tearing it down (PF_EXITING). It runs no more plugin code, so it is not in flight;
+/// counting it would measure how fast the kernel frees a process, not the engine's bound.
+/// It still counts as `marked` until it is gone, so `settle` waits for it.
+fn dying(pid: u32, stat_fields: &[&str]) -> bool {
+    const PF_EXITING: u64 = 0x4;
+    const SIGKILL_BIT: u64 = 1 << (9 - 1);
+    // Field 9 of /proc/PID/stat, the 7th after the command name.
+    let flags = stat_fields.get(6).and_then(|f| f.parse::<u64>().ok());
+    if flags.is_some_and(|f| f & PF_EXITING != 0) {
+        return true;
+    }
+    let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
+        return false;
+    };
+    status.lines().any(|l| {
+        let pending = l
+            .strip_prefix("SigPnd:")
+            .or_else(|| l.strip_prefix("ShdPnd:"));
+        pending
+            .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+            .is_some_and(|mask| mask & SIGKILL_BIT != 0)
+    })
 }
 
 fn settle(limit: Duration) -> Census {
