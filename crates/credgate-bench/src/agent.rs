@@ -215,7 +215,13 @@ fn kubelet_request(image: &str) -> Vec<u8> {
 /// the same binary; then, on a cold agent, 100 bridge processes at once for 100 images of one
 /// registry beside 100 do-nothing processes at once.
 pub fn bridge(args: &Args) -> Result<()> {
-    let bridge = crate::sibling("credgate-credential-provider")?;
+    let bridge = match &args.bridge {
+        Some(path) => {
+            ensure!(path.is_file(), "{} not found", path.display());
+            path.clone()
+        }
+        None => crate::sibling("credgate-credential-provider")?,
+    };
     let provider = "credgate-static-plugin";
     let run = |socket: &Path, image: &str| {
         timed(

@@ -114,6 +114,10 @@ pub struct Args {
     /// The docker credential helper binary (helper); default: beside this program.
     #[arg(long)]
     helper: Option<PathBuf>,
+    /// The kubelet bridge binary (bridge); default: beside this program. The static build
+    /// (`cargo build-bridge`) is at target/static/release/credgate-credential-provider.
+    #[arg(long)]
+    bridge: Option<PathBuf>,
     /// Records in the guard's store (guard-check, guard-open).
     #[arg(long, default_value_t = 100_000)]
     records: usize,
