@@ -106,6 +106,17 @@ pub struct Captured {
 }
 
 impl Captured {
+    /// Removes the sealed file of an earlier run from `state_dir`, for an agent that keeps no
+    /// captured credentials (none kept before is served again, nor left on disk). Whether
+    /// there was one.
+    pub fn discard(state_dir: &Path) -> std::io::Result<bool> {
+        match std::fs::remove_file(state_dir.join(FILE)) {
+            Ok(()) => Ok(true),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Opens the sealed file in `state_dir` (the node key's directory). A file sealed under
     /// another key, or damaged, is discarded with a warning.
     pub fn open(state_dir: &Path, max_age: Option<Duration>) -> Result<Captured, CaptureError> {
@@ -324,21 +335,6 @@ impl Captured {
             .filter(|(r, _)| r.split('/').next() == Some(host))
             .max_by_key(|(_, c)| c.captured_ms)
             .map(|(r, c)| (r.clone(), c.clone()))
-    }
-
-    /// A name for a captured credential in the guard's records (`PullImage` carries no
-    /// secret name): `cri-pull-` and a MAC of its content under the sealing key, so that the
-    /// name reveals nothing that could test password guesses.
-    pub fn name_for(&self, credential: &Credential) -> String {
-        use hmac::Mac as _;
-        let mut mac = <hmac::Hmac<sha2::Sha256> as hmac::Mac>::new_from_slice(&*self.key)
-            .expect("HMAC takes any key length");
-        mac.update(b"guard record name\0");
-        mac.update(credential.username.as_bytes());
-        mac.update(&[0]);
-        mac.update(credential.password.expose_secret().as_bytes());
-        let tag = mac.finalize().into_bytes();
-        format!("cri-pull-{}", hex::encode(&tag[..6]))
     }
 
     /// How long a credential is kept, when there is a limit.

@@ -22,6 +22,9 @@ pub struct ProxyConfig {
     pub socket: PathBuf,
     /// `unix:///run/containerd/containerd.sock` or a bare path.
     pub runtime_endpoint: String,
+    /// Keep the pull credentials the proxy sees (captured credentials); the guard's records
+    /// and the pull log do not depend on it.
+    pub capture: bool,
     pub captured_max_age: Option<Duration>,
     pub check_every: Duration,
     pub registry: RegistryOptions,
@@ -174,16 +177,26 @@ impl Node {
             .await
             .map_err(|e| failed(e.to_string()))?;
         let runtime = crate::cri::endpoint_path(&config.runtime_endpoint);
-        let captured = Arc::new(
-            crate::captured::Captured::open(state_dir, config.captured_max_age)
-                .map_err(|e| failed(format!("cannot keep captured pull credentials: {e}")))?
-                .with_clock(agent.clock().clone()),
-        );
-        agent.set_captured(captured.clone());
+        let captured = if config.capture {
+            let captured = Arc::new(
+                crate::captured::Captured::open(state_dir, config.captured_max_age)
+                    .map_err(|e| failed(format!("cannot keep captured pull credentials: {e}")))?
+                    .with_clock(agent.clock().clone()),
+            );
+            agent.set_captured(captured.clone());
+            Some(captured)
+        } else {
+            match crate::captured::Captured::discard(state_dir) {
+                Ok(true) => tracing::info!("capture is off: the captured pull credentials of an earlier run were removed"),
+                Ok(false) => {}
+                Err(e) => return Err(failed(format!("capture is off, but the captured pull credentials of an earlier run cannot be removed: {e}"))),
+            }
+            None
+        };
         tracing::info!(socket = %config.socket.display(), runtime = %runtime.display(), "serving the CRI image-service proxy");
         let options = crate::cri::ProxyOptions {
             runtime,
-            captured: Some(captured),
+            captured,
             guard: agent.guard().cloned(),
             limits: crate::listener::ListenerLimits {
                 shutdown_timeout: limits.shutdown_timeout,

@@ -232,10 +232,7 @@ fn pull_of(message: &[u8], now_ms: i64) -> Option<Pull> {
 /// matches by content across names anyway); one without as node-wide. A pull with a
 /// credential but no pod is never recorded as node-wide: its result is not recorded at all,
 /// and the intent keeps the image requiring authentication.
-fn recorded_as(
-    pull: &Pull,
-    captured: &crate::captured::Captured,
-) -> Option<crate::guard::CredentialIn> {
+fn recorded_as(pull: &Pull, guard: &crate::guard::Guard) -> Option<crate::guard::CredentialIn> {
     use crate::guard::CredentialIn;
     match &pull.credential {
         None => Some(CredentialIn::NodeWide),
@@ -243,7 +240,11 @@ fn recorded_as(
         Some(c) => Some(CredentialIn::Secret {
             coords: credgate_core::guard::Coords {
                 namespace: c.namespace.clone(),
-                name: captured.name_for(c),
+                // Without the node key no name, and `record_result` refuses the record for
+                // the missing key, as it does any secret then.
+                name: guard
+                    .unnamed_secret(&c.username, &c.password)
+                    .unwrap_or_default(),
                 uid: String::new(),
             },
             username: c.username.clone(),
@@ -252,21 +253,22 @@ fn recorded_as(
     }
 }
 
-/// A `PullImage`: read whole (bounded), forwarded, its answer read whole; when the runtime
-/// says it succeeded, the credential it carried for the image's registry is offered for
-/// capture (confirmed with the registry and written after the answer goes back).
+/// A `PullImage`: read whole (bounded), forwarded, its answer read whole, then logged
+/// ([`decision`]), recorded by the guard (when it is on) and, when the runtime says it
+/// succeeded, the credential it carried for the image's registry offered for capture (when
+/// capture is on; confirmed with the registry and written after the answer goes back).
 async fn pull(
     caller: &Caller,
-    proxy: &Capture,
-    guard: Option<&crate::guard::Guard>,
+    pulls: &Pulls,
     request: hyper::Request<Incoming>,
 ) -> hyper::Response<Body> {
-    let captured = &*proxy.captured;
     let (parts, bytes, _taken) = match read_whole(caller, request, "PullImage").await {
         Ok(read) => read,
         Err(refused) => return refused,
     };
-    let asked = grpc_message(&bytes).and_then(|m| pull_of(m, captured.now_ms()));
+    let now_ms = crate::state::unix_ms(pulls.agent.clock().wall());
+    let asked = grpc_message(&bytes).and_then(|m| pull_of(m, now_ms));
+    let guard = pulls.guard.as_ref();
     // The intent is on disk before the runtime starts pulling.
     if let (Some(guard), Some(pull)) = (guard, &asked) {
         if let Err(e) = guard.record_intent(&pull.image).await {
@@ -282,7 +284,7 @@ async fn pull(
         return whole.into_response();
     };
     decision::log(
-        &proxy.agent,
+        &pulls.agent,
         &pull,
         whole.code().unwrap_or(2),
         &whole.message(),
@@ -296,7 +298,7 @@ async fn pull(
         .map(|r| r.image_ref)
         .filter(|r| !r.is_empty());
     if let Some(guard) = guard {
-        let used = recorded_as(&pull, captured);
+        let used = recorded_as(&pull, guard);
         let result = match (&image_ref, &used) {
             (Some(id), Some(used)) => guard.record_result(&pull.image, id, true, Some(used)).await,
             (Some(_), None) => Ok(()),
@@ -306,12 +308,14 @@ async fn pull(
             tracing::error!(error = %crate::error_chain(&e), "pull result not recorded");
         }
     }
-    if let (Some(_), Some(credential)) = (&image_ref, pull.credential) {
+    if let (Some(_), Some(credential), Some(capture)) =
+        (&image_ref, pull.credential, &pulls.capture)
+    {
         if pull.other_registry {
-            proxy.agent.metrics().capture("other_registry");
+            pulls.agent.metrics().capture("other_registry");
             tracing::warn!(repository = %pull.repository, "pull credentials not captured: their server address names another registry");
         } else {
-            proxy.capturer.offer(Offer {
+            capture.capturer.offer(Offer {
                 image: pull.image,
                 repository: pull.repository,
                 credential,
@@ -321,31 +325,38 @@ async fn pull(
     whole.into_response()
 }
 
+/// What the proxy does with pulls besides forwarding them, each part independent of the
+/// others: the decision log (always), the guard's records (with the guard), capture (with
+/// captured credentials).
+struct Pulls {
+    /// Its metrics, and for the pull decision log its engine, clock and pull ring.
+    agent: crate::Agent,
+    guard: Option<crate::guard::Guard>,
+    capture: Option<Capture>,
+}
+
 /// What the proxy captures with: where captures are kept, the task that confirms and writes
 /// them.
 struct Capture {
     captured: std::sync::Arc<crate::captured::Captured>,
     capturer: Capturer,
-    /// Its metrics, and for the pull decision log its engine and pull ring.
-    agent: crate::Agent,
 }
 
 /// Forwards one call to the runtime.
 async fn forward(
     caller: &Caller,
-    capture: Option<&Capture>,
-    guard: Option<&crate::guard::Guard>,
+    pulls: &Pulls,
     request: hyper::Request<Incoming>,
 ) -> hyper::Response<Body> {
     let limit = deadline(request.headers());
     let runtime = &caller.runtime;
     let call = async {
-        if let Some(capture) = capture {
-            match request.uri().path() {
-                PULL_IMAGE => return pull(caller, capture, guard, request).await,
-                REMOVE_IMAGE => return remove(caller, &capture.captured, request).await,
-                _ => {}
+        match (request.uri().path(), &pulls.capture) {
+            (PULL_IMAGE, _) => return pull(caller, pulls, request).await,
+            (REMOVE_IMAGE, Some(capture)) => {
+                return remove(caller, &capture.captured, request).await
             }
+            _ => {}
         }
         let mut sender = match runtime.sender().await {
             Ok(s) => s,
@@ -449,15 +460,15 @@ pub async fn serve(
         Some(captured) => {
             let verifier = crate::guard::registry::Verifier::new(registry);
             let (capturer, task) = Capturer::start(captured.clone(), verifier, metrics.clone());
-            let capture = Capture {
-                captured,
-                capturer,
-                agent,
-            };
-            (Some(std::sync::Arc::new(capture)), Some(task))
+            (Some(Capture { captured, capturer }), Some(task))
         }
         None => (None, None),
     };
+    let pulls = std::sync::Arc::new(Pulls {
+        agent,
+        guard,
+        capture,
+    });
     // The API's windows, send buffer and reset bounds.
     let builder = crate::listener::http2_builder(MAX_STREAMS, MAX_HEADER_LIST);
     let shutdown_timeout = limits.shutdown_timeout;
@@ -468,16 +479,14 @@ pub async fn serve(
             budgets: Budgets::connection(&proxy_budget, budget::CONNECTION_BYTES),
         });
         let tracker = Tracker::new();
-        let capture = capture.clone();
-        let guard = guard.clone();
+        let pulls = pulls.clone();
         let streams = tracker.clone();
         let service = hyper::service::service_fn(move |request: hyper::Request<Incoming>| {
             let caller = caller.clone();
-            let capture = capture.clone();
-            let guard = guard.clone();
+            let pulls = pulls.clone();
             let open = streams.stream();
             async move {
-                let answer = forward(&caller, capture.as_deref(), guard.as_ref(), request).await;
+                let answer = forward(&caller, &pulls, request).await;
                 Ok::<_, Infallible>(answer.map(|body| Counted::new(body, open)))
             }
         });
@@ -496,7 +505,7 @@ pub async fn serve(
         let _ = sweeper.await;
     }
     // The capture task ends once the last capturer is gone, after the offers it took.
-    drop(capture);
+    drop(pulls);
     if let Some(task) = capture_task {
         if tokio::time::timeout(shutdown_timeout, task).await.is_err() {
             tracing::warn!("captures still being confirmed at the shutdown deadline: dropped");

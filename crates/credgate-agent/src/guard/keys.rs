@@ -138,6 +138,19 @@ impl NodeKey {
         zeroize::Zeroizing::new(mac.finalize().into_bytes().into())
     }
 
+    /// The guard's name for a credential whose caller names no secret (a pull through the CRI
+    /// proxy: `PullImage` carries none): `cri-pull-` and a MAC of its content, stable for the
+    /// same content on this node, and no help in testing password guesses without the key.
+    pub fn name(&self, username: &str, password: &str) -> String {
+        let mut mac = self.mac.clone();
+        mac.update(b"guard record name\0");
+        mac.update(&(username.len() as u64).to_be_bytes());
+        mac.update(username.as_bytes());
+        mac.update(password.as_bytes());
+        let tag = mac.finalize().into_bytes();
+        format!("cri-pull-{}", hex::encode(&tag[..6]))
+    }
+
     /// The keyed hash of a registry credential's content.
     pub fn hash(&self, username: &str, password: &str) -> CredentialHash {
         let mut mac = self.mac.clone();

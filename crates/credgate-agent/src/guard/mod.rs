@@ -375,6 +375,15 @@ impl Guard {
         }
     }
 
+    /// The name a credential no secret names is recorded under ([`NodeKey::name`]); `None`
+    /// without the node key, when no secret can be recorded anyway.
+    ///
+    /// [`NodeKey::name`]: keys::NodeKey::name
+    pub fn unnamed_secret(&self, username: &str, password: &SecretString) -> Option<String> {
+        let key = self.key.get().ok()?;
+        Some(key.name(username, password.expose_secret()))
+    }
+
     /// A pull of `image` is about to start.
     pub async fn record_intent(&self, image: &str) -> Result<(), GuardError> {
         let (name, reference) = normalize(image)?;

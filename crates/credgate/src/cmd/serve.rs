@@ -113,6 +113,7 @@ pub async fn run(args: ServeArgs) -> Result<Outcome> {
         proxy: args.cri_proxy_socket.clone().map(|socket| ProxyConfig {
             socket,
             runtime_endpoint: args.cri_runtime_endpoint.clone(),
+            capture: args.cri_proxy_capture,
             captured_max_age: args.captured_credential_max_age,
             check_every: args.captured_check_interval,
             registry,

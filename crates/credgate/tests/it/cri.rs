@@ -994,3 +994,82 @@ async fn the_pull_decision_log_against_a_fake_runtime() {
     assert_eq!(v["pulls"][1]["code"], 2);
     assert!(!agent.log_text().contains("fake-runtime-secret"));
 }
+
+/// The guard's records and the pull log do not depend on capture: with
+/// `--cri-proxy-capture=false` a pull with a pod's credential is recorded (another secret must
+/// authenticate, the same content is allowed), logged, and nothing is kept: no captured
+/// credential is listed or served, and a sealed file of an earlier run is removed at start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_capture_pulls_are_still_recorded_and_logged() {
+    const SECRET: &str = "not-kept-secret";
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let runtime = d.join("fake-runtime.sock");
+    let fake = credgate_testbed::fake_runtime::start(&runtime, Default::default()).await;
+    let state = d.join("state");
+    std::fs::create_dir(&state).unwrap();
+    std::fs::set_permissions(&state, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+    std::fs::write(state.join("captured.sealed"), b"left by an earlier run").unwrap();
+    let (agent, proxy) = proxy_agent_with(d, &runtime, &["--cri-proxy-capture=false"]);
+    credgate_testbed::eventually(
+        "the earlier captures removed",
+        Duration::from_secs(20),
+        || !state.join("captured.sealed").exists(),
+    );
+    let image = "registry.example.com/team/app:v1";
+    let pulled: PullImageResponse = call(
+        &proxy,
+        PULL_IMAGE,
+        pull_request(image, Some(("puller", SECRET)), "ns-a"),
+    )
+    .await
+    .unwrap();
+    let image_ref = fake.answers.lock().unwrap().pull.clone().unwrap();
+    assert_eq!(pulled.image_ref, image_ref);
+    let check = |secret: &str| {
+        agent.credgate(&[
+            "ctl",
+            "check-access",
+            image,
+            "--image-ref",
+            &image_ref,
+            "--secret",
+            secret,
+        ])
+    };
+    let other = check("ns-b/regcred/1=puller:another-password");
+    assert_eq!(
+        other.status.code(),
+        Some(1),
+        "{}{}",
+        crate::support::text(&other.stdout),
+        crate::support::text(&other.stderr)
+    );
+    let same = check(&format!("ns-b/copy/2=puller:{SECRET}"));
+    assert!(
+        same.status.success(),
+        "{}{}",
+        crate::support::text(&same.stdout),
+        crate::support::text(&same.stderr)
+    );
+    let records = crate::support::text(
+        &agent
+            .credgate(&["ctl", "list-records", "-o", "json"])
+            .stdout,
+    );
+    assert!(
+        records.contains("ns-a") && records.contains("cri-pull-"),
+        "{records}"
+    );
+    let pulls: serde_json::Value =
+        serde_json::from_slice(&agent.credgate(&["ctl", "-o", "json", "pulls"]).stdout).unwrap();
+    assert_eq!(pulls["pulls"][0]["code"], 0, "{pulls}");
+    let captured = agent.credgate(&["ctl", "captured"]);
+    assert!(
+        crate::support::text(&captured.stdout).contains("nothing captured"),
+        "{}",
+        crate::support::text(&captured.stdout)
+    );
+    assert!(!state.join("captured.sealed").exists());
+    assert!(!agent.log_text().contains(SECRET));
+}
