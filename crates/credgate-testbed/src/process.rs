@@ -142,6 +142,19 @@ pub fn eventually(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
     }
 }
 
+/// [`eventually`] with a condition that awaits (a call to the agent, say).
+pub async fn eventually_await<F, Fut>(what: &str, limit: Duration, mut done: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + limit;
+    while !done().await {
+        assert!(Instant::now() < deadline, "{what}: not within {limit:?}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 /// [`eventually`] for async tests: waits on tokio's timer between polls.
 pub async fn eventually_async(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
     let deadline = Instant::now() + limit;

@@ -256,14 +256,11 @@ fn wait_gone(pid_file: &std::path::Path) {
         .trim()
         .parse()
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while !pid_gone(pid) {
-        assert!(
-            Instant::now() < deadline,
-            "process {pid} outlived its plugin"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    credgate_testbed::eventually(
+        &format!("process {pid} gone with its plugin"),
+        Duration::from_secs(5),
+        || pid_gone(pid),
+    );
 }
 
 fn short_timeout(o: &mut EngineOptions) {
@@ -379,12 +376,12 @@ async fn child_left_in_the_group_is_killed_and_the_plugin_reaped_after_the_run()
         .trim()
         .parse()
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(5);
     // Reaped: not even a zombie is left.
-    while std::path::Path::new(&format!("/proc/{pid}")).exists() {
-        assert!(Instant::now() < deadline, "plugin {pid} was never reaped");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    credgate_testbed::eventually(
+        &format!("plugin {pid} reaped"),
+        Duration::from_secs(5),
+        || !std::path::Path::new(&format!("/proc/{pid}")).exists(),
+    );
 }
 
 async fn escaped_child_holding_stdout_is_drained_with_a_bound() {
@@ -694,11 +691,9 @@ async fn a_dropped_engine_leaves_no_thread_behind() {
     assert!(got.errors.is_empty(), "{:?}", got.errors);
     // A new thread names itself once it runs: until then it shows its parent's name.
     let started = (before.0 + 1, before.1 + 1);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while (threads_named(watchdog), threads_named(sweeper)) != started {
-        assert!(Instant::now() < deadline, "a slow run starts both");
-        std::thread::yield_now();
-    }
+    credgate_testbed::eventually("a slow run starts both", Duration::from_secs(10), || {
+        (threads_named(watchdog), threads_named(sweeper)) == started
+    });
     drop(got);
     drop(e);
     assert_eq!(

@@ -375,14 +375,12 @@ printf '{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.ku
 
     // The next renewal hangs in the plugin: the plugin, its sleep and the setsid daemon.
     std::fs::write(bin.join("slow-token.slow"), "").unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while marked_by(first_pid).len() < 3 {
-        assert!(
-            Instant::now() < deadline,
-            "renewal did not start the slow plugin"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    credgate_testbed::eventually_async(
+        "renewal starts the slow plugin",
+        Duration::from_secs(20),
+        || marked_by(first_pid).len() >= 3,
+    )
+    .await;
     first.child.kill().unwrap();
     first.child.wait().unwrap();
     let ended = tokio::time::timeout(Duration::from_secs(10), stream.message())
@@ -407,19 +405,14 @@ printf '{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.ku
     std::fs::remove_file(bin.join("slow-token.slow")).unwrap();
     let second = Agent::start(d, &args);
     let up = Instant::now();
-    let deadline = up + Duration::from_secs(10);
-    loop {
-        let left = marked_by(first_pid);
-        if left.is_empty() {
-            eprintln!(
-                "orphans gone {:?} after the agent accepted calls",
-                up.elapsed()
-            );
-            break;
-        }
-        assert!(Instant::now() < deadline, "orphans survive: {left:?}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    credgate_testbed::eventually_async("the orphans killed", Duration::from_secs(10), || {
+        marked_by(first_pid).is_empty()
+    })
+    .await;
+    eprintln!(
+        "orphans gone {:?} after the agent accepted calls",
+        up.elapsed()
+    );
     assert!(
         second
             .log_text()

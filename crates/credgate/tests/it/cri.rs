@@ -6,7 +6,7 @@
 
 use std::process::Command;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::support::{oci_image, proxy_agent, proxy_agent_with, push, Agent, Registry};
 use credgate_testbed::cri::*;
@@ -359,18 +359,12 @@ async fn pulls_through_the_proxy_reach_the_registry_with_their_credentials() {
     )
     .await
     .expect("RemoveImage straight to containerd");
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let v = captured(&agent);
-        let gone = v["credentials"]
+    credgate_testbed::eventually_async("the capture dropped", Duration::from_secs(20), || {
+        captured(&agent)["credentials"]
             .as_array()
-            .is_none_or(|c| c.iter().all(|c| c["source_kind"] != "captured"));
-        if gone {
-            break;
-        }
-        assert!(Instant::now() < deadline, "still captured: {v}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+            .is_none_or(|c| c.iter().all(|c| c["source_kind"] != "captured"))
+    })
+    .await;
 }
 
 /// A consumer watching an image of a repository sees the proxy capture its pull credential,
