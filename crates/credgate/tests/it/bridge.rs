@@ -73,7 +73,7 @@ fn request(version: &str, image: &str) -> String {
 
 fn bridge(socket: &Path, args: &[&str], stdin: &str) -> Output {
     output_with_stdin(
-        Command::new(env!("CARGO_BIN_EXE_credgate-credential-provider"))
+        Command::new(crate::support::bridge_bin())
             .args(args)
             .env("CREDGATE_SOCKET", socket)
             .stderr(Stdio::piped()),
@@ -130,7 +130,7 @@ fn answers_in_the_requests_version_with_the_providers_key_and_a_duration_inside_
     // The provider may also be named by the program's file name (a link in the kubelet's
     // plugin directory).
     let link = d.join("reg");
-    std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_credgate-credential-provider"), &link).unwrap();
+    std::os::unix::fs::symlink(crate::support::bridge_bin(), &link).unwrap();
     let out = output_with_stdin(
         Command::new(&link)
             .env("CREDGATE_SOCKET", &agent.socket)
@@ -331,7 +331,7 @@ printf '{{"kind":"CredentialProviderResponse","apiVersion":"{V1}","cacheKeyType"
     );
     let children: Vec<_> = (0..100)
         .map(|i| {
-            let mut child = Command::new(env!("CARGO_BIN_EXE_credgate-credential-provider"))
+            let mut child = Command::new(crate::support::bridge_bin())
                 .args(["--provider", "reg"])
                 .env("CREDGATE_SOCKET", &agent.socket)
                 .stdin(Stdio::piped())

@@ -453,7 +453,7 @@ printf '{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.ku
     // repository, and never to the kubelet.
     let bridge = |more: &[&str]| -> serde_json::Value {
         let out = crate::support::output_with_stdin(
-            Command::new(env!("CARGO_BIN_EXE_credgate-credential-provider"))
+            Command::new(crate::support::bridge_bin())
                 .args(["--provider", "nothing"])
                 .args(more)
                 .env("CREDGATE_SOCKET", &agent.socket),

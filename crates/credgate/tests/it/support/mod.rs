@@ -31,6 +31,14 @@ pub fn bin_dir() -> PathBuf {
 }
 
 /// PATH with the workspace's binaries first, so clients find `docker-credential-credgate`.
+/// The kubelet bridge under test: this build's, or the one `CREDGATE_TEST_BRIDGE` names
+/// (`scripts/test` runs the bridge tests again with the static build of `cargo build-bridge`).
+pub fn bridge_bin() -> PathBuf {
+    std::env::var_os("CREDGATE_TEST_BRIDGE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_credgate-credential-provider")))
+}
+
 pub fn path_with_helper() -> String {
     format!(
         "{}:{}",
