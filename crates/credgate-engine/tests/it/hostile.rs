@@ -74,7 +74,7 @@ fn outcome(result: &credgate_engine::Lookup) -> &'static str {
 /// What /proc says about this test process and the plugins it started.
 #[derive(Debug, Default, Clone, Copy)]
 struct Census {
-    /// Direct children: plugin processes in flight.
+    /// Direct children: plugin processes in flight (see [`in_flight`]).
     children: usize,
     /// Every process carrying this process's run marker (plugins, their children, escapees).
     marked: usize,
@@ -86,6 +86,7 @@ fn census() -> Census {
     let me = std::process::id();
     let prefix = format!("{MARKER_ENV}={me}-");
     let mut c = Census::default();
+    let mut children = Vec::new();
     for entry in std::fs::read_dir("/proc").unwrap().flatten() {
         let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
             continue;
@@ -99,8 +100,8 @@ fn census() -> Census {
             let fields: Vec<&str> = after.split_whitespace().collect();
             let state = fields.first().copied();
             let ppid = fields.get(1).copied();
-            if ppid == Some(&me.to_string()) && state != Some("Z") && !dying(pid, &fields) {
-                c.children += 1;
+            if ppid == Some(&me.to_string()) {
+                children.push(pid);
             }
             if state == Some("Z") {
                 continue;
@@ -115,6 +116,12 @@ fn census() -> Census {
             }
         }
     }
+    // The scan is not a snapshot: a plugin read before its kill and one started after it
+    // would both count. Only those still in flight once the scan is over count.
+    c.children = children
+        .into_iter()
+        .filter(|pid| in_flight(*pid, me))
+        .count();
     c.fds = std::fs::read_dir("/proc/self/fd").unwrap().count();
     let status = std::fs::read_to_string("/proc/self/status").unwrap();
     c.rss_kb = status
@@ -123,6 +130,18 @@ fn census() -> Census {
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
         .unwrap_or(0);
     c
+}
+
+/// Whether `pid` is a child of `me` that has not exited and is not dying.
+fn in_flight(pid: u32, me: u32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    let after = stat.rsplit_once(')').map_or("", |(_, a)| a);
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    fields.get(1) == Some(&me.to_string().as_str())
+        && fields.first() != Some(&"Z")
+        && !dying(pid, &fields)
 }
 
 /// A plugin the engine killed and released its slot for: SIGKILL pending, or the kernel
