@@ -186,7 +186,11 @@ pub fn cri_proxy(args: &Args) -> Result<()> {
             }),
         );
 
-        // PullImage: the image removed before each pull, direct and proxied alternating.
+        // PullImage: the image removed before each pull, direct and proxied alternating
+        // (`--reps 0` leaves it out).
+        if args.reps == 0 {
+            return anyhow::Ok(());
+        }
         let mut pulls = [Vec::new(), Vec::new()];
         for _ in 0..args.reps {
             for (side, channel) in [&direct, &proxied].into_iter().enumerate() {
