@@ -108,6 +108,13 @@ pub fn run(args: KubeletConfigArgs) -> Result<Outcome> {
         }
     }
     let mut bridge = args.bridge.clone().unwrap_or_else(default_bridge);
+    // A link to a missing bridge would fail only when the kubelet runs it; a relative path
+    // would be read from the link's directory.
+    if !bridge.is_file() {
+        anyhow::bail!("the bridge {} does not exist", bridge.display());
+    }
+    bridge = std::path::absolute(&bridge)
+        .with_context(|| format!("cannot make {} absolute", bridge.display()))?;
     let mut text = render(&config, args.socket.as_deref());
     match &args.link_dir {
         Some(dir) => {

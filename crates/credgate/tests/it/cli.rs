@@ -371,4 +371,35 @@ fn kubelet_config_is_valid_and_links_every_provider_to_the_bridge() {
             .collect()
     };
     assert_eq!(lines(&original), lines(&text(&out.stdout)), "a fixed point");
+    // A relative --bridge is linked by its absolute path (a relative link would be read from
+    // the link's directory); a missing one is refused before any link is made.
+    let bridge = std::path::Path::new(env!("CARGO_BIN_EXE_credgate-credential-provider"));
+    let relative = dir.path().join("relative");
+    let out = Command::new(env!("CARGO_BIN_EXE_credgate"))
+        .current_dir(bridge.parent().unwrap())
+        .args(["kubelet-config", "--image-credential-provider-config"])
+        .arg(repo().join("examples/provider-config.yaml"))
+        .args(["--bridge", "credgate-credential-provider", "--link-dir"])
+        .arg(&relative)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let target = std::fs::read_link(relative.join("credgate-example-plugin")).unwrap();
+    assert_eq!(target, bridge, "{}", target.display());
+    let missing = credgate(&[
+        "kubelet-config",
+        "--image-credential-provider-config",
+        "examples/provider-config.yaml",
+        "--bridge",
+        "no-such-bridge",
+        "--link-dir",
+        dir.path().join("never").to_str().unwrap(),
+    ]);
+    assert_eq!(missing.status.code(), Some(1));
+    assert!(
+        text(&missing.stderr).contains("the bridge no-such-bridge does not exist"),
+        "{}",
+        text(&missing.stderr)
+    );
+    assert!(!dir.path().join("never").exists());
 }
