@@ -142,24 +142,25 @@ impl NodeKey {
     /// proxy: `PullImage` carries none): `cri-pull-` and a MAC of its content, stable for the
     /// same content on this node, and no help in testing password guesses without the key.
     pub fn name(&self, username: &str, password: &str) -> String {
-        let mut mac = self.mac.clone();
-        mac.update(b"guard record name\0");
-        mac.update(&(username.len() as u64).to_be_bytes());
-        mac.update(username.as_bytes());
-        mac.update(password.as_bytes());
-        let tag = mac.finalize().into_bytes();
+        let tag = self.content_mac(b"guard record name\0", username, password);
         format!("cri-pull-{}", hex::encode(&tag[..6]))
     }
 
     /// The keyed hash of a registry credential's content.
     pub fn hash(&self, username: &str, password: &str) -> CredentialHash {
+        CredentialHash::new(self.id, self.content_mac(b"", username, password))
+    }
+
+    /// The MAC of `label` and a credential's content, length-prefixed so that ("ab", "c") and
+    /// ("a", "bc") differ.
+    fn content_mac(&self, label: &[u8], username: &str, password: &str) -> [u8; 32] {
         let mut mac = self.mac.clone();
-        // Length-prefixed, so that ("ab", "c") and ("a", "bc") differ.
+        mac.update(label);
         mac.update(&(username.len() as u64).to_be_bytes());
         mac.update(username.as_bytes());
         mac.update(&(password.len() as u64).to_be_bytes());
         mac.update(password.as_bytes());
-        CredentialHash::new(self.id, mac.finalize().into_bytes().into())
+        mac.finalize().into_bytes().into()
     }
 }
 

@@ -94,16 +94,11 @@ fn census() -> Census {
         if pid == me {
             continue;
         }
-        if let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-            // The fields after the parenthesized command name: state, ppid, ...
-            let after = stat.rsplit_once(')').map_or("", |(_, a)| a);
-            let fields: Vec<&str> = after.split_whitespace().collect();
-            let state = fields.first().copied();
-            let ppid = fields.get(1).copied();
-            if ppid == Some(&me.to_string()) {
+        if let Some(fields) = stat_fields(pid) {
+            if fields.get(1) == Some(&me.to_string()) {
                 children.push(pid);
             }
-            if state == Some("Z") {
+            if fields.first().map(String::as_str) == Some("Z") {
                 continue;
             }
         }
@@ -132,23 +127,27 @@ fn census() -> Census {
     c
 }
 
+/// The fields of /proc/PID/stat after the parenthesized command name: state, ppid, ...
+fn stat_fields(pid: u32) -> Option<Vec<String>> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let after = stat.rsplit_once(')').map_or("", |(_, a)| a);
+    Some(after.split_whitespace().map(str::to_owned).collect())
+}
+
 /// Whether `pid` is a child of `me` that has not exited and is not dying.
 fn in_flight(pid: u32, me: u32) -> bool {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return false;
-    };
-    let after = stat.rsplit_once(')').map_or("", |(_, a)| a);
-    let fields: Vec<&str> = after.split_whitespace().collect();
-    fields.get(1) == Some(&me.to_string().as_str())
-        && fields.first() != Some(&"Z")
-        && !dying(pid, &fields)
+    stat_fields(pid).is_some_and(|fields| {
+        fields.get(1) == Some(&me.to_string())
+            && fields.first().map(String::as_str) != Some("Z")
+            && !dying(pid, &fields)
+    })
 }
 
 /// A plugin the engine killed and released its slot for: SIGKILL pending, or the kernel
 /// already tearing it down (PF_EXITING). It runs no more plugin code, so it is not in flight;
 /// counting it would measure how fast the kernel frees a process, not the engine's bound.
 /// It still counts as `marked` until it is gone, so `settle` waits for it.
-fn dying(pid: u32, stat_fields: &[&str]) -> bool {
+fn dying(pid: u32, stat_fields: &[String]) -> bool {
     const PF_EXITING: u64 = 0x4;
     const SIGKILL_BIT: u64 = 1 << (9 - 1);
     // Field 9 of /proc/PID/stat, the 7th after the command name.

@@ -69,30 +69,19 @@ async fn image_service_calls_pass_through_with_the_runtimes_answers() {
         (direct.code(), direct.message())
     );
     // So does a status error: a pull of an image that does not exist.
-    let direct = call::<PullImageRequest, PullImageResponse>(
-        &containerd.socket,
-        PULL_IMAGE,
-        PullImageRequest {
-            image: Some(ImageSpec {
-                image: "127.0.0.1:1/nothing/here:v1".into(),
-            }),
-            ..Default::default()
-        },
-    )
-    .await
-    .unwrap_err();
-    let proxied = call::<PullImageRequest, PullImageResponse>(
-        &proxy,
-        PULL_IMAGE,
-        PullImageRequest {
-            image: Some(ImageSpec {
-                image: "127.0.0.1:1/nothing/here:v1".into(),
-            }),
-            ..Default::default()
-        },
-    )
-    .await
-    .unwrap_err();
+    let missing = || PullImageRequest {
+        image: Some(ImageSpec {
+            image: "127.0.0.1:1/nothing/here:v1".into(),
+        }),
+        ..Default::default()
+    };
+    let direct =
+        call::<PullImageRequest, PullImageResponse>(&containerd.socket, PULL_IMAGE, missing())
+            .await
+            .unwrap_err();
+    let proxied = call::<PullImageRequest, PullImageResponse>(&proxy, PULL_IMAGE, missing())
+        .await
+        .unwrap_err();
     assert_eq!(proxied.code(), direct.code(), "{proxied:?} vs {direct:?}");
     assert!(agent.stop().success());
     assert!(!proxy.exists(), "the proxy's socket is removed at stop");
