@@ -59,16 +59,26 @@ impl Entry {
         self.expires.is_some_and(|e| t < e)
     }
 
-    /// Whether this response answers a request for `image` of `registry` in `scope`.
-    pub fn covers(&self, image: &str, registry: &str, scope: Option<&Scope>) -> bool {
-        if self.scope.as_deref() != scope {
-            return false;
-        }
+    /// Whether this response answers requests for `image` of `registry`, in any scope.
+    pub fn covers_image(&self, image: &str, registry: &str) -> bool {
         match self.key_type {
             CacheKeyType::Image => *self.image == *image,
             CacheKeyType::Registry => *self.registry == *registry,
             CacheKeyType::Global => true,
         }
+    }
+
+    /// Whether this response holds the credential `username`:`password`.
+    pub fn holds(&self, username: &str, password: &str) -> bool {
+        use secrecy::ExposeSecret;
+        (0..self.auth.len())
+            .filter_map(|i| self.auth.get(i))
+            .any(|a| a.auth.username == username && a.auth.password.expose_secret() == password)
+    }
+
+    /// Whether this response answers a request for `image` of `registry` in `scope`.
+    pub fn covers(&self, image: &str, registry: &str, scope: Option<&Scope>) -> bool {
+        self.scope.as_deref() == scope && self.covers_image(image, registry)
     }
 
     /// The cache key this response is stored under.
@@ -228,6 +238,28 @@ impl Cache {
         self.current.store(Arc::new(Snapshot::from_entries(next)));
         len
     }
+
+    /// Removes every entry `drop` picks (and the dead ones); returns the removed live ones.
+    pub fn remove(&self, drop: impl Fn(&Entry) -> bool, now: Instant) -> Vec<Arc<Entry>> {
+        let _w = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        let cur = self.current.load();
+        let mut removed = Vec::new();
+        let mut next = HashMap::with_capacity(cur.entries.len());
+        for (k, e) in &cur.entries {
+            if !e.alive_at(now) {
+                continue;
+            }
+            if drop(e) {
+                removed.push(e.clone());
+            } else {
+                next.insert(k.clone(), e.clone());
+            }
+        }
+        if !removed.is_empty() {
+            self.current.store(Arc::new(Snapshot::from_entries(next)));
+        }
+        removed
+    }
 }
 
 #[cfg(test)]
@@ -288,6 +320,21 @@ mod tests {
         let later = now + Duration::from_secs(200);
         c.insert(entry(CacheKeyType::Image, "r.io/new", later, 5), later);
         assert_eq!(c.load().len(), 1);
+    }
+
+    #[test]
+    fn removal_takes_only_what_it_picks() {
+        let now = Instant::now();
+        let c = Cache::new(10);
+        c.insert(entry(CacheKeyType::Image, "r.io/a", now, 60), now);
+        c.insert(entry(CacheKeyType::Registry, "q.io/b", now, 60), now);
+        let gone = c.remove(|e| e.covers_image("q.io/x", "q.io"), now);
+        assert_eq!(gone.len(), 1);
+        assert_eq!(&*gone[0].registry, "q.io");
+        let snap = c.load();
+        assert!(snap.find("r.io/a", "r.io", None, now).is_some());
+        assert!(snap.find("q.io/b", "q.io", None, now).is_none());
+        assert!(c.remove(|_| false, now).is_empty());
     }
 
     #[test]

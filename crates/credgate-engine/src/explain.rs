@@ -248,6 +248,13 @@ impl Explanation {
                     "provider {} would run its plugin again; its last run failed: {e}",
                     s.name
                 )
+            } else if let Some((at, why)) = &v.status.last_dropped {
+                let ago = now.duration_since(*at).unwrap_or_default();
+                format!(
+                    "provider {} would run its plugin: its cached answer was dropped {} ago, {why}",
+                    s.name,
+                    rounded(ago)
+                )
             } else {
                 format!("provider {} would run its plugin (nothing cached)", s.name)
             };

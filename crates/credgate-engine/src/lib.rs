@@ -42,6 +42,7 @@ pub mod engine;
 pub mod error;
 pub mod exec;
 pub mod explain;
+pub mod invalidate;
 mod memo;
 pub mod metrics;
 mod owned_thread;
@@ -60,5 +61,6 @@ pub use engine::{
     LookupError, LookupRequest, Source, SourceKind, StaticSource,
 };
 pub use error::ProviderError;
+pub use invalidate::{Dropped, FlushError};
 pub use provider::{BackoffPolicy, ProviderStatus, ServiceAccount};
 pub use sources::{SourceError, Sources};

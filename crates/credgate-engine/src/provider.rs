@@ -89,6 +89,9 @@ pub struct ProviderStatus {
     pub last_success: Option<SystemTime>,
     pub last_error: Option<String>,
     pub consecutive_failures: u32,
+    /// When cached answers were last dropped before their expiry, and why (the registry
+    /// refused a credential of them, or an operator flushed them).
+    pub last_dropped: Option<(SystemTime, String)>,
 }
 
 #[derive(Default)]
@@ -98,6 +101,7 @@ struct RunState {
     last_run: Option<SystemTime>,
     last_success: Option<SystemTime>,
     last_error: Option<String>,
+    last_dropped: Option<(SystemTime, String)>,
 }
 
 /// A run driven by the request that started it, so that a miss costs no hand-off to another
@@ -585,7 +589,22 @@ impl Provider {
         }
     }
 
-    /// A snapshot for operators.
+    /// Drops the cached answers `pick` chooses before their expiry, because of `why` (said
+    /// by `ctl status` and `explain`); the next lookup they would have answered runs the
+    /// plugin again (coalesced, under backoff and the provider's rate). The removed ones.
+    pub fn drop_entries(&self, pick: impl Fn(&Entry) -> bool, why: &str) -> Vec<Arc<Entry>> {
+        let removed = self.cache.remove(pick, self.clock.now());
+        if !removed.is_empty() {
+            self.generation.fetch_add(1, Ordering::Release);
+            let left = self.cache.load().len();
+            self.metrics
+                .entries
+                .set(i64::try_from(left).unwrap_or(i64::MAX));
+            lock(&self.state).last_dropped = Some((self.clock.wall(), why.to_owned()));
+        }
+        removed
+    }
+
     /// Until when the provider is backing off (a lookup now is refused without a run).
     pub fn backoff_until(&self) -> Option<SystemTime> {
         let state = lock(&self.state);
@@ -610,6 +629,7 @@ impl Provider {
             last_success: state.last_success,
             last_error: state.last_error.clone(),
             consecutive_failures: state.consecutive_failures,
+            last_dropped: state.last_dropped.clone(),
         }
     }
 }

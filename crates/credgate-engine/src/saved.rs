@@ -127,7 +127,9 @@ impl Engine {
         for p in self.providers() {
             let snapshot = p.cache.load();
             for e in snapshot.entries() {
-                let Some(expires) = e.expires.filter(|x| *x > now) else {
+                // An answer with no credential is not kept: it would be refused as invalid at
+                // the next start anyway, and the plugin is asked again then.
+                let Some(expires) = e.expires.filter(|x| *x > now && !e.auth.is_empty()) else {
                     continue;
                 };
                 let auth = (0..e.auth.len())
