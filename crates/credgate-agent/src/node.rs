@@ -56,6 +56,13 @@ pub enum NodeError {
     },
     #[error("cannot serve the CRI proxy on {path}: {error}")]
     Proxy { path: PathBuf, error: String },
+    #[error(
+        "the sealed provider cache is off, but {path} of an earlier run cannot be removed: {error}"
+    )]
+    Discard {
+        path: PathBuf,
+        error: std::io::Error,
+    },
 }
 
 /// A running node agent.
@@ -79,6 +86,18 @@ pub struct Node {
 impl Node {
     /// Builds the agent (never running a plugin), binds every socket and starts every task.
     pub async fn start(options: NodeOptions) -> Result<Node, NodeError> {
+        if options.agent.saved_cache.is_none() {
+            match crate::saved_cache::SavedCache::discard(&options.state_dir) {
+                Ok(true) => tracing::info!("the provider cache is not kept (--persist-cache=false): the sealed cache of an earlier run was removed"),
+                Ok(false) => {}
+                Err(error) => {
+                    return Err(NodeError::Discard {
+                        path: options.state_dir.join("cache.sealed"),
+                        error,
+                    })
+                }
+            }
+        }
         let agent = Agent::new(options.agent)?;
         let listener = socket::bind(&options.socket, &options.socket_access)
             .await

@@ -133,6 +133,13 @@ fn key_type(name: &str) -> Option<CacheKeyType> {
 }
 
 impl SavedCache {
+    /// Removes the sealed file of an earlier run from `state_dir`, for an agent that keeps no
+    /// provider answers (`--persist-cache=false`): none kept before is served again, nor left
+    /// on disk. Whether there was one.
+    pub fn discard(state_dir: &Path) -> std::io::Result<bool> {
+        crate::state::discard(state_dir, FILE)
+    }
+
     /// The sealed file of `state_dir` (the node key's directory).
     pub fn open(state_dir: &Path) -> Result<SavedCache, SavedError> {
         let node = NodeKey::load_or_create(state_dir)

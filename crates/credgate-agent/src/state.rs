@@ -56,6 +56,16 @@ pub fn write_atomically(dir: &Path, file: &str, parts: &[&[u8]]) -> std::io::Res
     })
 }
 
+/// Removes `dir/file`, a sealed file an agent that keeps nothing must not leave behind;
+/// whether there was one.
+pub fn discard(dir: &Path, file: &str) -> std::io::Result<bool> {
+    match std::fs::remove_file(dir.join(file)) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
 /// Milliseconds since the Unix epoch, by the system's clock.
 pub fn now_ms() -> i64 {
     unix_ms(SystemTime::now())
