@@ -106,3 +106,91 @@ pub struct ImageFsInfoResponse {
     #[prost(message, repeated, tag = "1")]
     pub image_filesystems: Vec<FilesystemUsage>,
 }
+
+/// The `auth` field's number in `PullImageRequest`.
+const PULL_AUTH_FIELD: u64 = 2;
+
+/// A `PullImageRequest` message with its `auth` replaced by `auth` and every other byte
+/// kept as the caller sent it (fields credgate has no code for included, which decoding and
+/// encoding again would lose). `None` when the message is not well-formed protobuf.
+pub fn with_pull_auth(message: &[u8], auth: &AuthConfig) -> Option<Vec<u8>> {
+    use prost::encoding::{decode_varint, encode_key, encode_varint, WireType};
+    use prost::Message as _;
+    let mut out = Vec::with_capacity(message.len() + auth.encoded_len() + 8);
+    let mut rest = message;
+    while !rest.is_empty() {
+        let start = rest;
+        let key = decode_varint(&mut rest).ok()?;
+        let len = match key & 7 {
+            0 => {
+                decode_varint(&mut rest).ok()?;
+                0
+            }
+            1 => 8,
+            2 => usize::try_from(decode_varint(&mut rest).ok()?).ok()?,
+            5 => 4,
+            _ => return None,
+        };
+        if rest.len() < len {
+            return None;
+        }
+        rest = &rest[len..];
+        let field = &start[..start.len() - rest.len()];
+        if key >> 3 != PULL_AUTH_FIELD {
+            out.extend_from_slice(field);
+        }
+    }
+    encode_key(PULL_AUTH_FIELD as u32, WireType::LengthDelimited, &mut out);
+    encode_varint(auth.encoded_len() as u64, &mut out);
+    auth.encode_raw(&mut out);
+    Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use prost::Message as _;
+
+    #[test]
+    fn replacing_the_auth_keeps_every_other_field() {
+        let req = PullImageRequest {
+            image: Some(ImageSpec {
+                image: "r.io/a:v1".into(),
+            }),
+            auth: Some(AuthConfig {
+                username: "old".into(),
+                password: "old-secret".into(),
+                auth: "b2xkOm9sZA==".into(),
+                server_address: "r.io".into(),
+                identity_token: "id".into(),
+                registry_token: String::new(),
+            }),
+            sandbox_config: Some(PodSandboxConfig {
+                metadata: Some(PodSandboxMetadata {
+                    name: "pod".into(),
+                    uid: "u".into(),
+                    namespace: "ns".into(),
+                }),
+            }),
+        };
+        let mut bytes = req.encode_to_vec();
+        // A field credgate has no code for (an annotation map entry, number 9).
+        bytes.extend_from_slice(&[0x4a, 0x03, b'a', b'b', b'c']);
+        let new = AuthConfig {
+            username: "new".into(),
+            password: "new-secret".into(),
+            server_address: "r.io".into(),
+            ..Default::default()
+        };
+        let out = with_pull_auth(&bytes, &new).unwrap();
+        let decoded = PullImageRequest::decode(&*out).unwrap();
+        assert_eq!(decoded.auth.as_ref(), Some(&new));
+        assert_eq!(decoded.image, req.image);
+        assert_eq!(decoded.sandbox_config, req.sandbox_config);
+        assert!(out.windows(5).any(|w| w == [0x4a, 0x03, b'a', b'b', b'c']));
+        assert!(!out.windows(10).any(|w| w == b"old-secret"));
+        // Not protobuf: refused, never passed on half-changed.
+        assert!(with_pull_auth(&[0x12, 0x7f, 0x01], &new).is_none());
+        assert!(with_pull_auth(&[0x0b], &new).is_none());
+    }
+}

@@ -58,6 +58,8 @@ pub mod methods {
     pub const PING: &str = "/credgate.v1.Admin/Ping";
     pub const STATUS: &str = "/credgate.v1.Admin/Status";
     pub const VERIFY: &str = "/credgate.v1.ImageAccess/Verify";
+    pub const REPORT_REFUSED: &str = "/credgate.v1.Credentials/ReportRefused";
+    pub const FLUSH: &str = "/credgate.v1.Admin/Flush";
 }
 
 pub mod authority;
