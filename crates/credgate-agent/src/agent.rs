@@ -226,6 +226,10 @@ struct Inner {
     saved_report: Mutex<SavedCacheReport>,
     /// The CRI proxy's recent pulls.
     pulls: Arc<crate::pulls::PullLog>,
+    /// Credentials registries refused.
+    refusals: crate::refusal::Refusals,
+    /// How registries are asked to confirm a consumer's report of a refused credential.
+    verifier: crate::guard::registry::Verifier,
 }
 
 /// A running agent's shared state. Cheap to clone.
@@ -256,6 +260,13 @@ impl Agent {
             options.renewal,
             metrics.clone(),
         );
+        let verifier = crate::guard::registry::Verifier::new(
+            options
+                .guard
+                .as_ref()
+                .map(|g| g.registry.clone())
+                .unwrap_or_default(),
+        );
         let guard = options.guard.map(|g| {
             Guard::open(g, metrics.clone())
                 .with_engine(engine.clone())
@@ -273,6 +284,8 @@ impl Agent {
                 saved_cache,
                 saved_report: Mutex::new(saved_report),
                 pulls: Arc::default(),
+                refusals: crate::refusal::Refusals::default(),
+                verifier,
                 sources: options.sources,
                 engine,
                 engine_metrics,
@@ -296,6 +309,49 @@ impl Agent {
         &self.inner.pulls
     }
 
+    /// Credentials registries refused.
+    pub fn refusals(&self) -> &crate::refusal::Refusals {
+        &self.inner.refusals
+    }
+
+    /// A consumer says the registry refused a credential the agent gave it for `image`.
+    pub async fn report_refused(
+        &self,
+        image: &str,
+        username: &str,
+        password: &secrecy::SecretString,
+    ) -> Result<crate::refusal::Report, credgate_core::reference::ReferenceError> {
+        crate::refusal::report(self, &self.inner.verifier, image, username, password).await
+    }
+
+    /// Drops cached provider answers (of `provider`, or all; for `images`, or all) in memory
+    /// and in the sealed file, renews tracked refs at once (Watch streams get what changed).
+    pub async fn flush(
+        &self,
+        provider: Option<&str>,
+        images: &[String],
+    ) -> Result<Vec<credgate_engine::Dropped>, credgate_engine::FlushError> {
+        let dropped =
+            self.engine()
+                .flush(provider, images, "flushed by an operator (ctl flush)")?;
+        self.inner
+            .metrics
+            .cache_flushed
+            .inc_by(dropped.len() as u64);
+        tracing::info!(
+            provider = provider.unwrap_or("*"),
+            images = images.len(),
+            dropped = dropped.len(),
+            "provider answers flushed"
+        );
+        if !dropped.is_empty() {
+            let saver = self.clone();
+            let _ = tokio::task::spawn_blocking(move || saver.save_now()).await;
+        }
+        self.inner.renewer.refresh_all();
+        Ok(dropped)
+    }
+
     /// Explains a lookup of `image` (no plugin run): the engine's sources, the captured pod
     /// credential of its repository, and a verdict.
     pub fn explain(
@@ -311,6 +367,23 @@ impl Agent {
         })?;
         let now = self.inner.clock.wall();
         let mut answer = crate::explain::to_wire(&explained, now);
+        for source in answer
+            .sources
+            .iter_mut()
+            .filter(|s| s.kind == "docker-config")
+        {
+            if let Some(r) = self.inner.refusals.docker_report(&source.name) {
+                source.dropped_unix_ms = crate::state::unix_ms(r.at);
+                source.dropped_reason = format!(
+                    "a registry refused an entry of it at a pull of {}: credgate does not change that file; update it",
+                    r.image
+                );
+                answer.verdict.push_str(&format!(
+                    "; docker config {} has an entry a registry refused ({})",
+                    source.name, r.image
+                ));
+            }
+        }
         if let Some(guard) = self.guard() {
             self.explain_guard(guard, image, &mut answer);
         }

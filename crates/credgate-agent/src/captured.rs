@@ -110,11 +110,7 @@ impl Captured {
     /// captured credentials (none kept before is served again, nor left on disk). Whether
     /// there was one.
     pub fn discard(state_dir: &Path) -> std::io::Result<bool> {
-        match std::fs::remove_file(state_dir.join(FILE)) {
-            Ok(()) => Ok(true),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
-            Err(e) => Err(e),
-        }
+        crate::state::discard(state_dir, FILE)
     }
 
     /// Opens the sealed file in `state_dir` (the node key's directory). A file sealed under
@@ -301,6 +297,22 @@ impl Captured {
     }
 
     /// A receiver that sees each change (a capture or a drop) as it happens.
+    /// Drops the credential of `repository` if it still is `username`:`password` (the
+    /// registry refused it; a newer capture stays); whether it was dropped.
+    pub fn forget_refused(
+        &self,
+        repository: &str,
+        username: &str,
+        password: &str,
+    ) -> Result<bool, CaptureError> {
+        self.change(|entries| {
+            let held = entries
+                .get(repository)
+                .is_some_and(|c| c.username == username && c.password.expose_secret() == password);
+            held && entries.remove(repository).is_some()
+        })
+    }
+
     pub fn changes(&self) -> tokio::sync::watch::Receiver<u64> {
         self.changes.subscribe()
     }

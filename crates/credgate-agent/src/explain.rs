@@ -50,6 +50,10 @@ pub fn to_wire(e: &Explanation, now: SystemTime) -> pb::ExplainResponse {
                 out.consecutive_failures = v.status.consecutive_failures;
                 out.backoff_until_unix_ms = ms(v.backoff_until);
                 out.skipped_without_service_account = v.skipped_without_service_account;
+                if let Some((at, why)) = &v.status.last_dropped {
+                    out.dropped_unix_ms = ms(Some(*at));
+                    out.dropped_reason = why.clone();
+                }
             }
             out
         })

@@ -16,6 +16,7 @@ pub mod listener;
 pub mod metrics;
 pub mod node;
 pub mod pulls;
+pub mod refusal;
 pub mod renewal;
 pub mod saved_cache;
 pub mod server;

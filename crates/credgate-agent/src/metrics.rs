@@ -34,6 +34,10 @@ pub const CAPTURE_RESULTS: &[&str] = &[
     "failed",
 ];
 
+/// Every source a refused credential is counted under
+/// (`credgate_credentials_refused_total{source}`).
+pub const REFUSED_SOURCES: &[&str] = &["provider", "captured", "docker_config"];
+
 /// Every method of the API, so that their handles exist before the first call.
 pub const METHODS: &[&str] = &[
     "Lookup",
@@ -50,6 +54,8 @@ pub const METHODS: &[&str] = &[
     "ForgetCaptured",
     "Explain",
     "ListPulls",
+    "Flush",
+    "ReportRefused",
     "CheckAccess",
     "RecordPullIntent",
     "RecordPullResult",
@@ -99,6 +105,16 @@ pub struct AgentMetrics {
     /// Pulls without credentials that failed as unauthorized while a source of the agent
     /// matched the image.
     pub cri_pulls_missed: Counter,
+    /// Credentials a registry refused, by the source that gave them (provider, captured,
+    /// docker_config): what the agent dropped, forgot or reported.
+    pub credentials_refused: Family<Labels, Counter>,
+    /// Consumers' reports of a refused credential, by outcome.
+    pub refusal_reports: Family<Labels, Counter>,
+    /// Provider answers dropped by `ctl flush`.
+    pub cache_flushed: Counter,
+    /// Pull answers released before their capture was confirmed and on disk (the registry
+    /// did not confirm within the wait); the capture went on.
+    pub cri_captures_late: Counter,
     /// Provider answers restored from the sealed cache at start.
     pub cache_restored: Counter,
     /// Saved provider answers not restored, by reason.
@@ -192,6 +208,16 @@ impl Default for AgentMetrics {
             captured_dropped: Counter::default(),
             cri_pulls: Family::default(),
             cri_pulls_missed: Counter::default(),
+            credentials_refused: {
+                let f: Family<Labels, Counter> = Family::default();
+                for source in REFUSED_SOURCES {
+                    let _ = f.get_or_create(&vec![("source", (*source).to_owned())]);
+                }
+                f
+            },
+            refusal_reports: Family::default(),
+            cache_flushed: Counter::default(),
+            cri_captures_late: Counter::default(),
             cache_restored: Counter::default(),
             cache_dropped_total: Family::default(),
             cache_persisted: Counter::default(),
@@ -221,6 +247,26 @@ impl AgentMetrics {
             "cri_pulls_missed",
             "Pulls through the CRI proxy without credentials that failed as unauthorized while a provider or docker config of the agent matched the image",
             self.cri_pulls_missed.clone(),
+        );
+        r.register(
+            "credentials_refused",
+            "Credentials a registry refused, by the source that gave them: a provider's answer dropped (its plugin runs again), a captured credential forgotten, a docker config entry reported",
+            self.credentials_refused.clone(),
+        );
+        r.register(
+            "refusal_reports",
+            "Consumers' reports of a refused credential (ReportRefused) by outcome (refused, accepted, not_given, already_refused, unreachable)",
+            self.refusal_reports.clone(),
+        );
+        r.register(
+            "cache_flushed",
+            "Provider answers dropped by an operator (ctl flush)",
+            self.cache_flushed.clone(),
+        );
+        r.register(
+            "cri_captures_late",
+            "PullImage answers released before their capture was confirmed and fsynced (the capture went on)",
+            self.cri_captures_late.clone(),
         );
         r.register(
             "cache_restored",
@@ -318,6 +364,20 @@ impl AgentMetrics {
             "Provider config reloads by result (success, failure)",
             self.reloads.clone(),
         );
+    }
+
+    /// Counts a credential a registry refused, by its source.
+    pub fn refused(&self, source: &str) {
+        self.credentials_refused
+            .get_or_create(&vec![("source", source.to_owned())])
+            .inc();
+    }
+
+    /// Counts a consumer's report of a refused credential.
+    pub fn refusal_report(&self, outcome: &str) {
+        self.refusal_reports
+            .get_or_create(&vec![("outcome", outcome.to_owned())])
+            .inc();
     }
 
     /// Counts a renewal.

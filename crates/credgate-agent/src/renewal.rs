@@ -377,8 +377,31 @@ impl Renewer {
         let seed = u64::from(std::process::id());
         Ok(self.apply_at(
             |t, now| t.set(consumer, refs.iter().map(String::as_str), now),
-            |r| jitter(seed, r, RESTORE_JITTER),
+            |r| jitter(seed, r, self.restore_window(r)),
         ))
+    }
+
+    /// How far a restored ref's first check may be spread: [`RESTORE_JITTER`], or a quarter
+    /// of what is left of its restored credentials' validity when that is less, so that the
+    /// check is never later than their expiry.
+    fn restore_window(&self, image: &str) -> Duration {
+        let engine = self.shared.engine.load();
+        let wall = self.shared.clock.wall();
+        let earliest = engine
+            .lookup_cached(
+                &LookupRequest {
+                    image,
+                    ..Default::default()
+                },
+                |creds| creds.iter().filter_map(|c| c.expires_at).min(),
+            )
+            .ok()
+            .flatten()
+            .flatten();
+        match earliest {
+            Some(t) => RESTORE_JITTER.min(t.duration_since(wall).unwrap_or_default() / 4),
+            None => RESTORE_JITTER,
+        }
     }
 
     /// Subscribes to refs; each is tracked by the subscription while it lives.
@@ -508,6 +531,32 @@ impl Renewer {
         out.into_iter()
             .map(|t| t.map(|t| self.wall_of(t)))
             .collect()
+    }
+
+    /// A registry refused `username`:`password`: every ref whose value holds it loses it (a
+    /// new revision for its watchers, never served again as last known good) and falls due
+    /// now, as does every other ref (its answers may have been dropped with it).
+    pub fn refused(&self, username: &str, password: &str) {
+        let mut st = self.lock();
+        for (image, rs) in st.refs.iter_mut() {
+            let Some(value) = rs.value.clone() else {
+                continue;
+            };
+            let holds =
+                |c: &Credential| c.username == username && c.password.expose_secret() == password;
+            if value.credentials.iter().any(holds) {
+                let kept = value
+                    .credentials
+                    .iter()
+                    .filter(|c| !holds(c))
+                    .cloned()
+                    .collect();
+                let captured = self.captured_for(image);
+                publish(rs, kept, captured);
+            }
+        }
+        drop(st);
+        self.refresh_all();
     }
 
     /// Makes every ref due now (after a config reload).

@@ -70,6 +70,21 @@ impl From<credgate_engine::LookupError> for ApiError {
     }
 }
 
+impl From<credgate_engine::FlushError> for ApiError {
+    fn from(e: credgate_engine::FlushError) -> Self {
+        match e {
+            credgate_engine::FlushError::Lookup(e) => ApiError::Lookup(e),
+            e => ApiError::Invalid(e.to_string()),
+        }
+    }
+}
+
+impl From<credgate_core::reference::ReferenceError> for ApiError {
+    fn from(e: credgate_core::reference::ReferenceError) -> Self {
+        ApiError::Lookup(e.into())
+    }
+}
+
 impl From<TrackError> for ApiError {
     fn from(e: TrackError) -> Self {
         ApiError::Track(e)

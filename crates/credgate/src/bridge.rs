@@ -6,7 +6,9 @@
 //! in the request's version. The bridge asks the agent for that provider's credentials for the
 //! image, with the service account the token's claims name (KEP-4412), and answers with every
 //! credential keyed by the pattern it matched, the provider's `cacheKeyType`, and a
-//! `cacheDuration` that ends the agent's renewal lead before the earliest expiry.
+//! `cacheDuration` that ends the agent's renewal lead before the earliest expiry, and never
+//! later than `--max-cache-duration` (5 minutes): a rotated or refused credential leaves the
+//! kubelet's cache within it.
 //!
 //! Nothing matches: an empty `auth`, exit 0. The agent unreachable or the provider failed: one
 //! line on stderr, exit 1; with `--fallback-in-process CONFIG --image-credential-provider-bin-dir
@@ -62,6 +64,17 @@ struct Args {
     /// kubelet: it would pull one pod's image with another pod's secret.
     #[arg(long)]
     captured: bool,
+    /// The longest the kubelet may keep an answer (its cacheDuration is the agent's, capped at
+    /// this): after a credential is rotated or refused, the kubelet asks again within it.
+    #[arg(long, value_name = "DURATION", default_value = "5m", value_parser = parse_duration)]
+    max_cache_duration: Duration,
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    credgate_core::duration::GoDuration::parse(s)
+        .map_err(|e| e.to_string())?
+        .to_std()
+        .ok_or_else(|| format!("duration {s:?} must not be negative"))
 }
 
 fn main() -> ExitCode {
@@ -146,7 +159,14 @@ fn run(args: &Args) -> Result<Zeroizing<Vec<u8>>, String> {
                 &args.image_credential_provider_bin_dir,
             ) {
                 (Some(config), Some(dir)) => {
-                    return fallback::answer(config, dir, &provider, &request, who)
+                    return fallback::answer(
+                        config,
+                        dir,
+                        &provider,
+                        &request,
+                        who,
+                        args.max_cache_duration,
+                    )
                 }
                 _ => {
                     return Err(format!(
@@ -165,7 +185,7 @@ fn run(args: &Args) -> Result<Zeroizing<Vec<u8>>, String> {
         Err(CallError::Status { message, .. }) => return Err(format!("lookup failed: {message}")),
         Err(e) => return Err(format!("lookup failed: {e}")),
     };
-    respond(&request, &answer)
+    respond(&request, &answer, args.max_cache_duration)
 }
 
 /// The agent's answer as the kubelet's response; a provider failure with nothing to serve is
@@ -173,6 +193,7 @@ fn run(args: &Args) -> Result<Zeroizing<Vec<u8>>, String> {
 fn respond(
     request: &KubeletRequest,
     answer: &pb::LookupResponse,
+    max_cache: Duration,
 ) -> Result<Zeroizing<Vec<u8>>, String> {
     let auth: Vec<AuthEntry<'_>> = answer
         .credentials
@@ -188,7 +209,7 @@ fn respond(
         answer.failures.first().map(|f| f.message.clone()),
         &auth,
         bridge::parse_key_type(&answer.cache_key_type).unwrap_or(CacheKeyType::Image),
-        Duration::from_millis(answer.cache_for_ms.max(0).unsigned_abs()),
+        Duration::from_millis(answer.cache_for_ms.max(0).unsigned_abs()).min(max_cache),
     )
 }
 
@@ -225,6 +246,7 @@ mod fallback {
         provider: &str,
         request: &KubeletRequest,
         who: Option<bridge::TokenSubject>,
+        max_cache: Duration,
     ) -> Result<Zeroizing<Vec<u8>>, String> {
         let sources = Sources {
             provider_config: Some(config.to_owned()),
@@ -280,10 +302,12 @@ mod fallback {
                 .entries
                 .first()
                 .map_or(CacheKeyType::Image, |e| e.key.kind()),
-            RenewalPolicy::default().client_cache_for(
-                std::time::Instant::now(),
-                lookup.entries.iter().map(|e| e.times()),
-            ),
+            RenewalPolicy::default()
+                .client_cache_for(
+                    std::time::Instant::now(),
+                    lookup.entries.iter().map(|e| e.times()),
+                )
+                .min(max_cache),
         )
     }
 }

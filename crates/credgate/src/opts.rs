@@ -122,6 +122,10 @@ pub struct KubeletConfigArgs {
     /// The agent's socket, when the kubelet should not use the default.
     #[arg(long, value_name = "PATH")]
     pub socket: Option<PathBuf>,
+    /// The longest the kubelet keeps a bridge answer (the bridge's --max-cache-duration,
+    /// default 5m): after a credential is rotated or refused, the kubelet asks again within it.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub max_cache_duration: Option<Duration>,
     /// With --link-dir: copy the bridge there first (as credgate-credential-provider) and link
     /// to that copy (what a DaemonSet's init container does: the host needs its own copy).
     #[arg(long, requires = "link_dir")]
@@ -452,14 +456,40 @@ pub enum CtlCall {
     /// Admin.Ping: an empty call.
     #[command(after_help = "Example:\n  credgate ctl ping")]
     Ping,
-    /// Admin.ListCaptured / ForgetCaptured: the pull credentials the CRI proxy captured
-    /// (never their secrets); `captured forget REPO` drops one.
     /// Admin.ListPulls: the CRI proxy's recent pulls (newest first): pod, whether the kubelet
     /// sent credentials and which source they match, the runtime's answer. Never a secret.
     #[command(
         after_help = "Example:\n  credgate ctl pulls\n  credgate ctl pulls registry.example.com/team/app"
     )]
     Pulls { image: Option<String> },
+    /// Admin.Flush: drop providers' cached answers (memory and sealed cache) so that the next
+    /// lookup runs the plugin; tracked refs are renewed at once.
+    #[command(
+        after_help = "Examples:\n  credgate ctl flush\n  credgate ctl flush --provider credgate-example-plugin registry.example.com/team/app:v1"
+    )]
+    Flush {
+        /// Only this provider's answers (default: every provider's).
+        #[arg(long, value_name = "NAME")]
+        provider: Option<String>,
+        /// Only the answers for these images (default: all).
+        #[arg(value_name = "IMAGE")]
+        images: Vec<String>,
+    },
+    /// Credentials.ReportRefused: a registry refused a credential the agent gave for IMAGE.
+    /// The agent asks the registry itself before it drops anything. The password is read
+    /// from standard input (one line).
+    #[command(
+        after_help = "Example:\n  printf '%s\\n' \"$PASSWORD\" | credgate ctl report-refused registry.example.com/team/app:v1 --username alice"
+    )]
+    ReportRefused {
+        /// The image the registry refused the credential for.
+        image: String,
+        /// The credential's user name, as the agent gave it.
+        #[arg(long, value_name = "USER")]
+        username: String,
+    },
+    /// Admin.ListCaptured / ForgetCaptured: the pull credentials the CRI proxy captured
+    /// (never their secrets); `captured forget REPO` drops one.
     #[command(
         after_help = "Example:\n  credgate ctl captured\n  credgate ctl captured forget registry.example.com/team/app"
     )]

@@ -32,6 +32,9 @@ pub struct Offer {
     /// The normalized repository it is kept for.
     pub repository: String,
     pub credential: Credential,
+    /// Told when the offer is settled (captured and fsynced, or not kept), whatever became
+    /// of it.
+    pub settled: Option<tokio::sync::oneshot::Sender<()>>,
 }
 
 /// The proxy's side of the capture task. Dropping it ends the task once the offers taken are
@@ -53,12 +56,27 @@ impl Capturer {
         (Capturer { tx, metrics }, task)
     }
 
-    /// Offers a credential; never waits.
-    pub fn offer(&self, offer: Offer) {
+    /// Offers a credential; never waits. The receiver is told when the offer is settled;
+    /// `None` when it was not taken (too many waiting).
+    pub fn offer(
+        &self,
+        image: String,
+        repository: String,
+        credential: Credential,
+    ) -> Option<tokio::sync::oneshot::Receiver<()>> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let offer = Offer {
+            image,
+            repository,
+            credential,
+            settled: Some(tx),
+        };
         if self.tx.try_send(offer).is_err() {
             self.metrics.capture("busy");
             tracing::warn!("pull credentials not captured: too many captures waiting");
+            return None;
         }
+        Some(rx)
     }
 }
 
@@ -92,7 +110,10 @@ async fn handle(offer: Offer, captured: Arc<Captured>, verifier: Verifier, metri
         image,
         repository,
         credential,
+        settled,
     } = offer;
+    // Dropped (told) however the capture ends.
+    let _settled = settled;
     if let Err(e) = crate::captured::fits(&repository, &credential) {
         metrics.capture("too_large");
         tracing::warn!(repository = %repository, error = %e, "pull credentials not captured");

@@ -19,35 +19,14 @@ fn source_of(
     pull: &Pull,
     credential: &crate::captured::Credential,
 ) -> String {
-    if agent
-        .captured()
-        .and_then(|c| c.for_repository(&pull.repository))
-        .is_some_and(|held| held.same(credential))
-    {
-        return "captured".into();
-    }
-    let password = credential.password.expose_secret();
-    let request = credgate_engine::LookupRequest {
-        image: &pull.image,
-        ..Default::default()
-    };
-    agent
-        .engine()
-        .lookup_cached(&request, |creds| {
-            creds
-                .iter()
-                .find(|c| {
-                    c.username == credential.username && c.password.expose_secret() == password
-                })
-                .map(|c| match c.kind {
-                    credgate_engine::SourceKind::Provider => format!("provider:{}", c.source),
-                    credgate_engine::SourceKind::DockerConfig => "docker-config".to_owned(),
-                })
-        })
-        .ok()
-        .flatten()
-        .flatten()
-        .unwrap_or_else(|| "unknown".into())
+    crate::refusal::given_by(
+        agent,
+        &pull.image,
+        &pull.repository,
+        &credential.username,
+        credential.password.expose_secret(),
+    )
+    .map_or_else(|| "unknown".into(), |g| g.auth())
 }
 
 /// The metric's label for an `auth` value.
@@ -73,6 +52,7 @@ pub(super) fn log(agent: &crate::Agent, pull: &Pull, code: i32, message: &str, t
         pod_namespace = %pull.pod_namespace,
         pod = %pull.pod_name,
         auth = %auth,
+        replaced_refused = pull.replaced.is_some(),
         code,
         result,
         message = %message,

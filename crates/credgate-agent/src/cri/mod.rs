@@ -25,7 +25,7 @@ mod capture;
 mod decision;
 mod runtime;
 use budget::Budgets;
-use capture::{Capturer, Offer};
+use capture::Capturer;
 use runtime::{
     ask, broken_runtime, exchange, grpc_message, read_whole, status, unreachable_runtime, Caller,
     Runtime,
@@ -182,6 +182,9 @@ struct Pull {
     other_registry: bool,
     pod_namespace: String,
     pod_name: String,
+    /// The pull carried a credential of this provider that its registry had refused, and the
+    /// proxy sent the provider's answer of now instead.
+    replaced: Option<String>,
 }
 
 /// `now_ms`: when it is captured, by the agent's clock.
@@ -224,7 +227,96 @@ fn pull_of(message: &[u8], now_ms: i64) -> Option<Pull> {
         other_registry,
         pod_namespace: namespace.clone(),
         pod_name,
+        replaced: None,
     })
+}
+
+/// How long a pull's answer waits for its capture to be confirmed by the registry and on
+/// disk; past it the answer goes back and the capture goes on (counted as late).
+pub const CAPTURE_WAIT: Duration = Duration::from_secs(2);
+
+/// A pull that carries a credential its registry refused, from a provider of the agent (the
+/// kubelet keeps what the bridge gave it for the `cacheDuration` it got): the same request
+/// with that provider's answer of now instead (its plugin runs when its refused answer was
+/// dropped), as a gRPC frame. `None`, and the request goes as it came, for any other pull, or
+/// when the provider has no other credential for the image.
+async fn refreshed(agent: &crate::Agent, pull: &mut Pull, frame: &[u8]) -> Option<Bytes> {
+    use prost::Message as _;
+    use secrecy::ExposeSecret as _;
+    let sent = pull.credential.as_ref()?;
+    let now = agent.clock().now();
+    let crate::refusal::Given::Provider(provider) =
+        agent
+            .refusals()
+            .known(&sent.username, sent.password.expose_secret(), now)?
+    else {
+        return None;
+    };
+    let lookup = agent
+        .engine()
+        .lookup(&credgate_engine::LookupRequest {
+            image: &pull.image,
+            provider: Some(&provider),
+            ..Default::default()
+        })
+        .await
+        .ok()?;
+    let fresh = lookup.credentials.into_iter().find(|c| {
+        !(c.username == sent.username
+            && c.password.expose_secret() == sent.password.expose_secret())
+    })?;
+    let message = grpc_message(frame)?;
+    let server_address = wire::PullImageRequest::decode(message)
+        .ok()?
+        .auth
+        .map(|a| a.server_address)
+        .unwrap_or_default();
+    let replaced = wire::with_pull_auth(
+        message,
+        &wire::AuthConfig {
+            username: fresh.username.clone(),
+            password: fresh.password.expose_secret().to_owned(),
+            server_address,
+            ..Default::default()
+        },
+    )?;
+    let mut out = Vec::with_capacity(replaced.len() + 5);
+    out.push(0);
+    out.extend_from_slice(&u32::try_from(replaced.len()).ok()?.to_be_bytes());
+    out.extend_from_slice(&replaced);
+    tracing::info!(image = %pull.image, provider = %provider, "a pull carried a credential the registry refused: provider {provider}'s answer of now is sent instead");
+    if let Some(c) = pull.credential.as_mut() {
+        c.username = fresh.username;
+        c.password = fresh.password;
+    }
+    pull.replaced = Some(provider);
+    Some(Bytes::from(out))
+}
+
+/// The runtime says the registry refused the pull's credential: when one of the agent's
+/// sources gave it, it is refused ([`crate::refusal`]); a pod's own secret changes nothing.
+async fn refused(agent: &crate::Agent, pull: &Pull) {
+    use secrecy::ExposeSecret as _;
+    let Some(c) = &pull.credential else { return };
+    let Some(given) = crate::refusal::given_by(
+        agent,
+        &pull.image,
+        &pull.repository,
+        &c.username,
+        c.password.expose_secret(),
+    ) else {
+        return;
+    };
+    crate::refusal::refuse(
+        agent,
+        &pull.image,
+        &pull.repository,
+        &c.username,
+        &c.password,
+        &given,
+        "a pull through the CRI proxy",
+    )
+    .await;
 }
 
 /// How the image access guard records a pull: a pull with a credential as a secret of the
@@ -262,12 +354,18 @@ async fn pull(
     pulls: &Pulls,
     request: hyper::Request<Incoming>,
 ) -> hyper::Response<Body> {
-    let (parts, bytes, _taken) = match read_whole(caller, request, "PullImage").await {
+    let (mut parts, mut bytes, _taken) = match read_whole(caller, request, "PullImage").await {
         Ok(read) => read,
         Err(refused) => return refused,
     };
     let now_ms = crate::state::unix_ms(pulls.agent.clock().wall());
-    let asked = grpc_message(&bytes).and_then(|m| pull_of(m, now_ms));
+    let mut asked = grpc_message(&bytes).and_then(|m| pull_of(m, now_ms));
+    if let Some(pull) = asked.as_mut() {
+        if let Some(frame) = refreshed(&pulls.agent, pull, &bytes).await {
+            parts.headers.remove(hyper::header::CONTENT_LENGTH);
+            bytes = frame;
+        }
+    }
     let guard = pulls.guard.as_ref();
     // The intent is on disk before the runtime starts pulling.
     if let (Some(guard), Some(pull)) = (guard, &asked) {
@@ -283,13 +381,12 @@ async fn pull(
     let Some(pull) = asked else {
         return whole.into_response();
     };
-    decision::log(
-        &pulls.agent,
-        &pull,
-        whole.code().unwrap_or(2),
-        &whole.message(),
-        started.elapsed(),
-    );
+    let code = whole.code().unwrap_or(2);
+    let message = whole.message();
+    decision::log(&pulls.agent, &pull, code, &message, started.elapsed());
+    if crate::pulls::result_of(code, &message) == "unauthorized" {
+        refused(&pulls.agent, &pull).await;
+    }
     use prost::Message as _;
     let image_ref = (whole.code() == Some(0))
         .then(|| grpc_message(&whole.data))
@@ -314,12 +411,17 @@ async fn pull(
         if pull.other_registry {
             pulls.agent.metrics().capture("other_registry");
             tracing::warn!(repository = %pull.repository, "pull credentials not captured: their server address names another registry");
-        } else {
-            capture.capturer.offer(Offer {
-                image: pull.image,
-                repository: pull.repository,
-                credential,
-            });
+        } else if let Some(settled) =
+            capture
+                .capturer
+                .offer(pull.image, pull.repository.clone(), credential)
+        {
+            // Acknowledged means kept: a crash right after the answer loses no confirmed
+            // capture. A registry slow to confirm holds the answer only so long.
+            if tokio::time::timeout(CAPTURE_WAIT, settled).await.is_err() {
+                pulls.agent.metrics().cri_captures_late.inc();
+                tracing::warn!(repository = %pull.repository, "the pull is answered before its credential's capture is confirmed: the registry did not confirm it within {CAPTURE_WAIT:?}; the capture goes on");
+            }
         }
     }
     whole.into_response()

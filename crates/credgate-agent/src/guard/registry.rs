@@ -277,6 +277,30 @@ impl Verifier {
         }
     }
 
+    /// Whether the registry checked `username` and `password` and refused them for the
+    /// target: it challenged an anonymous `HEAD` of the manifest and answered 401 or 403 to the
+    /// credential (as Basic, or at the challenge's token realm). A registry that serves the
+    /// manifest anonymously, or accepts the credential: `Ok(false)`. `Err` when it cannot be
+    /// reached.
+    pub async fn refuses(
+        &self,
+        target: &Target,
+        username: &str,
+        password: &str,
+    ) -> Result<bool, String> {
+        let url = format!(
+            "{}/v2/{}/manifests/{}",
+            self.base(&target.registry),
+            target.repository,
+            target.reference
+        );
+        match self.attempt(&url, target, Some((username, password))).await {
+            (Attempt::Unauthorized, challenged) => Ok(challenged),
+            (Attempt::Unreachable(why), _) => Err(why),
+            _ => Ok(false),
+        }
+    }
+
     /// One `HEAD` of the manifest, answering the registry's challenge with `basic` when it
     /// challenges; whether it did.
     async fn attempt(

@@ -5,8 +5,44 @@ use tonic::{Request, Response, Status};
 
 use super::*;
 
+/// Images one flush may name.
+const MAX_FLUSH_IMAGES: usize = 1024;
+
 #[tonic::async_trait]
 impl Admin for Api {
+    async fn flush(
+        &self,
+        request: Request<pb::FlushRequest>,
+    ) -> Result<Response<pb::FlushResponse>, Status> {
+        let peer = peer(&request);
+        let req = request.into_inner();
+        self.observed(peer, "Flush", async {
+            if req.images.len() > MAX_FLUSH_IMAGES {
+                return Err(status::invalid(format!(
+                    "at most {MAX_FLUSH_IMAGES} images per flush"
+                )));
+            }
+            let provider = Some(req.provider.as_str()).filter(|p| !p.is_empty());
+            let dropped = self
+                .agent
+                .flush(provider, &req.images)
+                .await
+                .map_err(ApiError::from)?;
+            let dropped = dropped
+                .into_iter()
+                .map(|d| pb::DroppedAnswer {
+                    provider: d.provider,
+                    cache_key_type: d.key_type.as_str().to_owned(),
+                    key: d.key,
+                    expires_unix_ms: unix_ms(d.expires),
+                    service_account: d.scoped,
+                })
+                .collect();
+            Ok(Response::new(pb::FlushResponse { dropped }))
+        })
+        .await
+    }
+
     async fn health(
         &self,
         request: Request<pb::HealthRequest>,

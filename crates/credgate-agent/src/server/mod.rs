@@ -390,6 +390,8 @@ impl Api {
                 last_error: s.last_error.unwrap_or_default(),
                 consecutive_failures: s.consecutive_failures,
                 next_renewal_unix_ms: unix_ms(next),
+                last_dropped_unix_ms: unix_ms(s.last_dropped.as_ref().map(|d| d.0)),
+                last_dropped_reason: s.last_dropped.map(|d| d.1).unwrap_or_default(),
             })
             .collect();
         let sources = self.agent.sources();

@@ -151,6 +151,19 @@ async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcome> {
             show(out, &r, |_| "pong".to_owned())?;
         }
         CtlCall::Pulls { image } => return super::ctl_admin::pulls(&mut admin, image, out).await,
+        CtlCall::Flush { provider, images } => {
+            return super::ctl_admin::flush(&mut admin, provider, images, out).await
+        }
+        CtlCall::ReportRefused { image, username } => {
+            let password = read_password()?;
+            let r = answer(creds.report_refused(pb::ReportRefusedRequest {
+                image,
+                username,
+                password: password.to_string(),
+            }))
+            .await?;
+            show(out, &r, |r| format!("{}: {}", r.outcome, r.message))?;
+        }
         CtlCall::Captured { action: None } => {
             return super::ctl_admin::captured(&mut admin, out).await
         }
@@ -169,6 +182,22 @@ async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcome> {
         }
     }
     Ok(Outcome::Yes)
+}
+
+/// One line of standard input, without its line ending: a password, never an argument that
+/// `ps` shows.
+fn read_password() -> Result<zeroize::Zeroizing<String>> {
+    use std::io::Read as _;
+    let mut line = zeroize::Zeroizing::new(String::new());
+    std::io::stdin()
+        .take(64 << 10)
+        .read_to_string(&mut line)
+        .context("cannot read the password from standard input")?;
+    let trimmed = line.trim_end_matches(['\n', '\r']);
+    if trimmed.is_empty() || trimmed.contains('\n') {
+        anyhow::bail!("expected the password as one line on standard input");
+    }
+    Ok(zeroize::Zeroizing::new(trimmed.to_owned()))
 }
 
 pub(super) async fn list_tracked(

@@ -68,6 +68,14 @@ pub(super) async fn status(admin: &mut AdminClient<Channel>, out: Output) -> Res
                 ]
             })
             .collect();
+        for p in r.providers.iter().filter(|p| p.last_dropped_unix_ms != 0) {
+            println!(
+                "dropped:        provider {}'s cached answers at {}: {}",
+                p.name,
+                time_ms(p.last_dropped_unix_ms),
+                p.last_dropped_reason
+            );
+        }
         println!();
         print_table(
             &[
@@ -80,6 +88,50 @@ pub(super) async fn status(admin: &mut AdminClient<Channel>, out: Output) -> Res
                 "NEXT RENEWAL",
                 "LAST ERROR",
             ],
+            &rows,
+        );
+    }
+    Ok(Outcome::Yes)
+}
+
+pub(super) async fn flush(
+    admin: &mut AdminClient<Channel>,
+    provider: Option<String>,
+    images: Vec<String>,
+    out: Output,
+) -> Result<Outcome> {
+    let r = answer(admin.flush(pb::FlushRequest {
+        provider: provider.unwrap_or_default(),
+        images,
+    }))
+    .await?;
+    if out == Output::Json {
+        json(&r)?;
+    } else if r.dropped.is_empty() {
+        println!("nothing cached to drop");
+    } else {
+        let rows: Vec<Vec<String>> = r
+            .dropped
+            .iter()
+            .map(|d| {
+                vec![
+                    d.provider.clone(),
+                    d.cache_key_type.clone(),
+                    if d.key.is_empty() {
+                        "*".into()
+                    } else {
+                        d.key.clone()
+                    },
+                    time_ms(d.expires_unix_ms),
+                ]
+            })
+            .collect();
+        println!(
+            "dropped {} cached answer(s); the next lookup runs the plugin",
+            rows.len()
+        );
+        print_table(
+            &["PROVIDER", "KEY TYPE", "KEY", "WOULD HAVE EXPIRED"],
             &rows,
         );
     }

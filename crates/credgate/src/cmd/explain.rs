@@ -112,6 +112,18 @@ fn text(e: &pb::ExplainResponse) -> String {
             continue;
         }
         out.push_str(&format!("{head}: matches {}\n", s.pattern));
+        if s.dropped_unix_ms > 0 {
+            let what = if s.kind == "provider" {
+                "cached answers dropped"
+            } else {
+                "refused"
+            };
+            out.push_str(&format!(
+                "      {what} {}: {}\n",
+                at(s.dropped_unix_ms),
+                s.dropped_reason
+            ));
+        }
         if s.kind != "provider" {
             continue;
         }

@@ -24,7 +24,11 @@ fn q(s: &str) -> String {
 }
 
 /// The kubelet config for `config`.
-pub fn render(config: &ProviderConfig, socket: Option<&Path>) -> String {
+pub fn render(
+    config: &ProviderConfig,
+    socket: Option<&Path>,
+    max_cache: Option<std::time::Duration>,
+) -> String {
     let mut out = String::from(
         "apiVersion: kubelet.config.k8s.io/v1\nkind: CredentialProviderConfig\nproviders:\n",
     );
@@ -34,6 +38,14 @@ pub fn render(config: &ProviderConfig, socket: Option<&Path>) -> String {
         if let Some(s) = socket {
             args.push(q("--socket"));
             args.push(q(&s.display().to_string()));
+        }
+        if let Some(d) = max_cache {
+            let ms = i64::try_from(d.as_millis()).unwrap_or(i64::MAX / 1_000_000);
+            args.push(q("--max-cache-duration"));
+            args.push(q(&credgate_core::duration::GoDuration(
+                ms.saturating_mul(1_000_000),
+            )
+            .to_string()));
         }
         let ms =
             i64::try_from(p.default_cache_duration.as_millis()).unwrap_or(i64::MAX / 1_000_000);
@@ -115,7 +127,7 @@ pub fn run(args: KubeletConfigArgs) -> Result<Outcome> {
     }
     bridge = std::path::absolute(&bridge)
         .with_context(|| format!("cannot make {} absolute", bridge.display()))?;
-    let mut text = render(&config, args.socket.as_deref());
+    let mut text = render(&config, args.socket.as_deref(), args.max_cache_duration);
     match &args.link_dir {
         Some(dir) => {
             std::fs::create_dir_all(dir)
@@ -202,7 +214,7 @@ providers:
     requiredServiceAccountAnnotationKeys: [azure.workload.identity/client-id]
 "#;
         let config = ProviderConfig::from_slice("in.yaml", yaml).unwrap();
-        let out = render(&config, None);
+        let out = render(&config, None, None);
         let back = ProviderConfig::from_slice("out.yaml", out.as_bytes()).unwrap();
         assert_eq!(back.providers.len(), 2);
         for (a, b) in config.providers.iter().zip(&back.providers) {

@@ -1,0 +1,501 @@
+//! Credentials a registry refused: never served again.
+//!
+//! A refusal is seen at the CRI proxy (a `PullImage` that carried a credential one of the
+//! agent's sources gave, answered unauthorized by the runtime) or reported by a consumer
+//! (`ReportRefused`, confirmed with the registry first). What it does depends on the source
+//! that gave the credential ([`Given`]): a provider's cached answers holding it are dropped
+//! (memory and sealed file; the plugin runs again at the next lookup, coalesced and under its
+//! backoff and rate), tracked refs lose it and are renewed at once (Watch streams get the new
+//! answer); a captured pod credential is forgotten; a docker config entry, which credgate does
+//! not own, is reported (log, metric, `explain`).
+//!
+//! The agent remembers each refused credential (a keyed fingerprint, never the secret, in
+//! memory only) until the answer it came from would have expired: a second refusal of it
+//! within [`HOLDOFF`] does nothing, so no caller can make a plugin run more than once per key
+//! per interval, and the proxy knows a client's stale copy (the kubelet caches what the bridge
+//! gave it) for what it is ([`Refusals::known`]).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Mutex;
+use std::time::{Duration, Instant, SystemTime};
+
+use hmac::{Hmac, Mac};
+use secrecy::{ExposeSecret, SecretString};
+use sha2::Sha256;
+
+use crate::Agent;
+
+/// A refusal of a credential already refused this recently changes nothing.
+pub const HOLDOFF: Duration = Duration::from_secs(30);
+/// Refused credentials remembered (the oldest is forgotten first).
+const REMEMBERED: usize = 1024;
+/// How long a refused credential is remembered when its answer's expiry is unknown.
+const DEFAULT_MEMORY: Duration = Duration::from_secs(3600);
+/// Registry confirmations of consumers' reports at once.
+pub const CONFIRMATIONS: usize = 4;
+
+/// The source that gave a credential.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Given {
+    /// A provider's cached answer (by provider name).
+    Provider(String),
+    /// A node-wide docker config file (by path).
+    DockerConfig(String),
+    /// The pull credential the CRI proxy captured for the repository (the pod's namespace).
+    Captured(String),
+}
+
+impl Given {
+    /// The metric label: `provider`, `docker_config`, `captured`.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Given::Provider(_) => "provider",
+            Given::DockerConfig(_) => "docker_config",
+            Given::Captured(_) => "captured",
+        }
+    }
+
+    /// As the pull log names it: `provider:NAME`, `docker-config`, `captured`.
+    pub fn auth(&self) -> String {
+        match self {
+            Given::Provider(name) => format!("provider:{name}"),
+            Given::DockerConfig(_) => "docker-config".into(),
+            Given::Captured(_) => "captured".into(),
+        }
+    }
+}
+
+/// What a refusal did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Refused {
+    /// A provider's answers holding it were dropped (how many).
+    Dropped(usize),
+    /// The captured credential was forgotten.
+    Forgotten,
+    /// A docker config entry: reported only.
+    Reported,
+    /// Refused within [`HOLDOFF`] already: nothing more.
+    AlreadyRefused,
+    /// No source of the agent gave it: nothing.
+    NotGiven,
+}
+
+impl Refused {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Refused::Dropped(_) => "dropped",
+            Refused::Forgotten => "forgotten",
+            Refused::Reported => "reported",
+            Refused::AlreadyRefused => "already_refused",
+            Refused::NotGiven => "not_given",
+        }
+    }
+}
+
+type Fingerprint = [u8; 32];
+
+struct Remembered {
+    given: Given,
+    at: Instant,
+    until: Instant,
+}
+
+/// A docker config entry a registry refused, for `explain` and `ctl status`.
+#[derive(Debug, Clone)]
+pub struct DockerRefusal {
+    pub at: SystemTime,
+    pub image: String,
+}
+
+#[derive(Default)]
+struct State {
+    refused: HashMap<Fingerprint, Remembered>,
+    /// Credentials a registry accepted when a consumer reported them refused, and when.
+    accepted: HashMap<Fingerprint, Instant>,
+    /// Docker config files by path: the last refusal of one of their entries.
+    docker: BTreeMap<String, DockerRefusal>,
+}
+
+/// The agent's memory of refused credentials.
+pub struct Refusals {
+    key: [u8; 32],
+    state: Mutex<State>,
+    /// Bounds the registry confirmations of consumers' reports.
+    pub(crate) confirmations: tokio::sync::Semaphore,
+}
+
+impl Default for Refusals {
+    fn default() -> Self {
+        Refusals {
+            key: random_key(),
+            state: Mutex::default(),
+            confirmations: tokio::sync::Semaphore::new(CONFIRMATIONS),
+        }
+    }
+}
+
+/// A key for this process's fingerprints: from the kernel's random source, else from the
+/// standard library's per-process random hasher keys (fingerprints never leave the process).
+fn random_key() -> [u8; 32] {
+    use std::io::Read as _;
+    let mut key = [0u8; 32];
+    let read = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut key));
+    if read.is_err() {
+        use std::hash::{BuildHasher, Hasher};
+        for chunk in key.chunks_mut(8) {
+            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+            h.write_u64(0);
+            chunk.copy_from_slice(&h.finish().to_le_bytes());
+        }
+    }
+    key
+}
+
+impl Refusals {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn fingerprint(&self, username: &str, password: &str) -> Fingerprint {
+        let mut mac = Hmac::<Sha256>::new_from_slice(&self.key).expect("any key length");
+        mac.update(&(username.len() as u64).to_be_bytes());
+        mac.update(username.as_bytes());
+        mac.update(password.as_bytes());
+        mac.finalize().into_bytes().into()
+    }
+
+    /// The source of a refused credential the agent still remembers (until the answer it
+    /// came from would have expired).
+    pub fn known(&self, username: &str, password: &str, now: Instant) -> Option<Given> {
+        let fp = self.fingerprint(username, password);
+        self.lock()
+            .refused
+            .get(&fp)
+            .filter(|r| now < r.until)
+            .map(|r| r.given.clone())
+    }
+
+    /// Whether it was refused within [`HOLDOFF`] of `now`.
+    fn recently_refused(&self, fp: &Fingerprint, now: Instant) -> bool {
+        self.lock()
+            .refused
+            .get(fp)
+            .is_some_and(|r| now < r.at + HOLDOFF)
+    }
+
+    /// Remembers a refusal; false when it was refused within [`HOLDOFF`] already.
+    fn note(&self, fp: Fingerprint, given: &Given, now: Instant, until: Instant) -> bool {
+        let mut st = self.lock();
+        if st.refused.get(&fp).is_some_and(|r| now < r.at + HOLDOFF) {
+            return false;
+        }
+        st.refused.retain(|_, r| now < r.until);
+        if st.refused.len() >= REMEMBERED {
+            if let Some(oldest) = st.refused.iter().min_by_key(|(_, r)| r.at).map(|(k, _)| *k) {
+                st.refused.remove(&oldest);
+            }
+        }
+        st.accepted.remove(&fp);
+        st.refused.insert(
+            fp,
+            Remembered {
+                given: given.clone(),
+                at: now,
+                until: until.max(now + HOLDOFF),
+            },
+        );
+        true
+    }
+
+    /// Whether a registry accepted it within [`HOLDOFF`] when a consumer reported it.
+    fn recently_accepted(&self, fp: &Fingerprint, now: Instant) -> bool {
+        self.lock()
+            .accepted
+            .get(fp)
+            .is_some_and(|t| now < *t + HOLDOFF)
+    }
+
+    fn note_accepted(&self, fp: Fingerprint, now: Instant) {
+        let mut st = self.lock();
+        st.accepted.retain(|_, t| now < *t + HOLDOFF);
+        if st.accepted.len() < REMEMBERED {
+            st.accepted.insert(fp, now);
+        }
+    }
+
+    /// The last refusal of an entry of docker config `file`.
+    pub fn docker_report(&self, file: &str) -> Option<DockerRefusal> {
+        self.lock().docker.get(file).cloned()
+    }
+
+    fn report_docker(&self, file: &str, report: DockerRefusal) {
+        let mut st = self.lock();
+        if st.docker.len() < REMEMBERED || st.docker.contains_key(file) {
+            st.docker.insert(file.to_owned(), report);
+        }
+    }
+}
+
+/// Which of the agent's sources gives `username`:`password` for `image` (of `repository`):
+/// the captured credential of the repository, a docker config entry or a provider's cached
+/// answer now, or a source that gave it before the registry refused it. `None`: a credential
+/// the agent never gave (a pod's own pull secret).
+pub fn given_by(
+    agent: &Agent,
+    image: &str,
+    repository: &str,
+    username: &str,
+    password: &str,
+) -> Option<Given> {
+    if let Some(held) = agent
+        .captured()
+        .and_then(|c| c.for_repository(repository))
+        .filter(|c| c.username == username && c.password.expose_secret() == password)
+    {
+        return Some(Given::Captured(held.namespace));
+    }
+    if let Some(source) = agent.engine().given_by(image, username, password) {
+        return Some(match source {
+            credgate_engine::Source::Provider(name) => Given::Provider(name),
+            credgate_engine::Source::DockerConfig(file) => Given::DockerConfig(file),
+        });
+    }
+    agent
+        .refusals()
+        .known(username, password, agent.clock().now())
+}
+
+/// The registry refused `username`:`password` for `image` (of `repository`), which `given`
+/// gave; `seen` says where (for the log and `explain`). Drops, forgets or reports it, once per
+/// [`HOLDOFF`].
+pub async fn refuse(
+    agent: &Agent,
+    image: &str,
+    repository: &str,
+    username: &str,
+    password: &SecretString,
+    given: &Given,
+    seen: &str,
+) -> Refused {
+    let refusals = agent.refusals();
+    let now = agent.clock().now();
+    let fp = refusals.fingerprint(username, password.expose_secret());
+    if refusals.recently_refused(&fp, now) {
+        return Refused::AlreadyRefused;
+    }
+    let why = format!("refused by the registry ({seen} of {image})");
+    let outcome = match given {
+        Given::Provider(name) => {
+            let dropped = agent
+                .engine()
+                .refuse(name, image, username, password.expose_secret(), &why)
+                .unwrap_or_default();
+            let until = dropped
+                .iter()
+                .filter_map(|d| d.expires)
+                .max()
+                .and_then(|t| t.duration_since(agent.clock().wall()).ok())
+                .map_or(now + DEFAULT_MEMORY, |left| now + left);
+            if !refusals.note(fp, given, now, until) {
+                return Refused::AlreadyRefused;
+            }
+            agent.renewer().refused(username, password.expose_secret());
+            tracing::warn!(
+                provider = %name,
+                image = %image,
+                dropped = dropped.len(),
+                seen = %seen,
+                "the registry refused a credential of provider {name}: its cached answers holding it are dropped and its plugin runs again at the next lookup"
+            );
+            // The sealed file loses the answer now, not at the saver's next tick.
+            let saver = agent.clone();
+            let _ = tokio::task::spawn_blocking(move || saver.save_now()).await;
+            Refused::Dropped(dropped.len())
+        }
+        Given::Captured(namespace) => {
+            if !refusals.note(fp, given, now, now + DEFAULT_MEMORY) {
+                return Refused::AlreadyRefused;
+            }
+            let Some(captured) = agent.captured().cloned() else {
+                return Refused::NotGiven;
+            };
+            let (repo, user, pass) = (
+                repository.to_owned(),
+                username.to_owned(),
+                SecretString::from(password.expose_secret().to_owned()),
+            );
+            let forgot = tokio::task::spawn_blocking(move || {
+                captured.forget_refused(&repo, &user, pass.expose_secret())
+            })
+            .await;
+            match forgot {
+                Ok(Ok(true)) => {
+                    tracing::warn!(repository = %repository, namespace = %namespace, seen = %seen, "the registry refused the captured pull credential: it is dropped");
+                }
+                Ok(Ok(false)) => {}
+                Ok(Err(e)) => {
+                    tracing::error!(repository = %repository, error = %e, "the refused captured pull credential cannot be dropped");
+                }
+                Err(_) => {}
+            }
+            Refused::Forgotten
+        }
+        Given::DockerConfig(file) => {
+            if !refusals.note(fp, given, now, now + DEFAULT_MEMORY) {
+                return Refused::AlreadyRefused;
+            }
+            refusals.report_docker(
+                file,
+                DockerRefusal {
+                    at: agent.clock().wall(),
+                    image: image.to_owned(),
+                },
+            );
+            tracing::warn!(
+                docker_config = %file,
+                image = %image,
+                seen = %seen,
+                "the registry refused a credential of docker config {file}: credgate does not own that file; update or remove its entry"
+            );
+            Refused::Reported
+        }
+    };
+    agent.metrics().refused(given.label());
+    outcome
+}
+
+/// What became of a consumer's report.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Report {
+    /// The registry refused it: dropped, forgotten or reported as at the proxy.
+    Refused(Refused),
+    /// The registry accepted it (or serves the image anonymously): nothing changes.
+    Accepted,
+    /// Not a credential the agent gives for the image: nothing changes.
+    NotGiven,
+    /// Refused already within [`HOLDOFF`].
+    AlreadyRefused,
+    /// The registry could not be asked: nothing changes.
+    Unreachable(String),
+}
+
+impl Report {
+    /// The metric label and the API's outcome.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Report::Refused(_) => "refused",
+            Report::Accepted => "accepted",
+            Report::NotGiven => "not_given",
+            Report::AlreadyRefused => "already_refused",
+            Report::Unreachable(_) => "unreachable",
+        }
+    }
+}
+
+/// A consumer says the registry refused `username`:`password` for `image`. Acts only on a
+/// credential the agent gives for the image, and only once the registry has shown, to the
+/// agent itself, that it checks and refuses it.
+pub async fn report(
+    agent: &Agent,
+    verifier: &crate::guard::registry::Verifier,
+    image: &str,
+    username: &str,
+    password: &SecretString,
+) -> Result<Report, credgate_core::reference::ReferenceError> {
+    let parsed = credgate_core::reference::ImageRef::parse(image)?;
+    let repository = parsed.name().to_owned();
+    let refusals = agent.refusals();
+    let now = agent.clock().now();
+    let fp = refusals.fingerprint(username, password.expose_secret());
+    let outcome = 'outcome: {
+        let Some(given) = given_by(
+            agent,
+            image,
+            &repository,
+            username,
+            password.expose_secret(),
+        ) else {
+            break 'outcome Report::NotGiven;
+        };
+        if refusals.recently_refused(&fp, now) {
+            break 'outcome Report::AlreadyRefused;
+        }
+        if refusals.recently_accepted(&fp, now) {
+            break 'outcome Report::Accepted;
+        }
+        let Ok(_permit) = refusals.confirmations.acquire().await else {
+            break 'outcome Report::Unreachable("the agent is stopping".into());
+        };
+        let target = crate::guard::registry::Target::of(&parsed);
+        match verifier
+            .refuses(&target, username, password.expose_secret())
+            .await
+        {
+            Ok(true) => Report::Refused(
+                refuse(
+                    agent,
+                    image,
+                    &repository,
+                    username,
+                    password,
+                    &given,
+                    "a consumer's report",
+                )
+                .await,
+            ),
+            Ok(false) => {
+                refusals.note_accepted(fp, agent.clock().now());
+                Report::Accepted
+            }
+            Err(why) => Report::Unreachable(why),
+        }
+    };
+    agent.metrics().refusal_report(outcome.as_str());
+    Ok(outcome)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_refusal_is_remembered_and_held_off() {
+        let r = Refusals::default();
+        let now = Instant::now();
+        let fp = r.fingerprint("u", "p");
+        let given = Given::Provider("ecr".into());
+        assert!(r.known("u", "p", now).is_none());
+        assert!(r.note(fp, &given, now, now + Duration::from_secs(600)));
+        assert_eq!(r.known("u", "p", now), Some(given.clone()));
+        assert!(r.known("u", "other", now).is_none());
+        assert!(r.known("other", "p", now).is_none());
+        assert!(!r.note(fp, &given, now + Duration::from_secs(1), now));
+        let later = now + HOLDOFF + Duration::from_secs(1);
+        assert!(r.note(fp, &given, later, later + Duration::from_secs(60)));
+        assert!(r.known("u", "p", later + Duration::from_secs(61)).is_none());
+    }
+
+    #[test]
+    fn the_memory_is_bounded() {
+        let r = Refusals::default();
+        let now = Instant::now();
+        let given = Given::Provider("p".into());
+        for i in 0..(REMEMBERED + 10) {
+            let fp = r.fingerprint("u", &i.to_string());
+            let at = now + Duration::from_millis(i as u64);
+            assert!(r.note(fp, &given, at, at + Duration::from_secs(3600)));
+        }
+        assert_eq!(r.lock().refused.len(), REMEMBERED);
+        assert!(r.known("u", "0", now).is_none(), "the oldest is forgotten");
+    }
+
+    #[test]
+    fn fingerprints_separate_user_from_password() {
+        let r = Refusals::default();
+        assert_ne!(r.fingerprint("ab", "c"), r.fingerprint("a", "bc"));
+        assert_ne!(
+            r.fingerprint("u", "p"),
+            Refusals::default().fingerprint("u", "p")
+        );
+    }
+}
