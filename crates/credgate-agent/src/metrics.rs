@@ -27,6 +27,7 @@ pub const CAPTURE_RESULTS: &[&str] = &[
     "captured",
     "unchanged",
     "other_registry",
+    "own_source",
     "unconfirmed",
     "unreachable",
     "too_large",
@@ -235,7 +236,7 @@ impl AgentMetrics {
         let r = registry.sub_registry_with_prefix("credgate");
         r.register(
             "cri_captures",
-            "Pull credentials the CRI proxy offered for capture, by result (captured, unchanged, other_registry, unconfirmed, unreachable, too_large, busy, failed)",
+            "Pull credentials the CRI proxy offered for capture, by result (captured, unchanged, other_registry, own_source, unconfirmed, unreachable, too_large, busy, failed)",
             self.captures.clone(),
         );
         r.register(

@@ -236,132 +236,166 @@ impl Refusals {
     }
 }
 
-/// Which of the agent's sources gives `username`:`password` for `image` (of `repository`):
-/// the captured credential of the repository, a docker config entry or a provider's cached
-/// answer now, or a source that gave it before the registry refused it. `None`: a credential
-/// the agent never gave (a pod's own pull secret).
+/// Which of the agent's sources give `username`:`password` for `image` (of `repository`), in
+/// try-order: the captured credential of the repository, a docker config entry, a provider's
+/// cached answer now, or (when none does any more) the source that gave it before a registry
+/// refused it. Empty: a credential the agent never gave (a pod's own pull secret).
 pub fn given_by(
     agent: &Agent,
     image: &str,
     repository: &str,
     username: &str,
     password: &str,
-) -> Option<Given> {
+) -> Vec<Given> {
+    let mut out = Vec::new();
     if let Some(held) = agent
         .captured()
         .and_then(|c| c.for_repository(repository))
         .filter(|c| c.username == username && c.password.expose_secret() == password)
     {
-        return Some(Given::Captured(held.namespace));
+        out.push(Given::Captured(held.namespace));
     }
-    if let Some(source) = agent.engine().given_by(image, username, password) {
-        return Some(match source {
-            credgate_engine::Source::Provider(name) => Given::Provider(name),
-            credgate_engine::Source::DockerConfig(file) => Given::DockerConfig(file),
-        });
+    out.extend(
+        agent
+            .engine()
+            .given_by(image, username, password)
+            .into_iter()
+            .map(|source| match source {
+                credgate_engine::Source::Provider(name) => Given::Provider(name),
+                credgate_engine::Source::DockerConfig(file) => Given::DockerConfig(file),
+            }),
+    );
+    if out.is_empty() {
+        out.extend(
+            agent
+                .refusals()
+                .known(username, password, agent.clock().now()),
+        );
     }
-    agent
-        .refusals()
-        .known(username, password, agent.clock().now())
+    out
 }
 
-/// The registry refused `username`:`password` for `image` (of `repository`), which `given`
-/// gave; `seen` says where (for the log and `explain`). Drops, forgets or reports it, once per
-/// [`HOLDOFF`].
+/// The registry refused `username`:`password` for `image` (of `repository`), which the
+/// sources `given` gave; `seen` says where (for the log and `explain`). Drops, forgets or
+/// reports it in each, once per [`HOLDOFF`].
 pub async fn refuse(
     agent: &Agent,
     image: &str,
     repository: &str,
     username: &str,
     password: &SecretString,
-    given: &Given,
+    given: &[Given],
     seen: &str,
 ) -> Refused {
     let refusals = agent.refusals();
     let now = agent.clock().now();
     let fp = refusals.fingerprint(username, password.expose_secret());
-    if refusals.recently_refused(&fp, now) {
+    // Remembered under the provider that gave it, when one did: its answer of now replaces a
+    // client's stale copy.
+    let Some(primary) = given
+        .iter()
+        .find(|g| matches!(g, Given::Provider(_)))
+        .or(given.first())
+    else {
+        return Refused::NotGiven;
+    };
+    let why = format!("refused by the registry ({seen} of {image})");
+    let mut dropped = Vec::new();
+    for g in given {
+        if let Given::Provider(name) = g {
+            dropped.extend(
+                agent
+                    .engine()
+                    .refuse(name, image, username, password.expose_secret(), &why)
+                    .unwrap_or_default(),
+            );
+        }
+    }
+    let until = dropped
+        .iter()
+        .filter_map(|d| d.expires)
+        .max()
+        .and_then(|t| t.duration_since(agent.clock().wall()).ok())
+        .map_or(now + DEFAULT_MEMORY, |left| now + left);
+    if !refusals.note(fp, primary, now, until) {
         return Refused::AlreadyRefused;
     }
-    let why = format!("refused by the registry ({seen} of {image})");
-    let outcome = match given {
-        Given::Provider(name) => {
-            let dropped = agent
-                .engine()
-                .refuse(name, image, username, password.expose_secret(), &why)
-                .unwrap_or_default();
-            let until = dropped
-                .iter()
-                .filter_map(|d| d.expires)
-                .max()
-                .and_then(|t| t.duration_since(agent.clock().wall()).ok())
-                .map_or(now + DEFAULT_MEMORY, |left| now + left);
-            if !refusals.note(fp, given, now, until) {
-                return Refused::AlreadyRefused;
+    let mut outcome = Refused::Reported;
+    for g in given {
+        agent.metrics().refused(g.label());
+        match g {
+            Given::Provider(name) => {
+                tracing::warn!(
+                    provider = %name,
+                    image = %image,
+                    dropped = dropped.len(),
+                    seen = %seen,
+                    "the registry refused a credential of provider {name}: its cached answers holding it are dropped and its plugin runs again at the next lookup"
+                );
+                outcome = Refused::Dropped(dropped.len());
             }
-            agent.renewer().refused(username, password.expose_secret());
-            tracing::warn!(
-                provider = %name,
-                image = %image,
-                dropped = dropped.len(),
-                seen = %seen,
-                "the registry refused a credential of provider {name}: its cached answers holding it are dropped and its plugin runs again at the next lookup"
-            );
-            // The sealed file loses the answer now, not at the saver's next tick.
-            let saver = agent.clone();
-            let _ = tokio::task::spawn_blocking(move || saver.save_now()).await;
-            Refused::Dropped(dropped.len())
-        }
-        Given::Captured(namespace) => {
-            if !refusals.note(fp, given, now, now + DEFAULT_MEMORY) {
-                return Refused::AlreadyRefused;
-            }
-            let Some(captured) = agent.captured().cloned() else {
-                return Refused::NotGiven;
-            };
-            let (repo, user, pass) = (
-                repository.to_owned(),
-                username.to_owned(),
-                SecretString::from(password.expose_secret().to_owned()),
-            );
-            let forgot = tokio::task::spawn_blocking(move || {
-                captured.forget_refused(&repo, &user, pass.expose_secret())
-            })
-            .await;
-            match forgot {
-                Ok(Ok(true)) => {
-                    tracing::warn!(repository = %repository, namespace = %namespace, seen = %seen, "the registry refused the captured pull credential: it is dropped");
+            Given::Captured(namespace) => {
+                forget_captured(agent, repository, username, password, namespace, seen).await;
+                if !matches!(outcome, Refused::Dropped(_)) {
+                    outcome = Refused::Forgotten;
                 }
-                Ok(Ok(false)) => {}
-                Ok(Err(e)) => {
-                    tracing::error!(repository = %repository, error = %e, "the refused captured pull credential cannot be dropped");
-                }
-                Err(_) => {}
             }
-            Refused::Forgotten
-        }
-        Given::DockerConfig(file) => {
-            if !refusals.note(fp, given, now, now + DEFAULT_MEMORY) {
-                return Refused::AlreadyRefused;
+            Given::DockerConfig(file) => {
+                refusals.report_docker(
+                    file,
+                    DockerRefusal {
+                        at: agent.clock().wall(),
+                        image: image.to_owned(),
+                    },
+                );
+                tracing::warn!(
+                    docker_config = %file,
+                    image = %image,
+                    seen = %seen,
+                    "the registry refused a credential of docker config {file}: credgate does not own that file; update or remove its entry"
+                );
             }
-            refusals.report_docker(
-                file,
-                DockerRefusal {
-                    at: agent.clock().wall(),
-                    image: image.to_owned(),
-                },
-            );
-            tracing::warn!(
-                docker_config = %file,
-                image = %image,
-                seen = %seen,
-                "the registry refused a credential of docker config {file}: credgate does not own that file; update or remove its entry"
-            );
-            Refused::Reported
         }
-    };
-    agent.metrics().refused(given.label());
+    }
+    if given.iter().any(|g| matches!(g, Given::Provider(_))) {
+        agent.renewer().refused(username, password.expose_secret());
+        // The sealed file loses the answer now, not at the saver's next tick.
+        let saver = agent.clone();
+        let _ = tokio::task::spawn_blocking(move || saver.save_now()).await;
+    }
     outcome
+}
+
+/// Drops the captured credential of `repository` if it still is the refused one.
+async fn forget_captured(
+    agent: &Agent,
+    repository: &str,
+    username: &str,
+    password: &SecretString,
+    namespace: &str,
+    seen: &str,
+) {
+    let Some(captured) = agent.captured().cloned() else {
+        return;
+    };
+    let (repo, user, pass) = (
+        repository.to_owned(),
+        username.to_owned(),
+        SecretString::from(password.expose_secret().to_owned()),
+    );
+    let forgot = tokio::task::spawn_blocking(move || {
+        captured.forget_refused(&repo, &user, pass.expose_secret())
+    })
+    .await;
+    match forgot {
+        Ok(Ok(true)) => {
+            tracing::warn!(repository = %repository, namespace = %namespace, seen = %seen, "the registry refused the captured pull credential: it is dropped");
+        }
+        Ok(Ok(false)) | Err(_) => {}
+        Ok(Err(e)) => {
+            tracing::error!(repository = %repository, error = %e, "the refused captured pull credential cannot be dropped");
+        }
+    }
 }
 
 /// What became of a consumer's report.
@@ -408,15 +442,16 @@ pub async fn report(
     let now = agent.clock().now();
     let fp = refusals.fingerprint(username, password.expose_secret());
     let outcome = 'outcome: {
-        let Some(given) = given_by(
+        let given = given_by(
             agent,
             image,
             &repository,
             username,
             password.expose_secret(),
-        ) else {
+        );
+        if given.is_empty() {
             break 'outcome Report::NotGiven;
-        };
+        }
         if refusals.recently_refused(&fp, now) {
             break 'outcome Report::AlreadyRefused;
         }

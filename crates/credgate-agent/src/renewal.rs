@@ -25,7 +25,7 @@ use credgate_core::renewal::{self, RenewalPolicy};
 use credgate_core::tracking::{Change, Tracker};
 use credgate_engine::clock::Clock;
 use credgate_engine::{Credential, Engine, EntryInfo, LookupRequest};
-use secrecy::ExposeSecret;
+use secrecy::{ExposeSecret, SecretString};
 use tokio::sync::{watch, Notify};
 
 use crate::captured::Captured;
@@ -127,6 +127,8 @@ struct RefState {
     failures: u32,
     /// When it falls due; `None` while a renewal is in flight.
     next: Option<Instant>,
+    /// Credentials of its value a registry refused since its last renewal.
+    refused: Vec<(String, SecretString)>,
 }
 
 impl RefState {
@@ -139,6 +141,7 @@ impl RefState {
             last_error: None,
             failures: 0,
             next: None,
+            refused: Vec::new(),
         }
     }
 }
@@ -533,30 +536,29 @@ impl Renewer {
             .collect()
     }
 
-    /// A registry refused `username`:`password`: every ref whose value holds it loses it (a
-    /// new revision for its watchers, never served again as last known good) and falls due
-    /// now, as does every other ref (its answers may have been dropped with it).
+    /// A registry refused `username`:`password`: every ref whose value holds it falls due now.
+    /// Its renewal publishes the source's new answer (Watch streams get it); should the
+    /// renewal fail, the ref's value loses the refused credential instead of keeping it as
+    /// last known good.
     pub fn refused(&self, username: &str, password: &str) {
+        let now = self.shared.clock.now();
         let mut st = self.lock();
-        for (image, rs) in st.refs.iter_mut() {
-            let Some(value) = rs.value.clone() else {
-                continue;
-            };
-            let holds =
-                |c: &Credential| c.username == username && c.password.expose_secret() == password;
-            if value.credentials.iter().any(holds) {
-                let kept = value
-                    .credentials
+        for rs in st.refs.values_mut() {
+            let holds = rs.value.as_ref().is_some_and(|v| {
+                v.credentials
                     .iter()
-                    .filter(|c| !holds(c))
-                    .cloned()
-                    .collect();
-                let captured = self.captured_for(image);
-                publish(rs, kept, captured);
+                    .any(|c| c.username == username && c.password.expose_secret() == password)
+            });
+            if holds {
+                rs.refused
+                    .push((username.to_owned(), SecretString::from(password.to_owned())));
+                if rs.next.is_some() {
+                    rs.next = Some(now);
+                }
             }
         }
         drop(st);
-        self.refresh_all();
+        self.shared.wake.notify_one();
     }
 
     /// Makes every ref due now (after a config reload).
@@ -725,9 +727,29 @@ impl Renewer {
             }
             Err(e) => (None, Vec::new(), Some(e.to_string())),
         };
+        let refused = std::mem::take(&mut rs.refused);
         if let Some(credentials) = credentials {
             let captured = self.captured_for(&image);
             publish(rs, credentials, captured);
+        } else if error.is_some() && !refused.is_empty() {
+            // A refused credential is no last known good: it goes, whatever is left.
+            let kept: Vec<Credential> = rs
+                .value
+                .as_ref()
+                .map(|v| {
+                    v.credentials
+                        .iter()
+                        .filter(|c| {
+                            !refused.iter().any(|(u, p)| {
+                                c.username == *u && c.password.expose_secret() == p.expose_secret()
+                            })
+                        })
+                        .cloned()
+                        .collect()
+                })
+                .unwrap_or_default();
+            let captured = self.captured_for(&image);
+            publish(rs, kept, captured);
         }
         match error {
             None => {

@@ -54,33 +54,42 @@ pub enum FlushError {
 }
 
 impl Engine {
-    /// Which of the engine's sources gives the credential `username`:`password` for `image`
-    /// now: a docker config entry that matches the image, or a provider's live cached answer
-    /// for it. `None` for any other credential (a pod's own pull secret). Runs no plugin.
-    pub fn given_by(&self, image: &str, username: &str, password: &str) -> Option<Source> {
+    /// Which of the engine's sources give the credential `username`:`password` for `image`
+    /// now, in try-order: docker config entries that match the image, providers' live cached
+    /// answers for it. Empty for any other credential (a pod's own pull secret). Runs no
+    /// plugin.
+    pub fn given_by(&self, image: &str, username: &str, password: &str) -> Vec<Source> {
         use secrecy::ExposeSecret;
-        let parsed = ImageRef::parse(image).ok()?;
+        let Ok(parsed) = ImageRef::parse(image) else {
+            return Vec::new();
+        };
         let (name, registry) = (parsed.name(), parsed.registry());
         let target = Target::from_image_name(name);
         let default_registry = credgate_core::reference::is_default_registry(name);
+        let mut out = Vec::new();
         for s in self.statics() {
             let picked = keyring::select_target(&target, default_registry, &[(0usize, &s.auth)]);
             if picked.iter().any(|(_, a)| {
                 a.auth.username == username && a.auth.password.expose_secret() == password
             }) {
-                return Some(Source::DockerConfig(s.name.clone()));
+                out.push(Source::DockerConfig(s.name.clone()));
             }
         }
         let now = self.clock().now();
-        self.providers()
-            .iter()
-            .filter(|p| p.applies(&target))
-            .find(|p| {
-                p.cache.load().entries().any(|e| {
-                    e.alive_at(now) && e.covers_image(name, registry) && e.holds(username, password)
+        out.extend(
+            self.providers()
+                .iter()
+                .filter(|p| p.applies(&target))
+                .filter(|p| {
+                    p.cache.load().entries().any(|e| {
+                        e.alive_at(now)
+                            && e.covers_image(name, registry)
+                            && e.holds(username, password)
+                    })
                 })
-            })
-            .map(|p| Source::Provider(p.spec.name.clone()))
+                .map(|p| Source::Provider(p.spec.name.clone())),
+        );
+        out
     }
 
     /// Drops provider `provider`'s cached answers for `image` that hold the credential

@@ -26,7 +26,8 @@ fn source_of(
         &credential.username,
         credential.password.expose_secret(),
     )
-    .map_or_else(|| "unknown".into(), |g| g.auth())
+    .first()
+    .map_or_else(|| "unknown".into(), crate::refusal::Given::auth)
 }
 
 /// The metric's label for an `auth` value.

@@ -14,6 +14,7 @@ use std::time::Duration;
 use credgate_api::cri::{self as wire, PULL_IMAGE, REMOVE_IMAGE};
 use http_body_util::BodyExt;
 use hyper::body::{Bytes, Incoming};
+use secrecy::ExposeSecret as _;
 use tokio::net::UnixListener;
 use tokio::sync::watch;
 
@@ -298,15 +299,16 @@ async fn refreshed(agent: &crate::Agent, pull: &mut Pull, frame: &[u8]) -> Optio
 async fn refused(agent: &crate::Agent, pull: &Pull) {
     use secrecy::ExposeSecret as _;
     let Some(c) = &pull.credential else { return };
-    let Some(given) = crate::refusal::given_by(
+    let given = crate::refusal::given_by(
         agent,
         &pull.image,
         &pull.repository,
         &c.username,
         c.password.expose_secret(),
-    ) else {
+    );
+    if given.is_empty() {
         return;
-    };
+    }
     crate::refusal::refuse(
         agent,
         &pull.image,
@@ -411,6 +413,20 @@ async fn pull(
         if pull.other_registry {
             pulls.agent.metrics().capture("other_registry");
             tracing::warn!(repository = %pull.repository, "pull credentials not captured: their server address names another registry");
+        } else if !pulls
+            .agent
+            .engine()
+            .given_by(
+                &pull.image,
+                &credential.username,
+                credential.password.expose_secret(),
+            )
+            .is_empty()
+        {
+            // The node's own credential (the kubelet got it from a provider through the
+            // bridge, or from a docker config): not a pod's secret, and a copy would outlive
+            // the provider's rotation of it.
+            pulls.agent.metrics().capture("own_source");
         } else if let Some(settled) =
             capture
                 .capturer

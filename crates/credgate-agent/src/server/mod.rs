@@ -292,7 +292,22 @@ impl Api {
             .then(|| self.agent.renewer().last_good(&req.image))
             .flatten();
         let (credentials, last_known_good) = match fallback {
-            Some(v) => (v.credentials.iter().map(credential).collect(), true),
+            Some(v) => {
+                // Never a credential a registry refused since.
+                let now = self.agent.clock().now();
+                let refusals = self.agent.refusals();
+                let kept = v
+                    .credentials
+                    .iter()
+                    .filter(|c| {
+                        refusals
+                            .known(&c.username, c.password.expose_secret(), now)
+                            .is_none()
+                    })
+                    .map(credential)
+                    .collect();
+                (kept, true)
+            }
             None => (lookup.credentials.iter().map(credential).collect(), false),
         };
         let mut answer = pb::LookupResponse {
