@@ -100,6 +100,27 @@ impl Registry {
         self.restart();
     }
 
+    /// Sets `user`'s password in the htpasswd file (adding the user if new), as an operator
+    /// rotating it would. The running registry reads the file again at its next request that
+    /// needs it (distribution 2.7 and later reload it when its modification time changes).
+    pub fn set_password(&mut self, user: &str, password: &str) {
+        let path = self.dir.join("htpasswd");
+        let before = std::fs::metadata(&path).and_then(|m| m.modified()).ok();
+        run(Command::new("htpasswd")
+            .args(["-bB", "-C", "4"])
+            .arg(&path)
+            .args([user, password]));
+        // A coarse clock could leave the time unchanged, and the registry would not notice.
+        if std::fs::metadata(&path).and_then(|m| m.modified()).ok() == before {
+            let later = before.unwrap() + Duration::from_secs(1);
+            std::fs::File::options()
+                .write(true)
+                .open(&path)
+                .and_then(|f| f.set_modified(later))
+                .unwrap();
+        }
+    }
+
     /// Stops the registry now (SIGTERM, waited for).
     pub fn stop(&mut self) {
         signal(&self.child, rustix::process::Signal::TERM);

@@ -574,6 +574,8 @@ mod tests {
         let joined = help.replace("\\\n", " ");
         let mut out = Vec::new();
         for line in joined.lines().map(str::trim) {
+            // What a pipe feeds is the shell's: the command is after it.
+            let line = line.rsplit("| ").next().unwrap_or(line);
             let Some(rest) = line.strip_prefix("credgate ") else {
                 continue;
             };

@@ -588,6 +588,132 @@ fn a_killed_agent_restarts_warm_from_the_sealed_cache() {
     off.push("--persist-cache=false");
     let agent = Agent::start(d, &off);
     assert_ne!(saved_status(&agent)["enabled"], true);
+    assert!(
+        !d.join("state/cache.sealed").exists(),
+        "--persist-cache=false removes the file of an earlier run"
+    );
     agent.credgate(&["get", image]);
     assert_eq!(runs(d), 3);
+    drop(agent);
+    // On again: nothing of two runs ago comes back, no stale consumer either.
+    let agent = Agent::start(d, &args);
+    let status = saved_status(&agent);
+    assert_eq!(status["restored"], 0, "{status}");
+    assert_eq!(status["consumers_restored"], 0, "{status}");
+    assert!(
+        status["dropped"].as_object().is_none_or(|m| m.is_empty()),
+        "{status}"
+    );
+}
+
+/// A provider answer with no credential is not kept: a restart neither restores nor drops it
+/// (it was saved and then refused as invalid at every start).
+#[test]
+fn an_answer_with_no_credential_is_not_saved() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let bin = d.join("plugins");
+    std::fs::create_dir_all(&bin).unwrap();
+    crate::support::write_script(
+        &bin.join("empty"),
+        "cat >/dev/null\necho '{\"kind\":\"CredentialProviderResponse\",\"apiVersion\":\"credentialprovider.kubelet.k8s.io/v1\",\"cacheKeyType\":\"Registry\",\"cacheDuration\":\"12h\",\"auth\":{}}'",
+    );
+    let config = d.join("providers.yaml");
+    std::fs::write(&config, "apiVersion: kubelet.config.k8s.io/v1\nkind: CredentialProviderConfig\nproviders:\n- name: empty\n  matchImages: [registry.example.com]\n  defaultCacheDuration: 1h\n  apiVersion: credentialprovider.kubelet.k8s.io/v1\n").unwrap();
+    let args = [
+        "--image-credential-provider-config",
+        config.to_str().unwrap(),
+        "--image-credential-provider-bin-dir",
+        bin.to_str().unwrap(),
+    ];
+    let agent = Agent::start(d, &args);
+    agent.credgate(&["get", "registry.example.com/team/app:v1"]);
+    agent.credgate(&["ctl", "track", "nydus", "registry.example.com/team/app:v1"]);
+    credgate_testbed::eventually(
+        "the consumer is saved",
+        std::time::Duration::from_secs(20),
+        || {
+            saved_status(&agent)["last_saved_unix_ms"]
+                .as_i64()
+                .unwrap_or(0)
+                > 0
+        },
+    );
+    assert_eq!(
+        saved_status(&agent)["saved_entries"].as_u64().unwrap_or(0),
+        0
+    );
+    assert!(agent.stop().success());
+    let agent = Agent::start(d, &args);
+    let status = saved_status(&agent);
+    assert_eq!(status["restored"].as_u64().unwrap_or(0), 0, "{status}");
+    assert!(
+        status["dropped"].as_object().is_none_or(|m| m.is_empty()),
+        "{status}"
+    );
+}
+
+/// `ctl flush` drops cached answers (of a provider, for an image, or all) and the next lookup
+/// runs the plugin; an unknown provider is an error; nothing cached says so.
+#[test]
+fn flushed_answers_make_the_plugin_run_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let config = counting_provider(d, "--region, eu");
+    let bin = d.join("plugins");
+    let agent = Agent::start(
+        d,
+        &[
+            "--image-credential-provider-config",
+            config.to_str().unwrap(),
+            "--image-credential-provider-bin-dir",
+            bin.to_str().unwrap(),
+        ],
+    );
+    let image = "registry.example.com/team/app:v1";
+    let get = || {
+        let out = agent.credgate(&["get", image]);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+    };
+    get();
+    get();
+    assert_eq!(runs(d), 1);
+    let out = agent.credgate(&["ctl", "flush", "--provider", "counted"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let table = text(&out.stdout);
+    assert!(
+        table.contains("dropped 1 cached answer(s)") && table.contains("registry.example.com"),
+        "{table}"
+    );
+    get();
+    assert_eq!(runs(d), 2);
+    // By image: an answer keyed by registry answers it; another registry's image drops nothing.
+    let other = agent.credgate(&["ctl", "flush", "quay.io/x/y:1"]);
+    assert_eq!(text(&other.stdout), "nothing cached to drop\n");
+    let out = agent.credgate(&[
+        "ctl",
+        "-o",
+        "json",
+        "flush",
+        "registry.example.com/team/db:v3",
+    ]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["dropped"][0]["provider"], "counted", "{v}");
+    assert_eq!(v["dropped"][0]["cache_key_type"], "Registry", "{v}");
+    get();
+    assert_eq!(runs(d), 3);
+    let status = text(&agent.credgate(&["ctl", "status"]).stdout);
+    assert!(
+        status.contains("dropped:        provider counted's cached answers")
+            && status.contains("flushed by an operator"),
+        "{status}"
+    );
+    let bad = agent.credgate(&["ctl", "flush", "--provider", "nope"]);
+    assert!(!bad.status.success());
+    assert!(
+        text(&bad.stderr).contains("no provider \"nope\""),
+        "{}",
+        text(&bad.stderr)
+    );
+    assert!(!agent.log_text().contains("kept-password-sealed"));
 }

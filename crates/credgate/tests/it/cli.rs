@@ -403,3 +403,27 @@ fn kubelet_config_is_valid_and_links_every_provider_to_the_bridge() {
     );
     assert!(!dir.path().join("never").exists());
 }
+
+/// `kubelet-config --max-cache-duration` passes the cap to every entry's bridge, and the
+/// bridge takes it.
+#[test]
+fn kubelet_config_passes_the_cache_cap_to_the_bridge() {
+    let out = credgate(&[
+        "kubelet-config",
+        "--image-credential-provider-config",
+        "examples/provider-config.yaml",
+        "--max-cache-duration",
+        "2m",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let config = text(&out.stdout);
+    assert!(
+        config.contains(r#""--max-cache-duration", "2m0s""#),
+        "{config}"
+    );
+    let bridge = std::process::Command::new(crate::support::bridge_bin())
+        .args(["--max-cache-duration", "2m0s", "--help"])
+        .output()
+        .unwrap();
+    assert!(bridge.status.success(), "{}", text(&bridge.stderr));
+}

@@ -723,7 +723,7 @@ async fn a_caller_that_does_not_read_holds_back_only_its_own_calls() {
 }
 
 /// The agent's metrics page (the agent started with `--metrics-addr 127.0.0.1:0`).
-fn metrics_text(agent: &Agent) -> String {
+pub(crate) fn metrics_text(agent: &Agent) -> String {
     use std::io::{Read as _, Write as _};
     let log = agent.log_text();
     let addr = log

@@ -14,3 +14,4 @@ mod deploy;
 mod e2e;
 mod guard_agent;
 mod guard_e2e;
+mod rotation;

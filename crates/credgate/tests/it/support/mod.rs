@@ -69,7 +69,7 @@ impl Agent {
             .arg("serve")
             .args(["--socket", socket.to_str().unwrap()])
             .args(["--state-dir", dir.join("state").to_str().unwrap()])
-            .arg("--no-docker-config")
+            .args((!args.contains(&"--docker-config")).then_some("--no-docker-config"))
             .args(args)
             // Every line at every level, so that the tests' "no secret in the log" checks cover
             // trace output of credgate and of every library it uses.
