@@ -44,7 +44,11 @@ impl Drop for Proxy {
     }
 }
 
-pub(crate) fn start_proxy(dir: &Path, runtime: &Path) -> Result<(Proxy, PathBuf)> {
+pub(crate) fn start_proxy(
+    dir: &Path,
+    runtime: &Path,
+    more: &[&std::ffi::OsStr],
+) -> Result<(Proxy, PathBuf)> {
     let credgate = crate::sibling("credgate")?;
     let socket = dir.join("cri.sock");
     let child = Command::new(&credgate)
@@ -58,6 +62,7 @@ pub(crate) fn start_proxy(dir: &Path, runtime: &Path) -> Result<(Proxy, PathBuf)
         .arg(&socket)
         .arg("--cri-runtime-endpoint")
         .arg(format!("unix://{}", runtime.display()))
+        .args(more)
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(dir.join("agent.log"))?)
         .spawn()
@@ -110,7 +115,7 @@ impl Node {
         oci_image(d);
         push(d, &registry, "team/app", USER, PASSWORD);
         let containerd = Containerd::start(d, &[registry.host()]);
-        let (proxy, proxy_socket) = start_proxy(d, &containerd.socket)?;
+        let (proxy, proxy_socket) = start_proxy(d, &containerd.socket, &[])?;
         Ok(Node {
             proxy,
             proxy_socket,

@@ -12,6 +12,7 @@ mod cri;
 mod cri_soak;
 mod guard;
 mod rollout;
+mod rotation;
 mod soak;
 
 use std::future::Future;
@@ -52,6 +53,10 @@ enum Scenario {
     /// A fleet-wide restart: -n agents restarted in --reps waves, plugin runs per wave and
     /// the time to a first answer, with and without the sealed provider cache.
     Rollout,
+    /// From a credential rotation to the first successful pull through the CRI proxy, with a
+    /// kubelet-like client caching the bridge's answers: failed pulls and extra plugin runs
+    /// per rotation, time to recovery (needs root, containerd, docker-registry, skopeo).
+    Rotation,
     GuardCheck,
     GuardRecord,
     GuardOpen,
@@ -179,6 +184,7 @@ fn main() -> Result<()> {
         Scenario::CriProxy => cri::cri_proxy(&args),
         Scenario::CriSoak => cri_soak::cri_soak(&args),
         Scenario::Rollout => rollout::rollout(&args),
+        Scenario::Rotation => rotation::rotation(&args),
         Scenario::GuardCheck => guard::check(&args),
         Scenario::GuardRecord => guard::record(&args),
         Scenario::GuardOpen => guard::open(&args),
