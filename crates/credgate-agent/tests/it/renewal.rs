@@ -78,6 +78,7 @@ impl PluginRunner for TokenPlugin {
 
 struct Fixture {
     plugin: Arc<TokenPlugin>,
+    engine: Arc<ArcSwap<Engine>>,
     renewer: Renewer,
     clock: Arc<dyn Clock>,
     _stop: watch::Sender<bool>,
@@ -101,8 +102,9 @@ fn start(plugin: Arc<TokenPlugin>, policy: RenewalPolicy) -> Fixture {
         .clock(clock.clone())
         .build()
         .unwrap();
+    let engine = Arc::new(ArcSwap::from_pointee(engine));
     let renewer = Renewer::new(
-        Arc::new(ArcSwap::from_pointee(engine)),
+        engine.clone(),
         clock.clone(),
         policy,
         AgentMetrics::default(),
@@ -111,6 +113,7 @@ fn start(plugin: Arc<TokenPlugin>, policy: RenewalPolicy) -> Fixture {
     tokio::spawn(renewer.clone().run(stop_rx));
     Fixture {
         plugin,
+        engine,
         renewer,
         clock,
         _stop: stop,
@@ -361,4 +364,46 @@ async fn a_ref_whose_renewal_is_late_is_counted_due() {
     f.plugin.failing.store(false, Ordering::SeqCst);
     tokio::time::sleep(2 * MIN).await;
     assert_eq!(f.renewer.due_count(), 0, "renewed once the plugin recovers");
+}
+
+/// A restored ref whose saved credential has less time left than the restore spread is checked
+/// before that credential expires (the spread shrinks to a part of what is left), so its first
+/// renewal never lands after the expiry; refs with nothing restored keep the whole spread.
+#[tokio::test(start_paused = true)]
+async fn restored_refs_are_checked_before_their_credentials_expire() {
+    use credgate_engine::saved::{SavedAuth, SavedEntry};
+    let f = start(TokenPlugin::new("Registry", "10m"), policy());
+    let engine = f.engine.load_full();
+    let wall = f.clock.wall();
+    let left = Duration::from_secs(4);
+    let restored = engine.restore(vec![SavedEntry {
+        provider: "tokens".into(),
+        provider_identity: engine.provider_identity("tokens").unwrap().to_owned(),
+        key_type: credgate_core::wire::CacheKeyType::Registry,
+        image: "reg.example.com/team/app".into(),
+        registry: "reg.example.com".into(),
+        scope: None,
+        auth: vec![SavedAuth {
+            key: "reg.example.com".into(),
+            username: "u".into(),
+            password: "restored".to_owned().into(),
+        }],
+        fetched: wall - Duration::from_secs(596),
+        expires: wall + left,
+    }]);
+    assert_eq!(restored.restored, 1);
+    let images: Vec<String> = (0..20)
+        .map(|i| format!("reg.example.com/team/app-{i}:v1"))
+        .collect();
+    f.renewer.restore("nydus", &images).unwrap();
+    for info in f.renewer.list(None) {
+        let next = info.next_attempt.expect("a first check is scheduled");
+        assert!(
+            next <= wall + left / 4,
+            "{} first checked {:?} after the restore, its credential expires after {left:?}",
+            info.image,
+            next.duration_since(wall).unwrap()
+        );
+    }
+    assert_eq!(f.plugin.runs(), 0, "restoring runs no plugin");
 }
