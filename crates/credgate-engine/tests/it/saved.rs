@@ -95,3 +95,102 @@ async fn a_replaced_plugin_binary_drops_its_answers() {
         Some(&1)
     );
 }
+
+/// An answer with no credential is served from the cache as the plugin answered it, but never
+/// handed out to be kept.
+#[tokio::test]
+async fn answers_with_no_credential_are_not_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    counting_plugin(
+        dir.path(),
+        "p",
+        &response(WIRE_V1, "Registry", Some("12h"), &[]),
+    );
+    let e = engine(
+        config(&[("p", &["registry.example.com"], "1h", WIRE_V1)]),
+        dir.path(),
+    );
+    e.lookup(&req(IMG)).await.unwrap();
+    e.lookup(&req(IMG)).await.unwrap();
+    assert_eq!(runs_of(dir.path(), "p"), 1, "cached as answered");
+    assert!(e.saved_entries().is_empty());
+}
+
+/// A refused credential drops exactly the answers of that provider that hold it and answer
+/// the image; a flush drops by provider and by image; the next lookup runs the plugin, and the
+/// drop is in the provider's status.
+#[tokio::test]
+async fn refused_and_flushed_answers_make_the_plugin_run_again() {
+    let dir = tempfile::tempdir().unwrap();
+    counting_plugin(dir.path(), "p", &body());
+    counting_plugin(
+        dir.path(),
+        "q",
+        &response(
+            WIRE_V1,
+            "Registry",
+            Some("12h"),
+            &[("quay.example.com", "q-user", "q-pw")],
+        ),
+    );
+    let e = engine(
+        config(&[
+            ("p", &["registry.example.com"], "1h", WIRE_V1),
+            ("q", &["quay.example.com"], "1h", WIRE_V1),
+        ]),
+        dir.path(),
+    );
+    let quay = "quay.example.com/team/db:v1";
+    e.lookup(&req(IMG)).await.unwrap();
+    e.lookup(&req(quay)).await.unwrap();
+    assert_eq!(
+        e.given_by(IMG, "saved-user", "saved-pw"),
+        vec![credgate_engine::Source::Provider("p".into())]
+    );
+    assert!(e.given_by(IMG, "saved-user", "other").is_empty());
+    assert!(e.given_by(quay, "saved-user", "saved-pw").is_empty());
+
+    // Another credential, another provider, another image: nothing dropped.
+    assert!(e
+        .refuse("p", IMG, "saved-user", "wrong", "refused")
+        .unwrap()
+        .is_empty());
+    assert!(e
+        .refuse("q", IMG, "saved-user", "saved-pw", "refused")
+        .unwrap()
+        .is_empty());
+    let dropped = e
+        .refuse(
+            "p",
+            IMG,
+            "saved-user",
+            "saved-pw",
+            "refused by the registry",
+        )
+        .unwrap();
+    assert_eq!(dropped.len(), 1);
+    assert_eq!(dropped[0].key, "registry.example.com");
+    let status = e.provider_status();
+    assert_eq!(
+        status[0].last_dropped.as_ref().map(|d| d.1.as_str()),
+        Some("refused by the registry")
+    );
+    assert!(status[1].last_dropped.is_none());
+    // Remembered resolutions go with the answer.
+    e.lookup(&req(IMG)).await.unwrap();
+    assert_eq!(runs_of(dir.path(), "p"), 2);
+    e.lookup(&req(quay)).await.unwrap();
+    assert_eq!(runs_of(dir.path(), "q"), 1);
+
+    // Flush: an unknown provider is refused; by image only the answers that answer it.
+    assert!(e.flush(Some("nope"), &[], "x").is_err());
+    assert!(e
+        .flush(None, &["other.example.com/x:1".into()], "x")
+        .unwrap()
+        .is_empty());
+    assert_eq!(e.flush(None, &[quay.into()], "x").unwrap().len(), 1);
+    e.lookup(&req(quay)).await.unwrap();
+    assert_eq!(runs_of(dir.path(), "q"), 2);
+    assert_eq!(e.flush(None, &[], "x").unwrap().len(), 2);
+    assert!(e.saved_entries().is_empty());
+}
