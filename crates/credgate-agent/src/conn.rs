@@ -18,7 +18,8 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 pub const ACCEPT_PAUSE: Duration = Duration::from_millis(100);
 
 /// A budget of connections: at most `max` in all and, for a uid that is not exempt, at most
-/// `per_uid` of them.
+/// `per_uid` of them; the last [`reserved`] slots are for exempt uids (root and the agent's
+/// own) alone, so that no number of other callers can lock them out.
 #[derive(Clone)]
 pub struct Slots {
     inner: Arc<SlotsInner>,
@@ -26,6 +27,8 @@ pub struct Slots {
 
 struct SlotsInner {
     max: usize,
+    /// Of `max`, the slots only exempt uids may take.
+    reserved: usize,
     per_uid: usize,
     exempt: Vec<u32>,
     state: Mutex<SlotState>,
@@ -55,6 +58,16 @@ impl Refused {
     }
 }
 
+/// Of a budget of `max` connections, how many only root and the agent's own uid may take: an
+/// eighth, at least one (and none of a budget of one).
+pub fn reserved(max: usize) -> usize {
+    if max <= 1 {
+        0
+    } else {
+        (max / 8).max(1)
+    }
+}
+
 /// A connection's place in a [`Slots`] budget, given back on drop.
 pub struct Slot {
     inner: Arc<SlotsInner>,
@@ -62,11 +75,13 @@ pub struct Slot {
 }
 
 impl Slots {
-    /// `exempt` uids (root, the agent's own) count only against `max`.
+    /// `exempt` uids (root, the agent's own) count only against `max`, and they alone may
+    /// take the last [`reserved`]`(max)` slots.
     pub fn new(max: usize, per_uid: usize, exempt: Vec<u32>) -> Self {
         Slots {
             inner: Arc::new(SlotsInner {
                 max,
+                reserved: if exempt.is_empty() { 0 } else { reserved(max) },
                 per_uid,
                 exempt,
                 state: Mutex::new(SlotState::default()),
@@ -81,6 +96,10 @@ impl Slots {
             return Err(Refused::Full);
         }
         let counted = uid.filter(|u| !self.inner.exempt.contains(u));
+        let exempt = uid.is_some_and(|u| self.inner.exempt.contains(&u));
+        if !exempt && state.total + self.inner.reserved >= self.inner.max {
+            return Err(Refused::Full);
+        }
         if let Some(u) = counted {
             let n = state.by_uid.entry(u).or_default();
             if *n >= self.inner.per_uid {
@@ -209,7 +228,7 @@ pub async fn drain(
     }
 }
 
-/// How much a connection's peer sent, and when it last sent something.
+/// How much a connection's peer sent, and when it last opened or ended a request.
 pub struct Activity {
     origin: Instant,
     bytes: AtomicU64,
@@ -235,7 +254,9 @@ impl Activity {
         self.origin.elapsed()
     }
 
-    /// How long since the peer last sent a byte (or since the connection opened).
+    /// How long since the peer last opened a request or one of its requests ended (or since
+    /// the connection opened). Bytes alone are no activity: a peer that only sends PINGs or
+    /// SETTINGS holds a slot for nothing.
     pub fn quiet_for(&self) -> Duration {
         let last = Duration::from_millis(self.last_ms.load(Ordering::Relaxed));
         self.origin.elapsed().saturating_sub(last)
@@ -244,9 +265,13 @@ impl Activity {
     fn read(&self, n: usize) {
         if n > 0 {
             self.bytes.fetch_add(n as u64, Ordering::Relaxed);
-            let now = u64::try_from(self.origin.elapsed().as_millis()).unwrap_or(u64::MAX);
-            self.last_ms.store(now, Ordering::Relaxed);
         }
+    }
+
+    /// A request opened or ended now.
+    pub fn requested(&self) {
+        let now = u64::try_from(self.origin.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.last_ms.store(now, Ordering::Relaxed);
     }
 }
 
@@ -386,20 +411,39 @@ mod tests {
 
     #[test]
     fn slots_bound_the_total_and_each_uid_and_come_back_on_drop() {
-        let slots = Slots::new(4, 2, vec![0]);
+        // 5 slots, 1 of them kept for exempt uids.
+        let slots = Slots::new(5, 2, vec![0]);
         let a = slots.try_take(Some(1000)).unwrap();
         let _b = slots.try_take(Some(1000)).unwrap();
         assert_eq!(slots.try_take(Some(1000)).err(), Some(Refused::UidFull));
         // Another uid and an exempt one still get in, up to the total.
         let _c = slots.try_take(Some(1001)).unwrap();
         let _d = slots.try_take(Some(0)).unwrap();
+        let _e = slots.try_take(Some(0)).unwrap();
         assert_eq!(slots.try_take(Some(0)).err(), Some(Refused::Full));
-        assert_eq!(slots.in_use(), 4);
+        assert_eq!(slots.in_use(), 5);
         drop(a);
-        assert_eq!(slots.in_use(), 3);
-        let _e = slots
-            .try_take(Some(1000))
-            .expect("the uid's slot came back");
+        assert_eq!(slots.in_use(), 4);
+        let _f = slots.try_take(Some(0)).expect("the slot came back");
+    }
+
+    /// Uids that are not exempt, however many, leave the reserved slots to root and the
+    /// agent's own uid.
+    #[test]
+    fn the_reserved_slots_are_for_exempt_uids_alone() {
+        let slots = Slots::new(16, 4, vec![0, 7]);
+        assert_eq!(reserved(16), 2);
+        let others: Vec<Slot> = (0..14)
+            .map(|i| slots.try_take(Some(1000 + i / 4)).unwrap())
+            .collect();
+        assert_eq!(slots.try_take(Some(2000)).err(), Some(Refused::Full));
+        assert_eq!(slots.try_take(None).err(), Some(Refused::Full));
+        let root = slots.try_take(Some(0)).expect("root's reserved slot");
+        let own = slots.try_take(Some(7)).expect("the agent's reserved slot");
+        assert_eq!(slots.try_take(Some(0)).err(), Some(Refused::Full));
+        drop((others, root, own));
+        assert_eq!(slots.in_use(), 0);
+        assert_eq!((reserved(1), reserved(2), reserved(512)), (0, 1, 64));
     }
 
     #[test]

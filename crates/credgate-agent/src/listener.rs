@@ -108,7 +108,8 @@ pub struct ListenerLimits {
     pub exempt: Vec<u32>,
     /// A new connection that has not sent the HTTP/2 preface by then is closed.
     pub handshake_timeout: Duration,
-    /// A connection with no stream open and nothing sent for this long is closed.
+    /// A connection with no stream open and no request opened or ended for this long is
+    /// closed (PINGs and SETTINGS do not count).
     pub idle_timeout: Duration,
     /// How long a stop waits for connections to finish their calls.
     pub shutdown_timeout: Duration,
@@ -326,7 +327,8 @@ impl Tracker {
     /// A stream counted as open until the returned guard (kept with its answer's body) drops.
     pub fn stream(&self) -> OpenStream {
         self.streams.fetch_add(1, Ordering::Relaxed);
-        OpenStream(self.streams.clone())
+        self.activity.requested();
+        OpenStream(self.streams.clone(), self.activity.clone())
     }
 
     /// Why the connection should close now, if it should.
@@ -350,11 +352,12 @@ impl Default for Tracker {
 }
 
 /// A stream counted as open while its request is handled and its answer is being sent.
-pub struct OpenStream(Arc<AtomicUsize>);
+pub struct OpenStream(Arc<AtomicUsize>, Arc<Activity>);
 
 impl Drop for OpenStream {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::Relaxed);
+        self.1.requested();
     }
 }
 

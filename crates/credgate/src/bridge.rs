@@ -13,7 +13,8 @@
 //! Nothing matches: an empty `auth`, exit 0. The agent unreachable or the provider failed: one
 //! line on stderr, exit 1; with `--fallback-in-process CONFIG --image-credential-provider-bin-dir
 //! DIR` the bridge runs the provider itself with the same engine instead, so a node keeps
-//! pulling while the agent restarts. A secret never reaches stderr.
+//! pulling while the agent restarts or refuses it (a full connection budget, an unavailable
+//! answer). A secret never reaches stderr.
 
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -153,7 +154,15 @@ fn run(args: &Args) -> Result<Zeroizing<Vec<u8>>, String> {
     let socket = credgate_api::socket_path(args.socket.as_deref());
     let answer = match unary::call::<_, pb::LookupResponse>(&socket, LOOKUP, &lookup, TIMEOUT) {
         Ok(answer) => answer,
-        Err(e @ (CallError::Connect(_) | CallError::Untrusted(_))) => {
+        // The agent away, or there but refusing the connection (every slot taken: it closes
+        // it at once) or the call (UNAVAILABLE, RESOURCE_EXHAUSTED): the fallback answers.
+        Err(
+            e @ (CallError::Connect(_)
+            | CallError::Untrusted(_)
+            | CallError::Io(_)
+            | CallError::Protocol(_)
+            | CallError::Status { code: 8 | 14, .. }),
+        ) => {
             match (
                 &args.fallback_in_process,
                 &args.image_credential_provider_bin_dir,
@@ -168,9 +177,15 @@ fn run(args: &Args) -> Result<Zeroizing<Vec<u8>>, String> {
                         args.max_cache_duration,
                     )
                 }
-                _ => {
+                _ if matches!(e, CallError::Connect(_) | CallError::Untrusted(_)) => {
                     return Err(format!(
                         "cannot reach the agent at {}: {e}",
+                        socket.display()
+                    ))
+                }
+                _ => {
+                    return Err(format!(
+                        "the agent at {} refused the call: {e}",
                         socket.display()
                     ))
                 }
@@ -183,7 +198,6 @@ fn run(args: &Args) -> Result<Zeroizing<Vec<u8>>, String> {
             ))
         }
         Err(CallError::Status { message, .. }) => return Err(format!("lookup failed: {message}")),
-        Err(e) => return Err(format!("lookup failed: {e}")),
     };
     respond(&request, &answer, args.max_cache_duration)
 }

@@ -717,3 +717,91 @@ fn flushed_answers_make_the_plugin_run_again() {
     );
     assert!(!agent.log_text().contains("kept-password-sealed"));
 }
+
+/// A Python program run as `uid` that opens `n` connections to `socket`, sends each the
+/// HTTP/2 preface, an empty SETTINGS and then a PING every 100 ms, and prints how many the
+/// agent closed, once `secs` have passed.
+fn hold_connections(uid: u32, socket: &Path, n: usize, secs: f64) -> std::process::Child {
+    let script = format!(
+        r#"
+import socket, time
+conns = []
+for _ in range({n}):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect({socket:?})
+    s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+    s.setblocking(False)
+    conns.append(s)
+closed = set()
+end = time.time() + {secs}
+while time.time() < end:
+    for i, s in enumerate(conns):
+        if i in closed:
+            continue
+        try:
+            s.sendall(b"\x00\x00\x08\x06\x00\x00\x00\x00\x00" + b"12345678")
+            while True:
+                if s.recv(65536) == b"":
+                    closed.add(i)
+                    break
+        except BlockingIOError:
+            pass
+        except OSError:
+            closed.add(i)
+    time.sleep(0.1)
+print(len(closed), flush=True)
+"#,
+        socket = socket.to_str().unwrap()
+    );
+    as_user(uid, "/usr/bin/python3")
+        .args(["-c", &script])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// Socket-group members holding every connection they may (idle, a PING every 100 ms) leave
+/// root the slots kept for it: `ctl health` and the bridge's lookup get in; and connections
+/// that only PING are closed at the idle deadline, as if silent.
+#[test]
+#[ignore = "needs root"]
+fn other_uids_cannot_take_roots_slots_and_pings_are_no_activity() {
+    use std::os::unix::fs::PermissionsExt;
+    credgate_testbed::require_root("calling as other uids");
+    crate::support::require("setpriv");
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let agent = Agent::start(
+        dir.path(),
+        &[
+            "--max-connections",
+            "16",
+            "--max-connections-per-uid",
+            "4",
+            "--idle-timeout",
+            "2s",
+        ],
+    );
+    std::fs::set_permissions(&agent.socket, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let holders: Vec<_> = (4242..4246)
+        .map(|uid| hold_connections(uid, &agent.socket, 4, 6.0))
+        .collect();
+    std::thread::sleep(std::time::Duration::from_millis(800));
+    // 16 connections asked for, 14 held (2 kept for root and the agent's uid): root gets in.
+    for _ in 0..2 {
+        let out = agent.credgate(&["ctl", "health"]);
+        assert_eq!(
+            text(&out.stdout).trim(),
+            "SERVING",
+            "root is refused while other uids hold their connections: {}",
+            text(&out.stderr)
+        );
+    }
+    // Every held connection only PINGs: each is closed at the 2 s idle deadline.
+    let mut closed = 0;
+    for h in holders {
+        let out = h.wait_with_output().unwrap();
+        closed += text(&out.stdout).trim().parse::<usize>().unwrap_or(0);
+    }
+    assert_eq!(closed, 16, "connections that only PING are idle");
+}

@@ -285,6 +285,51 @@ fn agent_down_is_one_line_on_stderr_or_the_fallback_runs_the_provider() {
     );
 }
 
+/// An agent that is there but refuses the bridge (every connection slot taken: it closes a
+/// new connection at once) is one line on stderr, or the fallback's answer.
+#[test]
+fn an_agent_that_refuses_the_connection_gets_the_fallback_to_answer() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::create_dir_all(d.join("plugins")).unwrap();
+    plugin(d, "reg", "Registry", "reg.example.com", "reg-user");
+    let config = config(d, &[("reg", "reg.example.com", V1, "")]);
+    let full = d.join("full.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&full).unwrap();
+    std::thread::spawn(move || {
+        for c in listener.incoming() {
+            drop(c);
+        }
+    });
+    let out = bridge(
+        &full,
+        &["--provider", "reg"],
+        &request(V1, "reg.example.com/app:v1"),
+    );
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    assert!(err.contains("refused the call"), "{err}");
+    let out = bridge(
+        &full,
+        &[
+            "--provider",
+            "reg",
+            "--fallback-in-process",
+            config.to_str().unwrap(),
+            "--image-credential-provider-bin-dir",
+            d.join("plugins").to_str().unwrap(),
+        ],
+        &request(V1, "reg.example.com/app:v1"),
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(json(&out)["auth"]["reg.example.com"]["password"], SECRET);
+    assert_eq!(
+        runs(d, "reg").len(),
+        1,
+        "the fallback ran the plugin itself"
+    );
+}
+
 #[test]
 fn a_failing_provider_is_an_error_without_its_secrets() {
     let dir = tempfile::tempdir().unwrap();
