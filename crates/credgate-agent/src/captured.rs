@@ -77,15 +77,21 @@ pub enum CaptureError {
     #[error("the node key is unavailable: {0}")]
     Key(String),
     /// A credential larger than any a registry needs: not kept.
-    #[error("a credential of {0} bytes, above the {MAX_CREDENTIAL}-byte limit: not captured")]
+    #[error(
+        "a credential of {0} bytes as stored, above the {MAX_CREDENTIAL}-byte limit: not captured"
+    )]
     TooLarge(usize),
 }
 
-/// The most one captured credential may take (username, password, namespace and repository
-/// together): the CRI's fields are small, and registry tokens a few KiB at most.
-pub const MAX_CREDENTIAL: usize = 8 << 10;
+/// The most one captured credential may take as it is stored (username, password, namespace
+/// and repository, encoded: a control character takes six bytes there): the CRI's fields are
+/// small, and registry tokens a few KiB at most.
+pub const MAX_CREDENTIAL: usize = 12 << 10;
 /// How many repositories keep a captured credential; beyond it the oldest capture is dropped.
 pub const MAX_ENTRIES: usize = 1024;
+/// How many of them one namespace may hold: beyond it, that namespace's oldest capture is
+/// dropped, never another tenant's.
+pub const MAX_ENTRIES_PER_NAMESPACE: usize = MAX_ENTRIES / 4;
 
 /// The captured credentials, by normalized repository (`registry.example.com/team/app`).
 pub struct Captured {
@@ -213,6 +219,17 @@ impl Captured {
         for s in stored {
             drop(Zeroizing::new(s.password));
         }
+        // Never a file the reader refuses (every entry was checked at capture; this is the
+        // last guard, and refuses the write instead of losing every tenant's captures).
+        if (plain.len() + SEAL_OVERHEAD) as u64 > MAX_FILE {
+            return Err(CaptureError::Write {
+                path: self.path(),
+                error: std::io::Error::other(format!(
+                    "{} bytes would exceed the file's {MAX_FILE}-byte limit",
+                    plain.len() + SEAL_OVERHEAD
+                )),
+            });
+        }
         let nonce = ChaCha20Poly1305::generate_nonce(&mut OsRng);
         let sealed = self
             .cipher()
@@ -253,12 +270,29 @@ impl Captured {
         fits(repository, &credential)?;
         let mut dropped = 0;
         let max = self.max_entries;
+        let per_namespace = (max / 4).max(1);
+        let namespace = credential.namespace.clone();
         self.change(|entries| {
             entries.insert(repository.to_owned(), credential);
-            while entries.len() > max {
+            let theirs = entries
+                .values()
+                .filter(|c| c.namespace == namespace)
+                .count();
+            // A namespace over its share loses its own oldest; otherwise the oldest of all.
+            let own_only = theirs > per_namespace;
+            while entries.len() > max
+                || (own_only
+                    && entries
+                        .values()
+                        .filter(|c| c.namespace == namespace)
+                        .count()
+                        > per_namespace)
+            {
                 let oldest = entries
                     .iter()
-                    .filter(|(r, _)| r.as_str() != repository)
+                    .filter(|(r, c)| {
+                        r.as_str() != repository && (!own_only || c.namespace == namespace)
+                    })
                     .min_by_key(|(_, c)| c.captured_ms)
                     .map(|(r, _)| r.clone());
                 match oldest {
@@ -363,21 +397,44 @@ impl Captured {
     }
 }
 
-/// Whether `credential` for `repository` is within [`MAX_CREDENTIAL`].
+/// Whether `credential` for `repository` is within [`MAX_CREDENTIAL`] as it is stored.
 pub fn fits(repository: &str, credential: &Credential) -> Result<(), CaptureError> {
-    let size = repository.len()
+    let raw = repository.len()
         + credential.namespace.len()
         + credential.username.len()
         + credential.password.expose_secret().len();
+    // The encoding at most sextuples a string: only one that may be large is encoded.
+    if raw > MAX_CREDENTIAL {
+        return Err(CaptureError::TooLarge(raw));
+    }
+    let size = stored_size(repository, credential);
     if size > MAX_CREDENTIAL {
         return Err(CaptureError::TooLarge(size));
     }
     Ok(())
 }
 
+/// How many bytes one credential takes in the file's (sealed) body.
+fn stored_size(repository: &str, c: &Credential) -> usize {
+    let stored = Stored {
+        repository: repository.to_owned(),
+        namespace: c.namespace.clone(),
+        username: c.username.clone(),
+        password: c.password.expose_secret().to_owned(),
+        captured_ms: c.captured_ms,
+    };
+    let n = serde_json::to_vec(&stored).map_or(usize::MAX, |v| Zeroizing::new(v).len());
+    drop(Zeroizing::new(stored.password));
+    n
+}
+
 /// The most the sealed file may hold: [`MAX_ENTRIES`] credentials of [`MAX_CREDENTIAL`] bytes
-/// with their repositories and namespaces, sealed, with room to spare.
+/// as stored, sealed, with room to spare. Nothing larger is ever written: the reader would
+/// refuse it.
 pub const MAX_FILE: u64 = 16 << 20;
+
+/// The header, nonce and tag a sealed body is wrapped in.
+const SEAL_OVERHEAD: usize = 8 + 4 + 12 + 16;
 
 /// A credential as `PullImage.auth` carries it: username and password, `auth` (base64 of
 /// `user:password`), an identity token or a registry token.
@@ -488,15 +545,94 @@ mod tests {
         assert!(c.list().is_empty());
         for (i, repo) in ["reg.io/a", "reg.io/b", "reg.io/c"].iter().enumerate() {
             assert_eq!(
-                c.capture(repo, cred("", "u", "p", 10 + i as i64)).unwrap(),
+                c.capture(repo, cred(&format!("ns-{i}"), "u", "p", 10 + i as i64))
+                    .unwrap(),
                 0
             );
         }
         // A fourth drops the oldest; replacing one that is there drops nothing.
-        assert_eq!(c.capture("reg.io/d", cred("", "u", "p", 5)).unwrap(), 1);
-        assert_eq!(c.capture("reg.io/d", cred("", "u", "q", 6)).unwrap(), 0);
+        assert_eq!(c.capture("reg.io/d", cred("ns-3", "u", "p", 5)).unwrap(), 1);
+        assert_eq!(c.capture("reg.io/d", cred("ns-3", "u", "q", 6)).unwrap(), 0);
         let kept: Vec<String> = c.list().into_iter().map(|(r, _)| r).collect();
         assert_eq!(kept, ["reg.io/b", "reg.io/c", "reg.io/d"]);
+    }
+
+    /// The bound is what the file takes, not the raw bytes: control characters take six bytes
+    /// each there. A credential small in raw bytes but large as stored is refused; the most
+    /// entries of the largest accepted size always fit the reader's limit, so the file is
+    /// never written past what the next start reads.
+    #[test]
+    fn what_is_written_is_bounded_as_stored_and_always_readable() {
+        assert!(
+            (MAX_ENTRIES * (MAX_CREDENTIAL + 1) + SEAL_OVERHEAD + 2) as u64 <= MAX_FILE,
+            "the file's limit holds every entry at its largest"
+        );
+        let dir = private_dir();
+        let c = Captured::open(dir.path(), None)
+            .unwrap()
+            .with_max_entries(40);
+        let controls = "\u{1}".repeat(2100);
+        let e = c
+            .capture("reg.io/ctl", cred("ns", "u", &controls, 1))
+            .unwrap_err();
+        assert!(
+            matches!(e, CaptureError::TooLarge(n) if n > MAX_CREDENTIAL),
+            "{e}"
+        );
+        // The largest that fits, as stored, 50 times over 40 slots in 10 namespaces.
+        let mut n = 2000;
+        while stored_size(
+            "reg.io/team/app-00",
+            &cred("ns-0", "u", &"\u{1}".repeat(n + 1), 1),
+        ) <= MAX_CREDENTIAL
+        {
+            n += 1;
+        }
+        let largest = "\u{1}".repeat(n);
+        for i in 0..50 {
+            c.capture(
+                &format!("reg.io/team/app-{i:02}"),
+                cred(&format!("ns-{}", i % 10), "u", &largest, i),
+            )
+            .unwrap();
+        }
+        let size = std::fs::metadata(dir.path().join(FILE)).unwrap().len();
+        assert!(
+            size <= (40 * (MAX_CREDENTIAL + 1) + SEAL_OVERHEAD + 2) as u64,
+            "{size}"
+        );
+        let again = Captured::open(dir.path(), None).unwrap();
+        assert_eq!(again.list().len(), 40, "every kept capture is read back");
+    }
+
+    /// One namespace capturing without end drops its own oldest captures once it holds its
+    /// share (a quarter), never another tenant's.
+    #[test]
+    fn one_namespace_cannot_evict_the_others() {
+        let dir = private_dir();
+        let c = Captured::open(dir.path(), None)
+            .unwrap()
+            .with_max_entries(8);
+        c.capture("reg.io/victim/a", cred("victim", "u", "p", 1))
+            .unwrap();
+        c.capture("reg.io/victim/b", cred("victim", "u", "p", 2))
+            .unwrap();
+        for i in 0..20 {
+            c.capture(
+                &format!("reg.io/greedy/{i}"),
+                cred("greedy", "u", "p", 10 + i),
+            )
+            .unwrap();
+        }
+        let list = c.list();
+        let victims = list.iter().filter(|(_, c)| c.namespace == "victim").count();
+        let greedy: Vec<&String> = list
+            .iter()
+            .filter(|(_, c)| c.namespace == "greedy")
+            .map(|(r, _)| r)
+            .collect();
+        assert_eq!(victims, 2, "{list:?}");
+        assert_eq!(greedy, ["reg.io/greedy/18", "reg.io/greedy/19"]);
     }
 
     /// A FIFO, a link, /dev/zero or an oversized file in place of the sealed file: a
