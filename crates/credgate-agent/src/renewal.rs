@@ -40,6 +40,10 @@ pub const CONSUMER_NAME_MAX: usize = 253;
 pub const MAX_REFS_PER_CONSUMER: usize = 4096;
 /// The most named consumers at once (Watch streams are bounded by the connections instead).
 pub const MAX_CONSUMERS: usize = 1024;
+/// The most refs the named consumers of one caller uid hold together (root and the agent's
+/// own uid excepted): a uid of the socket group cannot grow the tracked set, and the sealed
+/// cache that keeps it, by naming more consumers.
+pub const MAX_REFS_PER_UID: usize = 4096;
 
 /// Why a tracking call was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -59,6 +63,8 @@ pub enum TrackError {
     TooManyRefs,
     #[error("at most {MAX_CONSUMERS} consumers may track refs at once")]
     TooManyConsumers,
+    #[error("the consumers of one caller may hold at most {MAX_REFS_PER_UID} refs together")]
+    TooManyRefsForCaller,
 }
 
 /// A ref's credentials as watchers see them.
@@ -150,6 +156,8 @@ impl RefState {
 struct State {
     tracker: Tracker,
     refs: HashMap<String, RefState>,
+    /// The uid that named each consumer (not root's or the agent's own).
+    owners: HashMap<String, u32>,
 }
 
 struct Shared {
@@ -193,6 +201,11 @@ impl Drop for Subscription {
 
 fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Root and the agent's own uid: not bounded per uid.
+fn exempt(uid: u32) -> bool {
+    uid == 0 || uid == rustix::process::geteuid().as_raw()
 }
 
 fn seed(x: &impl Hash) -> u64 {
@@ -280,10 +293,36 @@ impl Renewer {
         Ok(())
     }
 
-    /// Refuses a change that would leave `consumer` holding more refs than allowed, or add a
-    /// consumer past the limit. `replace`: the refs become all it holds (SetTracked).
-    fn check_room(&self, consumer: &str, refs: &[String], replace: bool) -> Result<(), TrackError> {
+    /// Refuses a change that would leave `consumer` holding more refs than allowed, its
+    /// caller `uid`'s consumers more than [`MAX_REFS_PER_UID`] together, or add a consumer
+    /// past the limit. `replace`: the refs become all it holds (SetTracked).
+    fn check_room(
+        &self,
+        uid: Option<u32>,
+        consumer: &str,
+        refs: &[String],
+        replace: bool,
+    ) -> Result<(), TrackError> {
         let st = self.lock();
+        if let Some(uid) = uid.filter(|u| !exempt(*u)) {
+            let mut others = 0usize;
+            for (c, _) in st
+                .owners
+                .iter()
+                .filter(|(c, o)| **o == uid && *c != consumer)
+            {
+                others += st.tracker.held_by(c).count();
+            }
+            let mut mine: std::collections::BTreeSet<&str> = if replace {
+                Default::default()
+            } else {
+                st.tracker.held_by(consumer).collect()
+            };
+            mine.extend(refs.iter().map(String::as_str));
+            if others + mine.len() > MAX_REFS_PER_UID {
+                return Err(TrackError::TooManyRefsForCaller);
+            }
+        }
         let known = st.tracker.has_consumer(consumer);
         if !known && !refs.is_empty() && st.tracker.consumers() >= MAX_CONSUMERS {
             return Err(TrackError::TooManyConsumers);
@@ -350,10 +389,38 @@ impl Renewer {
 
     /// Adds refs to what `consumer` holds; returns how many it holds now.
     pub fn track(&self, consumer: &str, refs: &[String]) -> Result<usize, TrackError> {
+        self.track_as(None, consumer, refs)
+    }
+
+    /// [`Renewer::track`] for a caller of `uid` (`None`: in-process, unbounded by uid).
+    pub fn track_as(
+        &self,
+        uid: Option<u32>,
+        consumer: &str,
+        refs: &[String],
+    ) -> Result<usize, TrackError> {
         Self::validate(consumer, refs)?;
-        self.check_room(consumer, refs, false)?;
+        self.check_room(uid, consumer, refs, false)?;
+        self.own(uid, consumer);
         self.apply(|t, now| t.track(consumer, refs.iter().map(String::as_str), now));
         Ok(self.lock().tracker.held_by(consumer).count())
+    }
+
+    /// Counts `consumer`'s refs against `uid` from now on (not root's or the agent's own).
+    fn own(&self, uid: Option<u32>, consumer: &str) {
+        let mut guard = self.lock();
+        let st = &mut *guard;
+        let tracker = &st.tracker;
+        st.owners
+            .retain(|c, _| c == consumer || tracker.has_consumer(c));
+        match uid.filter(|u| !exempt(*u)) {
+            Some(u) => {
+                st.owners.insert(consumer.to_owned(), u);
+            }
+            None => {
+                st.owners.remove(consumer);
+            }
+        }
     }
 
     /// Removes refs from what `consumer` holds; returns how many it holds now.
@@ -365,8 +432,19 @@ impl Renewer {
 
     /// Makes `refs` all that `consumer` holds.
     pub fn set_tracked(&self, consumer: &str, refs: &[String]) -> Result<Change, TrackError> {
+        self.set_tracked_as(None, consumer, refs)
+    }
+
+    /// [`Renewer::set_tracked`] for a caller of `uid` (`None`: in-process).
+    pub fn set_tracked_as(
+        &self,
+        uid: Option<u32>,
+        consumer: &str,
+        refs: &[String],
+    ) -> Result<Change, TrackError> {
         Self::validate(consumer, refs)?;
-        self.check_room(consumer, refs, true)?;
+        self.check_room(uid, consumer, refs, true)?;
+        self.own(uid, consumer);
         Ok(self.apply(|t, now| t.set(consumer, refs.iter().map(String::as_str), now)))
     }
 
@@ -376,7 +454,7 @@ impl Renewer {
     /// still valid beyond the renewal lead costs no plugin run at that check.
     pub fn restore(&self, consumer: &str, refs: &[String]) -> Result<Change, TrackError> {
         Self::validate(consumer, refs)?;
-        self.check_room(consumer, refs, true)?;
+        self.check_room(None, consumer, refs, true)?;
         let seed = u64::from(std::process::id());
         Ok(self.apply_at(
             |t, now| t.set(consumer, refs.iter().map(String::as_str), now),

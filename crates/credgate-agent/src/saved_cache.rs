@@ -233,20 +233,62 @@ impl SavedCache {
         entries.truncate(MAX_ENTRIES);
         let mut stored = Stored {
             entries: entries.into_iter().map(stored).collect(),
-            consumers: consumers
-                .into_iter()
-                .map(|(consumer, refs)| StoredConsumer { consumer, refs })
-                .collect(),
+            consumers: Vec::new(),
         };
-        // Over the file's bound: the shortest-lived go first.
-        let plain = loop {
-            let plain = Zeroizing::new(serde_json::to_vec(&stored).expect("entries serialize"));
-            if plain.len() as u64 + 64 <= MAX_FILE || stored.entries.is_empty() {
-                break plain;
+        // Within the reader's limit, providers' answers first: the shortest-lived go when they
+        // alone would not fit (each measured once, never the whole re-encoded per drop).
+        let room = MAX_FILE as usize - 64;
+        let sizes: Vec<usize> = stored
+            .entries
+            .iter()
+            .map(|e| Zeroizing::new(serde_json::to_vec(e).expect("entries serialize")).len() + 1)
+            .collect();
+        let mut used = 32;
+        let mut fit = 0;
+        for size in &sizes {
+            if used + size > room {
+                break;
             }
-            let keep = stored.entries.len() / 2;
-            stored.entries.truncate(keep);
-        };
+            used += size;
+            fit += 1;
+        }
+        stored.entries.truncate(fit);
+        // Then the consumers, those holding the fewest refs first: one that holds thousands
+        // of long refs is the one not kept (it tracks them again at its next SetTracked).
+        let mut consumers: Vec<(usize, StoredConsumer)> = consumers
+            .into_iter()
+            .map(|(consumer, refs)| {
+                let c = StoredConsumer { consumer, refs };
+                (
+                    serde_json::to_vec(&c).map_or(usize::MAX, |v| v.len() + 1),
+                    c,
+                )
+            })
+            .collect();
+        consumers.sort_by_key(|(size, _)| *size);
+        let mut left_out = 0;
+        for (size, c) in consumers {
+            if used.saturating_add(size) > room {
+                left_out += 1;
+                continue;
+            }
+            used += size;
+            stored.consumers.push(c);
+        }
+        if left_out > 0 {
+            tracing::warn!(
+                consumers = left_out,
+                "tracked refs of consumers not kept across restarts: the sealed cache is at its limit"
+            );
+        }
+        let plain = Zeroizing::new(serde_json::to_vec(&stored).expect("entries serialize"));
+        if plain.len() as u64 + 64 > MAX_FILE {
+            // The sizes above add up to the whole: never a file the next start refuses.
+            return Err(SavedError::Write {
+                path: self.path(),
+                error: std::io::Error::other("the sealed cache would pass its size limit"),
+            });
+        }
         let n = stored.entries.len();
         for e in stored.entries {
             for a in e.auth {
@@ -419,6 +461,35 @@ mod tests {
         let loaded = SavedCache::open(dir.path()).unwrap().load();
         assert_eq!(loaded.dropped.get("node_key"), Some(&1));
         assert!(!dir.path().join(FILE).exists());
+    }
+
+    /// 60 consumers of 1000 refs of 340 bytes each (20 MB) beside a provider's answer: the
+    /// file stays within what the reader takes, the answer and the small consumer are kept,
+    /// and the next start restores them.
+    #[test]
+    fn what_is_written_stays_readable_answers_first() {
+        let dir = private_dir();
+        let cache = SavedCache::open(dir.path()).unwrap();
+        let long_ref =
+            |c: usize, i: usize| format!("registry.example.com/{}/app-{c}-{i}:v1", "x".repeat(300));
+        let mut consumers: Vec<(String, Vec<String>)> = (0..60)
+            .map(|c| {
+                (
+                    format!("big-{c}"),
+                    (0..1000).map(|i| long_ref(c, i)).collect(),
+                )
+            })
+            .collect();
+        consumers.push(("nydus".into(), vec!["registry.example.com/app:v1".into()]));
+        let n = cache.save(vec![saved("kept-answer")], consumers).unwrap();
+        assert_eq!(n, 1);
+        let size = std::fs::metadata(dir.path().join(FILE)).unwrap().len();
+        assert!(size <= MAX_FILE, "{size} bytes written");
+        let loaded = SavedCache::open(dir.path()).unwrap().load();
+        assert!(loaded.dropped.is_empty(), "{:?}", loaded.dropped);
+        assert_eq!(loaded.entries.len(), 1, "the provider's answer first");
+        assert!(loaded.consumers.iter().any(|(c, _)| c == "nydus"));
+        assert!(loaded.consumers.len() < 61);
     }
 
     #[test]

@@ -76,7 +76,7 @@ impl Credentials for Api {
             let n = self
                 .agent
                 .renewer()
-                .track(&req.consumer, &req.refs)
+                .track_as(peer.uid, &req.consumer, &req.refs)
                 .map_err(ApiError::from)?;
             Ok(Response::new(pb::TrackResponse { tracked: count(n) }))
         })
@@ -110,7 +110,7 @@ impl Credentials for Api {
             let change = self
                 .agent
                 .renewer()
-                .set_tracked(&req.consumer, &req.refs)
+                .set_tracked_as(peer.uid, &req.consumer, &req.refs)
                 .map_err(ApiError::from)?;
             Ok(Response::new(pb::SetTrackedResponse {
                 added: count(change.added.len()),

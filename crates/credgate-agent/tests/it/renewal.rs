@@ -407,3 +407,48 @@ async fn restored_refs_are_checked_before_their_credentials_expire() {
     }
     assert_eq!(f.plugin.runs(), 0, "restoring runs no plugin");
 }
+
+/// The consumers one caller uid names hold at most `MAX_REFS_PER_UID` refs together: naming
+/// more consumers does not grow what a socket-group member may track; another uid, root and
+/// in-process callers are not held back by it.
+#[tokio::test(start_paused = true)]
+async fn one_caller_uid_cannot_track_without_bound_by_naming_consumers() {
+    use credgate_agent::renewal::{TrackError, MAX_REFS_PER_UID};
+    let f = start(TokenPlugin::new("Registry", "10m"), policy());
+    let refs = |prefix: &str, n: usize| -> Vec<String> {
+        (0..n)
+            .map(|i| format!("reg.example.com/{prefix}/app-{i}:v1"))
+            .collect()
+    };
+    let half = MAX_REFS_PER_UID / 2;
+    f.renewer
+        .track_as(Some(4242), "c1", &refs("a", half))
+        .unwrap();
+    f.renewer
+        .set_tracked_as(Some(4242), "c2", &refs("b", half))
+        .unwrap();
+    assert_eq!(
+        f.renewer.track_as(Some(4242), "c3", &refs("c", 1)),
+        Err(TrackError::TooManyRefsForCaller)
+    );
+    assert_eq!(
+        f.renewer
+            .set_tracked_as(Some(4242), "c2", &refs("b", half + 1))
+            .unwrap_err(),
+        TrackError::TooManyRefsForCaller
+    );
+    // Replacing within the bound is fine; another uid and root are not counted with it.
+    f.renewer
+        .set_tracked_as(Some(4242), "c2", &refs("d", half))
+        .unwrap();
+    f.renewer
+        .track_as(Some(4243), "c4", &refs("e", half))
+        .unwrap();
+    f.renewer.track_as(Some(0), "c5", &refs("f", half)).unwrap();
+    f.renewer.track("c6", &refs("g", half)).unwrap();
+    // Untracking gives room back.
+    f.renewer.untrack("c1", &refs("a", 10)).unwrap();
+    f.renewer
+        .track_as(Some(4242), "c3", &refs("c", 10))
+        .unwrap();
+}
