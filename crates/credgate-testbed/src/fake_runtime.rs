@@ -19,6 +19,8 @@ pub struct Answers {
     pub list_bytes: usize,
     /// `PullImage`: the image ID, or a gRPC code and message.
     pub pull: Result<String, (i32, String)>,
+    /// How long a `PullImage` takes (a registry that stalls).
+    pub pull_delay: std::time::Duration,
 }
 
 impl Default for Answers {
@@ -26,6 +28,7 @@ impl Default for Answers {
         Answers {
             list_bytes: 16,
             pull: Ok("sha256:0123456789abcdef".into()),
+            pull_delay: std::time::Duration::ZERO,
         }
     }
 }
@@ -94,9 +97,11 @@ fn answer(path: &str, answers: &Answers) -> hyper::Response<Body> {
     if path.ends_with("/PullImage") {
         return match &answers.pull {
             Ok(id) => {
-                // PullImageResponse { image_ref = 1 }
-                let mut msg = vec![0x0a, id.len() as u8];
-                msg.extend_from_slice(id.as_bytes());
+                use prost::Message as _;
+                let msg = credgate_api::cri::PullImageResponse {
+                    image_ref: id.clone(),
+                }
+                .encode_to_vec();
                 ok(grpc_frame(&msg))
             }
             Err((code, message)) => hyper::Response::builder()
@@ -130,6 +135,9 @@ pub async fn start(socket: &Path, answers: Answers) -> FakeRuntime {
                         let path = req.uri().path().to_owned();
                         let _ = req.into_body().collect().await;
                         let now = answers.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                        if path.ends_with("/PullImage") {
+                            tokio::time::sleep(now.pull_delay).await;
+                        }
                         Ok::<_, std::convert::Infallible>(answer(&path, &now))
                     }
                 });

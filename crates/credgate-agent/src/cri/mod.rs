@@ -67,9 +67,13 @@ fn deadline(headers: &hyper::HeaderMap) -> Duration {
     }
 }
 
-/// The most of a `PullImage` or `RemoveImage` request or answer the proxy buffers (all small
-/// messages).
+/// The most of a `PullImage` or `RemoveImage` answer, or a `RemoveImage` request, the proxy
+/// buffers (all small messages).
 const MAX_PULL_MESSAGE: usize = 1 << 20;
+/// The largest `PullImage` request: a reference, a credential of a few KiB and the pod's
+/// sandbox config (whose annotations Kubernetes bounds at 256 KiB), far below a connection's
+/// budget, so that one pull never holds what the next pull needs.
+pub const MAX_PULL_REQUEST: usize = 512 << 10;
 /// The most of a `ListImages` answer the proxy reads for itself: containerd's own default
 /// limit for a gRPC message.
 const MAX_LIST_MESSAGE: usize = 16 << 20;
@@ -97,10 +101,11 @@ async fn remove(
     request: hyper::Request<Incoming>,
 ) -> hyper::Response<Body> {
     use prost::Message as _;
-    let (parts, bytes, _taken) = match read_whole(caller, request, "RemoveImage").await {
-        Ok(read) => read,
-        Err(refused) => return refused,
-    };
+    let (parts, bytes, _taken) =
+        match read_whole(caller, request, "RemoveImage", MAX_PULL_MESSAGE).await {
+            Ok(read) => read,
+            Err(refused) => return refused,
+        };
     let named = grpc_message(&bytes)
         .and_then(|m| wire::RemoveImageRequest::decode(m).ok())
         .and_then(|r| r.image);
@@ -356,10 +361,11 @@ async fn pull(
     pulls: &Pulls,
     request: hyper::Request<Incoming>,
 ) -> hyper::Response<Body> {
-    let (mut parts, mut bytes, _taken) = match read_whole(caller, request, "PullImage").await {
-        Ok(read) => read,
-        Err(refused) => return refused,
-    };
+    let (mut parts, mut bytes, taken) =
+        match read_whole(caller, request, "PullImage", MAX_PULL_REQUEST).await {
+            Ok(read) => read,
+            Err(refused) => return refused,
+        };
     let now_ms = crate::state::unix_ms(pulls.agent.clock().wall());
     let mut asked = grpc_message(&bytes).and_then(|m| pull_of(m, now_ms));
     if let Some(pull) = asked.as_mut() {
@@ -375,6 +381,10 @@ async fn pull(
             tracing::error!(error = %crate::error_chain(&e), "pull intent not recorded");
         }
     }
+    // The request goes to the runtime as soon as the pull is forwarded: what it held of the
+    // caller's budget is given back now, not when the pull ends (a registry that stalls would
+    // otherwise let a few slow pulls hold the connection's whole budget).
+    drop(taken);
     let started = std::time::Instant::now();
     let whole = match exchange(caller, parts, bytes, MAX_PULL_MESSAGE).await {
         Ok(whole) => whole,

@@ -12,7 +12,7 @@ use tokio::sync::Mutex;
 use tokio::task::JoinSet;
 
 use super::budget::{self, Budgets, Refused, Taken};
-use super::{Body, MAX_PULL_MESSAGE};
+use super::Body;
 use crate::listener::Guarded;
 use crate::status::ApiError;
 
@@ -161,13 +161,14 @@ pub(super) async fn read_whole(
     caller: &Caller,
     request: hyper::Request<Incoming>,
     what: &str,
+    limit: usize,
 ) -> Result<(hyper::http::request::Parts, Bytes, Taken), hyper::Response<Body>> {
     let (parts, body) = request.into_parts();
-    match budget::collect(body, MAX_PULL_MESSAGE, &caller.budgets).await {
+    match budget::collect(body, limit, &caller.budgets).await {
         Ok(c) => Ok((parts, c.data, c.taken)),
         Err(Refused::TooLarge) => Err(status(ApiError::TooLarge(format!(
             "credgate: a {what} request larger than {} KiB",
-            MAX_PULL_MESSAGE >> 10
+            limit >> 10
         )))),
         Err(Refused::Exhausted) => Err(status(ApiError::TooLarge(format!(
             "credgate: too many unfinished requests held for this connection or for all callers; {what} refused"

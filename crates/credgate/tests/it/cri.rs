@@ -1056,3 +1056,77 @@ async fn without_capture_pulls_are_still_recorded_and_logged() {
     assert!(!state.join("captured.sealed").exists());
     assert!(!agent.log_text().contains(SECRET));
 }
+
+/// A `PullImage` with padding in a field credgate has no code for (the pod's annotations are
+/// such: large by nature, up to 256 KiB in Kubernetes).
+#[derive(Clone, PartialEq, prost::Message)]
+struct PaddedPull {
+    #[prost(message, optional, tag = "1")]
+    image: Option<ImageSpec>,
+    #[prost(bytes = "vec", tag = "15")]
+    pad: Vec<u8>,
+}
+
+/// One tenant's slow pulls cannot block the next pull on the kubelet's connection: twelve
+/// pulls of 400 KiB each (4.8 MB, more than the connection's 4 MiB budget), started one after
+/// the other and held by a registry that stalls, and the next pull (another tenant's) is
+/// still forwarded; a pull request above
+/// 512 KiB is refused at once, as no real one is that large.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_large_pulls_leave_room_for_the_next_pull() {
+    use credgate_testbed::fake_runtime::{self, Answers};
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let runtime = d.join("fake-runtime.sock");
+    let _fake = fake_runtime::start(
+        &runtime,
+        Answers {
+            pull_delay: Duration::from_secs(3),
+            ..Default::default()
+        },
+    )
+    .await;
+    let (_agent, proxy) = proxy_agent_with(d, &runtime, &[]);
+    let kubelet = credgate_api::connect(&proxy).await.unwrap();
+    let padded = |n: usize| PaddedPull {
+        image: Some(ImageSpec {
+            image: "registry.example.com/tenant-a/app:v1".into(),
+        }),
+        pad: vec![b'a'; n],
+    };
+    // One after the other, as a kubelet starts pulls: each is read whole and forwarded
+    // before the next arrives (read at once, they would share the budget while read).
+    let mut slow = Vec::new();
+    for _ in 0..12 {
+        let channel = kubelet.clone();
+        let req = padded(400 << 10);
+        slow.push(tokio::spawn(async move {
+            call_on::<_, PullImageResponse>(channel, PULL_IMAGE, req).await
+        }));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let next = call_on::<_, PullImageResponse>(
+        kubelet.clone(),
+        PULL_IMAGE,
+        pull_request(
+            "registry.example.com/tenant-b/app:v1",
+            Some(("b", "b-secret")),
+            "tenant-b",
+        ),
+    )
+    .await;
+    assert!(next.is_ok(), "the next tenant's pull: {next:?}");
+    for pull in slow {
+        let answer = pull.await.unwrap();
+        assert!(answer.is_ok(), "a slow pull: {answer:?}");
+    }
+    let too_large = call_on::<_, PullImageResponse>(kubelet, PULL_IMAGE, padded(600 << 10))
+        .await
+        .unwrap_err();
+    assert_eq!(too_large.code(), tonic::Code::ResourceExhausted);
+    assert!(
+        too_large.message().contains("larger than 512 KiB"),
+        "{}",
+        too_large.message()
+    );
+}
