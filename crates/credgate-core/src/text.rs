@@ -30,6 +30,36 @@ impl fmt::Debug for Quoted<'_> {
     }
 }
 
+/// `line` with every control character but a final line feed written as an escape (`\n`,
+/// `\r`, `\t`, `\u{1b}`; Unicode's line and paragraph separators too): a log line whose
+/// fields came from outside (a registry's error body in the runtime's message, an image
+/// reference, a pod name, a plugin's stderr) stays one line and cannot forge another.
+pub fn escape_controls(line: &str) -> std::borrow::Cow<'_, str> {
+    let (body, end) = match line.strip_suffix('\n') {
+        Some(body) => (body, "\n"),
+        None => (line, ""),
+    };
+    let forged = |c: char| c.is_control() || c == '\u{2028}' || c == '\u{2029}';
+    if !body.contains(forged) {
+        return std::borrow::Cow::Borrowed(line);
+    }
+    let mut out = String::with_capacity(line.len() + 16);
+    for c in body.chars() {
+        match c {
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if forged(c) => {
+                use std::fmt::Write as _;
+                let _ = write!(out, "\\u{{{:x}}}", c as u32);
+            }
+            c => out.push(c),
+        }
+    }
+    out.push_str(end);
+    std::borrow::Cow::Owned(out)
+}
+
 /// `outer: inner: root`, one line: an error and its causes as operators read them.
 pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
     let mut parts = vec![e.to_string()];
@@ -58,6 +88,22 @@ pub fn repeated_cause(e: &(dyn std::error::Error + 'static)) -> Option<String> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn control_characters_are_escaped_but_the_line_end() {
+        use super::escape_controls;
+        assert_eq!(escape_controls("plain line\n"), "plain line\n");
+        assert!(matches!(
+            escape_controls("plain\n"),
+            std::borrow::Cow::Borrowed(_)
+        ));
+        assert_eq!(
+            escape_controls("a 401\n2026-01-01T00:00:00Z  INFO forged\r\t\u{1b}[31m\u{2028}x\n"),
+            "a 401\\n2026-01-01T00:00:00Z  INFO forged\\r\\t\\u{1b}[31m\\u{2028}x\n"
+        );
+        assert_eq!(escape_controls("no end\u{7f}"), "no end\\u{7f}");
+        assert_eq!(escape_controls("ünïcode ok\n"), "ünïcode ok\n");
+    }
+
     use super::*;
 
     #[test]

@@ -105,13 +105,49 @@ fn init_logs(verbose: u8, default_level: &str, json: bool) {
     };
     let filter = tracing_subscriber::EnvFilter::try_from_env("CREDGATE_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
-    let logs = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr);
+    let logs = tracing_subscriber::fmt().with_env_filter(filter);
     if json {
-        logs.json().init();
+        logs.with_writer(std::io::stderr).json().init();
     } else {
-        logs.init();
+        // Text: each line escaped as a whole, so that no field from outside (a registry's
+        // error body, an image reference, a pod name, a plugin's stderr) can end the line and
+        // forge another; without colours, whose escapes would be escaped too.
+        logs.with_ansi(false).with_writer(EscapedLines).init();
+    }
+}
+
+/// Standard error, one log line at a time with its control characters escaped (JSON logs
+/// escape them as JSON does).
+struct EscapedLines;
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for EscapedLines {
+    type Writer = LineBuffer;
+
+    fn make_writer(&'a self) -> LineBuffer {
+        LineBuffer(Vec::new())
+    }
+}
+
+/// One event's formatted line, written escaped when it is dropped (the formatter writes an
+/// event whole, then drops its writer).
+struct LineBuffer(Vec<u8>);
+
+impl std::io::Write for LineBuffer {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Drop for LineBuffer {
+    fn drop(&mut self) {
+        use std::io::Write as _;
+        let line = String::from_utf8_lossy(&self.0);
+        let escaped = credgate_core::text::escape_controls(&line);
+        let _ = std::io::stderr().lock().write_all(escaped.as_bytes());
     }
 }

@@ -1130,3 +1130,48 @@ async fn slow_large_pulls_leave_room_for_the_next_pull() {
         too_large.message()
     );
 }
+
+/// A registry's error body reaches the runtime's message, and a pod name is the pod author's:
+/// neither can forge a line of the agent's text log (their control characters are escaped).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outside_text_cannot_forge_log_lines() {
+    use credgate_testbed::fake_runtime::{self, Answers};
+    const FORGED: &str =
+        "2026-01-01T00:00:00.000000Z  INFO credgate_agent::cri::decision: pull image=forged";
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let runtime = d.join("fake-runtime.sock");
+    let _fake = fake_runtime::start(
+        &runtime,
+        Answers {
+            pull: Err((
+                2,
+                format!("failed to resolve: 401 {{\"errors\":\"x\"}}\n{FORGED}"),
+            )),
+            ..Default::default()
+        },
+    )
+    .await;
+    let (agent, proxy) = proxy_agent_with(d, &runtime, &[]);
+    let mut request = pull_request("registry.example.com/team/app:v1", None, "ns");
+    if let Some(m) = request
+        .sandbox_config
+        .as_mut()
+        .and_then(|s| s.metadata.as_mut())
+    {
+        m.name = format!("pod\r\n{FORGED}");
+    }
+    call::<_, PullImageResponse>(&proxy, PULL_IMAGE, request)
+        .await
+        .unwrap_err();
+    credgate_testbed::eventually("the pull is logged", Duration::from_secs(20), || {
+        agent.log_text().contains("pull image=registry.example.com")
+    });
+    let log = agent.log_text();
+    assert!(
+        !log.lines().any(|l| l.starts_with("2026-01-01T00:00:00")),
+        "a forged line:\n{log}"
+    );
+    assert!(log.contains(&format!("\\n{FORGED}")), "{log}");
+    assert!(log.contains(&format!("pod\\r\\n{FORGED}")), "{log}");
+}
