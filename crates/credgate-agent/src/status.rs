@@ -103,6 +103,13 @@ impl From<CaptureError> for ApiError {
     }
 }
 
+impl ApiError {
+    /// The message the caller is given.
+    pub fn message(self) -> String {
+        Status::from(self).message().to_owned()
+    }
+}
+
 /// INVALID_ARGUMENT with `message`.
 pub fn invalid(message: impl Into<String>) -> Status {
     ApiError::Invalid(message.into()).into()

@@ -8,6 +8,35 @@ use super::*;
 /// Images one flush may name.
 const MAX_FLUSH_IMAGES: usize = 1024;
 
+/// The refusal of what `service` restricts, for a caller of another service.
+fn not_for(peer: Peer, service: Service) -> ApiError {
+    let uid = peer.uid.map_or("unknown".into(), |u| u.to_string());
+    ApiError::Denied(format!(
+        "uid {uid} may not call the {} service",
+        service.as_str()
+    ))
+}
+
+impl Api {
+    /// Leaves out of an explanation what the caller could not learn from the services it may
+    /// call: the guard's records without image-access, the sources, their cache and the
+    /// captured credential without credentials (`--allow-uids`).
+    fn only_what_the_caller_may_see(&self, peer: Peer, answer: &mut pb::ExplainResponse) {
+        let callers = self.agent.callers();
+        if !callers.allows(Service::ImageAccess, peer.uid) {
+            answer.guard_records.clear();
+            answer.guard_node_wide_decision = not_for(peer, Service::ImageAccess).message();
+        }
+        if !callers.allows(Service::Credentials, peer.uid) {
+            answer.sources.clear();
+            answer.captured = false;
+            answer.captured_namespace.clear();
+            answer.captured_unix_ms = 0;
+            answer.verdict = not_for(peer, Service::Credentials).message();
+        }
+    }
+}
+
 #[tonic::async_trait]
 impl Admin for Api {
     async fn flush(
@@ -143,10 +172,11 @@ impl Admin for Api {
         self.observed(peer, "Explain", async {
             self.may_claim_identity(peer, req.service_account.as_ref())?;
             let sa = req.service_account.map(service_account).transpose()?;
-            let answer = self
+            let mut answer = self
                 .agent
                 .explain(&req.image, sa.as_ref())
                 .map_err(ApiError::from)?;
+            self.only_what_the_caller_may_see(peer, &mut answer);
             Ok(Response::new(answer))
         })
         .await
@@ -159,6 +189,10 @@ impl Admin for Api {
         let peer = peer(&request);
         let req = request.into_inner();
         self.observed(peer, "ListPulls", async {
+            // Pulls name pods and images: what the image-access service is restricted for.
+            if !self.agent.callers().allows(Service::ImageAccess, peer.uid) {
+                return Err(not_for(peer, Service::ImageAccess).into());
+            }
             let repository = if req.image.is_empty() {
                 None
             } else {

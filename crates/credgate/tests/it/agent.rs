@@ -805,3 +805,87 @@ fn other_uids_cannot_take_roots_slots_and_pings_are_no_activity() {
     }
     assert_eq!(closed, 16, "connections that only PING are idle");
 }
+
+/// `explain` and `ctl pulls` answer only what the caller's services show it: with
+/// image-access and credentials restricted, another uid's explanation has neither the guard's
+/// records nor the sources, and its `ctl pulls` is refused; a listed uid sees them.
+#[test]
+#[ignore = "needs root"]
+fn explain_and_pulls_keep_to_the_callers_services() {
+    use std::os::unix::fs::PermissionsExt;
+    credgate_testbed::require_root("calling as other uids");
+    crate::support::require("setpriv");
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples");
+    let agent = Agent::start(
+        dir.path(),
+        &[
+            "--allow-uids",
+            "image-access=4243",
+            "--allow-uids",
+            "credentials=4243",
+            "--image-credential-provider-config",
+            examples.join("provider-config.yaml").to_str().unwrap(),
+            "--image-credential-provider-bin-dir",
+            examples.join("plugins").to_str().unwrap(),
+        ],
+    );
+    std::fs::set_permissions(&agent.socket, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let image = "registry.example.com/team/app:v1";
+    let id = format!("sha256:{}", "4b".repeat(32));
+    let out = agent.credgate(&[
+        "ctl",
+        "record-result",
+        image,
+        "--image-ref",
+        &id,
+        "--secret",
+        "team-a/regcred=alice:explain-secret",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let explain_as = |uid: u32| -> serde_json::Value {
+        let out = as_user(uid, env!("CARGO_BIN_EXE_credgate"))
+            .args(["explain", "-o", "json", image])
+            .env("CREDGATE_SOCKET", &agent.socket)
+            .env_remove("CREDGATE_LOG")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let listed = explain_as(4243);
+    assert!(
+        listed["guard_records"]
+            .as_array()
+            .is_some_and(|r| !r.is_empty()),
+        "{listed}"
+    );
+    assert!(listed["sources"].as_array().is_some_and(|s| !s.is_empty()));
+    let other = explain_as(4242);
+    assert!(
+        other["guard_records"]
+            .as_array()
+            .is_none_or(|r| r.is_empty()),
+        "{other}"
+    );
+    assert!(other["sources"].as_array().is_none_or(|s| s.is_empty()));
+    assert!(
+        other["guard_node_wide_decision"]
+            .as_str()
+            .is_some_and(|d| d.contains("may not call the image-access service")),
+        "{other}"
+    );
+    let pulls = as_user(4242, env!("CARGO_BIN_EXE_credgate"))
+        .args(["ctl", "pulls"])
+        .env("CREDGATE_SOCKET", &agent.socket)
+        .env_remove("CREDGATE_LOG")
+        .output()
+        .unwrap();
+    assert!(!pulls.status.success());
+    assert!(
+        text(&pulls.stderr).contains("may not call the image-access service"),
+        "{}",
+        text(&pulls.stderr)
+    );
+}
