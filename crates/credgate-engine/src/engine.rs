@@ -128,6 +128,8 @@ pub struct LookupRequest<'a> {
     /// Only this provider, and no static source: what one provider entry of a kubelet's config
     /// asks when the kubelet runs the bridge in that provider's place.
     pub provider: Option<&'a str>,
+    /// Who asks, for providers' rate limits (`--plugin-rate`): by default the agent itself.
+    pub caller: crate::rate::Caller,
 }
 
 /// What is being looked up, parsed once.
@@ -477,6 +479,7 @@ impl Engine {
                         scope,
                         mode: &mode,
                         fresh_until,
+                        caller: req.caller,
                     };
                     p.get(ask).await
                 }

@@ -32,6 +32,13 @@ pub enum ProviderError {
     MissingAnnotation { plugin: String, key: String },
     #[error("plugin {plugin}: the run ended without an answer")]
     Abandoned { plugin: String },
+    /// The provider's `--plugin-rate` would not give this caller a turn soon enough.
+    #[error("plugin {plugin}: {why} (its --plugin-rate is {per_second}/s); try again later")]
+    RateLimited {
+        plugin: String,
+        per_second: f64,
+        why: String,
+    },
 }
 
 impl ProviderError {
@@ -47,6 +54,7 @@ impl ProviderError {
         "backoff",
         "missing_annotation",
         "abandoned",
+        "rate_limited",
     ];
 
     /// The provider (plugin) that failed.
@@ -63,7 +71,8 @@ impl ProviderError {
             | ProviderError::TokenEchoed { plugin }
             | ProviderError::Backoff { plugin, .. }
             | ProviderError::MissingAnnotation { plugin, .. }
-            | ProviderError::Abandoned { plugin } => plugin,
+            | ProviderError::Abandoned { plugin }
+            | ProviderError::RateLimited { plugin, .. } => plugin,
         }
     }
 
@@ -82,6 +91,7 @@ impl ProviderError {
             ProviderError::Backoff { .. } => "backoff",
             ProviderError::MissingAnnotation { .. } => "missing_annotation",
             ProviderError::Abandoned { .. } => "abandoned",
+            ProviderError::RateLimited { .. } => "rate_limited",
         }
     }
 }

@@ -207,6 +207,8 @@ pub struct Ask<'a> {
     pub scope: Option<Arc<Scope>>,
     pub mode: &'a Mode,
     pub fresh_until: Instant,
+    /// Who asks, for the provider's rate limit.
+    pub caller: crate::rate::Caller,
 }
 
 enum Join {
@@ -452,8 +454,9 @@ impl Provider {
         .encode();
         let this = self.clone();
         let job = pending.clone();
+        let caller = ask.caller;
         let run = async move {
-            let result = this.run(&job, request, token).await;
+            let result = this.run(&job, request, token, caller).await;
             if let Ok(entry) = &result {
                 let n = this.cache.insert(entry.clone(), this.clock.now());
                 this.generation.fetch_add(1, Ordering::Release);
@@ -475,16 +478,45 @@ impl Provider {
     }
 
     #[tracing::instrument(name = "plugin_run", skip_all, fields(plugin = %self.spec.name, image = %job.image))]
-    async fn run(&self, job: &Pending, request: Vec<u8>, token: Option<SecretString>) -> RunResult {
+    async fn run(
+        &self,
+        job: &Pending,
+        request: Vec<u8>,
+        token: Option<SecretString>,
+        caller: crate::rate::Caller,
+    ) -> RunResult {
+        // The provider's rate first, fairly between callers (a run waiting for its turn holds
+        // no slot); a refusal is no failure of the plugin and starts no backoff.
+        if let Some(rate) = &self.rate {
+            match rate.take(caller).await {
+                Ok(true) => {
+                    self.metrics.delayed.inc();
+                }
+                Ok(false) => {}
+                Err(refusal) => {
+                    self.metrics.error("rate_limited");
+                    let why = match refusal {
+                        crate::rate::Refusal::CallerWaiting(n) => format!(
+                            "this caller already has {n} lookups waiting for the provider's turn"
+                        ),
+                        crate::rate::Refusal::TooLong(wait) => format!(
+                            "this lookup's turn would come in {}, past the {} a lookup may wait",
+                            credgate_core::duration::Rounded(wait),
+                            credgate_core::duration::Rounded(crate::rate::MAX_WAIT)
+                        ),
+                    };
+                    return Err(ProviderError::RateLimited {
+                        plugin: self.spec.name.clone(),
+                        per_second: rate.rate().per_second,
+                        why,
+                    });
+                }
+            }
+        }
         // Bounded concurrency: a burst of distinct images behind an `Image`-keyed plugin, or
         // many providers at once, cannot fork without limit. Waiting for a slot is not part
         // of the plugin's timeout.
         let _slot = self.slots.acquire().await;
-        if let Some(rate) = &self.rate {
-            if rate.take().await {
-                self.metrics.delayed.inc();
-            }
-        }
         let _global = self.global_slots.acquire().await;
         let started = Instant::now();
         self.metrics.runs.inc();

@@ -60,7 +60,7 @@ impl Credentials for Api {
         let request = request.into_inner();
         self.observed(peer, "Lookup", async {
             self.may_claim_identity(peer, request.service_account.as_ref())?;
-            self.lookup_inner(request).await
+            self.lookup_inner(request, peer).await
         })
         .await
         .map(Response::new)

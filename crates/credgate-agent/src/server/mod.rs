@@ -242,7 +242,13 @@ impl Api {
         .into())
     }
 
-    async fn lookup_inner(&self, mut req: pb::LookupRequest) -> Result<pb::LookupResponse, Status> {
+    async fn lookup_inner(
+        &self,
+        mut req: pb::LookupRequest,
+        peer: Peer,
+    ) -> Result<pb::LookupResponse, Status> {
+        let caller =
+            credgate_engine::rate::Caller::of(peer.uid, rustix::process::geteuid().as_raw());
         self.agent.metrics().lookup_by(&req.caller);
         let sa = req
             .service_account
@@ -261,7 +267,7 @@ impl Api {
         let engine = self.agent.engine();
         if !req.provider.is_empty() {
             return self
-                .provider_lookup(&engine, &req, sa.as_ref(), min_valid_for)
+                .provider_lookup(&engine, &req, sa.as_ref(), min_valid_for, caller)
                 .await;
         }
         let request = LookupRequest {
@@ -270,6 +276,7 @@ impl Api {
             service_account: sa.as_ref(),
             registry_host: req.registry_host,
             provider: None,
+            caller,
         };
         // A warm cache answers straight into the wire message.
         let served = engine
@@ -355,6 +362,7 @@ impl Api {
         req: &pb::LookupRequest,
         sa: Option<&ServiceAccount>,
         min_valid_for: Duration,
+        caller: credgate_engine::rate::Caller,
     ) -> Result<pb::LookupResponse, Status> {
         let name = req.provider.as_str();
         if !engine.has_provider(name) {
@@ -371,6 +379,7 @@ impl Api {
             service_account: sa,
             registry_host: false,
             provider: Some(name),
+            caller,
         };
         let mut lookup = engine.lookup(&request).await.map_err(ApiError::from)?;
         if let Some(lead) = policy.due_lead(clock.now(), lookup.entries.iter().map(|e| e.times())) {
