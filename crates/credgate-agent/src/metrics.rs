@@ -92,6 +92,8 @@ pub struct AgentMetrics {
     pub reloads: Family<Labels, Counter>,
     pub guard_decisions: Family<Labels, Counter>,
     pub guard_records: Gauge,
+    /// Image names dropped from a record that held its most, the oldest first.
+    pub guard_names_dropped: Counter,
     pub guard_intents: Gauge,
     pub verifications: Family<Labels, Counter>,
     /// Lookups by caller kind (kubelet, docker-helper, api).
@@ -191,6 +193,7 @@ impl Default for AgentMetrics {
             reloads: Family::default(),
             guard_decisions,
             guard_records: Gauge::default(),
+            guard_names_dropped: Counter::default(),
             guard_intents: Gauge::default(),
             verifications: Family::default(),
             callers: Arc::new(CALLERS.map(|c| {
@@ -334,6 +337,11 @@ impl AgentMetrics {
             "guard_records",
             "Pull records stored",
             self.guard_records.clone(),
+        );
+        r.register(
+            "guard_names_dropped",
+            "Image names dropped from a pull record that held its most (64), the one changed longest ago first",
+            self.guard_names_dropped.clone(),
         );
         r.register(
             "guard_intents",

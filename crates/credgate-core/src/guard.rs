@@ -15,6 +15,10 @@ use crate::reference::ImageRef;
 
 /// At most this many secrets are remembered per image name.
 pub const MAX_SECRETS_PER_NAME: usize = 100;
+/// The most image names one record keeps (one image content pulled under many names, by a
+/// tenant who names it at will): beyond it the name changed longest ago is dropped. A dropped
+/// name's next consumer authenticates, as for an image never pulled under it.
+pub const MAX_NAMES_PER_RECORD: usize = 64;
 
 /// When a consumer must authenticate again before using a present image.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -260,6 +264,27 @@ impl NameMap {
 
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
+    }
+
+    /// Drops the names changed longest ago, but `keep`, until at most `max` are left; how
+    /// many were dropped.
+    pub fn bound(&mut self, keep: &str, max: usize) -> usize {
+        let mut dropped = 0;
+        while self.0.len() > max.max(1) {
+            let Some(oldest) = self
+                .0
+                .iter()
+                .enumerate()
+                .filter(|(_, (n, _))| n != keep)
+                .min_by_key(|(_, (_, e))| e.changed_ms)
+                .map(|(i, _)| i)
+            else {
+                break;
+            };
+            self.0.remove(oldest);
+            dropped += 1;
+        }
+        dropped
     }
 }
 
@@ -609,6 +634,7 @@ pub fn merge(
     }
     entry.changed_ms = now_ms;
     r.changed_ms = now_ms;
+    r.names.bound(name, MAX_NAMES_PER_RECORD);
     r
 }
 
@@ -628,6 +654,7 @@ pub fn recovered(record: Option<&Record>, image_ref: &str, name: &str, now_ms: i
             },
         );
         r.changed_ms = now_ms;
+        r.names.bound(name, MAX_NAMES_PER_RECORD);
     }
     r
 }

@@ -426,7 +426,12 @@ impl Guard {
         } else {
             None
         };
-        self.store()?
+        let store = self.store()?;
+        // Names a record holds beyond its bound are dropped, the oldest first: counted.
+        let before = store.record(image_ref).map_or(0, |r| {
+            r.names.len() + usize::from(!r.names.contains_key(&name))
+        });
+        store
             .apply(
                 Op::PullResult {
                     image: reference,
@@ -437,6 +442,12 @@ impl Guard {
                 self.now_ms(),
             )
             .await?;
+        if let Some(after) = store.record(image_ref) {
+            let dropped = before.saturating_sub(after.names.len());
+            if dropped > 0 {
+                self.metrics.guard_names_dropped.inc_by(dropped as u64);
+            }
+        }
         self.update_gauges();
         Ok(())
     }

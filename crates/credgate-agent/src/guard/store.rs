@@ -425,7 +425,7 @@ fn load(conn: &Connection) -> Result<(Mem, usize), String> {
         .map_err(|e| e.to_string())?;
     for row in rows {
         let (image_ref, body) = row.map_err(|e| e.to_string())?;
-        log_rows += 1;
+        log_rows += units(body.as_deref().map_or(0, str::len));
         let Some(body) = body else {
             mem.records.remove(&image_ref);
             continue;
@@ -459,23 +459,34 @@ fn load(conn: &Connection) -> Result<(Mem, usize), String> {
     Ok((mem, log_rows))
 }
 
-/// Whether a log of `rows` rows holding `live` records should be rewritten.
-fn needs_compaction(rows: usize, live: usize) -> bool {
-    rows > 2 * live + 1024
+/// What a row of the record log weighs: one, and one more per 4 KiB of its body, so that a
+/// log of a few large records (every pull rewrites its record) is compacted as soon as one of
+/// many small ones would be, and the file stays within a few times what is live.
+fn units(body_len: usize) -> usize {
+    1 + body_len / 4096
 }
 
-/// Rewrites the record log with one row per live record, in one transaction.
+/// Whether a log of `units` (see [`units`]) holding `live` records should be rewritten.
+fn needs_compaction(units: usize, live: usize) -> bool {
+    units > 2 * live + 1024
+}
+
+/// Rewrites the record log with one row per live record, in one transaction; the units it
+/// wrote.
 fn compact(conn: &mut Connection, mem: &Mem) -> rusqlite::Result<usize> {
     let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
     tx.execute("DELETE FROM record_log", [])?;
+    let mut written = 0;
     {
         let mut insert = tx.prepare("INSERT INTO record_log (image_ref, body) VALUES (?1, ?2)")?;
         for r in mem.records.values() {
-            insert.execute(params![r.image_ref, stored::encode(r)])?;
+            let body = stored::encode(r);
+            written += units(body.len());
+            insert.execute(params![r.image_ref, body])?;
         }
     }
     tx.commit()?;
-    Ok(mem.records.len())
+    Ok(written)
 }
 
 /// The most operations committed in one transaction.
@@ -528,7 +539,8 @@ fn writer(
 
 /// What one operation changes in memory once committed.
 enum Effect {
-    PutRecord(Arc<Record>),
+    /// A record and the units its row weighs.
+    PutRecord(Arc<Record>, usize),
     DeleteRecord(String),
     PutIntent(String, Intent),
     DeleteIntent(String),
@@ -559,7 +571,7 @@ fn commit(conn: &mut Connection, batch: Vec<Job>, mem: &Arc<RwLock<Mem>>) -> usi
 }
 
 /// One transaction for `batch`; once it is committed the effects are published to memory.
-/// Returns the answers and how many rows the record log grew by.
+/// Returns the answers and how many units (see [`units`]) the record log grew by.
 fn run(
     conn: &mut Connection,
     batch: &[Job],
@@ -584,7 +596,7 @@ fn run(
             let (done, eff) = apply(&tx, &ctx, &job.op, job.now_ms)?;
             for e in &eff {
                 match e {
-                    Effect::PutRecord(r) => {
+                    Effect::PutRecord(r, _) => {
                         staged_records.insert(r.image_ref.clone(), Some(r.clone()));
                     }
                     Effect::DeleteRecord(k) => {
@@ -605,12 +617,16 @@ fn run(
     tx.commit().map_err(|e| StoreError::Write(e.to_string()))?;
     let appended = effects
         .iter()
-        .filter(|e| matches!(e, Effect::PutRecord(_) | Effect::DeleteRecord(_)))
-        .count();
+        .map(|e| match e {
+            Effect::PutRecord(_, weight) => *weight,
+            Effect::DeleteRecord(_) => 1,
+            _ => 0,
+        })
+        .sum();
     let mut m = write(mem);
     for e in effects {
         match e {
-            Effect::PutRecord(r) => {
+            Effect::PutRecord(r, _) => {
                 m.records.insert(r);
             }
             Effect::DeleteRecord(k) => {
@@ -678,11 +694,13 @@ fn overlay<'a, V: Clone + 'a>(
     out
 }
 
-fn put_record(db: &Connection, r: &Record) -> Result<(), StoreError> {
+/// Appends `r`; the units (see [`units`]) the log grew by.
+fn put_record(db: &Connection, r: &Record) -> Result<usize, StoreError> {
+    let body = stored::encode(r);
     db.prepare_cached("INSERT INTO record_log (image_ref, body) VALUES (?1, ?2)")
-        .and_then(|mut st| st.execute(params![r.image_ref, stored::encode(r)]))
+        .and_then(|mut st| st.execute(params![r.image_ref, body]))
         .map_err(|e| StoreError::Write(e.to_string()))?;
-    Ok(())
+    Ok(units(body.len()))
 }
 
 fn delete_record(db: &Connection, image_ref: &str) -> Result<(), StoreError> {
@@ -761,8 +779,8 @@ fn apply(
             if let Some(used) = used {
                 let current = ctx.record(image_ref);
                 let merged = guard::merge(current.as_deref(), image_ref, name, used, now_ms);
-                put_record(db, &merged)?;
-                effects.push(Effect::PutRecord(Arc::new(merged)));
+                let weight = put_record(db, &merged)?;
+                effects.push(Effect::PutRecord(Arc::new(merged), weight));
             }
             effects.extend(release_intent(db, ctx, image)?);
             Done::Ok
@@ -776,8 +794,8 @@ fn apply(
                 .record(image_ref)
                 .and_then(|current| guard::learn(&current, name, learned, now_ms));
             if let Some(r) = updated {
-                put_record(db, &r)?;
-                effects.push(Effect::PutRecord(Arc::new(r)));
+                let weight = put_record(db, &r)?;
+                effects.push(Effect::PutRecord(Arc::new(r), weight));
             }
             Done::Ok
         }
@@ -822,8 +840,8 @@ fn apply(
                 }
             }
             for r in recovered.into_values() {
-                put_record(db, &r)?;
-                effects.push(Effect::PutRecord(Arc::new(r)));
+                let weight = put_record(db, &r)?;
+                effects.push(Effect::PutRecord(Arc::new(r), weight));
             }
             for r in ctx.all_records() {
                 if !present_refs.contains_key(r.image_ref.as_str()) && r.changed_ms < *before_ms {

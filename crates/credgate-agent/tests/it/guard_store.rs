@@ -409,3 +409,47 @@ async fn an_untrusted_state_directory_is_refused() {
     };
     assert!(e.to_string().contains("symbolic link"), "{e}");
 }
+
+/// The size of the store's files on disk (the database and its write-ahead log).
+fn store_bytes(state: &std::path::Path) -> u64 {
+    std::fs::read_dir(state)
+        .unwrap()
+        .filter_map(Result::ok)
+        .filter(|e| e.file_name().to_string_lossy().starts_with("guard.db"))
+        .map(|e| e.metadata().map(|m| m.len()).unwrap_or(0))
+        .sum()
+}
+
+/// One image content pulled anonymously under 3000 names (a tenant names it at will): its
+/// record keeps a bounded number of names, and the store's files stay small, since a record
+/// rewritten at each pull is small and the log is compacted by what it weighs.
+#[tokio::test]
+async fn one_content_under_many_names_keeps_the_store_small() {
+    use credgate_core::guard::MAX_NAMES_PER_RECORD;
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let store = Store::open(&state).unwrap();
+    let long = "x".repeat(150);
+    for i in 0..3000 {
+        let name = format!("registry.example.com/{long}/name-{i}");
+        store
+            .apply(
+                Op::PullResult {
+                    image: format!("{name}:v1"),
+                    name,
+                    image_ref: REF.into(),
+                    used: Some(Presented::NodeWide),
+                },
+                NOW + i,
+            )
+            .await
+            .unwrap();
+    }
+    let record = store.record(REF).unwrap();
+    assert_eq!(record.names.len(), MAX_NAMES_PER_RECORD);
+    let bytes = store_bytes(&state);
+    assert!(bytes < 16 << 20, "{bytes} bytes on disk");
+    store.close().await;
+    let again = Store::open(&state).unwrap();
+    assert_eq!(again.record(REF).unwrap().names.len(), MAX_NAMES_PER_RECORD);
+}

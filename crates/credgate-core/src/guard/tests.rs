@@ -538,3 +538,49 @@ fn hashes_under_another_node_key_neither_match_nor_rotate() {
         assert!(d.update.is_none());
     }
 }
+
+/// One content pulled under ever more names keeps at most `MAX_NAMES_PER_RECORD` of them: the
+/// name changed longest ago goes, never the one just pulled.
+#[test]
+fn a_record_keeps_a_bounded_number_of_names() {
+    let mut r = merge(
+        None,
+        "sha256:abc",
+        "reg.io/a/name-0",
+        &Presented::NodeWide,
+        0,
+    );
+    for i in 1..(MAX_NAMES_PER_RECORD as i64 + 50) {
+        r = merge(
+            Some(&r),
+            "sha256:abc",
+            &format!("reg.io/a/name-{i}"),
+            &Presented::NodeWide,
+            i,
+        );
+    }
+    assert_eq!(r.names.len(), MAX_NAMES_PER_RECORD);
+    assert!(!r.names.contains_key("reg.io/a/name-0"));
+    assert!(r.names.contains_key(&format!(
+        "reg.io/a/name-{}",
+        MAX_NAMES_PER_RECORD as i64 + 49
+    )));
+    // An old name pulled again is kept and others make room.
+    let again = merge(
+        Some(&r),
+        "sha256:abc",
+        "reg.io/a/name-60",
+        &Presented::NodeWide,
+        1000,
+    );
+    assert_eq!(again.names.len(), MAX_NAMES_PER_RECORD);
+    let fresh = merge(
+        Some(&again),
+        "sha256:abc",
+        "reg.io/a/new",
+        &Presented::NodeWide,
+        1001,
+    );
+    assert!(fresh.names.contains_key("reg.io/a/name-60"));
+    assert!(fresh.names.contains_key("reg.io/a/new"));
+}
