@@ -635,6 +635,19 @@ mod tests {
         assert_eq!(greedy, ["reg.io/greedy/18", "reg.io/greedy/19"]);
     }
 
+    /// A sealed file with a second name (a hard link, perhaps from where another user can
+    /// swap its content) is refused.
+    #[test]
+    fn a_hard_linked_sealed_file_is_refused() {
+        let dir = private_dir();
+        let c = Captured::open(dir.path(), None).unwrap();
+        c.capture("reg.io/a", cred("ns", "u", "p", 1)).unwrap();
+        std::fs::hard_link(dir.path().join(FILE), dir.path().join("elsewhere")).unwrap();
+        assert!(Captured::open(dir.path(), None).unwrap().list().is_empty());
+        std::fs::remove_file(dir.path().join("elsewhere")).unwrap();
+        assert_eq!(Captured::open(dir.path(), None).unwrap().list().len(), 1);
+    }
+
     /// A FIFO, a link, /dev/zero or an oversized file in place of the sealed file: a
     /// warning, nothing served, never a hang; the next capture replaces it.
     #[test]

@@ -9,6 +9,24 @@ use std::time::{Duration, Instant, SystemTime};
 pub const RING: usize = 256;
 /// The longest runtime message kept with a pull.
 const MESSAGE: usize = 512;
+/// The longest image reference kept (a valid one is at most 1024 bytes).
+const IMAGE: usize = 1024;
+/// The longest namespace kept (Kubernetes: 63).
+const NAMESPACE: usize = 63;
+/// The longest pod name kept (Kubernetes: 253).
+const POD_NAME: usize = 253;
+
+/// `s` cut to at most `max` bytes (on a character boundary), marked with `…` when cut.
+fn cut(s: &mut String, max: usize) {
+    if s.len() > max {
+        let mut at = max;
+        while !s.is_char_boundary(at) {
+            at -= 1;
+        }
+        s.truncate(at);
+        s.push('…');
+    }
+}
 /// A warning about one image at most this often.
 pub const WARN_EVERY: Duration = Duration::from_secs(600);
 /// Images remembered for the warning's throttle.
@@ -60,14 +78,13 @@ pub struct PullLog {
 
 impl PullLog {
     pub fn push(&self, mut record: PullRecord) {
-        if record.message.len() > MESSAGE {
-            let mut cut = MESSAGE;
-            while !record.message.is_char_boundary(cut) {
-                cut -= 1;
-            }
-            record.message.truncate(cut);
-            record.message.push('…');
-        }
+        // Every string is a caller's: each kept to what a real one needs.
+        cut(&mut record.message, MESSAGE);
+        cut(&mut record.image, IMAGE);
+        cut(&mut record.repository, IMAGE);
+        cut(&mut record.pod_namespace, NAMESPACE);
+        cut(&mut record.pod_name, POD_NAME);
+        cut(&mut record.auth, IMAGE);
         let mut ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
         if ring.len() == RING {
             ring.pop_front();
@@ -146,5 +163,27 @@ mod tests {
         assert_eq!(result_of(0, ""), "ok");
         assert_eq!(result_of(5, "x"), "not_found");
         assert_eq!(result_of(2, "invalid reference format"), "error");
+    }
+
+    /// Pod names, namespaces and images are the caller's: 300 pulls with 1 MB pod names keep
+    /// at most what real ones need.
+    #[test]
+    fn every_kept_string_is_bounded() {
+        let log = PullLog::default();
+        for _ in 0..300 {
+            let mut r = record("reg.io/app:v1", "m");
+            r.pod_name = "p".repeat(1 << 20);
+            r.pod_namespace = "n".repeat(1 << 20);
+            r.image = "ü".repeat(1 << 19);
+            log.push(r);
+        }
+        let kept = log.list(None);
+        let bytes: usize = kept
+            .iter()
+            .map(|r| r.pod_name.len() + r.pod_namespace.len() + r.image.len())
+            .sum();
+        assert!(bytes < RING * 2 * 1024, "{bytes} bytes kept");
+        assert!(kept[0].pod_name.ends_with('…'));
+        assert!(kept[0].image.len() <= IMAGE + '…'.len_utf8());
     }
 }

@@ -129,5 +129,15 @@ pub(crate) fn trusted_file(
             },
         ));
     }
+    // A second name could sit in a directory that is not the agent's.
+    use std::os::unix::fs::MetadataExt as _;
+    if meta.nlink() > 1 {
+        return Err(FileError::Untrusted(
+            credgate_api::trust::TrustError::HardLinked {
+                path: path.to_owned(),
+                links: meta.nlink(),
+            },
+        ));
+    }
     Ok(file)
 }

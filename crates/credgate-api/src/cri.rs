@@ -10,6 +10,10 @@ pub const REMOVE_IMAGE: &str = "/runtime.v1.ImageService/RemoveImage";
 pub const IMAGE_STATUS: &str = "/runtime.v1.ImageService/ImageStatus";
 pub const LIST_IMAGES: &str = "/runtime.v1.ImageService/ListImages";
 pub const IMAGE_FS_INFO: &str = "/runtime.v1.ImageService/ImageFsInfo";
+/// The same two calls of the CRI's earlier version (containerd 1.6 and 1.7 serve it), whose
+/// messages have the same fields.
+pub const PULL_IMAGE_V1ALPHA2: &str = "/runtime.v1alpha2.ImageService/PullImage";
+pub const REMOVE_IMAGE_V1ALPHA2: &str = "/runtime.v1alpha2.ImageService/RemoveImage";
 
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct ImageSpec {

@@ -22,6 +22,9 @@ pub enum TrustError {
     WritableByOthers { path: PathBuf, mode: u32 },
     #[error("{path} is not a {want}")]
     WrongKind { path: PathBuf, want: &'static str },
+    /// Another name of the file lives elsewhere (perhaps where another user can swap it).
+    #[error("{path} has {links} hard links; refusing to trust it")]
+    HardLinked { path: PathBuf, links: u64 },
     /// The cause is in the message (and so not a `source`: a chain prints it once).
     #[error("cannot inspect {path}: {error}")]
     Io { path: PathBuf, error: io::Error },

@@ -71,7 +71,7 @@ pub struct Restored {
 
 /// A provider's identity: everything of its config entry and plugin binary that could change
 /// its answers (name, patterns, cache duration, wire version, args, env, token attributes, the
-/// plugin's path, size, modification time and inode).
+/// plugin's path, size, modification and change times, inode and device).
 pub(crate) fn identity(
     spec: &credgate_core::config::ProviderSpec,
     plugin: &std::path::Path,
@@ -101,7 +101,12 @@ pub(crate) fn identity(
         put(&meta.len().to_be_bytes());
         put(&meta.mtime().to_be_bytes());
         put(&meta.mtime_nsec().to_be_bytes());
+        // A plugin rewritten in place with its size and mtime set back still changes its
+        // ctime, which no one can set.
+        put(&meta.ctime().to_be_bytes());
+        put(&meta.ctime_nsec().to_be_bytes());
         put(&meta.ino().to_be_bytes());
+        put(&meta.dev().to_be_bytes());
     }
     format!("sha256:{}", hex::encode(h.finalize()))
 }

@@ -11,7 +11,9 @@ use std::convert::Infallible;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use credgate_api::cri::{self as wire, PULL_IMAGE, REMOVE_IMAGE};
+use credgate_api::cri::{
+    self as wire, PULL_IMAGE, PULL_IMAGE_V1ALPHA2, REMOVE_IMAGE, REMOVE_IMAGE_V1ALPHA2,
+};
 use http_body_util::BodyExt;
 use hyper::body::{Bytes, Incoming};
 use secrecy::ExposeSecret as _;
@@ -97,7 +99,7 @@ fn repositories(image: &wire::Image) -> Vec<String> {
 /// captured credential.
 async fn remove(
     caller: &Caller,
-    captured: &std::sync::Arc<crate::captured::Captured>,
+    capture: &Capture,
     request: hyper::Request<Incoming>,
 ) -> hyper::Response<Body> {
     use prost::Message as _;
@@ -127,7 +129,8 @@ async fn remove(
         Err(refused) => return refused,
     };
     if whole.code() == Some(0) && !before.is_empty() {
-        forget_absent(caller, captured, before).await;
+        // The runtime's image list is read from the proxy's own budget, not the caller's.
+        forget_absent(&capture.own, &capture.captured, before).await;
     }
     whole.into_response()
 }
@@ -468,6 +471,8 @@ struct Pulls {
 struct Capture {
     captured: std::sync::Arc<crate::captured::Captured>,
     capturer: Capturer,
+    /// The proxy's own calls to the runtime (its image list), on a budget of their own.
+    own: std::sync::Arc<Caller>,
 }
 
 /// Forwards one call to the runtime.
@@ -479,10 +484,12 @@ async fn forward(
     let limit = deadline(request.headers());
     let runtime = &caller.runtime;
     let call = async {
+        // v1alpha2's messages have v1's fields: its pulls are logged, recorded and captured
+        // as v1's are.
         match (request.uri().path(), &pulls.capture) {
-            (PULL_IMAGE, _) => return pull(caller, pulls, request).await,
-            (REMOVE_IMAGE, Some(capture)) => {
-                return remove(caller, &capture.captured, request).await
+            (PULL_IMAGE | PULL_IMAGE_V1ALPHA2, _) => return pull(caller, pulls, request).await,
+            (REMOVE_IMAGE | REMOVE_IMAGE_V1ALPHA2, Some(capture)) => {
+                return remove(caller, capture, request).await
             }
             _ => {}
         }
@@ -588,7 +595,14 @@ pub async fn serve(
         Some(captured) => {
             let verifier = crate::guard::registry::Verifier::new(registry);
             let (capturer, task) = Capturer::start(captured.clone(), verifier, metrics.clone());
-            (Some(Capture { captured, capturer }), Some(task))
+            (
+                Some(Capture {
+                    captured,
+                    capturer,
+                    own: own.clone(),
+                }),
+                Some(task),
+            )
         }
         None => (None, None),
     };

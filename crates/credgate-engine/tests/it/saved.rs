@@ -96,6 +96,36 @@ async fn a_replaced_plugin_binary_drops_its_answers() {
     );
 }
 
+/// A plugin rewritten in place (same inode) to the same size with its modification time set
+/// back is a changed provider too: its change time moved.
+#[tokio::test]
+async fn a_plugin_rewritten_in_place_with_its_times_set_back_drops_its_answers() {
+    use std::io::Write as _;
+    let dir = tempfile::tempdir().unwrap();
+    let path = counting_plugin(dir.path(), "p", &body());
+    let cfg = || config(&[("p", &["registry.example.com"], "1h", WIRE_V1)]);
+    let first = engine(cfg(), dir.path());
+    first.lookup(&req(IMG)).await.unwrap();
+    let saved = first.saved_entries();
+    let before = std::fs::metadata(&path).unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    let text = std::fs::read(&path).unwrap();
+    let mut f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    f.write_all(&text).unwrap();
+    f.set_modified(before.modified().unwrap()).unwrap();
+    drop(f);
+    let after = std::fs::metadata(&path).unwrap();
+    assert_eq!(
+        (after.len(), after.modified().unwrap()),
+        (before.len(), before.modified().unwrap())
+    );
+    let second = engine(cfg(), dir.path());
+    assert_eq!(
+        second.restore(saved).dropped.get("config_changed"),
+        Some(&1)
+    );
+}
+
 /// An answer with no credential is served from the cache as the plugin answered it, but never
 /// handed out to be kept.
 #[tokio::test]

@@ -1175,3 +1175,29 @@ async fn outside_text_cannot_forge_log_lines() {
     assert!(log.contains(&format!("\\n{FORGED}")), "{log}");
     assert!(log.contains(&format!("pod\\r\\n{FORGED}")), "{log}");
 }
+
+/// A `runtime.v1alpha2` PullImage (containerd 1.6 and 1.7 serve that version) is logged and
+/// listed as a v1 pull is, not passed by unseen.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn v1alpha2_pulls_are_seen_as_v1_pulls_are() {
+    use credgate_testbed::fake_runtime::{self, Answers};
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let runtime = d.join("fake-runtime.sock");
+    let _fake = fake_runtime::start(&runtime, Answers::default()).await;
+    let (agent, proxy) = proxy_agent_with(d, &runtime, &[]);
+    let pulled: PullImageResponse = call(
+        &proxy,
+        credgate_api::cri::PULL_IMAGE_V1ALPHA2,
+        pull_request("registry.example.com/team/old-api:v1", None, "ns-a"),
+    )
+    .await
+    .unwrap();
+    assert!(pulled.image_ref.starts_with("sha256:"));
+    let v: serde_json::Value =
+        serde_json::from_slice(&agent.credgate(&["ctl", "-o", "json", "pulls"]).stdout).unwrap();
+    assert_eq!(
+        v["pulls"][0]["image"], "registry.example.com/team/old-api:v1",
+        "{v}"
+    );
+}
