@@ -4,7 +4,7 @@
 //! ImageStatus), a bridge-like caller of the API (`Health` on a new connection every 100 ms)
 //! and a sampler of the agent's RSS. The second half adds a hostile caller of the proxy:
 //! silent connections held open and reopened as they are closed, connections of 60 PullImage
-//! streams each sent to just under 1 MiB and never finished, and connections that ask for
+//! streams each sent to just under a PullImage's 512 KiB and never finished, and connections that ask for
 //! ListImages and never read. Reported: the kubelet's pulls and the API's answers before and
 //! during the attack, and the agent's RSS before, during and after.
 //!
@@ -213,15 +213,15 @@ async fn attack(socket: PathBuf, stop: Arc<AtomicBool>) -> serde_json::Value {
         rounds += 1;
         let mut held = Vec::new();
         let mut answers = Vec::new();
-        // Half-sent pulls: 4 connections of 60 streams, just under 1 MiB each, never ended.
+        // Half-sent pulls: 4 connections of 60 streams, just under 512 KiB each, never ended.
         for _ in 0..4 {
             let Some(mut sender) = connect(&socket, 1 << 20).await else {
                 continue;
             };
             for _ in 0..60 {
                 let mut first = vec![0u8];
-                first.extend_from_slice(&((1u32 << 20) - 64).to_be_bytes());
-                first.resize((1 << 20) - 1024, b'x');
+                first.extend_from_slice(&((1u32 << 19) - 64).to_be_bytes());
+                first.resize((1 << 19) - 1024, b'x');
                 let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(1);
                 let _ = tx.try_send(Bytes::from(first));
                 held.push(tx);

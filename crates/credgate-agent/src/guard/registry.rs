@@ -148,6 +148,16 @@ impl Verifier {
         Verifier { client, options }
     }
 
+    /// The target's manifest.
+    fn manifest_url(&self, target: &Target) -> String {
+        format!(
+            "{}/v2/{}/manifests/{}",
+            self.base(&target.registry),
+            target.repository,
+            target.reference
+        )
+    }
+
     fn base(&self, registry: &str) -> String {
         let host = match registry {
             "docker.io" | "index.docker.io" => "registry-1.docker.io",
@@ -167,12 +177,7 @@ impl Verifier {
         credentials: &[CredentialIn],
         node_wide: &[(String, SecretString)],
     ) -> Verified {
-        let url = format!(
-            "{}/v2/{}/manifests/{}",
-            self.base(&target.registry),
-            target.repository,
-            target.reference
-        );
+        let url = self.manifest_url(target);
         let mut last: Option<Verified> = None;
         for (i, c) in credentials.iter().enumerate() {
             // Node-wide: the node's own credentials for the image, then anonymous access.
@@ -264,17 +269,7 @@ impl Verifier {
         username: &str,
         password: &str,
     ) -> Result<bool, String> {
-        let url = format!(
-            "{}/v2/{}/manifests/{}",
-            self.base(&target.registry),
-            target.repository,
-            target.reference
-        );
-        match self.attempt(&url, target, Some((username, password))).await {
-            (Attempt::Ok(_), challenged) => Ok(challenged),
-            (Attempt::Unreachable(why), _) => Err(why),
-            _ => Ok(false),
-        }
+        Ok(self.check(target, username, password).await? == Checked::Accepted)
     }
 
     /// Whether the registry checked `username` and `password` and refused them for the
@@ -288,16 +283,22 @@ impl Verifier {
         username: &str,
         password: &str,
     ) -> Result<bool, String> {
-        let url = format!(
-            "{}/v2/{}/manifests/{}",
-            self.base(&target.registry),
-            target.repository,
-            target.reference
-        );
+        Ok(self.check(target, username, password).await? == Checked::Refused)
+    }
+
+    /// What the registry did with the credential, when it challenged an anonymous request.
+    async fn check(
+        &self,
+        target: &Target,
+        username: &str,
+        password: &str,
+    ) -> Result<Checked, String> {
+        let url = self.manifest_url(target);
         match self.attempt(&url, target, Some((username, password))).await {
-            (Attempt::Unauthorized, challenged) => Ok(challenged),
+            (Attempt::Ok(_), true) => Ok(Checked::Accepted),
+            (Attempt::Unauthorized, true) => Ok(Checked::Refused),
             (Attempt::Unreachable(why), _) => Err(why),
-            _ => Ok(false),
+            _ => Ok(Checked::Unchecked),
         }
     }
 
@@ -414,6 +415,17 @@ impl Verifier {
             serde_json::from_slice(&bytes).map_err(|_| "malformed token response".to_owned())?;
         Ok(body.token.or(body.access_token))
     }
+}
+
+/// What a registry did with a credential.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Checked {
+    /// It challenged an anonymous request and took the credential.
+    Accepted,
+    /// It challenged an anonymous request and refused the credential (401 or 403).
+    Refused,
+    /// It did not challenge (anonymous access), or answered something else.
+    Unchecked,
 }
 
 /// The most of a token endpoint's answer the agent reads: the registry's host comes from an

@@ -173,6 +173,28 @@ fn deployment_files_use_real_flags() {
 }
 
 /// `program` run by setpriv as `uid` (group `uid`, no supplementary groups).
+/// An agent in `dir` (opened to other users) with `args`, whose socket every uid may open, so
+/// that the agent's own rules (allowlists, budgets) are what decides: for calls as other uids.
+fn agent_for_every_uid(dir: &Path, args: &[&str]) -> Agent {
+    use std::os::unix::fs::PermissionsExt;
+    credgate_testbed::require_root("calling as other uids");
+    crate::support::require("setpriv");
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let agent = Agent::start(dir, args);
+    std::fs::set_permissions(&agent.socket, std::fs::Permissions::from_mode(0o666)).unwrap();
+    agent
+}
+
+/// `credgate ARGS` as `uid` against `agent`.
+fn credgate_as(uid: u32, agent: &Agent, args: &[&str]) -> std::process::Output {
+    as_user(uid, env!("CARGO_BIN_EXE_credgate"))
+        .args(args)
+        .env("CREDGATE_SOCKET", &agent.socket)
+        .env_remove("CREDGATE_LOG")
+        .output()
+        .unwrap()
+}
+
 fn as_user(uid: u32, program: &str) -> Command {
     let mut cmd = Command::new("setpriv");
     cmd.args(["--reuid", &uid.to_string(), "--regid", &uid.to_string()])
@@ -186,12 +208,9 @@ fn as_user(uid: u32, program: &str) -> Command {
 #[test]
 #[ignore = "needs root"]
 fn per_service_uid_allowlists_refuse_other_callers() {
-    use std::os::unix::fs::PermissionsExt;
-    credgate_testbed::require_root("calling as other uids");
-    crate::support::require("setpriv");
     let dir = tempfile::tempdir().unwrap();
-    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-    let agent = Agent::start(
+    // Every uid may open the socket, so that the allowlist is what decides.
+    let agent = agent_for_every_uid(
         dir.path(),
         &[
             "--allow-uids",
@@ -200,16 +219,7 @@ fn per_service_uid_allowlists_refuse_other_callers() {
             "image-access=4243,4244",
         ],
     );
-    // Let every uid open the socket, so that the allowlist is what decides.
-    std::fs::set_permissions(&agent.socket, std::fs::Permissions::from_mode(0o666)).unwrap();
-    let as_uid = |uid: u32, args: &[&str]| {
-        as_user(uid, env!("CARGO_BIN_EXE_credgate"))
-            .args(args)
-            .env("CREDGATE_SOCKET", &agent.socket)
-            .env_remove("CREDGATE_LOG")
-            .output()
-            .unwrap()
-    };
+    let as_uid = |uid: u32, args: &[&str]| credgate_as(uid, &agent, args);
     let out = as_uid(4242, &["ctl", "health"]);
     assert!(!out.status.success());
     let err = text(&out.stderr);
@@ -242,9 +252,7 @@ fn per_service_uid_allowlists_refuse_other_callers() {
 
     // The docker credential helper meets the refusal as a gRPC status and says so.
     let dir = tempfile::tempdir().unwrap();
-    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-    let agent = Agent::start(dir.path(), &["--allow-uids", "credentials=4243"]);
-    std::fs::set_permissions(&agent.socket, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let agent = agent_for_every_uid(dir.path(), &["--allow-uids", "credentials=4243"]);
     let helper_as = |uid: u32| {
         crate::support::output_with_stdin(
             as_user(uid, env!("CARGO_BIN_EXE_docker-credential-credgate"))
@@ -766,12 +774,8 @@ print(len(closed), flush=True)
 #[test]
 #[ignore = "needs root"]
 fn other_uids_cannot_take_roots_slots_and_pings_are_no_activity() {
-    use std::os::unix::fs::PermissionsExt;
-    credgate_testbed::require_root("calling as other uids");
-    crate::support::require("setpriv");
     let dir = tempfile::tempdir().unwrap();
-    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-    let agent = Agent::start(
+    let agent = agent_for_every_uid(
         dir.path(),
         &[
             "--max-connections",
@@ -782,7 +786,6 @@ fn other_uids_cannot_take_roots_slots_and_pings_are_no_activity() {
             "2s",
         ],
     );
-    std::fs::set_permissions(&agent.socket, std::fs::Permissions::from_mode(0o666)).unwrap();
     let holders: Vec<_> = (4242..4246)
         .map(|uid| hold_connections(uid, &agent.socket, 4, 6.0))
         .collect();
@@ -812,13 +815,9 @@ fn other_uids_cannot_take_roots_slots_and_pings_are_no_activity() {
 #[test]
 #[ignore = "needs root"]
 fn explain_and_pulls_keep_to_the_callers_services() {
-    use std::os::unix::fs::PermissionsExt;
-    credgate_testbed::require_root("calling as other uids");
-    crate::support::require("setpriv");
     let dir = tempfile::tempdir().unwrap();
-    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples");
-    let agent = Agent::start(
+    let agent = agent_for_every_uid(
         dir.path(),
         &[
             "--allow-uids",
@@ -831,7 +830,6 @@ fn explain_and_pulls_keep_to_the_callers_services() {
             examples.join("plugins").to_str().unwrap(),
         ],
     );
-    std::fs::set_permissions(&agent.socket, std::fs::Permissions::from_mode(0o666)).unwrap();
     let image = "registry.example.com/team/app:v1";
     let id = format!("sha256:{}", "4b".repeat(32));
     let out = agent.credgate(&[
@@ -845,12 +843,7 @@ fn explain_and_pulls_keep_to_the_callers_services() {
     ]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let explain_as = |uid: u32| -> serde_json::Value {
-        let out = as_user(uid, env!("CARGO_BIN_EXE_credgate"))
-            .args(["explain", "-o", "json", image])
-            .env("CREDGATE_SOCKET", &agent.socket)
-            .env_remove("CREDGATE_LOG")
-            .output()
-            .unwrap();
+        let out = credgate_as(uid, &agent, &["explain", "-o", "json", image]);
         assert!(out.status.success(), "{}", text(&out.stderr));
         serde_json::from_slice(&out.stdout).unwrap()
     };
@@ -876,12 +869,7 @@ fn explain_and_pulls_keep_to_the_callers_services() {
             .is_some_and(|d| d.contains("may not call the image-access service")),
         "{other}"
     );
-    let pulls = as_user(4242, env!("CARGO_BIN_EXE_credgate"))
-        .args(["ctl", "pulls"])
-        .env("CREDGATE_SOCKET", &agent.socket)
-        .env_remove("CREDGATE_LOG")
-        .output()
-        .unwrap();
+    let pulls = credgate_as(4242, &agent, &["ctl", "pulls"]);
     assert!(!pulls.status.success());
     assert!(
         text(&pulls.stderr).contains("may not call the image-access service"),

@@ -362,8 +362,7 @@ async fn pulls_through_the_proxy_reach_the_registry_with_their_credentials() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs root"]
 async fn captures_and_rotations_are_pushed_to_watchers() {
-    use credgate_api::v1::credentials_client::CredentialsClient;
-    use credgate_api::v1::{WatchEvent, WatchRequest};
+    use credgate_api::v1::WatchEvent;
 
     needs_containerd();
     let dir = tempfile::tempdir().unwrap();
@@ -402,14 +401,7 @@ printf '{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.ku
     let pull = |user: &str, password: &str| pull_request(&image, Some((user, password)), "team-a");
 
     let watched = format!("{}/team/app:v2", registry.host());
-    let channel = credgate_api::connect(&agent.socket).await.unwrap();
-    let mut stream = CredentialsClient::new(channel)
-        .watch(WatchRequest {
-            refs: vec![watched.clone()],
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let mut stream = crate::support::watch(&agent.socket, std::slice::from_ref(&watched)).await;
     async fn next(stream: &mut tonic::Streaming<WatchEvent>) -> WatchEvent {
         tokio::time::timeout(Duration::from_secs(20), stream.message())
             .await
@@ -616,10 +608,11 @@ async fn half_sent_pulls_hold_a_bounded_amount_and_let_go() {
     for _ in 0..4 {
         let mut sender = crate::support::h2::connect(&proxy, 1 << 20).await;
         for _ in 0..60 {
-            // A frame prefix announcing a message just under the limit, and most of it.
+            // A frame prefix announcing a message just under a PullImage's limit (512 KiB),
+            // and most of it.
             let mut first = vec![0u8];
-            first.extend_from_slice(&((1u32 << 20) - 64).to_be_bytes());
-            first.resize((1 << 20) - 1024, b'x');
+            first.extend_from_slice(&((1u32 << 19) - 64).to_be_bytes());
+            first.resize((1 << 19) - 1024, b'x');
             let (body, keep) = crate::support::h2::unfinished(first);
             bodies.push(keep);
             sender.ready().await.unwrap();
@@ -643,12 +636,12 @@ async fn half_sent_pulls_hold_a_bounded_amount_and_let_go() {
     }
     let count = || exhausted.load(std::sync::atomic::Ordering::Relaxed);
     crate::support::h2::within(Duration::from_secs(20), || {
-        (count() >= 4 * 55).then_some(())
+        (count() >= 4 * 51).then_some(())
     })
     .await;
     let exhausted = count();
-    // 4 MiB a connection: at most 4 of each connection's 60 are held, the rest refused.
-    assert!(exhausted >= 4 * 55, "{exhausted} refused");
+    // 4 MiB a connection: at most 8 of each connection's 60 are held, the rest refused.
+    assert!(exhausted >= 4 * 51, "{exhausted} refused");
     let during = crate::support::h2::rss(pid);
     assert!(
         during < before + (48 << 20),
@@ -1074,19 +1067,18 @@ struct PaddedPull {
 /// 512 KiB is refused at once, as no real one is that large.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_large_pulls_leave_room_for_the_next_pull() {
-    use credgate_testbed::fake_runtime::{self, Answers};
+    use credgate_testbed::fake_runtime::Answers;
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let runtime = d.join("fake-runtime.sock");
-    let _fake = fake_runtime::start(
-        &runtime,
+    let (_fake, _agent, proxy) = crate::support::fake_runtime_agent(
+        d,
         Answers {
             pull_delay: Duration::from_secs(3),
             ..Default::default()
         },
+        &[],
     )
     .await;
-    let (_agent, proxy) = proxy_agent_with(d, &runtime, &[]);
     let kubelet = credgate_api::connect(&proxy).await.unwrap();
     let padded = |n: usize| PaddedPull {
         image: Some(ImageSpec {
@@ -1135,14 +1127,13 @@ async fn slow_large_pulls_leave_room_for_the_next_pull() {
 /// neither can forge a line of the agent's text log (their control characters are escaped).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn outside_text_cannot_forge_log_lines() {
-    use credgate_testbed::fake_runtime::{self, Answers};
+    use credgate_testbed::fake_runtime::Answers;
     const FORGED: &str =
         "2026-01-01T00:00:00.000000Z  INFO credgate_agent::cri::decision: pull image=forged";
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let runtime = d.join("fake-runtime.sock");
-    let _fake = fake_runtime::start(
-        &runtime,
+    let (_fake, agent, proxy) = crate::support::fake_runtime_agent(
+        d,
         Answers {
             pull: Err((
                 2,
@@ -1150,9 +1141,9 @@ async fn outside_text_cannot_forge_log_lines() {
             )),
             ..Default::default()
         },
+        &[],
     )
     .await;
-    let (agent, proxy) = proxy_agent_with(d, &runtime, &[]);
     let mut request = pull_request("registry.example.com/team/app:v1", None, "ns");
     if let Some(m) = request
         .sandbox_config
@@ -1180,12 +1171,11 @@ async fn outside_text_cannot_forge_log_lines() {
 /// listed as a v1 pull is, not passed by unseen.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn v1alpha2_pulls_are_seen_as_v1_pulls_are() {
-    use credgate_testbed::fake_runtime::{self, Answers};
+    use credgate_testbed::fake_runtime::Answers;
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let runtime = d.join("fake-runtime.sock");
-    let _fake = fake_runtime::start(&runtime, Answers::default()).await;
-    let (agent, proxy) = proxy_agent_with(d, &runtime, &[]);
+    let (_fake, agent, proxy) =
+        crate::support::fake_runtime_agent(d, Answers::default(), &[]).await;
     let pulled: PullImageResponse = call(
         &proxy,
         credgate_api::cri::PULL_IMAGE_V1ALPHA2,

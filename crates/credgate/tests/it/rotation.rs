@@ -8,12 +8,11 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use credgate_api::v1::credentials_client::CredentialsClient;
-use credgate_api::v1::{WatchEvent, WatchRequest};
+use credgate_api::v1::WatchEvent;
 use credgate_testbed::cri::*;
 use credgate_testbed::Containerd;
 
-use crate::support::{oci_image, proxy_agent_with, push, text, Agent, Registry};
+use crate::support::{proxy_agent_with, text, Agent};
 
 const USER: &str = "alice";
 const OLD: &str = "old-Pa55word-not-for-logs";
@@ -187,10 +186,7 @@ async fn a_rotated_provider_credential_takes_effect_at_the_next_pull() {
     needs_containerd();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let mut registry = Registry::start(d, USER, OLD);
-    oci_image(d);
-    push(d, &registry, "team/app", USER, OLD);
-    let containerd = Containerd::start(d, &[registry.host()]);
+    let (mut registry, containerd) = crate::support::registry_and_containerd(d, USER, OLD);
     let backend = Backend::new(d, &registry.host(), OLD);
     let (agent, proxy) = backend.agent(&containerd.socket);
     let image = format!("{}/team/app:v1", registry.host());
@@ -204,14 +200,7 @@ async fn a_rotated_provider_credential_takes_effect_at_the_next_pull() {
         "the bridge caps the kubelet's cacheDuration"
     );
     assert_eq!(backend.runs(), 1);
-    let channel = credgate_api::connect(&agent.socket).await.unwrap();
-    let mut stream = CredentialsClient::new(channel)
-        .watch(WatchRequest {
-            refs: vec![image.clone()],
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let mut stream = crate::support::watch(&agent.socket, std::slice::from_ref(&image)).await;
     let first = next(&mut stream).await;
     assert_eq!(first.credentials[0].password, OLD);
     let _: PullImageResponse = call(&proxy, PULL_IMAGE, pull(&kubelet_copy))
@@ -338,10 +327,7 @@ async fn a_captured_credential_is_durable_and_dropped_once_refused() {
     needs_containerd();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let mut registry = Registry::start(d, USER, OLD);
-    oci_image(d);
-    push(d, &registry, "team/app", USER, OLD);
-    let containerd = Containerd::start(d, &[registry.host()]);
+    let (mut registry, containerd) = crate::support::registry_and_containerd(d, USER, OLD);
     let (agent, proxy) = proxy_agent_with(d, &containerd.socket, &[]);
     let image = format!("{}/team/app:v1", registry.host());
     let pull = |password: &str| pull_request(&image, Some((USER, password)), "team-b");
@@ -376,19 +362,10 @@ async fn a_captured_credential_is_durable_and_dropped_once_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_docker_config_entry_is_reported_not_changed() {
     use base64::Engine as _;
-    use credgate_testbed::fake_runtime::{self, Answers};
+    use credgate_testbed::fake_runtime::Answers;
     const SECRET: &str = "dc-Pa55word-not-for-logs";
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let runtime = d.join("fake-runtime.sock");
-    let _fake = fake_runtime::start(
-        &runtime,
-        Answers {
-            pull: Err((2, "failed to resolve reference: 401 Unauthorized".into())),
-            ..Default::default()
-        },
-    )
-    .await;
     let docker_config = d.join("config.json");
     let auth = base64::engine::general_purpose::STANDARD.encode(format!("dc-user:{SECRET}"));
     std::fs::write(
@@ -396,16 +373,20 @@ async fn a_refused_docker_config_entry_is_reported_not_changed() {
         format!(r#"{{"auths":{{"registry.example.com":{{"auth":"{auth}"}}}}}}"#),
     )
     .unwrap();
-    let (agent, proxy) = proxy_agent_with(
+    let (_fake, agent, proxy) = crate::support::fake_runtime_agent(
         d,
-        &runtime,
+        Answers {
+            pull: Err((2, "failed to resolve reference: 401 Unauthorized".into())),
+            ..Default::default()
+        },
         &[
             "--docker-config",
             docker_config.to_str().unwrap(),
             "--metrics-addr",
             "127.0.0.1:0",
         ],
-    );
+    )
+    .await;
     let image = "registry.example.com/team/app:v1";
     let refused = |user: &str, password: &str| {
         call::<_, PullImageResponse>(

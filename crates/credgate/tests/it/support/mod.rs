@@ -161,6 +161,49 @@ pub fn proxy_agent_with(dir: &Path, runtime: &Path, more: &[&str]) -> (Agent, Pa
     (agent, proxy)
 }
 
+/// A fake container runtime answering as `answers` says, at `dir/fake-runtime.sock`, and
+/// `credgate serve` with the CRI proxy in front of it (and `more` flags): the runtime (stopped
+/// when dropped), the agent and the proxy's socket.
+pub async fn fake_runtime_agent(
+    dir: &Path,
+    answers: credgate_testbed::fake_runtime::Answers,
+    more: &[&str],
+) -> (credgate_testbed::fake_runtime::FakeRuntime, Agent, PathBuf) {
+    let runtime = dir.join("fake-runtime.sock");
+    let fake = credgate_testbed::fake_runtime::start(&runtime, answers).await;
+    let (agent, proxy) = proxy_agent_with(dir, &runtime, more);
+    (fake, agent, proxy)
+}
+
+/// A loopback registry whose one user is `user`:`password`, holding `team/app:v1`, and
+/// containerd (a private root in `dir`) trusting it.
+pub fn registry_and_containerd(
+    dir: &Path,
+    user: &str,
+    password: &str,
+) -> (Registry, credgate_testbed::Containerd) {
+    let registry = Registry::start(dir, user, password);
+    oci_image(dir);
+    push(dir, &registry, "team/app", user, password);
+    let containerd = credgate_testbed::Containerd::start(dir, &[registry.host()]);
+    (registry, containerd)
+}
+
+/// A Watch stream of `refs` on the agent's socket.
+pub async fn watch(
+    socket: &Path,
+    refs: &[String],
+) -> tonic::Streaming<credgate_api::v1::WatchEvent> {
+    let channel = credgate_api::connect(socket).await.unwrap();
+    credgate_api::v1::credentials_client::CredentialsClient::new(channel)
+        .watch(credgate_api::v1::WatchRequest {
+            refs: refs.to_vec(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+}
+
 pub fn proxy_agent(dir: &Path, runtime: &Path) -> (Agent, PathBuf) {
     proxy_agent_with(dir, runtime, &[])
 }
