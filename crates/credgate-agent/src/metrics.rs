@@ -105,8 +105,8 @@ pub struct AgentMetrics {
     pub captured_dropped: Counter,
     /// Pulls through the CRI proxy by the credentials the kubelet sent and the result.
     pub cri_pulls: Family<Labels, Counter>,
-    /// Pulls without credentials that failed as unauthorized while a source of the agent
-    /// matched the image.
+    /// Pulls without credentials that failed as unauthorized while a provider of the agent that
+    /// matches the image had a credential for it.
     pub cri_pulls_missed: Counter,
     /// Credentials a registry refused, by the source that gave them (provider, captured,
     /// docker_config): what the agent dropped, forgot or reported.
@@ -249,7 +249,7 @@ impl AgentMetrics {
         );
         r.register(
             "cri_pulls_missed",
-            "Pulls through the CRI proxy without credentials that failed as unauthorized while a provider or docker config of the agent matched the image",
+            "Pulls through the CRI proxy without credentials that failed as unauthorized while a provider of the agent that matches the image had a credential for it (cached, or its last run succeeded)",
             self.cri_pulls_missed.clone(),
         );
         r.register(

@@ -56,7 +56,7 @@ pub(super) fn log(agent: &crate::Agent, pull: &Pull, code: i32, message: &str, t
         replaced_refused = pull.replaced.is_some(),
         code,
         result,
-        message = %message,
+        runtime_message = %message,
         millis = u64::try_from(took.as_millis()).unwrap_or(u64::MAX),
         "pull"
     );
@@ -76,43 +76,106 @@ pub(super) fn log(agent: &crate::Agent, pull: &Pull, code: i32, message: &str, t
     });
 }
 
-/// The kubelet pulled without credentials and the registry said unauthorized, although a
-/// provider or a docker config matches the image: the kubelet did not ask (its config or bin
-/// dir), or asked and got nothing.
-fn warn_if_a_source_would_have_answered(agent: &crate::Agent, pull: &Pull) {
+/// What a source that matches a pull's image could have given it.
+enum Had {
+    /// A credential (cached, or its last run succeeded): the kubelet should have asked.
+    Credential(String),
+    /// Nothing the kubelet could have used: why, and what to do.
+    Nothing(String),
+}
+
+/// Each source of the agent that matches `image`, and what it had for it.
+fn matching_sources(agent: &crate::Agent, image: &str) -> Vec<Had> {
+    use credgate_engine::SourceKind;
     let Ok(explained) = agent.engine().explain(&credgate_engine::LookupRequest {
-        image: &pull.image,
+        image,
         ..Default::default()
     }) else {
-        return;
+        return Vec::new();
     };
-    let matching: Vec<String> = explained
+    explained
         .sources
         .iter()
         .filter(|s| s.matched)
-        .map(|s| match s.kind {
-            credgate_engine::SourceKind::Provider => {
-                format!(
-                    "provider {} ({})",
-                    s.name,
-                    s.pattern.as_deref().unwrap_or("-")
-                )
+        .map(|s| match (s.kind, &s.provider) {
+            (SourceKind::DockerConfig, _) => Had::Nothing(format!(
+                "docker config {} has an entry for it: the kubelet reads its own config.json, not the agent's; put the entry in the kubelet's (/var/lib/kubelet/config.json)",
+                s.name
+            )),
+            (SourceKind::Provider, None) => Had::Nothing(format!("provider {} matches", s.name)),
+            (SourceKind::Provider, Some(v)) => {
+                let pattern = s.pattern.as_deref().unwrap_or("-");
+                match &v.cached {
+                    Some(c) if c.credentials > 0 => {
+                        Had::Credential(format!("provider {} ({pattern})", s.name))
+                    }
+                    Some(_) => Had::Nothing(format!(
+                        "provider {} answered no credential: the pull goes anonymous; check what its plugin answers (`credgate get IMAGE`)",
+                        s.name
+                    )),
+                    None if v.status.consecutive_failures > 0 => Had::Nothing(format!(
+                        "provider {} matches but its last run failed: {}; the plugin's stderr is in the agent's log at debug level",
+                        s.name,
+                        v.status.last_error.as_deref().unwrap_or("-")
+                    )),
+                    None if v.status.last_success.is_some() => {
+                        Had::Credential(format!("provider {} ({pattern})", s.name))
+                    }
+                    None => Had::Nothing(format!(
+                        "provider {} matches but has not run on this node: the kubelet did not ask the agent; check the kubelet's --image-credential-provider-config and --image-credential-provider-bin-dir (credgate kubelet-config) and the entry's matchImages",
+                        s.name
+                    )),
+                }
             }
-            credgate_engine::SourceKind::DockerConfig => format!("docker config {}", s.name),
         })
-        .collect();
-    if matching.is_empty() {
+        .collect()
+}
+
+/// The kubelet pulled without credentials and the registry said unauthorized. When a source of
+/// the agent that matches the image had a credential to give, the kubelet did not ask for it
+/// (its config or bin dir, or its copy of matchImages): warned once per image per interval and
+/// counted. Otherwise the warning says which case it is (a plugin that failed or answered
+/// nothing, a docker config the kubelet does not read), and nothing is counted.
+fn warn_if_a_source_would_have_answered(agent: &crate::Agent, pull: &Pull) {
+    let sources = matching_sources(agent, &pull.image);
+    if sources.is_empty() {
         return;
     }
-    agent.metrics().cri_pulls_missed.inc();
+    let had: Vec<&str> = sources
+        .iter()
+        .filter_map(|h| match h {
+            Had::Credential(s) => Some(s.as_str()),
+            Had::Nothing(_) => None,
+        })
+        .collect();
+    if !had.is_empty() {
+        agent.metrics().cri_pulls_missed.inc();
+    }
     if !agent.pulls().may_warn(&pull.image) {
+        return;
+    }
+    if had.is_empty() {
+        let causes: Vec<&str> = sources
+            .iter()
+            .filter_map(|h| match h {
+                Had::Nothing(s) => Some(s.as_str()),
+                Had::Credential(_) => None,
+            })
+            .collect();
+        tracing::warn!(
+            image = %pull.image,
+            pod_namespace = %pull.pod_namespace,
+            pod = %pull.pod_name,
+            cause = %causes.join("; "),
+            "a pull without credentials failed as unauthorized, and no source of the agent has a credential for it"
+        );
         return;
     }
     tracing::warn!(
         image = %pull.image,
         pod_namespace = %pull.pod_namespace,
         pod = %pull.pod_name,
-        sources = %matching.join(", "),
-        "a pull without credentials failed as unauthorized, but the agent has a source for the image: check the kubelet's --image-credential-provider-config and --image-credential-provider-bin-dir (credgate kubelet-config), and the entry's matchImages; `credgate explain IMAGE` shows the agent's view"
+        sources = %had.join(", "),
+        "a pull without credentials failed as unauthorized, but the agent has a credential for the image: check the kubelet's --image-credential-provider-config and --image-credential-provider-bin-dir (credgate kubelet-config), and the entry's matchImages; `credgate explain IMAGE` shows the agent's view"
     );
 }

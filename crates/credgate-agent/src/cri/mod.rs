@@ -194,19 +194,28 @@ struct Pull {
     /// The pull carried a credential of this provider that its registry had refused, and the
     /// proxy sent the provider's answer of now instead.
     replaced: Option<String>,
+    /// The reference parses: the pull is recorded, refused and captured as well as logged.
+    valid: bool,
 }
 
 /// `now_ms`: when it is captured, by the agent's clock.
 fn pull_of(message: &[u8], now_ms: i64) -> Option<Pull> {
     use prost::Message as _;
     let req = wire::PullImageRequest::decode(message).ok()?;
-    let image = req.image?.image;
-    let parsed = credgate_core::reference::ImageRef::parse(&image).ok()?;
-    let repository = parsed.name().to_owned();
+    let image = req.image.map(|i| i.image).unwrap_or_default();
+    // A reference that does not parse is still logged, listed and counted (the runtime
+    // refuses it); nothing else is done with it.
+    let parsed = credgate_core::reference::ImageRef::parse(&image).ok();
+    let repository = parsed
+        .as_ref()
+        .map_or_else(|| image.clone(), |p| p.name().to_owned());
     let other_registry = req.auth.as_ref().is_some_and(|a| {
         !a.server_address.is_empty()
-            && !credgate_core::helper::names_registry(&a.server_address, parsed.registry())
+            && parsed.as_ref().is_some_and(|p| {
+                !credgate_core::helper::names_registry(&a.server_address, p.registry())
+            })
     });
+    let valid = parsed.is_some();
     let metadata = req.sandbox_config.and_then(|s| s.metadata);
     let in_pod = metadata.is_some();
     let pod_name = metadata
@@ -237,6 +246,7 @@ fn pull_of(message: &[u8], now_ms: i64) -> Option<Pull> {
         pod_namespace: namespace.clone(),
         pod_name,
         replaced: None,
+        valid,
     })
 }
 
@@ -371,15 +381,14 @@ async fn pull(
         };
     let now_ms = crate::state::unix_ms(pulls.agent.clock().wall());
     let mut asked = grpc_message(&bytes).and_then(|m| pull_of(m, now_ms));
-    if let Some(pull) = asked.as_mut() {
+    if let Some(pull) = asked.as_mut().filter(|p| p.valid) {
         if let Some(frame) = refreshed(&pulls.agent, pull, &bytes).await {
             parts.headers.remove(hyper::header::CONTENT_LENGTH);
             bytes = frame;
         }
     }
-    let guard = pulls.guard.as_ref();
     // The intent is on disk before the runtime starts pulling.
-    if let (Some(guard), Some(pull)) = (guard, &asked) {
+    if let (Some(guard), Some(pull)) = (&pulls.guard, asked.as_ref().filter(|p| p.valid)) {
         if let Err(e) = guard.record_intent(&pull.image).await {
             tracing::error!(error = %crate::error_chain(&e), "pull intent not recorded");
         }
@@ -399,9 +408,19 @@ async fn pull(
     let code = whole.code().unwrap_or(2);
     let message = whole.message();
     decision::log(&pulls.agent, &pull, code, &message, started.elapsed());
-    if crate::pulls::result_of(code, &message) == "unauthorized" {
-        refused(&pulls.agent, &pull).await;
+    if pull.valid {
+        if crate::pulls::result_of(code, &message) == "unauthorized" {
+            refused(&pulls.agent, &pull).await;
+        }
+        settle(pulls, pull, &whole).await;
     }
+    whole.into_response()
+}
+
+/// What a forwarded pull leaves once the runtime answered: the guard's record of its result
+/// (with the guard), its credential's capture when it succeeded (with capture), on disk before
+/// the answer goes back (bounded by [`CAPTURE_WAIT`]).
+async fn settle(pulls: &Pulls, pull: Pull, whole: &runtime::Whole) {
     use prost::Message as _;
     let image_ref = (whole.code() == Some(0))
         .then(|| grpc_message(&whole.data))
@@ -409,7 +428,7 @@ async fn pull(
         .and_then(|m| wire::PullImageResponse::decode(m).ok())
         .map(|r| r.image_ref)
         .filter(|r| !r.is_empty());
-    if let Some(guard) = guard {
+    if let Some(guard) = &pulls.guard {
         let used = recorded_as(&pull, guard);
         let result = match (&image_ref, &used) {
             (Some(id), Some(used)) => guard.record_result(&pull.image, id, true, Some(used)).await,
@@ -420,40 +439,39 @@ async fn pull(
             tracing::error!(error = %crate::error_chain(&e), "pull result not recorded");
         }
     }
-    if let (Some(_), Some(credential), Some(capture)) =
-        (&image_ref, pull.credential, &pulls.capture)
+    let (Some(_), Some(credential), Some(capture)) = (&image_ref, pull.credential, &pulls.capture)
+    else {
+        return;
+    };
+    if pull.other_registry {
+        pulls.agent.metrics().capture("other_registry");
+        tracing::warn!(repository = %pull.repository, "pull credentials not captured: their server address names another registry");
+        return;
+    }
+    let own = pulls.agent.engine().given_by(
+        &pull.image,
+        &credential.username,
+        credential.password.expose_secret(),
+    );
+    if !own.is_empty() {
+        // The node's own credential (the kubelet got it from a provider through the bridge,
+        // or from a docker config): not a pod's secret, and a copy would outlive the
+        // provider's rotation of it.
+        pulls.agent.metrics().capture("own_source");
+        return;
+    }
+    let repository = pull.repository.clone();
+    if let Some(settled) = capture
+        .capturer
+        .offer(pull.image, pull.repository, credential)
     {
-        if pull.other_registry {
-            pulls.agent.metrics().capture("other_registry");
-            tracing::warn!(repository = %pull.repository, "pull credentials not captured: their server address names another registry");
-        } else if !pulls
-            .agent
-            .engine()
-            .given_by(
-                &pull.image,
-                &credential.username,
-                credential.password.expose_secret(),
-            )
-            .is_empty()
-        {
-            // The node's own credential (the kubelet got it from a provider through the
-            // bridge, or from a docker config): not a pod's secret, and a copy would outlive
-            // the provider's rotation of it.
-            pulls.agent.metrics().capture("own_source");
-        } else if let Some(settled) =
-            capture
-                .capturer
-                .offer(pull.image, pull.repository.clone(), credential)
-        {
-            // Acknowledged means kept: a crash right after the answer loses no confirmed
-            // capture. A registry slow to confirm holds the answer only so long.
-            if tokio::time::timeout(CAPTURE_WAIT, settled).await.is_err() {
-                pulls.agent.metrics().cri_captures_late.inc();
-                tracing::warn!(repository = %pull.repository, "the pull is answered before its credential's capture is confirmed: the registry did not confirm it within {CAPTURE_WAIT:?}; the capture goes on");
-            }
+        // Acknowledged means kept: a crash right after the answer loses no confirmed capture.
+        // A registry slow to confirm holds the answer only so long.
+        if tokio::time::timeout(CAPTURE_WAIT, settled).await.is_err() {
+            pulls.agent.metrics().cri_captures_late.inc();
+            tracing::warn!(repository = %repository, "the pull is answered before its credential's capture is confirmed: the registry did not confirm it within {CAPTURE_WAIT:?}; the capture goes on");
         }
     }
-    whole.into_response()
 }
 
 /// What the proxy does with pulls besides forwarding them, each part independent of the

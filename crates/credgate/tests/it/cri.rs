@@ -719,10 +719,16 @@ async fn a_caller_that_does_not_read_holds_back_only_its_own_calls() {
 pub(crate) fn metrics_text(agent: &Agent) -> String {
     use std::io::{Read as _, Write as _};
     let log = agent.log_text();
+    // Text (`addr=HOST:PORT`) or JSON (`"addr":"HOST:PORT"`) logs.
     let addr = log
         .split("addr=")
         .nth(1)
         .and_then(|rest| rest.split_whitespace().next())
+        .or_else(|| {
+            log.split("\"addr\":\"")
+                .nth(1)
+                .and_then(|rest| rest.split('"').next())
+        })
         .expect("the metrics address is logged")
         .to_owned();
     let mut c = std::net::TcpStream::connect(addr).unwrap();
@@ -1190,4 +1196,145 @@ async fn v1alpha2_pulls_are_seen_as_v1_pulls_are() {
         v["pulls"][0]["image"], "registry.example.com/team/old-api:v1",
         "{v}"
     );
+}
+
+/// A pull without credentials refused as unauthorized is counted as missed only when a
+/// matching source had a credential to give; otherwise the warning names the case (a plugin
+/// that failed, one that answered nothing, a docker config the kubelet does not read). In JSON
+/// logs the runtime's message has a key of its own; a reference that does not parse is logged
+/// and listed too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_unauthorized_warning_names_the_real_cause() {
+    use base64::Engine as _;
+    use credgate_testbed::fake_runtime::Answers;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let bin = d.join("plugins");
+    std::fs::create_dir_all(&bin).unwrap();
+    let answer = |host: &str, auth: &str| {
+        format!("cat >/dev/null\necho '{{\"kind\":\"CredentialProviderResponse\",\"apiVersion\":\"credentialprovider.kubelet.k8s.io/v1\",\"cacheKeyType\":\"Registry\",\"cacheDuration\":\"1h\",\"auth\":{{{auth}}}}}'\n# {host}")
+    };
+    crate::support::write_script(
+        &bin.join("failing"),
+        "cat >/dev/null\necho broken >&2\nexit 3",
+    );
+    crate::support::write_script(&bin.join("empty"), &answer("empty.example.com", ""));
+    crate::support::write_script(
+        &bin.join("works"),
+        &answer(
+            "works.example.com",
+            "\"works.example.com\":{\"username\":\"u\",\"password\":\"works-secret\"}",
+        ),
+    );
+    let config = d.join("providers.yaml");
+    let entry = |name: &str| {
+        format!("- name: {name}\n  matchImages: [{name}.example.com]\n  defaultCacheDuration: 1h\n  apiVersion: credentialprovider.kubelet.k8s.io/v1\n")
+    };
+    std::fs::write(
+        &config,
+        format!(
+            "apiVersion: kubelet.config.k8s.io/v1\nkind: CredentialProviderConfig\nproviders:\n{}{}{}",
+            entry("failing"),
+            entry("empty"),
+            entry("works")
+        ),
+    )
+    .unwrap();
+    let docker_config = d.join("config.json");
+    let auth = base64::engine::general_purpose::STANDARD.encode("dc:dc-secret");
+    std::fs::write(
+        &docker_config,
+        format!(r#"{{"auths":{{"dc.example.com":{{"auth":"{auth}"}}}}}}"#),
+    )
+    .unwrap();
+    let (_fake, agent, proxy) = crate::support::fake_runtime_agent(
+        d,
+        Answers {
+            pull: Err((2, "failed to resolve reference: 401 Unauthorized".into())),
+            ..Default::default()
+        },
+        &[
+            "--image-credential-provider-config",
+            config.to_str().unwrap(),
+            "--image-credential-provider-bin-dir",
+            bin.to_str().unwrap(),
+            "--docker-config",
+            docker_config.to_str().unwrap(),
+            "--metrics-addr",
+            "127.0.0.1:0",
+            "--log-format",
+            "json",
+        ],
+    )
+    .await;
+    for host in ["failing", "empty", "works", "dc"] {
+        let image = format!("{host}.example.com/team/app:v1");
+        agent.credgate(&["get", &image]);
+        call::<_, PullImageResponse>(&proxy, PULL_IMAGE, pull_request(&image, None, "ns"))
+            .await
+            .unwrap_err();
+    }
+    call::<_, PullImageResponse>(&proxy, PULL_IMAGE, pull_request("BAD::ref", None, "ns"))
+        .await
+        .unwrap_err();
+    let lines: Vec<serde_json::Value> = agent
+        .log_text()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    let warning = |host: &str| -> String {
+        lines
+            .iter()
+            .find(|l| {
+                l["level"] == "WARN"
+                    && l["fields"]["image"]
+                        .as_str()
+                        .is_some_and(|i| i.starts_with(host))
+            })
+            .map(|l| l["fields"].to_string())
+            .unwrap_or_else(|| panic!("no warning for {host}"))
+    };
+    assert!(
+        warning("failing").contains("last run failed"),
+        "{}",
+        warning("failing")
+    );
+    assert!(
+        warning("empty").contains("answered no credential"),
+        "{}",
+        warning("empty")
+    );
+    assert!(
+        warning("dc").contains("reads its own config.json"),
+        "{}",
+        warning("dc")
+    );
+    assert!(
+        warning("works").contains("the agent has a credential for the image"),
+        "{}",
+        warning("works")
+    );
+    let missed = metrics_text(&agent)
+        .lines()
+        .find(|l| l.starts_with("credgate_cri_pulls_missed_total "))
+        .map(str::to_owned);
+    assert_eq!(missed.as_deref(), Some("credgate_cri_pulls_missed_total 1"));
+    // The pull line: the event and the runtime's message under their own keys.
+    let pull = lines
+        .iter()
+        .find(|l| l["fields"]["message"] == "pull")
+        .expect("a pull line");
+    assert!(
+        pull["fields"]["runtime_message"]
+            .as_str()
+            .is_some_and(|m| m.contains("401 Unauthorized")),
+        "{pull}"
+    );
+    // Every pull is logged and listed, a reference that does not parse too.
+    assert!(lines
+        .iter()
+        .any(|l| l["fields"]["message"] == "pull" && l["fields"]["image"] == "BAD::ref"));
+    let listed = crate::support::text(&agent.credgate(&["ctl", "pulls"]).stdout);
+    assert!(listed.contains("BAD::ref"), "{listed}");
+    assert!(!agent.log_text().contains("works-secret"));
 }
