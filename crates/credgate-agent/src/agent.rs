@@ -228,6 +228,8 @@ struct Inner {
     pulls: Arc<crate::pulls::PullLog>,
     /// Credentials registries refused.
     refusals: crate::refusal::Refusals,
+    /// Whether the CRI proxy runs (set when it starts).
+    proxy_running: std::sync::atomic::AtomicBool,
     /// How registries are asked to confirm a consumer's report of a refused credential.
     verifier: crate::guard::registry::Verifier,
 }
@@ -285,6 +287,7 @@ impl Agent {
                 saved_report: Mutex::new(saved_report),
                 pulls: Arc::default(),
                 refusals: crate::refusal::Refusals::default(),
+                proxy_running: std::sync::atomic::AtomicBool::new(false),
                 verifier,
                 sources: options.sources,
                 engine,
@@ -307,6 +310,20 @@ impl Agent {
     /// The CRI proxy's pull decision log.
     pub fn pulls(&self) -> &Arc<crate::pulls::PullLog> {
         &self.inner.pulls
+    }
+
+    /// The CRI proxy serves from now on.
+    pub fn set_proxy_running(&self) {
+        self.inner
+            .proxy_running
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    /// Whether the CRI proxy runs on this agent.
+    pub fn proxy_running(&self) -> bool {
+        self.inner
+            .proxy_running
+            .load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// Credentials registries refused.

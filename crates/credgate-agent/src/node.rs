@@ -213,6 +213,7 @@ impl Node {
             None
         };
         tracing::info!(socket = %config.socket.display(), runtime = %runtime.display(), "serving the CRI image-service proxy");
+        agent.set_proxy_running();
         let options = crate::cri::ProxyOptions {
             runtime,
             captured,

@@ -5,6 +5,9 @@ use tonic::{Request, Response, Status};
 
 use super::*;
 
+/// What calls about the CRI proxy answer on an agent that does not run it.
+const PROXY_OFF: &str = "the CRI proxy does not run on this agent (--cri-proxy-socket)";
+
 /// Images one flush may name.
 const MAX_FLUSH_IMAGES: usize = 1024;
 
@@ -142,7 +145,12 @@ impl Admin for Api {
     ) -> Result<Response<pb::ListCapturedResponse>, Status> {
         self.observed(peer(&request), "ListCaptured", async {
             let Some(captured) = self.agent.captured() else {
-                return Ok(Response::new(pb::ListCapturedResponse::default()));
+                return Err(ApiError::NotEnabled(if self.agent.proxy_running() {
+                    "the CRI proxy keeps no pull credentials on this agent (--cri-proxy-capture=false)"
+                } else {
+                    PROXY_OFF
+                })
+                .into());
             };
             let age = captured
                 .max_age()
@@ -193,6 +201,9 @@ impl Admin for Api {
             if !self.agent.callers().allows(Service::ImageAccess, peer.uid) {
                 return Err(not_for(peer, Service::ImageAccess).into());
             }
+            if !self.agent.proxy_running() {
+                return Err(ApiError::NotEnabled(PROXY_OFF).into());
+            }
             let repository = if req.image.is_empty() {
                 None
             } else {
@@ -219,6 +230,7 @@ impl Admin for Api {
                     pod_namespace: p.pod_namespace,
                     pod_name: p.pod_name,
                     auth: p.auth,
+                    result: crate::pulls::result_of(p.code, &p.message).to_owned(),
                     code: p.code,
                     message: p.message,
                     duration_ms: u64::try_from(p.duration.as_millis()).unwrap_or(u64::MAX),
@@ -237,10 +249,7 @@ impl Admin for Api {
         let req = request.into_inner();
         self.observed(peer, "ForgetCaptured", async {
             let Some(captured) = self.agent.captured() else {
-                return Err(ApiError::NotEnabled(
-                    "the CRI proxy does not run on this agent (--cri-proxy-socket)",
-                )
-                .into());
+                return Err(ApiError::NotEnabled(PROXY_OFF).into());
             };
             let repository = credgate_core::reference::ImageRef::parse(&req.repository)
                 .map_err(|e| {

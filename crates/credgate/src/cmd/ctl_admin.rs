@@ -138,6 +138,17 @@ pub(super) async fn flush(
     Ok(Outcome::Yes)
 }
 
+/// The last `max` characters of `message`, marked when cut: containerd puts what the registry
+/// answered (`401 Unauthorized`) at the end of its messages.
+fn tail(message: &str, max: usize) -> String {
+    let n = message.chars().count();
+    if n <= max {
+        return message.to_owned();
+    }
+    let kept: String = message.chars().skip(n - (max - 1)).collect();
+    format!("\u{2026}{kept}")
+}
+
 pub(super) async fn pulls(
     admin: &mut AdminClient<Channel>,
     image: Option<String>,
@@ -159,17 +170,22 @@ pub(super) async fn pulls(
                 vec![
                     time_ms(p.at_unix_ms),
                     p.image.clone(),
-                    format!("{}/{}", p.pod_namespace, p.pod_name),
+                    if p.pod_namespace.is_empty() && p.pod_name.is_empty() {
+                        "-".into()
+                    } else {
+                        format!("{}/{}", p.pod_namespace, p.pod_name)
+                    },
                     p.auth.clone(),
                     if p.code == 0 {
                         "pulled".into()
                     } else {
-                        format!("{}: {}", p.code, p.message)
+                        p.result.clone()
                     },
+                    tail(&p.message, 72),
                 ]
             })
             .collect();
-        print_table(&["AT", "IMAGE", "POD", "AUTH", "RESULT"], &rows);
+        print_table(&["AT", "IMAGE", "POD", "AUTH", "RESULT", "MESSAGE"], &rows);
     }
     Ok(Outcome::Yes)
 }

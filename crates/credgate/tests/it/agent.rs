@@ -877,3 +877,24 @@ fn explain_and_pulls_keep_to_the_callers_services() {
         text(&pulls.stderr)
     );
 }
+
+/// On an agent without the CRI proxy, `ctl pulls` and `ctl captured` say the proxy is off
+/// (as `captured forget` does), instead of "no pulls yet" and "nothing captured".
+#[test]
+fn pulls_and_captured_say_when_the_proxy_is_off() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = Agent::start(dir.path(), &[]);
+    for args in [
+        &["ctl", "pulls"][..],
+        &["ctl", "captured"],
+        &["ctl", "captured", "forget", "registry.example.com/team/app"],
+    ] {
+        let out = agent.credgate(args);
+        assert!(!out.status.success(), "{args:?}");
+        assert!(
+            text(&out.stderr).contains("the CRI proxy does not run on this agent"),
+            "{args:?}: {}",
+            text(&out.stderr)
+        );
+    }
+}

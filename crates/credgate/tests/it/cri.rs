@@ -836,13 +836,18 @@ async fn pulls_are_logged_and_explained() {
         rows[0].contains("pulled") && rows[0].contains("team-a/app-0"),
         "{text}"
     );
+    // The classification the log has, and the end of the runtime's message, where
+    // containerd puts the registry's answer.
     assert!(
-        rows[1].contains("none") && rows[1].contains("2: failed to pull"),
+        rows[1].contains("none")
+            && rows[1].contains("unauthorized")
+            && rows[1].contains("401 Unauthorized"),
         "{text}"
     );
     let json = agent.credgate(&["ctl", "-o", "json", "pulls", &image]);
     let v: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
     assert_eq!(v["pulls"].as_array().unwrap().len(), 3);
+    assert_eq!(v["pulls"][1]["result"], "unauthorized", "{v}");
     assert!(
         v["pulls"][1]["message"]
             .as_str()
@@ -1046,11 +1051,13 @@ async fn without_capture_pulls_are_still_recorded_and_logged() {
     let pulls: serde_json::Value =
         serde_json::from_slice(&agent.credgate(&["ctl", "-o", "json", "pulls"]).stdout).unwrap();
     assert_eq!(pulls["pulls"][0]["code"], 0, "{pulls}");
+    // Capture is off: said so, not "nothing captured".
     let captured = agent.credgate(&["ctl", "captured"]);
+    assert!(!captured.status.success());
     assert!(
-        crate::support::text(&captured.stdout).contains("nothing captured"),
+        crate::support::text(&captured.stderr).contains("keeps no pull credentials"),
         "{}",
-        crate::support::text(&captured.stdout)
+        crate::support::text(&captured.stderr)
     );
     assert!(!state.join("captured.sealed").exists());
     assert!(!agent.log_text().contains(SECRET));
