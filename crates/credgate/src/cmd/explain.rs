@@ -35,18 +35,20 @@ pub async fn run(args: ExplainArgs) -> Result<Outcome> {
         .as_deref()
         .map(service_account)
         .transpose()?;
-    let explained = match agent_socket(args.socket.as_ref(), &args.sources) {
+    let (view, explained) = match agent_socket(args.socket.as_ref(), &args.sources) {
         Some(socket) => {
             let channel = credgate_api::connect(&socket)
                 .await
                 .with_context(|| format!("cannot reach the agent at {}", socket.display()))?;
-            answer(AdminClient::new(channel).explain(pb::ExplainRequest {
+            let answer = answer(AdminClient::new(channel).explain(pb::ExplainRequest {
                 image: args.image.clone(),
                 service_account: sa,
             }))
-            .await?
+            .await?;
+            (format!("the agent at {}", socket.display()), answer)
         }
         None => {
+            super::get::require_a_source(&args.sources)?;
             let engine = build_engine(&args.sources)?;
             let sa = sa.map(|s| credgate_engine::ServiceAccount {
                 namespace: s.namespace,
@@ -60,12 +62,28 @@ pub async fn run(args: ExplainArgs) -> Result<Outcome> {
                 service_account: sa.as_ref(),
                 ..Default::default()
             })?;
-            credgate_agent::explain::to_wire(&e, SystemTime::now())
+            let mut files: Vec<String> = Vec::new();
+            if let Some(c) = &args.sources.image_credential_provider_config {
+                files.push(c.display().to_string());
+            }
+            files.extend(e.sources.iter().filter_map(|s| {
+                (s.kind == credgate_engine::SourceKind::DockerConfig).then(|| s.name.clone())
+            }));
+            files.dedup();
+            (
+                format!(
+                    "this process, from {} (no agent at {}: no cache, runs or captured credentials)",
+                    files.join(", "),
+                    credgate_api::default_socket_path().display()
+                ),
+                credgate_agent::explain::to_wire(&e, SystemTime::now()),
+            )
         }
     };
     if args.output == Output::Json {
         json(&explained)?;
     } else {
+        println!("view:    {view}");
         print!("{}", text(&explained));
     }
     Ok(Outcome::Yes)

@@ -81,6 +81,32 @@ pub fn agent_socket(socket: Option<&PathBuf>, sources: &SourceArgs) -> Option<Pa
     default.exists().then_some(default)
 }
 
+/// Without an agent, this process reads the flags' sources: refused when there is none at all
+/// (explicit docker configs are read, a missing one an error as in serve; the default ones
+/// only when they exist), with a warning when only docker configs are.
+pub fn require_a_source(args: &crate::opts::SourceArgs) -> Result<()> {
+    let defaults = args.docker_config.is_empty();
+    if defaults && args.image_credential_provider_config.is_none() {
+        let read = sources(args)?
+            .docker_configs
+            .into_iter()
+            .filter(|p| p.exists())
+            .count();
+        let socket = credgate_api::default_socket_path();
+        if read == 0 {
+            anyhow::bail!(
+                "no agent at {} and no --image-credential-provider-config or docker config to read: start `credgate serve`, or pass --socket or a provider config",
+                socket.display()
+            );
+        }
+        eprintln!(
+            "warning: no agent at {} and no --image-credential-provider-config: only docker config files were read",
+            socket.display()
+        );
+    }
+    Ok(())
+}
+
 pub async fn run(args: GetArgs) -> Result<Outcome> {
     // An invalid reference is a usage error, whatever else is missing.
     if let Err(e) = credgate_core::reference::ImageRef::parse(&args.image) {
@@ -93,27 +119,7 @@ pub async fn run(args: GetArgs) -> Result<Outcome> {
     let (image, rows, warnings) = match agent_socket(args.socket.as_ref(), &args.sources) {
         Some(socket) => remote(&socket, &args.image, min_valid_for).await?,
         None => {
-            // Explicit docker configs are read (a missing one is an error, as in serve); the
-            // defaults only when they exist.
-            let defaults = args.sources.docker_config.is_empty();
-            if defaults && args.sources.image_credential_provider_config.is_none() {
-                let read = sources(&args.sources)?
-                    .docker_configs
-                    .into_iter()
-                    .filter(|p| p.exists())
-                    .count();
-                let socket = credgate_api::default_socket_path();
-                if read == 0 {
-                    anyhow::bail!(
-                        "no agent at {} and no --image-credential-provider-config or docker config to read: start `credgate serve`, or pass --socket or a provider config",
-                        socket.display()
-                    );
-                }
-                eprintln!(
-                    "warning: no agent at {} and no --image-credential-provider-config: only docker config files were read",
-                    socket.display()
-                );
-            }
+            require_a_source(&args.sources)?;
             let engine = build_engine(&args.sources)?;
             let request = LookupRequest {
                 image: &args.image,

@@ -427,3 +427,40 @@ fn kubelet_config_passes_the_cache_cap_to_the_bridge() {
         .unwrap();
     assert!(bridge.status.success(), "{}", text(&bridge.stderr));
 }
+
+/// `explain` says whose view it prints, and without an agent and without a source to read it
+/// refuses as `get` does instead of calling every image anonymous.
+#[test]
+fn explain_says_whose_view_and_refuses_to_explain_from_nothing() {
+    let home = tempfile::tempdir().unwrap();
+    let nothing = Command::new(env!("CARGO_BIN_EXE_credgate"))
+        .args(["explain", "registry.example.com/team/app:v1"])
+        .current_dir(repo())
+        .env("HOME", home.path())
+        .env_remove("CREDGATE_LOG")
+        .env_remove("CREDGATE_SOCKET")
+        .env_remove("XDG_RUNTIME_DIR")
+        .output()
+        .unwrap();
+    assert!(!nothing.status.success());
+    let err = text(&nothing.stderr);
+    assert!(err.contains("no agent at"), "{err}");
+    let out = credgate(&[
+        "explain",
+        "registry.example.com/team/app:v1",
+        "--image-credential-provider-config",
+        "examples/provider-config.yaml",
+        "--image-credential-provider-bin-dir",
+        "examples/plugins",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let first = text(&out.stdout)
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(
+        first.starts_with("view:    this process, from examples/provider-config.yaml"),
+        "{first}"
+    );
+}
