@@ -66,9 +66,12 @@ pub async fn run(args: ExplainArgs) -> Result<Outcome> {
             if let Some(c) = &args.sources.image_credential_provider_config {
                 files.push(c.display().to_string());
             }
-            files.extend(e.sources.iter().filter_map(|s| {
-                (s.kind == credgate_engine::SourceKind::DockerConfig).then(|| s.name.clone())
-            }));
+            files.extend(
+                e.sources
+                    .iter()
+                    .filter(|s| s.kind == credgate_engine::SourceKind::DockerConfig)
+                    .map(|s| s.name.clone()),
+            );
             files.dedup();
             (
                 format!(
