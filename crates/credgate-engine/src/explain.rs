@@ -41,6 +41,9 @@ pub struct ExplainedSource {
     pub pattern: Option<String>,
     /// Why the closest pattern did not match.
     pub why_not: Option<String>,
+    /// How close that pattern came (the higher, the closer: a port or path miss beats any
+    /// host miss); 0 when it matched or there is none.
+    pub closeness: usize,
     /// For a provider that applies.
     pub provider: Option<ProviderView>,
 }
@@ -120,6 +123,7 @@ impl Engine {
                 name: s.name.clone(),
                 matched,
                 pattern,
+                closeness: why.as_ref().map_or(0, Mismatch::closeness),
                 why_not: why.map(|m| m.to_string()),
                 provider: None,
             });
@@ -150,6 +154,7 @@ impl Engine {
                 name: p.spec.name.clone(),
                 matched,
                 pattern,
+                closeness: why.as_ref().map_or(0, Mismatch::closeness),
                 why_not: why.map(|m| m.to_string()),
                 provider,
             });
@@ -219,6 +224,11 @@ impl Explanation {
                     "provider {} needs a service account and none was given",
                     s.name
                 )
+            } else if v.cached.as_ref().is_some_and(|c| c.credentials == 0) {
+                format!(
+                    "provider {} answered no credential: the pull goes anonymous",
+                    s.name
+                )
             } else if let Some(c) = &v.cached {
                 let left = c
                     .expires
@@ -245,7 +255,7 @@ impl Explanation {
                 .filter(|_| v.status.consecutive_failures > 0)
             {
                 format!(
-                    "provider {} would run its plugin again; its last run failed: {e}",
+                    "provider {} would run its plugin again; its last run failed: {e} (the plugin's stderr is in the agent's log at debug level)",
                     s.name
                 )
             } else if let Some((at, why)) = &v.status.last_dropped {
@@ -264,11 +274,13 @@ impl Explanation {
             return format!("{}: {}", self.image, parts.join("; "));
         }
         let registry = self.image.split('/').next().unwrap_or(&self.image);
+        // The nearest miss (a port or a path before any host), not the first in config order.
         let closest = self
             .sources
             .iter()
-            .filter(|s| s.kind == SourceKind::Provider)
-            .find(|s| s.why_not.is_some());
+            .filter(|s| s.kind == SourceKind::Provider && s.why_not.is_some())
+            .rev()
+            .max_by_key(|s| s.closeness);
         match closest {
             Some(s) => format!(
                 "no credential source matches {registry}: provider {}'s pattern {} does not match ({})",

@@ -8,6 +8,7 @@ mod test_runtimes;
 mod cache;
 mod coalescing;
 mod common;
+mod explain;
 mod hostile;
 mod plugins;
 mod saved;

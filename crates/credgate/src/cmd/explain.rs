@@ -161,6 +161,11 @@ fn text(e: &pb::ExplainResponse) -> String {
                 at(s.cache_expires_unix_ms),
                 credgate_core::duration::Rounded(Duration::from_millis(s.cache_age_ms))
             ));
+        } else if s.backoff_until_unix_ms > 0 {
+            out.push_str(&format!(
+                "      cache: nothing for this image; a lookup is refused without a run until {}\n",
+                at(s.backoff_until_unix_ms)
+            ));
         } else {
             out.push_str("      cache: nothing for this image: a lookup runs the plugin\n");
         }
@@ -178,7 +183,10 @@ fn text(e: &pb::ExplainResponse) -> String {
             ));
         }
         if !s.last_error.is_empty() {
-            out.push_str(&format!("      last error: {}\n", s.last_error));
+            out.push_str(&format!(
+                "      last error: {} (the plugin's stderr is in the agent's log at debug level: CREDGATE_LOG=debug)\n",
+                s.last_error
+            ));
         }
     }
     if !e.guard_records.is_empty() {
