@@ -202,6 +202,16 @@ impl Explanation {
             .collect()
     }
 
+    /// Of [`Explanation::reasons`], those of the sources that matched and gave nothing.
+    pub fn matched_reasons(&self) -> Vec<String> {
+        self.reasons()
+            .into_iter()
+            .zip(&self.sources)
+            .filter(|(_, s)| s.matched)
+            .map(|(r, _)| r)
+            .collect()
+    }
+
     /// One line: what a puller would get, or why it would get nothing.
     pub fn verdict(&self, now: SystemTime) -> String {
         let configs = self

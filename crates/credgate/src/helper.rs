@@ -20,6 +20,10 @@ use zeroize::{Zeroize, Zeroizing};
 
 const NOT_FOUND: &str = "credentials not found in native keychain";
 use credgate_api::methods::LOOKUP;
+
+/// Set (to anything but `0`), the helper writes every source it tried on an anonymous answer,
+/// not only those that matched the host.
+const EXPLAIN_ENV: &str = "CREDGATE_HELPER_EXPLAIN";
 /// How long the agent may take to answer: longer than a plugin's default timeout (1 minute),
 /// since a miss runs one.
 const TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
@@ -114,11 +118,19 @@ fn get() -> Result<Zeroizing<String>, String> {
     let Some(first) = answer.credentials.first() else {
         if answer.failures.is_empty() {
             // Clients read the "not found" text from stdout exactly; what was tried goes to
-            // stderr.
-            if !answer.reasons.is_empty() {
+            // stderr: the sources that matched the host and gave nothing (docker, skopeo and
+            // podman show stderr like an error before an anonymous pull that succeeds, so the
+            // others' mismatches only when asked: CREDGATE_HELPER_EXPLAIN=1).
+            let all = std::env::var_os(EXPLAIN_ENV).is_some_and(|v| !v.is_empty() && v != "0");
+            let reasons = if all {
+                &answer.reasons
+            } else {
+                &answer.matched_reasons
+            };
+            if !reasons.is_empty() {
                 eprintln!(
                     "credgate: no credentials for {host}: {}",
-                    answer.reasons.join("; ")
+                    reasons.join("; ")
                 );
             }
             return Err(NOT_FOUND.into());

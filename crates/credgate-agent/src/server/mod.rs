@@ -94,7 +94,7 @@ pub fn provider_answer(
             .map(|e| e.key.kind().as_str().to_owned())
             .unwrap_or_default(),
         cache_for_ms: i64::try_from(cache_for.as_millis()).unwrap_or(i64::MAX),
-        reasons: Vec::new(),
+        ..Default::default()
     }
 }
 
@@ -121,10 +121,10 @@ fn with_reasons(
     answer: &mut pb::LookupResponse,
 ) {
     if answer.credentials.is_empty() && answer.failures.is_empty() {
-        answer.reasons = engine
-            .explain(request)
-            .map(|e| e.reasons())
-            .unwrap_or_default();
+        if let Ok(e) = engine.explain(request) {
+            answer.reasons = e.reasons();
+            answer.matched_reasons = e.matched_reasons();
+        }
     }
 }
 

@@ -64,4 +64,11 @@ async fn an_empty_answer_is_called_what_it_is() {
         verdict.contains("provider empty answered no credential: the pull goes anonymous"),
         "{verdict}"
     );
+    // What a client shows by default: only the sources that matched.
+    let other = e.explain(&req("quay.example.com/x:1")).unwrap();
+    assert!(other.matched_reasons().is_empty());
+    assert_eq!(other.reasons().len(), 1);
+    let matched = e.explain(&req(image)).unwrap().matched_reasons();
+    assert_eq!(matched.len(), 1);
+    assert!(matched[0].contains("provider empty matched"), "{matched:?}");
 }
