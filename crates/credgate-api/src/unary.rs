@@ -138,6 +138,19 @@ fn request_bytes(method: &str, message: &[u8]) -> Vec<u8> {
     out
 }
 
+/// Percent-encoding of a `grpc-message` value: bytes outside printable ASCII, and `%`.
+pub fn encode_message(message: &str) -> String {
+    let mut out = String::with_capacity(message.len());
+    for b in message.bytes() {
+        if (0x20..0x7f).contains(&b) && b != b'%' {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
 /// Percent-decoding of a `grpc-message` value (gRPC encodes bytes outside printable ASCII and
 /// `%` itself); a `%` not followed by two hex digits stays as it is.
 pub fn decode_message(raw: &[u8]) -> String {

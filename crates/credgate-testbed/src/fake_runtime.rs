@@ -63,18 +63,6 @@ fn list(size: usize) -> Bytes {
     grpc_frame(&msg)
 }
 
-fn percent_encode(s: &str) -> String {
-    let mut out = String::new();
-    for b in s.bytes() {
-        if (0x20..0x7f).contains(&b) && b != b'%' {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
-}
-
 type Body = http_body_util::combinators::UnsyncBoxBody<Bytes, std::io::Error>;
 
 fn answer(path: &str, answers: &Answers) -> hyper::Response<Body> {
@@ -107,7 +95,7 @@ fn answer(path: &str, answers: &Answers) -> hyper::Response<Body> {
             Err((code, message)) => hyper::Response::builder()
                 .header("content-type", "application/grpc")
                 .header("grpc-status", code.to_string())
-                .header("grpc-message", percent_encode(message))
+                .header("grpc-message", credgate_api::unary::encode_message(message))
                 .body(
                     http_body_util::Empty::new()
                         .map_err(|never| -> std::io::Error { match never {} })

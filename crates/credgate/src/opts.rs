@@ -372,7 +372,7 @@ pub enum CtlCall {
     },
     /// ImageAccess.CheckAccess: may these credentials use the image on the node?
     #[command(
-        after_help = "Example:\n  credgate ctl check-access registry.example.com/team/app:v1 --image-ref sha256:4b1d... \\\n      --secret team-a/regcred=alice:PASSWORD"
+        after_help = "Example:\n  credgate ctl check-access registry.example.com/team/app:v1 --image-ref sha256:4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d \\\n      --secret team-a/regcred=alice:PASSWORD"
     )]
     CheckAccess {
         image: String,
@@ -394,7 +394,7 @@ pub enum CtlCall {
     RecordIntent { image: String },
     /// ImageAccess.RecordPullResult: a pull of IMAGE ended.
     #[command(
-        after_help = "Example:\n  credgate ctl record-result registry.example.com/team/app:v1 --image-ref sha256:4b1d... \\\n      --secret team-a/regcred=alice:PASSWORD"
+        after_help = "Example:\n  credgate ctl record-result registry.example.com/team/app:v1 --image-ref sha256:4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d \\\n      --secret team-a/regcred=alice:PASSWORD"
     )]
     RecordResult {
         image: String,
@@ -408,7 +408,7 @@ pub enum CtlCall {
     },
     /// ImageAccess.Verify: ask the registry with each credential in order.
     #[command(
-        after_help = "Example:\n  credgate ctl verify registry.example.com/team/app:v1 --image-ref sha256:4b1d... \\\n      --service-account team-a/builder"
+        after_help = "Example:\n  credgate ctl verify registry.example.com/team/app:v1 --image-ref sha256:4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d \\\n      --service-account team-a/builder"
     )]
     Verify {
         image: String,
@@ -422,7 +422,7 @@ pub enum CtlCall {
     },
     /// ImageAccess.Prune: recover intents of present images, drop state of absent ones.
     #[command(
-        after_help = "Example:\n  credgate ctl prune --present 'sha256:4b1d...=registry.example.com/team/app:v1' --older-than 1h"
+        after_help = "Example:\n  credgate ctl prune --present 'sha256:4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d=registry.example.com/team/app:v1' --older-than 1h"
     )]
     Prune {
         /// A present image: `IMAGE_ID=REFERENCE[,REFERENCE...]` (repeatable).
@@ -436,10 +436,14 @@ pub enum CtlCall {
     #[command(after_help = "Example:\n  credgate ctl -o json list-records")]
     ListRecords,
     /// ImageAccess.GetRecord.
-    #[command(after_help = "Example:\n  credgate ctl get-record sha256:4b1d...")]
+    #[command(
+        after_help = "Example:\n  credgate ctl get-record sha256:4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d"
+    )]
     GetRecord { image_ref: String },
     /// ImageAccess.DeleteRecord.
-    #[command(after_help = "Example:\n  credgate ctl delete-record sha256:4b1d...")]
+    #[command(
+        after_help = "Example:\n  credgate ctl delete-record sha256:4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d"
+    )]
     DeleteRecord { image_ref: String },
     /// Admin.Health.
     #[command(after_help = "Example:\n  credgate ctl health")]
@@ -606,8 +610,18 @@ mod tests {
                 assert!(!lines.is_empty(), "{name} --help has no example:\n{help}");
             }
             for words in lines {
-                if let Err(e) = Cli::try_parse_from(&words) {
-                    panic!("{name}: example {words:?} does not parse: {e}");
+                match Cli::try_parse_from(&words) {
+                    Err(e) => panic!("{name}: example {words:?} does not parse: {e}"),
+                    // What is checked before connecting passes too.
+                    Ok(Cli {
+                        command: Command::Ctl(args),
+                        ..
+                    }) => {
+                        if let Err(e) = crate::cmd::ctl_guard::check_args(&args.call) {
+                            panic!("{name}: example {words:?} is refused: {e}");
+                        }
+                    }
+                    Ok(_) => {}
                 }
                 found.push(words.join(" "));
             }

@@ -65,6 +65,39 @@ pub(super) async fn serve(
     listener.drain().await;
 }
 
+/// An UNIMPLEMENTED answer without a message (tonic's for a method or service it does not
+/// have) gets the one grpc-go servers give: `unknown method M for service S`, or `unknown
+/// service S`.
+fn unknown_method_message<B>(path: &str, response: &mut hyper::Response<B>) {
+    let headers = response.headers_mut();
+    let unimplemented = headers
+        .get("grpc-status")
+        .is_some_and(|v| v.as_bytes() == b"12");
+    if !unimplemented || headers.contains_key("grpc-message") {
+        return;
+    }
+    let known = [
+        "credgate.v1.Credentials",
+        "credgate.v1.Admin",
+        "credgate.v1.ImageAccess",
+    ];
+    let (service, method) = path
+        .trim_start_matches('/')
+        .split_once('/')
+        .unwrap_or((path.trim_start_matches('/'), ""));
+    let service: String = service.chars().take(128).collect();
+    let method: String = method.chars().take(128).collect();
+    let message = if known.contains(&service.as_str()) {
+        format!("unknown method {method} for service {service}")
+    } else {
+        format!("unknown service {service}")
+    };
+    let encoded = credgate_api::unary::encode_message(&message);
+    if let Ok(value) = hyper::header::HeaderValue::from_str(&encoded) {
+        headers.insert("grpc-message", value);
+    }
+}
+
 /// The per-request side: the caller's credentials on the request, a deadline for its answer
 /// (the head of a Watch stream: the stream itself may last), the connection's count of open
 /// streams.
@@ -86,10 +119,11 @@ impl hyper::service::Service<hyper::Request<Incoming>> for CallService {
     fn call(&self, mut request: hyper::Request<Incoming>) -> Self::Future {
         request.extensions_mut().insert(self.peer);
         let open = self.tracker.stream();
+        let path = request.uri().path().to_owned();
         let call = self.routes.clone().call(request);
         let timeout = self.timeout;
         Box::pin(async move {
-            let response = match tokio::time::timeout(timeout, call).await {
+            let mut response = match tokio::time::timeout(timeout, call).await {
                 Ok(Ok(response)) => response,
                 Ok(Err(never)) => match never {},
                 Err(_) => tonic::Status::from(crate::status::ApiError::Deadline(format!(
@@ -98,6 +132,7 @@ impl hyper::service::Service<hyper::Request<Incoming>> for CallService {
                 )))
                 .into_http(),
             };
+            unknown_method_message(&path, &mut response);
             Ok(response.map(|body| Counted::new(body, open)))
         })
     }

@@ -28,12 +28,16 @@ pub fn json(value: &impl Serialize) -> Result<()> {
     Ok(())
 }
 
+/// The agent's status as a sentence: its message, which says what failed; the code's name
+/// only when there is no message.
 pub fn status_error(s: tonic::Status) -> anyhow::Error {
-    anyhow::anyhow!(
-        "{}: {}",
-        credgate_agent::metrics::code_name(s.code()).to_lowercase(),
-        s.message()
-    )
+    if s.message().is_empty() {
+        return anyhow::anyhow!(
+            "the agent answered {}",
+            credgate_agent::metrics::code_name(s.code()).to_lowercase()
+        );
+    }
+    anyhow::anyhow!("{}", s.message())
 }
 
 /// The answer of a call, or its status as an error.

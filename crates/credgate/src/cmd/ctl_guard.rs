@@ -86,6 +86,46 @@ fn present_images(present: &[String]) -> Result<Vec<pb::PresentImage>> {
 /// reported as one (exit 2) even when the agent cannot be reached. Its messages never repeat
 /// a `--secret` value.
 pub fn check_args(call: &CtlCall) -> Result<()> {
+    // Images and image IDs are checked here, before connecting: a usage error (exit 2), as
+    // clap's own.
+    let images: Vec<&String> = match call {
+        CtlCall::CheckAccess { image, .. }
+        | CtlCall::RecordIntent { image }
+        | CtlCall::RecordResult { image, .. }
+        | CtlCall::Verify { image, .. }
+        | CtlCall::ReportRefused { image, .. }
+        | CtlCall::Pulls { image: Some(image) } => vec![image],
+        CtlCall::Flush { images, .. } => images.iter().collect(),
+        CtlCall::Captured {
+            action: Some(crate::opts::CapturedAction::Forget { repository }),
+        } => vec![repository],
+        _ => Vec::new(),
+    };
+    for image in images {
+        if let Err(e) = credgate_core::reference::ImageRef::parse(image) {
+            return Err(crate::usage(format!(
+                "invalid image reference {}: {e}",
+                credgate_core::text::Quoted(image)
+            )));
+        }
+    }
+    let ids: Vec<&String> = match call {
+        CtlCall::CheckAccess {
+            image_ref: Some(id),
+            ..
+        }
+        | CtlCall::RecordResult {
+            image_ref: Some(id),
+            ..
+        }
+        | CtlCall::Verify { image_ref: id, .. }
+        | CtlCall::GetRecord { image_ref: id }
+        | CtlCall::DeleteRecord { image_ref: id } => vec![id],
+        _ => Vec::new(),
+    };
+    for id in ids {
+        image_id(id)?;
+    }
     match call {
         CtlCall::CheckAccess { credentials: c, .. }
         | CtlCall::RecordResult { credentials: c, .. }
@@ -93,6 +133,20 @@ pub fn check_args(call: &CtlCall) -> Result<()> {
         CtlCall::Prune { present, .. } => present_images(present).map(drop),
         _ => Ok(()),
     }
+}
+
+/// A runtime's image ID as the runtimes give it: `sha256:` and 64 lowercase hex digits.
+fn image_id(id: &str) -> Result<()> {
+    let ok = id.strip_prefix("sha256:").is_some_and(|hex| {
+        hex.len() == 64 && hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+    });
+    if !ok {
+        return Err(crate::usage(format!(
+            "invalid image ID {}: expected sha256: and 64 hex digits, as the runtime reports it (crictl images --digests, crictl inspecti)",
+            credgate_core::text::Quoted(id)
+        )));
+    }
+    Ok(())
 }
 
 fn decision_name(d: i32) -> &'static str {

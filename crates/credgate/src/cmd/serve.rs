@@ -50,7 +50,11 @@ pub async fn run(args: ServeArgs) -> Result<Outcome> {
     let policy: Policy = args
         .image_pull_credentials_verification_policy
         .parse()
-        .context("invalid --image-pull-credentials-verification-policy")?;
+        .map_err(|e| {
+            crate::usage(format!(
+                "invalid --image-pull-credentials-verification-policy: {e}"
+            ))
+        })?;
     let allowlist = Allowlist::parse(
         args.preloaded_images_verification_allowlist
             .iter()
@@ -58,10 +62,10 @@ pub async fn run(args: ServeArgs) -> Result<Outcome> {
     )
     .map_err(|errors| {
         let list: Vec<String> = errors.iter().map(ToString::to_string).collect();
-        anyhow::anyhow!(
+        crate::usage(format!(
             "invalid --preloaded-images-verification-allowlist: {}",
             list.join("; ")
-        )
+        ))
     })?;
     let state_dir = args.state_dir.clone().unwrap_or_else(default_state_dir);
     // A state directory someone else owns or can write (or a link to one) could hold a planted

@@ -464,3 +464,54 @@ fn explain_says_whose_view_and_refuses_to_explain_from_nothing() {
         "{first}"
     );
 }
+
+/// Usage errors exit 2 everywhere, checked before anything is started or connected: a bad
+/// verification policy, an image reference that does not parse, an image ID that is not what
+/// runtimes report (a help example's `sha256:4b1d...` once wrote a record).
+#[test]
+fn usage_errors_exit_2_before_connecting() {
+    for args in [
+        &[
+            "serve",
+            "--image-pull-credentials-verification-policy",
+            "Bogus",
+        ][..],
+        &[
+            "ctl",
+            "--socket",
+            "/nonexistent.sock",
+            "pulls",
+            "UPPER/Case:!!",
+        ],
+        &[
+            "ctl",
+            "--socket",
+            "/nonexistent.sock",
+            "record-result",
+            "registry.example.com/team/app:v1",
+            "--image-ref",
+            "sha256:4b1d...",
+        ],
+        &[
+            "ctl",
+            "--socket",
+            "/nonexistent.sock",
+            "get-record",
+            "sha256:abc",
+        ],
+        &["ctl", "--socket", "/nonexistent.sock", "flush", "Bad::Ref"],
+    ] {
+        let out = credgate(args);
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "{args:?}: {}",
+            text(&out.stderr)
+        );
+        assert!(
+            !text(&out.stderr).contains("cannot reach"),
+            "{args:?}: checked before connecting: {}",
+            text(&out.stderr)
+        );
+    }
+}

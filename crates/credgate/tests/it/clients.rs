@@ -113,6 +113,16 @@ async fn grpc_go_dialing_as_the_kubelet_does_is_served_on_the_api_socket() {
             tonic::Code::Unimplemented as u32,
             "{unknown:?}"
         );
+        // The message grpc-go servers give.
+        assert_eq!(
+            unknown.message, "unknown method Nope for service credgate.v1.Admin",
+            "{unknown:?}"
+        );
+        let service = go_call(&go, dial, &agent.socket, "/other.v1.Svc/Call", &[], 0);
+        assert_eq!(
+            service.message, "unknown service other.v1.Svc",
+            "{service:?}"
+        );
     }
     let log = agent.log_text();
     assert!(!log.contains("malformed"), "{log}");
