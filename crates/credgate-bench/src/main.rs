@@ -82,6 +82,7 @@ enum BurstMode {
 #[derive(Parser, Clone)]
 #[command(
     name = "credgate-bench",
+    version,
     about = "Benchmarks of the credgate engine and agent"
 )]
 pub struct Args {

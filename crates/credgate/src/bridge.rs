@@ -39,7 +39,8 @@ const NAME: &str = "credgate-credential-provider";
 #[command(
     name = NAME,
     version,
-    about = "A kubelet credential provider plugin answered by the credgate agent"
+    about = "A kubelet credential provider plugin answered by the credgate agent",
+    after_help = "The kubelet runs it, as any credential provider plugin: its CredentialProviderConfig names an\nentry whose name is the program in --image-credential-provider-bin-dir (a link to this bridge,\nwhich `credgate kubelet-config --link-dir DIR` makes), with `args: [--provider, NAME]`, writes a\nCredentialProviderRequest on stdin and reads the response on stdout.\n\nExample:\n  printf '{\"apiVersion\":\"credentialprovider.kubelet.k8s.io/v1\",\"kind\":\"CredentialProviderRequest\",\"image\":\"registry.example.com/team/app:v1\"}' \\\n      | credgate-credential-provider --provider credgate-example-plugin"
 )]
 struct Args {
     /// The agent's provider this entry stands for (default: this program's file name, when it

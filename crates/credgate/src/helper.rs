@@ -28,6 +28,20 @@ const EXPLAIN_ENV: &str = "CREDGATE_HELPER_EXPLAIN";
 /// since a miss runs one.
 const TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
 
+const HELP: &str = "usage: docker-credential-credgate get|store|erase|list|version
+
+A docker credential helper backed by the credgate agent (CREDGATE_SOCKET, else the default
+socket). Clients run it themselves: docker, podman, buildah and skopeo when their config names
+it for a registry (\"credHelpers\": {\"registry.example.com\": \"credgate\"}, or
+\"credsStore\": \"credgate\" for all), with the verb as its argument and the registry on stdin.
+
+Example:
+  printf registry.example.com | docker-credential-credgate get
+
+Environment: CREDGATE_SOCKET (the agent's socket), CREDGATE_HELPER_EXPLAIN=1 (write every
+source tried on an anonymous answer, not only those that matched), CREDGATE_HELPER_ERASE=ignore
+(erase succeeds and does nothing, for clients that erase at logout).";
+
 fn main() -> ExitCode {
     let mut args = std::env::args().skip(1);
     let verb = args.next().unwrap_or_default();
@@ -46,8 +60,12 @@ fn main() -> ExitCode {
             "docker-credential-credgate {}",
             env!("CARGO_PKG_VERSION")
         ))),
+        "help" | "--help" | "-h" => {
+            println!("{HELP}");
+            return ExitCode::SUCCESS;
+        }
         _ => {
-            eprintln!("usage: docker-credential-credgate get|store|erase|list|version\n\nA docker credential helper backed by the credgate agent (CREDGATE_SOCKET or the default socket).");
+            eprintln!("{HELP}");
             return ExitCode::from(2);
         }
     };
@@ -71,8 +89,23 @@ fn main() -> ExitCode {
 }
 
 /// `CREDGATE_HELPER_ERASE=ignore`: `erase` succeeds and changes nothing.
+/// `CREDGATE_HELPER_ERASE=ignore` (any case; `1`, `true` and `yes` too): erase succeeds and
+/// does nothing. Any other value is said to be ignored, on stderr.
 fn erase_ignored() -> bool {
-    std::env::var("CREDGATE_HELPER_ERASE").is_ok_and(|v| v == "ignore")
+    let Ok(v) = std::env::var("CREDGATE_HELPER_ERASE") else {
+        return false;
+    };
+    let on = matches!(
+        v.to_ascii_lowercase().as_str(),
+        "ignore" | "1" | "true" | "yes"
+    );
+    if !on && !v.is_empty() {
+        eprintln!(
+            "credgate: CREDGATE_HELPER_ERASE={} is not understood (ignore, 1, true, yes): erase refused",
+            credgate_core::text::Quoted(&v)
+        );
+    }
+    on
 }
 
 /// Reads what a client sends to `store` or `erase`, up to a bound, and drops it.

@@ -167,6 +167,7 @@ pub struct ExplainArgs {
     /// The pod's service account, `NAMESPACE/NAME[/UID]` (for providers with tokenAttributes).
     #[arg(long, value_name = "SA")]
     pub service_account: Option<String>,
+    /// Output format: table for people, json (enum names, every field) for programs.
     #[arg(short, long, value_enum, default_value_t = Output::Table)]
     pub output: Output,
     /// Ask the agent on this socket (default: as `get` decides).
@@ -328,10 +329,13 @@ pub struct CtlArgs {
 pub enum CtlCall {
     /// Credentials.Lookup: credentials for an image (passwords only with -o json).
     #[command(
-        after_help = "Example:\n  credgate ctl lookup registry.example.com/team/app:v1\n  credgate ctl lookup -o json --min-valid-for 30m registry.example.com/team/app:v1\n  credgate ctl lookup --registry-host registry.example.com"
+        after_help = "Examples:\n  credgate ctl lookup registry.example.com/team/app:v1\n  credgate ctl lookup -o json --min-valid-for 30m registry.example.com/team/app:v1\n  credgate ctl lookup --registry-host registry.example.com"
     )]
     Lookup {
+        /// The image, as a pod spec names it (or a registry host with --registry-host).
         image: String,
+        /// Only credentials valid at least this long (Go duration: 30m); shorter-lived cached
+        /// ones make the plugin run again.
         #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
         min_valid_for: Option<Duration>,
         /// IMAGE is a registry `host[:port]`, as a docker credential helper receives it.
@@ -342,20 +346,36 @@ pub enum CtlCall {
     #[command(
         after_help = "Example:\n  credgate ctl track nydus registry.example.com/team/app:v1"
     )]
-    Track { consumer: String, refs: Vec<String> },
+    Track {
+        /// Who depends on the refs: a stable name per consumer (`nydus-snapshotter`).
+        consumer: String,
+        /// Image references, as for lookup.
+        refs: Vec<String>,
+    },
     /// Credentials.Untrack: remove refs from what CONSUMER depends on.
     #[command(
         after_help = "Example:\n  credgate ctl untrack nydus registry.example.com/team/app:v1"
     )]
-    Untrack { consumer: String, refs: Vec<String> },
+    Untrack {
+        /// Who depends on the refs: a stable name per consumer (`nydus-snapshotter`).
+        consumer: String,
+        /// Image references, as for lookup.
+        refs: Vec<String>,
+    },
     /// Credentials.SetTracked: make REFS all that CONSUMER depends on.
     #[command(
         after_help = "Example:\n  credgate ctl set-tracked nydus registry.example.com/team/app:v1 registry.example.com/team/db:v3"
     )]
-    SetTracked { consumer: String, refs: Vec<String> },
+    SetTracked {
+        /// Who depends on the refs: a stable name per consumer (`nydus-snapshotter`).
+        consumer: String,
+        /// Image references, as for lookup.
+        refs: Vec<String>,
+    },
     /// Credentials.ListTracked: tracked refs and their renewal state.
     #[command(after_help = "Example:\n  credgate ctl list-tracked --consumer nydus")]
     ListTracked {
+        /// Only the refs this consumer holds.
         #[arg(long)]
         consumer: Option<String>,
     },
@@ -364,6 +384,7 @@ pub enum CtlCall {
         after_help = "Example:\n  credgate ctl watch --count 1 registry.example.com/team/app:v1"
     )]
     Watch {
+        /// Image references to watch.
         #[arg(required = true)]
         refs: Vec<String>,
         /// Stop after this many events.
@@ -375,13 +396,15 @@ pub enum CtlCall {
         after_help = "Example:\n  credgate ctl check-access registry.example.com/team/app:v1 --image-ref sha256:4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d \\\n      --secret team-a/regcred=alice:PASSWORD"
     )]
     CheckAccess {
+        /// The image, as a pod spec names it (`registry.example.com/team/app:v1`).
         image: String,
-        /// The runtime's image ID of the local copy.
+        /// The runtime's image ID of the local copy (`sha256:` and 64 hex digits).
         #[arg(long, value_name = "ID")]
         image_ref: Option<String>,
         /// The image is not on the node.
         #[arg(long)]
         absent: bool,
+        /// The container's imagePullPolicy.
         #[arg(long, value_enum, default_value_t = PullPolicyArg::IfNotPresent)]
         pull_policy: PullPolicyArg,
         #[command(flatten)]
@@ -391,13 +414,18 @@ pub enum CtlCall {
     #[command(
         after_help = "Example:\n  credgate ctl record-intent registry.example.com/team/app:v1"
     )]
-    RecordIntent { image: String },
+    RecordIntent {
+        /// The image, as a pod spec names it (`registry.example.com/team/app:v1`).
+        image: String,
+    },
     /// ImageAccess.RecordPullResult: a pull of IMAGE ended.
     #[command(
         after_help = "Example:\n  credgate ctl record-result registry.example.com/team/app:v1 --image-ref sha256:4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d \\\n      --secret team-a/regcred=alice:PASSWORD"
     )]
     RecordResult {
+        /// The image, as a pod spec names it (`registry.example.com/team/app:v1`).
         image: String,
+        /// The runtime's image ID of the local copy (`sha256:` and 64 hex digits).
         #[arg(long, value_name = "ID")]
         image_ref: Option<String>,
         /// The pull failed.
@@ -411,7 +439,9 @@ pub enum CtlCall {
         after_help = "Example:\n  credgate ctl verify registry.example.com/team/app:v1 --image-ref sha256:4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d \\\n      --service-account team-a/builder"
     )]
     Verify {
+        /// The image, as a pod spec names it (`registry.example.com/team/app:v1`).
         image: String,
+        /// The runtime's image ID of the local copy (`sha256:` and 64 hex digits).
         #[arg(long, value_name = "ID")]
         image_ref: String,
         /// The manifest digest held locally.
@@ -439,12 +469,18 @@ pub enum CtlCall {
     #[command(
         after_help = "Example:\n  credgate ctl get-record sha256:4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d"
     )]
-    GetRecord { image_ref: String },
+    GetRecord {
+        /// The runtime's image ID (`sha256:` and 64 hex digits).
+        image_ref: String,
+    },
     /// ImageAccess.DeleteRecord.
     #[command(
         after_help = "Example:\n  credgate ctl delete-record sha256:4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d"
     )]
-    DeleteRecord { image_ref: String },
+    DeleteRecord {
+        /// The runtime's image ID (`sha256:` and 64 hex digits).
+        image_ref: String,
+    },
     /// Admin.Health.
     #[command(after_help = "Example:\n  credgate ctl health")]
     Health,
@@ -463,9 +499,12 @@ pub enum CtlCall {
     /// Admin.ListPulls: the CRI proxy's recent pulls (newest first): pod, whether the kubelet
     /// sent credentials and which source they match, the runtime's answer. Never a secret.
     #[command(
-        after_help = "Example:\n  credgate ctl pulls\n  credgate ctl pulls registry.example.com/team/app"
+        after_help = "Examples:\n  credgate ctl pulls\n  credgate ctl pulls registry.example.com/team/app"
     )]
-    Pulls { image: Option<String> },
+    Pulls {
+        /// Only the pulls of this image's repository (any tag).
+        image: Option<String>,
+    },
     /// Admin.Flush: drop providers' cached answers (memory and sealed cache) so that the next
     /// lookup runs the plugin; tracked refs are renewed at once.
     #[command(
@@ -495,7 +534,7 @@ pub enum CtlCall {
     /// Admin.ListCaptured / ForgetCaptured: the pull credentials the CRI proxy captured
     /// (never their secrets); `captured forget REPO` drops one.
     #[command(
-        after_help = "Example:\n  credgate ctl captured\n  credgate ctl captured forget registry.example.com/team/app"
+        after_help = "Examples:\n  credgate ctl captured\n  credgate ctl captured forget registry.example.com/team/app"
     )]
     Captured {
         #[command(subcommand)]
@@ -509,7 +548,10 @@ pub enum CapturedAction {
     #[command(
         after_help = "Example:\n  credgate ctl captured forget registry.example.com/team/app"
     )]
-    Forget { repository: String },
+    Forget {
+        /// The repository (`registry.example.com/team/app`), or any image of it.
+        repository: String,
+    },
 }
 
 #[derive(Args)]
@@ -634,5 +676,30 @@ mod tests {
         let mut found = Vec::new();
         walk(&mut Cli::command(), "", &mut found);
         assert!(found.len() > 25, "{found:?}");
+    }
+
+    /// Every argument and option of every command says what it is in `--help`.
+    #[test]
+    fn every_argument_has_a_description() {
+        fn walk(cmd: &clap::Command, path: &str, missing: &mut Vec<String>) {
+            let name = format!("{path} {}", cmd.get_name());
+            for arg in cmd.get_arguments() {
+                let id = arg.get_id().as_str();
+                if id == "help" || id == "version" {
+                    continue;
+                }
+                if arg.get_help().is_none() && arg.get_long_help().is_none() {
+                    missing.push(format!("{name}: {id}"));
+                }
+            }
+            for sub in cmd.get_subcommands() {
+                if sub.get_name() != "help" {
+                    walk(sub, &name, missing);
+                }
+            }
+        }
+        let mut missing = Vec::new();
+        walk(&Cli::command(), "", &mut missing);
+        assert!(missing.is_empty(), "without a description: {missing:#?}");
     }
 }

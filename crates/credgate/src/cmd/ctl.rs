@@ -215,6 +215,8 @@ pub(super) async fn list_tracked(
     .await?;
     if out == Output::Json {
         json(&r)?;
+    } else if r.refs.is_empty() {
+        println!("nothing tracked");
     } else {
         let rows: Vec<Vec<String>> = r
             .refs

@@ -897,4 +897,7 @@ fn pulls_and_captured_say_when_the_proxy_is_off() {
             text(&out.stderr)
         );
     }
+    // And an empty list says so.
+    let out = agent.credgate(&["ctl", "list-tracked"]);
+    assert_eq!(text(&out.stdout), "nothing tracked\n");
 }

@@ -515,3 +515,28 @@ fn usage_errors_exit_2_before_connecting() {
         );
     }
 }
+
+/// The docker helper's `--help` answers (exit 0) with how clients call it and an example; the
+/// bridge's says how the kubelet runs it.
+#[test]
+fn the_helper_and_the_bridge_explain_themselves() {
+    let helper = Command::new(env!("CARGO_BIN_EXE_docker-credential-credgate"))
+        .arg("--help")
+        .output()
+        .unwrap();
+    assert!(helper.status.success());
+    let help = text(&helper.stdout);
+    assert!(
+        help.contains("credHelpers") && help.contains("Example:"),
+        "{help}"
+    );
+    let bridge = Command::new(crate::support::bridge_bin())
+        .arg("--help")
+        .output()
+        .unwrap();
+    let help = text(&bridge.stdout);
+    assert!(
+        help.contains("The kubelet runs it") && help.contains("Example:"),
+        "{help}"
+    );
+}
