@@ -842,7 +842,11 @@ impl Renewer {
             }
             Some(msg) => {
                 rs.failures += 1;
-                tracing::warn!(image = %image, failures = rs.failures, error = %msg, "renewal failed; keeping the last good credentials");
+                if rs.value.as_ref().is_some_and(|v| !v.credentials.is_empty()) {
+                    tracing::warn!(image = %image, failures = rs.failures, error = %msg, "renewal failed; keeping the last good credentials");
+                } else {
+                    tracing::warn!(image = %image, failures = rs.failures, error = %msg, "renewal failed; the ref has no credentials yet");
+                }
                 rs.last_error = Some(msg);
                 let sample = renewal::sample(seed(&(&image, rs.failures)));
                 rs.next = Some(self.shared.policy.retry_at(now, rs.failures, sample));

@@ -19,6 +19,8 @@ pub enum HelperInputError {
     NotUtf8,
     #[error("the server URL on stdin is not a registry host: {0}")]
     Invalid(PatternError),
+    #[error("the server URL on stdin has port {}, not a port (1 to 65535)", crate::text::Quoted(.0))]
+    BadPort(String),
 }
 
 /// A parsed `get` request.
@@ -39,15 +41,29 @@ pub fn parse_get(input: &[u8]) -> Result<ServerUrl<'_>, HelperInputError> {
     let url = std::str::from_utf8(input)
         .map_err(|_| HelperInputError::NotUtf8)?
         .trim();
-    let rest = url
-        .strip_prefix("https://")
-        .or_else(|| url.strip_prefix("http://"))
-        .unwrap_or(url);
+    // Schemes are case-insensitive (`HTTPS://host` is a URL, not host "HTTPS:").
+    let lower = url.get(..8).unwrap_or(url).to_ascii_lowercase();
+    let rest = if lower.starts_with("https://") {
+        &url[8..]
+    } else if lower.starts_with("http://") {
+        &url[7..]
+    } else {
+        url
+    };
     let host = rest.split('/').next().unwrap_or_default();
     if host.is_empty() {
         return Err(HelperInputError::Empty);
     }
-    parse_schemeless(host).map_err(HelperInputError::Invalid)?;
+    let parsed = parse_schemeless(host).map_err(HelperInputError::Invalid)?;
+    if let Some((_, port)) = parsed
+        .authority
+        .rsplit_once(':')
+        .filter(|_| !host.ends_with(']'))
+    {
+        if !port.is_empty() && port.parse::<u16>().map_or(true, |p| p == 0) {
+            return Err(HelperInputError::BadPort(port.to_owned()));
+        }
+    }
     Ok(ServerUrl {
         url,
         host: docker_hub(host),
@@ -102,6 +118,28 @@ mod tests {
         ] {
             assert!(!names_registry(address, registry), "{address} {registry}");
         }
+    }
+
+    /// A scheme in capitals is still a scheme; a port past 65535 (or 0) is no port.
+    #[test]
+    fn schemes_in_any_case_and_ports_out_of_range() {
+        assert_eq!(
+            host("HTTP://registry.example.com"),
+            Ok("registry.example.com")
+        );
+        assert_eq!(
+            host("Https://registry.example.com:5000/v2/"),
+            Ok("registry.example.com:5000")
+        );
+        assert_eq!(
+            host("registry.example.com:411610"),
+            Err(HelperInputError::BadPort("411610".into()))
+        );
+        assert!(matches!(
+            host("registry.example.com:0"),
+            Err(HelperInputError::BadPort(_))
+        ));
+        assert_eq!(host("[::1]:5000"), Ok("[::1]:5000"));
     }
 
     #[test]

@@ -421,9 +421,11 @@ impl Api {
         let sources = self.agent.sources();
         pb::StatusResponse {
             config_identity: engine.config_identity().unwrap_or_default().to_owned(),
+            // As the agent reads it, whatever the operator typed.
             config_path: sources
                 .provider_config
                 .as_ref()
+                .map(|p| std::path::absolute(p).unwrap_or_else(|_| p.clone()))
                 .map(|p| p.display().to_string())
                 .unwrap_or_default(),
             providers,

@@ -40,6 +40,17 @@ pub async fn run(args: ServeArgs) -> Result<Outcome> {
     {
         tracing::warn!(error = %e, "cannot mark the agent not dumpable");
     }
+    // Only unix sockets are the runtime's (containerd, CRI-O): a TCP endpoint would carry
+    // pull secrets in the clear.
+    if let Some((scheme, _)) = args
+        .cri_runtime_endpoint
+        .split_once("://")
+        .filter(|(scheme, _)| *scheme != "unix")
+    {
+        return Err(crate::usage(format!(
+            "invalid --cri-runtime-endpoint: {scheme}:// is not supported; give unix:///PATH or a path"
+        )));
+    }
     let sources = super::get::sources(&args.sources)?;
     let renewal = RenewalPolicy {
         margin: args.renew_before,

@@ -540,3 +540,29 @@ fn the_helper_and_the_bridge_explain_themselves() {
         "{help}"
     );
 }
+
+/// `serve` takes only a unix socket as the runtime's endpoint (a usage error otherwise), and
+/// the helper calls a port out of range invalid, not "not found".
+#[test]
+fn a_tcp_runtime_endpoint_and_a_port_out_of_range_are_refused() {
+    let out = credgate(&[
+        "serve",
+        "--cri-proxy-socket",
+        "/nonexistent/cri.sock",
+        "--cri-runtime-endpoint",
+        "tcp://127.0.0.1:1234",
+    ]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    assert!(text(&out.stderr).contains("tcp:// is not supported"));
+    let helper = crate::support::output_with_stdin(
+        Command::new(env!("CARGO_BIN_EXE_docker-credential-credgate"))
+            .arg("get")
+            .env("CREDGATE_SOCKET", "/nonexistent.sock"),
+        b"registry.example.com:411610",
+    );
+    assert!(
+        text(&helper.stdout).contains("not a port"),
+        "{}",
+        text(&helper.stdout)
+    );
+}
