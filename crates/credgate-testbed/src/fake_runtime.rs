@@ -27,7 +27,7 @@ impl Default for Answers {
     fn default() -> Self {
         Answers {
             list_bytes: 16,
-            pull: Ok("sha256:0123456789abcdef".into()),
+            pull: Ok(format!("sha256:{}", "0123456789abcdef".repeat(4))),
             pull_delay: std::time::Duration::ZERO,
         }
     }

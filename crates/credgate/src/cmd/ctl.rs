@@ -24,8 +24,34 @@ pub fn show<T: Serialize>(out: Output, value: &T, text: impl FnOnce(&T) -> Strin
 }
 
 pub fn json(value: &impl Serialize) -> Result<()> {
-    println!("{}", serde_json::to_string_pretty(value)?);
+    let mut v = serde_json::to_value(value)?;
+    name_enums(&mut v);
+    println!("{}", serde_json::to_string_pretty(&v)?);
     Ok(())
+}
+
+/// JSON is for programs: the API's enums by name (`"decision": "ALLOW"`), not by number.
+fn name_enums(v: &mut serde_json::Value) {
+    match v {
+        serde_json::Value::Object(fields) => {
+            for (key, field) in fields.iter_mut() {
+                let number = field.as_i64().and_then(|n| i32::try_from(n).ok());
+                match (key.as_str(), number) {
+                    ("decision", Some(n)) => {
+                        *field = super::ctl_guard::decision_name(n).into();
+                    }
+                    ("pull_policy", Some(n)) => {
+                        *field = pb::PullPolicy::try_from(n)
+                            .map_or("UNSPECIFIED", |p| p.as_str_name())
+                            .into();
+                    }
+                    _ => name_enums(field),
+                }
+            }
+        }
+        serde_json::Value::Array(items) => items.iter_mut().for_each(name_enums),
+        _ => {}
+    }
 }
 
 /// The agent's status as a sentence: its message, which says what failed; the code's name

@@ -149,7 +149,7 @@ fn image_id(id: &str) -> Result<()> {
     Ok(())
 }
 
-fn decision_name(d: i32) -> &'static str {
+pub(super) fn decision_name(d: i32) -> &'static str {
     match pb::Decision::try_from(d) {
         Ok(pb::Decision::Allow) => "ALLOW",
         Ok(pb::Decision::MustAuthenticate) => "MUST_AUTHENTICATE",

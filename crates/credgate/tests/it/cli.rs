@@ -566,3 +566,20 @@ fn a_tcp_runtime_endpoint_and_a_port_out_of_range_are_refused() {
         text(&helper.stdout)
     );
 }
+
+/// `-o json` is for programs: the guard's decision by name, not by number.
+#[test]
+fn json_output_names_enums() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = crate::support::Agent::start(dir.path(), &[]);
+    let out = agent.credgate(&[
+        "ctl",
+        "-o",
+        "json",
+        "check-access",
+        "registry.example.com/team/app:v1",
+        "--absent",
+    ]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["decision"], "PULL", "{v}");
+}
