@@ -291,7 +291,8 @@ fn invalid_allowlist_entries_are_refused_at_start() {
         ])
         .output()
         .unwrap();
-    assert_eq!(out.status.code(), Some(1));
+    // A bad flag value: a usage error.
+    assert_eq!(out.status.code(), Some(2));
     let err = crate::support::text(&out.stderr);
     assert!(
         err.contains("invalid --preloaded-images-verification-allowlist"),
