@@ -583,3 +583,56 @@ fn json_output_names_enums() {
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["decision"], "PULL", "{v}");
 }
+
+/// The README's "When a pull is unauthorized" examples run as written against the example
+/// agent: each `sh` block's commands give the output block that follows it (the agent's socket
+/// path aside).
+#[test]
+fn the_readmes_debugging_examples_run_as_written() {
+    let readme = std::fs::read_to_string(repo().join("README.md")).unwrap();
+    let start = readme.find("## When a pull is unauthorized").unwrap();
+    let section = &readme[start..];
+    let section = &section[..section[3..].find("\n## ").map_or(section.len(), |i| i + 3)];
+    let dir = tempfile::tempdir().unwrap();
+    let examples = repo().join("examples");
+    let agent = crate::support::Agent::start(
+        dir.path(),
+        &[
+            "--image-credential-provider-config",
+            examples.join("provider-config.yaml").to_str().unwrap(),
+            "--image-credential-provider-bin-dir",
+            examples.join("plugins").to_str().unwrap(),
+        ],
+    );
+    let blocks: Vec<&str> = section.split("```").collect();
+    let mut checked = 0;
+    // Blocks alternate with prose: ["prose", "sh\n...", "prose", "\n...", ...].
+    for pair in blocks.windows(3) {
+        let (Some(commands), Some(expected)) =
+            (pair[0].strip_prefix("sh\n"), pair[2].strip_prefix('\n'))
+        else {
+            continue;
+        };
+        if pair[1].trim() != "" {
+            continue;
+        }
+        let mut got = String::new();
+        for line in commands.lines().filter(|l| !l.trim().is_empty()) {
+            let out = Command::new("sh")
+                .args(["-c", line])
+                .env("PATH", crate::support::path_with_helper())
+                .env("CREDGATE_SOCKET", &agent.socket)
+                .env_remove("CREDGATE_LOG")
+                .output()
+                .unwrap();
+            got.push_str(&text(&out.stdout));
+        }
+        let got = got.replace(
+            &agent.socket.display().to_string(),
+            "/run/credgate/credgate.sock",
+        );
+        assert_eq!(got, expected, "for:\n{commands}");
+        checked += 1;
+    }
+    assert_eq!(checked, 2, "the section's examples with their output");
+}
