@@ -141,13 +141,13 @@ fn warn_if_a_source_would_have_answered(agent: &crate::Agent, pull: &Pull) {
     if sources.is_empty() {
         return;
     }
-    let had: Vec<&str> = sources
-        .iter()
-        .filter_map(|h| match h {
-            Had::Credential(s) => Some(s.as_str()),
-            Had::Nothing(_) => None,
-        })
-        .collect();
+    let (mut had, mut causes): (Vec<&str>, Vec<&str>) = (Vec::new(), Vec::new());
+    for h in &sources {
+        match h {
+            Had::Credential(s) => had.push(s),
+            Had::Nothing(s) => causes.push(s),
+        }
+    }
     if !had.is_empty() {
         agent.metrics().cri_pulls_missed.inc();
     }
@@ -155,13 +155,6 @@ fn warn_if_a_source_would_have_answered(agent: &crate::Agent, pull: &Pull) {
         return;
     }
     if had.is_empty() {
-        let causes: Vec<&str> = sources
-            .iter()
-            .filter_map(|h| match h {
-                Had::Nothing(s) => Some(s.as_str()),
-                Had::Credential(_) => None,
-            })
-            .collect();
         tracing::warn!(
             image = %pull.image,
             pod_namespace = %pull.pod_namespace,

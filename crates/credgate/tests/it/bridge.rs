@@ -71,7 +71,7 @@ fn request(version: &str, image: &str) -> String {
     format!(r#"{{"kind":"CredentialProviderRequest","apiVersion":"{version}","image":"{image}"}}"#)
 }
 
-fn bridge(socket: &Path, args: &[&str], stdin: &str) -> Output {
+fn bridge<S: AsRef<std::ffi::OsStr>>(socket: &Path, args: &[S], stdin: &str) -> Output {
     output_with_stdin(
         Command::new(crate::support::bridge_bin())
             .args(args)
@@ -242,6 +242,20 @@ fn a_service_account_token_reaches_the_provider_as_the_kubelet_would_send_it() {
     assert_eq!(runs(d, "sa").len(), 1);
 }
 
+/// The bridge's arguments for provider `reg` with its in-process fallback from `config`.
+fn fallback(config: &Path, d: &Path) -> Vec<String> {
+    [
+        "--provider",
+        "reg",
+        "--fallback-in-process",
+        config.to_str().unwrap(),
+        "--image-credential-provider-bin-dir",
+        d.join("plugins").to_str().unwrap(),
+    ]
+    .map(str::to_owned)
+    .to_vec()
+}
+
 #[test]
 fn agent_down_is_one_line_on_stderr_or_the_fallback_runs_the_provider() {
     let dir = tempfile::tempdir().unwrap();
@@ -265,14 +279,7 @@ fn agent_down_is_one_line_on_stderr_or_the_fallback_runs_the_provider() {
     assert!(out.stdout.is_empty());
     let out = bridge(
         &nobody,
-        &[
-            "--provider",
-            "reg",
-            "--fallback-in-process",
-            config.to_str().unwrap(),
-            "--image-credential-provider-bin-dir",
-            d.join("plugins").to_str().unwrap(),
-        ],
+        &fallback(&config, d),
         &request(V1, "reg.example.com/app:v1"),
     );
     let v = json(&out);
@@ -311,14 +318,7 @@ fn an_agent_that_refuses_the_connection_gets_the_fallback_to_answer() {
     assert!(err.contains("refused the call"), "{err}");
     let out = bridge(
         &full,
-        &[
-            "--provider",
-            "reg",
-            "--fallback-in-process",
-            config.to_str().unwrap(),
-            "--image-credential-provider-bin-dir",
-            d.join("plugins").to_str().unwrap(),
-        ],
+        &fallback(&config, d),
         &request(V1, "reg.example.com/app:v1"),
     );
     assert!(out.status.success(), "{}", text(&out.stderr));

@@ -1214,7 +1214,6 @@ async fn v1alpha2_pulls_are_seen_as_v1_pulls_are() {
 /// and listed too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_unauthorized_warning_names_the_real_cause() {
-    use base64::Engine as _;
     use credgate_testbed::fake_runtime::Answers;
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
@@ -1249,13 +1248,7 @@ async fn the_unauthorized_warning_names_the_real_cause() {
         ),
     )
     .unwrap();
-    let docker_config = d.join("config.json");
-    let auth = base64::engine::general_purpose::STANDARD.encode("dc:dc-secret");
-    std::fs::write(
-        &docker_config,
-        format!(r#"{{"auths":{{"dc.example.com":{{"auth":"{auth}"}}}}}}"#),
-    )
-    .unwrap();
+    let docker_config = crate::support::docker_config(d, "dc.example.com", "dc", "dc-secret");
     let (_fake, agent, proxy) = crate::support::fake_runtime_agent(
         d,
         Answers {

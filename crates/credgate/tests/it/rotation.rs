@@ -361,18 +361,11 @@ async fn a_captured_credential_is_durable_and_dropped_once_refused() {
 /// explain) and still served; a pod's own secret changes nothing and is not counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_docker_config_entry_is_reported_not_changed() {
-    use base64::Engine as _;
     use credgate_testbed::fake_runtime::Answers;
     const SECRET: &str = "dc-Pa55word-not-for-logs";
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let docker_config = d.join("config.json");
-    let auth = base64::engine::general_purpose::STANDARD.encode(format!("dc-user:{SECRET}"));
-    std::fs::write(
-        &docker_config,
-        format!(r#"{{"auths":{{"registry.example.com":{{"auth":"{auth}"}}}}}}"#),
-    )
-    .unwrap();
+    let docker_config = crate::support::docker_config(d, "registry.example.com", "dc-user", SECRET);
     let (_fake, agent, proxy) = crate::support::fake_runtime_agent(
         d,
         Answers {
@@ -395,25 +388,20 @@ async fn a_refused_docker_config_entry_is_reported_not_changed() {
             pull_request(image, Some((user, password)), "ns-a"),
         )
     };
+    let counted = || {
+        let line = "credgate_credentials_refused_total{source=\"docker_config\"}";
+        metric(&agent, line)
+            .and_then(|l| l[line.len()..].trim().parse::<u64>().ok())
+            .unwrap_or(u64::MAX)
+    };
     refused("pod-user", "a-pods-own-secret").await.unwrap_err();
     assert_eq!(
-        metric(
-            &agent,
-            "credgate_credentials_refused_total{source=\"docker_config\"}"
-        )
-        .as_deref(),
-        Some("credgate_credentials_refused_total{source=\"docker_config\"} 0"),
+        counted(),
+        0,
         "a pod's own secret is not the agent's to refuse"
     );
     refused("dc-user", SECRET).await.unwrap_err();
-    assert_eq!(
-        metric(
-            &agent,
-            "credgate_credentials_refused_total{source=\"docker_config\"}"
-        )
-        .as_deref(),
-        Some("credgate_credentials_refused_total{source=\"docker_config\"} 1")
-    );
+    assert_eq!(counted(), 1);
     assert!(agent.log_text().contains("credgate does not own that file"));
     let explained = text(&agent.credgate(&["explain", image]).stdout);
     assert!(
@@ -422,14 +410,7 @@ async fn a_refused_docker_config_entry_is_reported_not_changed() {
     );
     // Within the hold-off, the same refusal is not counted again.
     refused("dc-user", SECRET).await.unwrap_err();
-    assert_eq!(
-        metric(
-            &agent,
-            "credgate_credentials_refused_total{source=\"docker_config\"}"
-        )
-        .as_deref(),
-        Some("credgate_credentials_refused_total{source=\"docker_config\"} 1")
-    );
+    assert_eq!(counted(), 1);
     // The file is not credgate's: its entry is still served.
     let out = agent.credgate(&["ctl", "-o", "json", "lookup", image]);
     assert!(
