@@ -402,27 +402,20 @@ printf '{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.ku
 
     let watched = format!("{}/team/app:v2", registry.host());
     let mut stream = crate::support::watch(&agent.socket, std::slice::from_ref(&watched)).await;
-    async fn next(stream: &mut tonic::Streaming<WatchEvent>) -> WatchEvent {
-        tokio::time::timeout(Duration::from_secs(20), stream.message())
-            .await
-            .expect("a Watch event in time")
-            .expect("the stream stays up")
-            .expect("an event")
-    }
     let captured = |e: &WatchEvent| {
         e.credentials
             .iter()
             .find(|c| c.source_kind == "captured")
             .map(|c| (c.username.clone(), c.password.clone(), c.source.clone()))
     };
-    let first = next(&mut stream).await;
+    let first = crate::support::next_event(&mut stream).await;
     assert_eq!(first.r#ref, watched);
     assert_eq!(captured(&first), None, "{first:?}");
 
     let _: PullImageResponse = call(&proxy, PULL_IMAGE, pull(USER, PASSWORD))
         .await
         .expect("the pull succeeds");
-    let second = next(&mut stream).await;
+    let second = crate::support::next_event(&mut stream).await;
     assert_eq!(
         captured(&second),
         Some((USER.into(), PASSWORD.into(), "team-a".into()))
@@ -467,7 +460,7 @@ printf '{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.ku
     let _: PullImageResponse = call(&proxy, PULL_IMAGE, pull(OTHER.0, OTHER.1))
         .await
         .expect("the pull with the rotated credential succeeds");
-    let third = next(&mut stream).await;
+    let third = crate::support::next_event(&mut stream).await;
     assert_eq!(
         captured(&third),
         Some((OTHER.0.into(), OTHER.1.into(), "team-a".into())),
@@ -486,7 +479,7 @@ printf '{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.ku
     )
     .await
     .expect("RemoveImage");
-    let fourth = next(&mut stream).await;
+    let fourth = crate::support::next_event(&mut stream).await;
     assert_eq!(captured(&fourth), None, "{fourth:?}");
     assert_eq!(fourth.revision, third.revision + 1);
     let log = agent.log_text();

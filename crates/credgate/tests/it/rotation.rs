@@ -8,7 +8,6 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use credgate_api::v1::WatchEvent;
 use credgate_testbed::cri::*;
 use credgate_testbed::Containerd;
 
@@ -158,14 +157,6 @@ fn looked_up(agent: &Agent, image: &str) -> String {
         .to_owned()
 }
 
-async fn next(stream: &mut tonic::Streaming<WatchEvent>) -> WatchEvent {
-    tokio::time::timeout(Duration::from_secs(20), stream.message())
-        .await
-        .expect("a Watch event in time")
-        .expect("the stream stays up")
-        .expect("an event")
-}
-
 fn metric(agent: &Agent, line: &str) -> Option<String> {
     crate::cri::metrics_text(agent)
         .lines()
@@ -201,7 +192,7 @@ async fn a_rotated_provider_credential_takes_effect_at_the_next_pull() {
     );
     assert_eq!(backend.runs(), 1);
     let mut stream = crate::support::watch(&agent.socket, std::slice::from_ref(&image)).await;
-    let first = next(&mut stream).await;
+    let first = crate::support::next_event(&mut stream).await;
     assert_eq!(first.credentials[0].password, OLD);
     let _: PullImageResponse = call(&proxy, PULL_IMAGE, pull(&kubelet_copy))
         .await
@@ -246,7 +237,7 @@ async fn a_rotated_provider_credential_takes_effect_at_the_next_pull() {
         .await
         .expect("and the one after");
     assert_eq!(backend.runs(), 2, "no further run");
-    let pushed = next(&mut stream).await;
+    let pushed = crate::support::next_event(&mut stream).await;
     assert_eq!(pushed.credentials[0].password, NEW, "{pushed:?}");
     assert_eq!(kubelet_asks(&agent, &image).0, NEW);
     let status = text(&agent.credgate(&["ctl", "status"]).stdout);

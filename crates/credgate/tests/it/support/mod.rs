@@ -217,6 +217,17 @@ pub async fn watch(
         .into_inner()
 }
 
+/// The next event of a Watch stream, within 20 s.
+pub async fn next_event(
+    stream: &mut tonic::Streaming<credgate_api::v1::WatchEvent>,
+) -> credgate_api::v1::WatchEvent {
+    tokio::time::timeout(Duration::from_secs(20), stream.message())
+        .await
+        .expect("a Watch event in time")
+        .expect("the stream stays up")
+        .expect("an event")
+}
+
 pub fn proxy_agent(dir: &Path, runtime: &Path) -> (Agent, PathBuf) {
     proxy_agent_with(dir, runtime, &[])
 }
