@@ -323,39 +323,12 @@ pub async fn refuse(
     let mut outcome = Refused::Reported;
     for g in given {
         agent.metrics().refused(g.label());
-        match g {
-            Given::Provider(name) => {
-                tracing::warn!(
-                    provider = %name,
-                    image = %image,
-                    dropped = dropped.len(),
-                    seen = %seen,
-                    "the registry refused a credential of provider {name}: its cached answers holding it are dropped and its plugin runs again at the next lookup"
-                );
-                outcome = Refused::Dropped(dropped.len());
-            }
-            Given::Captured(namespace) => {
-                forget_captured(agent, repository, username, password, namespace, seen).await;
-                if !matches!(outcome, Refused::Dropped(_)) {
-                    outcome = Refused::Forgotten;
-                }
-            }
-            Given::DockerConfig(file) => {
-                refusals.report_docker(
-                    file,
-                    DockerRefusal {
-                        at: agent.clock().wall(),
-                        image: image.to_owned(),
-                    },
-                );
-                tracing::warn!(
-                    docker_config = %file,
-                    image = %image,
-                    seen = %seen,
-                    "the registry refused a credential of docker config {file}: credgate does not own that file; update or remove its entry"
-                );
-            }
-        }
+        let done = act_on(agent, g, image, repository, username, password, seen).await;
+        outcome = match (outcome, done) {
+            (Refused::Dropped(_), _) | (_, Refused::Dropped(_)) => Refused::Dropped(dropped.len()),
+            (Refused::Forgotten, _) | (_, Refused::Forgotten) => Refused::Forgotten,
+            (o, _) => o,
+        };
     }
     if given.iter().any(|g| matches!(g, Given::Provider(_))) {
         agent.renewer().refused(username, password.expose_secret());
@@ -364,6 +337,50 @@ pub async fn refuse(
         let _ = tokio::task::spawn_blocking(move || saver.save_now()).await;
     }
     outcome
+}
+
+/// What a refusal does to one source that gave the credential (a provider's answers were
+/// dropped already): logs it, forgets a captured credential, reports a docker config entry.
+async fn act_on(
+    agent: &Agent,
+    given: &Given,
+    image: &str,
+    repository: &str,
+    username: &str,
+    password: &SecretString,
+    seen: &str,
+) -> Refused {
+    match given {
+        Given::Provider(name) => {
+            tracing::warn!(
+                provider = %name,
+                image = %image,
+                seen = %seen,
+                "the registry refused a credential of provider {name}: its cached answers holding it are dropped and its plugin runs again at the next lookup"
+            );
+            Refused::Dropped(0)
+        }
+        Given::Captured(namespace) => {
+            forget_captured(agent, repository, username, password, namespace, seen).await;
+            Refused::Forgotten
+        }
+        Given::DockerConfig(file) => {
+            agent.refusals().report_docker(
+                file,
+                DockerRefusal {
+                    at: agent.clock().wall(),
+                    image: image.to_owned(),
+                },
+            );
+            tracing::warn!(
+                docker_config = %file,
+                image = %image,
+                seen = %seen,
+                "the registry refused a credential of docker config {file}: credgate does not own that file; update or remove its entry"
+            );
+            Refused::Reported
+        }
+    }
 }
 
 /// Drops the captured credential of `repository` if it still is the refused one.
