@@ -453,6 +453,16 @@ impl Agent {
                 .collect();
             namespaces.sort_unstable();
             namespaces.dedup();
+            answer
+                .guard_record_summaries
+                .push(credgate_api::v1::GuardRecordSummary {
+                    image_ref: record.image_ref.clone(),
+                    node_wide: entry.node_accessible,
+                    secrets: u32::try_from(entry.secrets.len()).unwrap_or(u32::MAX),
+                    secret_namespaces: namespaces.iter().map(|n| (*n).to_owned()).collect(),
+                    service_accounts: u32::try_from(entry.service_accounts.len())
+                        .unwrap_or(u32::MAX),
+                });
             answer.guard_records.push(format!(
                 "{}: node-wide {}; {} secret(s){}; {} service account(s)",
                 record.image_ref,

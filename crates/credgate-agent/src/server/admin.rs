@@ -28,6 +28,7 @@ impl Api {
         let callers = self.agent.callers();
         if !callers.allows(Service::ImageAccess, peer.uid) {
             answer.guard_records.clear();
+            answer.guard_record_summaries.clear();
             answer.guard_node_wide_decision = not_for(peer, Service::ImageAccess).message();
         }
         if !callers.allows(Service::Credentials, peer.uid) {

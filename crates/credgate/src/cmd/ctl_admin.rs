@@ -45,6 +45,11 @@ pub(super) async fn status(admin: &mut AdminClient<Channel>, out: Output) -> Res
                     c.saved_entries,
                     time_ms(c.last_saved_unix_ms)
                 );
+                if c.restored > 0 {
+                    println!(
+                        "                (restored answers are served with no plugin run: a provider's ENTRIES count them before its first RUN)"
+                    );
+                }
             }
             _ => println!("saved cache:    off"),
         }

@@ -567,7 +567,8 @@ fn a_killed_agent_restarts_warm_from_the_sealed_cache() {
     assert!(text(&list.stdout).contains(image), "{}", text(&list.stdout));
     let table = agent.credgate(&["ctl", "status"]);
     assert!(
-        text(&table.stdout).contains("saved cache:    1 restored at start"),
+        text(&table.stdout).contains("saved cache:    1 restored at start")
+            && text(&table.stdout).contains("restored answers are served with no plugin run"),
         "{}",
         text(&table.stdout)
     );

@@ -582,6 +582,25 @@ fn json_output_names_enums() {
     ]);
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["decision"], "PULL", "{v}");
+    // explain's guard records, structured.
+    let id = format!("sha256:{}", "4b1d".repeat(16));
+    let recorded = agent.credgate(&[
+        "ctl",
+        "record-result",
+        "registry.example.com/team/app:v1",
+        "--image-ref",
+        &id,
+        "--secret",
+        "team-a/regcred=alice:json-secret",
+    ]);
+    assert!(recorded.status.success(), "{}", text(&recorded.stderr));
+    let out = agent.credgate(&["explain", "-o", "json", "registry.example.com/team/app:v1"]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let record = &v["guard_record_summaries"][0];
+    assert_eq!(record["image_ref"], id.as_str(), "{v}");
+    assert_eq!(record["secrets"], 1, "{v}");
+    assert_eq!(record["secret_namespaces"][0], "team-a", "{v}");
+    assert!(!text(&out.stdout).contains("json-secret"));
 }
 
 /// The README's "When a pull is unauthorized" examples run as written against the example
