@@ -298,7 +298,8 @@ pub struct CredentialArgs {
     /// password is visible to other users of the machine in the process list).
     #[arg(long, value_name = "SECRET")]
     pub secret: Vec<String>,
-    /// A service account: `NAMESPACE/NAME/UID` (repeatable).
+    /// A service account: `NAMESPACE/NAME[/UID]` (repeatable). Verify skips service accounts:
+    /// a registry is asked with secrets and node-wide credentials only.
     #[arg(long, value_name = "SA")]
     pub service_account: Vec<String>,
     /// Anonymous or node-wide credentials.
@@ -436,7 +437,7 @@ pub enum CtlCall {
     },
     /// ImageAccess.Verify: ask the registry with each credential in order.
     #[command(
-        after_help = "Example:\n  credgate ctl verify registry.example.com/team/app:v1 --image-ref sha256:4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d \\\n      --service-account team-a/builder"
+        after_help = "Example:\n  credgate ctl verify registry.example.com/team/app:v1 --image-ref sha256:4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d \\\n      --secret team-a/regcred=alice:PASSWORD"
     )]
     Verify {
         /// The image, as a pod spec names it (`registry.example.com/team/app:v1`).
