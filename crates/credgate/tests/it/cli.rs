@@ -655,3 +655,140 @@ fn the_readmes_debugging_examples_run_as_written() {
     }
     assert_eq!(checked, 2, "the section's examples with their output");
 }
+
+/// Every example of every `--help` (as the programs print them) runs as written against a
+/// scratch agent (the example providers, a CRI proxy in front of a fake runtime): none is a
+/// usage error or fails to reach the agent. Skipped, and why: `serve` (it starts an agent),
+/// examples that name the node's own files (/etc, /usr: not on a scratch machine), and a
+/// `watch` without `--count` (it streams until interrupted).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_help_example_runs_against_a_scratch_agent() {
+    let dir = tempfile::tempdir().unwrap();
+    let examples = repo().join("examples");
+    let (_fake, agent, _proxy) = crate::support::fake_runtime_agent(
+        dir.path(),
+        credgate_testbed::fake_runtime::Answers::default(),
+        &[
+            "--image-credential-provider-config",
+            examples.join("provider-config.yaml").to_str().unwrap(),
+            "--image-credential-provider-bin-dir",
+            examples.join("plugins").to_str().unwrap(),
+        ],
+    )
+    .await;
+    let mut found = Vec::new();
+    help_examples(&mut Vec::new(), &mut found);
+    assert!(found.len() > 30, "{found:#?}");
+    let mut ran = 0;
+    for example in found {
+        let skipped = example.starts_with("credgate serve")
+            || example.contains(" /etc/")
+            || example.contains(" /usr/")
+            || (example.contains("ctl watch") && !example.contains("--count"));
+        if skipped {
+            continue;
+        }
+        let out = Command::new("sh")
+            .args(["-c", &example])
+            .current_dir(repo())
+            .env("PATH", crate::support::path_with_helper())
+            .env("CREDGATE_SOCKET", &agent.socket)
+            .env("PASSWORD", "example-password")
+            .env_remove("CREDGATE_LOG")
+            .output()
+            .unwrap();
+        let err = text(&out.stderr);
+        assert!(
+            matches!(out.status.code(), Some(0 | 1)) && !err.contains("cannot reach the agent"),
+            "{example}: {:?}\n{err}",
+            out.status
+        );
+        ran += 1;
+    }
+    assert!(ran > 25, "{ran} examples ran");
+}
+
+/// The examples of `credgate PATH --help` and of every subcommand below it, continuation lines
+/// joined.
+fn help_examples(path: &mut Vec<String>, found: &mut Vec<String>) {
+    let out = Command::new(env!("CARGO_BIN_EXE_credgate"))
+        .args(path.iter())
+        .arg("--help")
+        .output()
+        .unwrap();
+    let help = text(&out.stdout).replace("\\\n", " ");
+    let mut in_examples = false;
+    let mut in_commands = false;
+    let mut subcommands = Vec::new();
+    for line in help.lines() {
+        if line.starts_with("Example") {
+            in_examples = true;
+            continue;
+        }
+        if line.starts_with("Commands:") {
+            in_commands = true;
+            continue;
+        }
+        if line.trim().is_empty() {
+            in_examples = false;
+            in_commands = false;
+            continue;
+        }
+        let trimmed = line.trim();
+        if in_examples && (trimmed.starts_with("credgate ") || trimmed.starts_with("printf ")) {
+            let example = trimmed.split_whitespace().collect::<Vec<_>>().join(" ");
+            if !found.contains(&example) {
+                found.push(example);
+            }
+        }
+        if in_commands && line.starts_with("  ") && !line.starts_with("   ") {
+            if let Some(name) = trimmed.split_whitespace().next().filter(|n| *n != "help") {
+                subcommands.push(name.to_owned());
+            }
+        }
+    }
+    for sub in subcommands {
+        path.push(sub);
+        help_examples(path, found);
+        path.pop();
+    }
+}
+
+/// A failing plugin: `explain` says where its stderr is, and once the provider backs off, that a
+/// lookup is refused without a run (not that it runs the plugin).
+#[test]
+fn explain_says_where_a_failing_plugins_stderr_is_and_when_it_backs_off() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let bin = d.join("plugins");
+    std::fs::create_dir_all(&bin).unwrap();
+    crate::support::write_script(
+        &bin.join("failing"),
+        "cat >/dev/null\necho broken >&2\nexit 3",
+    );
+    let config = d.join("providers.yaml");
+    std::fs::write(&config, "apiVersion: kubelet.config.k8s.io/v1\nkind: CredentialProviderConfig\nproviders:\n- name: failing\n  matchImages: [registry.example.com]\n  defaultCacheDuration: 1h\n  apiVersion: credentialprovider.kubelet.k8s.io/v1\n").unwrap();
+    let agent = crate::support::Agent::start(
+        d,
+        &[
+            "--image-credential-provider-config",
+            config.to_str().unwrap(),
+            "--image-credential-provider-bin-dir",
+            bin.to_str().unwrap(),
+        ],
+    );
+    let image = "registry.example.com/team/app:v1";
+    agent.credgate(&["get", image]);
+    let once = text(&agent.credgate(&["explain", image]).stdout);
+    assert!(
+        once.contains("the plugin's stderr is in the agent's log at debug level"),
+        "{once}"
+    );
+    agent.credgate(&["get", image]);
+    let backing_off = text(&agent.credgate(&["explain", image]).stdout);
+    assert!(
+        backing_off.contains("a lookup is refused without a run until")
+            && !backing_off.contains("a lookup runs the plugin"),
+        "{backing_off}"
+    );
+}

@@ -254,6 +254,26 @@ fn erase_is_refused_unless_opted_out_and_store_reads_a_bounded_input() {
     let out = helper("erase", true, b"https://index.docker.io/v1/");
     assert!(out.status.success(), "{}", text(&out.stdout));
     assert!(out.stdout.is_empty());
+    // Other spellings of yes are understood; anything else is said to be ignored.
+    for (value, ok) in [
+        ("IGNORE", true),
+        ("true", true),
+        ("1", true),
+        ("maybe", false),
+    ] {
+        let out = crate::support::output_with_stdin(
+            std::process::Command::new(env!("CARGO_BIN_EXE_docker-credential-credgate"))
+                .arg("erase")
+                .env("CREDGATE_SOCKET", &socket)
+                .env("CREDGATE_HELPER_ERASE", value)
+                .stderr(std::process::Stdio::piped()),
+            b"https://index.docker.io/v1/",
+        );
+        assert_eq!(out.status.success(), ok, "{value}");
+        if !ok {
+            assert!(text(&out.stderr).contains("is not understood"), "{value}");
+        }
+    }
     // store stays refused whatever the setting; a huge input is not read whole.
     let huge = vec![b'{'; 32 << 20];
     let out = helper("store", true, &huge);

@@ -335,6 +335,9 @@ async fn a_captured_credential_is_durable_and_dropped_once_refused() {
         "the acknowledged capture survives SIGKILL: {listed}"
     );
     assert_eq!(looked_up(&agent, &image), OLD);
+    // explain says that the kubelet never gets it.
+    let explained = text(&agent.credgate(&["explain", &image]).stdout);
+    assert!(explained.contains("never for the kubelet"), "{explained}");
 
     registry.set_password(USER, NEW);
     call::<_, PullImageResponse>(&proxy, PULL_IMAGE, pull(OLD))
