@@ -503,3 +503,17 @@ fn rawexec(args: &Args) -> Result<()> {
     stats(args, "rawexec", samples, (10 + args.n) as u64);
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn version_is_answered() {
+        let e = match Args::try_parse_from(["credgate-bench", "--version"]) {
+            Err(e) => e,
+            Ok(_) => panic!("--version is not a scenario"),
+        };
+        assert_eq!(e.kind(), clap::error::ErrorKind::DisplayVersion);
+    }
+}

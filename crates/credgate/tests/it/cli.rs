@@ -791,4 +791,60 @@ fn explain_says_where_a_failing_plugins_stderr_is_and_when_it_backs_off() {
             && !backing_off.contains("a lookup runs the plugin"),
         "{backing_off}"
     );
+    // A tracked ref that never had a credential: its renewal's warning does not claim to keep
+    // any.
+    agent.credgate(&["ctl", "track", "nydus", image]);
+    credgate_testbed::eventually(
+        "the renewal fails",
+        std::time::Duration::from_secs(20),
+        || agent.log_text().contains("renewal failed"),
+    );
+    let log = agent.log_text();
+    assert!(log.contains("the ref has no credentials yet"), "{log}");
+    assert!(!log.contains("keeping the last good credentials"), "{log}");
+}
+
+/// `ctl status` shows the provider config's path as the agent reads it (absolute), whatever
+/// the operator typed.
+#[test]
+fn status_shows_the_config_path_absolute() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("s.sock");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_credgate"))
+        .args(["serve", "--no-docker-config", "--socket"])
+        .arg(&socket)
+        .arg("--state-dir")
+        .arg(dir.path().join("state"))
+        .args([
+            "--image-credential-provider-config",
+            "examples/provider-config.yaml",
+            "--image-credential-provider-bin-dir",
+            "examples/plugins",
+        ])
+        .current_dir(repo())
+        .env_remove("CREDGATE_LOG")
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    credgate_testbed::eventually(
+        "the agent serves",
+        std::time::Duration::from_secs(20),
+        || std::os::unix::net::UnixStream::connect(&socket).is_ok(),
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_credgate"))
+        .args(["ctl", "status"])
+        .env("CREDGATE_SOCKET", &socket)
+        .output()
+        .unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+    let status = text(&out.stdout);
+    let want = std::path::absolute(repo().join("examples/provider-config.yaml")).unwrap();
+    assert!(
+        status.lines().any(|l| l.starts_with("config:")
+            && l.ends_with("/examples/provider-config.yaml")
+            && l.contains(" /")),
+        "{status} (want {})",
+        want.display()
+    );
 }
