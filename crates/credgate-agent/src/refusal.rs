@@ -299,6 +299,11 @@ pub async fn refuse(
     else {
         return Refused::NotGiven;
     };
+    // Nothing is dropped again within the hold-off: a plugin that answers the same refused
+    // credential once more is not run again for every pull that carries it.
+    if refusals.recently_refused(&fp, now) {
+        return Refused::AlreadyRefused;
+    }
     let why = format!("refused by the registry ({seen} of {image})");
     let mut dropped = Vec::new();
     for g in given {
@@ -320,17 +325,19 @@ pub async fn refuse(
     if !refusals.note(fp, primary, now, until) {
         return Refused::AlreadyRefused;
     }
-    let mut outcome = Refused::Reported;
     for g in given {
         agent.metrics().refused(g.label());
-        let done = act_on(agent, g, image, repository, username, password, seen).await;
-        outcome = match (outcome, done) {
-            (Refused::Dropped(_), _) | (_, Refused::Dropped(_)) => Refused::Dropped(dropped.len()),
-            (Refused::Forgotten, _) | (_, Refused::Forgotten) => Refused::Forgotten,
-            (o, _) => o,
-        };
+        act_on(agent, g, image, repository, username, password, seen).await;
     }
-    if given.iter().any(|g| matches!(g, Given::Provider(_))) {
+    let by_provider = given.iter().any(|g| matches!(g, Given::Provider(_)));
+    let outcome = if by_provider {
+        Refused::Dropped(dropped.len())
+    } else if given.iter().any(|g| matches!(g, Given::Captured(_))) {
+        Refused::Forgotten
+    } else {
+        Refused::Reported
+    };
+    if by_provider {
         agent.renewer().refused(username, password.expose_secret());
         // The sealed file loses the answer now, not at the saver's next tick.
         let saver = agent.clone();
@@ -349,7 +356,7 @@ async fn act_on(
     username: &str,
     password: &SecretString,
     seen: &str,
-) -> Refused {
+) {
     match given {
         Given::Provider(name) => {
             tracing::warn!(
@@ -358,11 +365,9 @@ async fn act_on(
                 seen = %seen,
                 "the registry refused a credential of provider {name}: its cached answers holding it are dropped and its plugin runs again at the next lookup"
             );
-            Refused::Dropped(0)
         }
         Given::Captured(namespace) => {
             forget_captured(agent, repository, username, password, namespace, seen).await;
-            Refused::Forgotten
         }
         Given::DockerConfig(file) => {
             agent.refusals().report_docker(
@@ -378,7 +383,6 @@ async fn act_on(
                 seen = %seen,
                 "the registry refused a credential of docker config {file}: credgate does not own that file; update or remove its entry"
             );
-            Refused::Reported
         }
     }
 }

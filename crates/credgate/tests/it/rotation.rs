@@ -415,3 +415,45 @@ async fn a_refused_docker_config_entry_is_reported_not_changed() {
     let log = agent.log_text();
     assert!(!log.contains(SECRET) && !log.contains("a-pods-own-secret"));
 }
+
+/// A plugin whose backend still answers the credential the registry refuses (not rotated
+/// there yet): the first refusal drops its answer and the plugin runs once more; pulls that
+/// keep carrying it within the hold-off drop nothing again, so the plugin is not run per pull.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_credential_refused_again_within_the_hold_off_runs_no_plugin() {
+    use credgate_testbed::fake_runtime::Answers;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let backend = Backend::new(d, "registry.example.com", "stale-secret");
+    let (_fake, agent, proxy) = crate::support::fake_runtime_agent(
+        d,
+        Answers {
+            pull: Err((2, "failed to resolve reference: 401 Unauthorized".into())),
+            ..Default::default()
+        },
+        &[
+            "--image-credential-provider-config",
+            backend.config.to_str().unwrap(),
+            "--image-credential-provider-bin-dir",
+            backend.bin.to_str().unwrap(),
+        ],
+    )
+    .await;
+    let image = "registry.example.com/team/app:v1";
+    assert_eq!(looked_up(&agent, image), "stale-secret");
+    assert_eq!(backend.runs(), 1);
+    for _ in 0..4 {
+        call::<_, PullImageResponse>(
+            &proxy,
+            PULL_IMAGE,
+            pull_request(image, Some((USER, "stale-secret")), "ns"),
+        )
+        .await
+        .unwrap_err();
+    }
+    assert_eq!(
+        backend.runs(),
+        2,
+        "one run after the first refusal, none after"
+    );
+}
