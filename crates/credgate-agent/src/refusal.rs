@@ -236,11 +236,10 @@ impl Refusals {
     }
 }
 
-/// Which of the agent's sources give `username`:`password` for `image` (of `repository`), in
-/// try-order: the captured credential of the repository, a docker config entry, a provider's
-/// cached answer now, or (when none does any more) the source that gave it before a registry
-/// refused it. Empty: a credential the agent never gave (a pod's own pull secret).
-pub fn given_by(
+/// Which of the agent's sources give `username`:`password` for `image` (of `repository`) now,
+/// in try-order: the captured credential of the repository, docker config entries, providers'
+/// cached answers. Empty: a credential none of them gives.
+pub fn given_now(
     agent: &Agent,
     image: &str,
     repository: &str,
@@ -265,14 +264,37 @@ pub fn given_by(
                 credgate_engine::Source::DockerConfig(file) => Given::DockerConfig(file),
             }),
     );
-    if out.is_empty() {
-        out.extend(
-            agent
-                .refusals()
-                .known(username, password, agent.clock().now()),
-        );
-    }
     out
+}
+
+/// The sources that gave `username`:`password`: [`given_now`], or, when none does any more,
+/// the source that gave it before a registry refused it ([`Refusals::known`]). Empty: a
+/// credential the agent never gave (a pod's own pull secret).
+pub fn given_by(
+    agent: &Agent,
+    image: &str,
+    repository: &str,
+    username: &str,
+    password: &str,
+) -> Vec<Given> {
+    or_known(
+        agent,
+        given_now(agent, image, repository, username, password),
+        username,
+        password,
+    )
+}
+
+/// `now`, or when it is empty the source a refusal of `username`:`password` remembers.
+pub fn or_known(agent: &Agent, now: Vec<Given>, username: &str, password: &str) -> Vec<Given> {
+    if !now.is_empty() {
+        return now;
+    }
+    agent
+        .refusals()
+        .known(username, password, agent.clock().now())
+        .into_iter()
+        .collect()
 }
 
 /// The registry refused `username`:`password` for `image` (of `repository`), which the

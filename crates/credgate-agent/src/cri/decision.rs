@@ -7,28 +7,8 @@
 
 use std::time::Duration;
 
-use secrecy::ExposeSecret;
-
 use super::Pull;
 use crate::pulls::{result_of, PullRecord};
-
-/// Which source the credential the kubelet sent matches: `captured`, `provider:NAME`,
-/// `docker-config` or `unknown` (a pod's own pull secret the proxy has not captured).
-fn source_of(
-    agent: &crate::Agent,
-    pull: &Pull,
-    credential: &crate::captured::Credential,
-) -> String {
-    crate::refusal::given_by(
-        agent,
-        &pull.image,
-        &pull.repository,
-        &credential.username,
-        credential.password.expose_secret(),
-    )
-    .first()
-    .map_or_else(|| "unknown".into(), crate::refusal::Given::auth)
-}
 
 /// The metric's label for an `auth` value.
 fn auth_label(auth: &str) -> &'static str {
@@ -41,10 +21,20 @@ fn auth_label(auth: &str) -> &'static str {
     }
 }
 
-pub(super) fn log(agent: &crate::Agent, pull: &Pull, code: i32, message: &str, took: Duration) {
-    let auth = match &pull.credential {
-        None => "none".to_owned(),
-        Some(c) => source_of(agent, pull, c),
+/// `given`: the sources that gave the pull's credential (`unknown` when it carried one none
+/// gave: a pod's own pull secret the proxy has not captured).
+pub(super) fn log(
+    agent: &crate::Agent,
+    pull: &Pull,
+    given: &[crate::refusal::Given],
+    code: i32,
+    message: &str,
+    took: Duration,
+) {
+    let auth = match (&pull.credential, given.first()) {
+        (None, _) => "none".to_owned(),
+        (Some(_), Some(g)) => g.auth(),
+        (Some(_), None) => "unknown".to_owned(),
     };
     let result = result_of(code, message);
     agent.metrics().cri_pull(auth_label(&auth), result);

@@ -196,6 +196,9 @@ struct Pull {
     replaced: Option<String>,
     /// The reference parses: the pull is recorded, refused and captured as well as logged.
     valid: bool,
+    /// The credential's `server_address` as sent (kept when the proxy replaces a refused
+    /// credential).
+    server_address: String,
 }
 
 /// `now_ms`: when it is captured, by the agent's clock.
@@ -216,6 +219,11 @@ fn pull_of(message: &[u8], now_ms: i64) -> Option<Pull> {
             })
     });
     let valid = parsed.is_some();
+    let server_address = req
+        .auth
+        .as_ref()
+        .map(|a| a.server_address.clone())
+        .unwrap_or_default();
     let metadata = req.sandbox_config.and_then(|s| s.metadata);
     let in_pod = metadata.is_some();
     let pod_name = metadata
@@ -247,6 +255,7 @@ fn pull_of(message: &[u8], now_ms: i64) -> Option<Pull> {
         pod_name,
         replaced: None,
         valid,
+        server_address,
     })
 }
 
@@ -260,8 +269,6 @@ pub const CAPTURE_WAIT: Duration = Duration::from_secs(2);
 /// dropped), as a gRPC frame. `None`, and the request goes as it came, for any other pull, or
 /// when the provider has no other credential for the image.
 async fn refreshed(agent: &crate::Agent, pull: &mut Pull, frame: &[u8]) -> Option<Bytes> {
-    use prost::Message as _;
-    use secrecy::ExposeSecret as _;
     let sent = pull.credential.as_ref()?;
     let now = agent.clock().now();
     let crate::refusal::Given::Provider(provider) =
@@ -284,18 +291,12 @@ async fn refreshed(agent: &crate::Agent, pull: &mut Pull, frame: &[u8]) -> Optio
         !(c.username == sent.username
             && c.password.expose_secret() == sent.password.expose_secret())
     })?;
-    let message = grpc_message(frame)?;
-    let server_address = wire::PullImageRequest::decode(message)
-        .ok()?
-        .auth
-        .map(|a| a.server_address)
-        .unwrap_or_default();
     let replaced = wire::with_pull_auth(
-        message,
+        grpc_message(frame)?,
         &wire::AuthConfig {
             username: fresh.username.clone(),
             password: fresh.password.expose_secret().to_owned(),
-            server_address,
+            server_address: pull.server_address.clone(),
             ..Default::default()
         },
     )?;
@@ -312,18 +313,29 @@ async fn refreshed(agent: &crate::Agent, pull: &mut Pull, frame: &[u8]) -> Optio
     Some(Bytes::from(out))
 }
 
+/// Which of the agent's sources gave the pull's credential (or, when none does now, the one a
+/// refusal of it remembers), found once for the log, a refusal and capture; and whether a
+/// provider or a docker config gives it now (the node's own credential, not a pod's).
+fn sources_of(agent: &crate::Agent, pull: &Pull) -> (Vec<crate::refusal::Given>, bool) {
+    let Some(c) = &pull.credential else {
+        return (Vec::new(), false);
+    };
+    let password = c.password.expose_secret();
+    let now =
+        crate::refusal::given_now(agent, &pull.image, &pull.repository, &c.username, password);
+    let own = now
+        .iter()
+        .any(|g| !matches!(g, crate::refusal::Given::Captured(_)));
+    (
+        crate::refusal::or_known(agent, now, &c.username, password),
+        own,
+    )
+}
+
 /// The runtime says the registry refused the pull's credential: when one of the agent's
 /// sources gave it, it is refused ([`crate::refusal`]); a pod's own secret changes nothing.
-async fn refused(agent: &crate::Agent, pull: &Pull) {
-    use secrecy::ExposeSecret as _;
+async fn refused(agent: &crate::Agent, pull: &Pull, given: &[crate::refusal::Given]) {
     let Some(c) = &pull.credential else { return };
-    let given = crate::refusal::given_by(
-        agent,
-        &pull.image,
-        &pull.repository,
-        &c.username,
-        c.password.expose_secret(),
-    );
     if given.is_empty() {
         return;
     }
@@ -333,7 +345,7 @@ async fn refused(agent: &crate::Agent, pull: &Pull) {
         &pull.repository,
         &c.username,
         &c.password,
-        &given,
+        given,
         "a pull through the CRI proxy",
     )
     .await;
@@ -407,12 +419,20 @@ async fn pull(
     };
     let code = whole.code().unwrap_or(2);
     let message = whole.message();
-    decision::log(&pulls.agent, &pull, code, &message, started.elapsed());
+    let (given, own) = sources_of(&pulls.agent, &pull);
+    decision::log(
+        &pulls.agent,
+        &pull,
+        &given,
+        code,
+        &message,
+        started.elapsed(),
+    );
     if pull.valid {
         if crate::pulls::result_of(code, &message) == "unauthorized" {
-            refused(&pulls.agent, &pull).await;
+            refused(&pulls.agent, &pull, &given).await;
         }
-        settle(pulls, pull, &whole).await;
+        settle(pulls, pull, own, &whole).await;
     }
     whole.into_response()
 }
@@ -420,7 +440,8 @@ async fn pull(
 /// What a forwarded pull leaves once the runtime answered: the guard's record of its result
 /// (with the guard), its credential's capture when it succeeded (with capture), on disk before
 /// the answer goes back (bounded by [`CAPTURE_WAIT`]).
-async fn settle(pulls: &Pulls, pull: Pull, whole: &runtime::Whole) {
+/// `own`: the credential is the node's (see [`sources_of`]), never captured as a pod's.
+async fn settle(pulls: &Pulls, pull: Pull, own: bool, whole: &runtime::Whole) {
     use prost::Message as _;
     let image_ref = (whole.code() == Some(0))
         .then(|| grpc_message(&whole.data))
@@ -448,12 +469,7 @@ async fn settle(pulls: &Pulls, pull: Pull, whole: &runtime::Whole) {
         tracing::warn!(repository = %pull.repository, "pull credentials not captured: their server address names another registry");
         return;
     }
-    let own = pulls.agent.engine().given_by(
-        &pull.image,
-        &credential.username,
-        credential.password.expose_secret(),
-    );
-    if !own.is_empty() {
+    if own {
         // The node's own credential (the kubelet got it from a provider through the bridge,
         // or from a docker config): not a pod's secret, and a copy would outlive the
         // provider's rotation of it.
