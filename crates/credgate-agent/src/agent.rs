@@ -362,8 +362,7 @@ impl Agent {
             "provider answers flushed"
         );
         if !dropped.is_empty() {
-            let saver = self.clone();
-            let _ = tokio::task::spawn_blocking(move || saver.save_now()).await;
+            self.save().await;
         }
         self.inner.renewer.refresh_all();
         Ok(dropped)
@@ -521,18 +520,22 @@ impl Agent {
                     engine.generation(),
                     agent.renewer().version(),
                 );
-                if last != Some(now) {
-                    let saver = agent.clone();
-                    let saved = tokio::task::spawn_blocking(move || saver.save_now()).await;
-                    if matches!(saved, Ok(true)) {
-                        last = Some(now);
-                    }
+                if last != Some(now) && agent.save().await {
+                    last = Some(now);
                 }
                 if stopping {
                     return;
                 }
             }
         })
+    }
+
+    /// [`Agent::save_now`] on a blocking thread, off the threads that serve calls.
+    pub async fn save(&self) -> bool {
+        let saver = self.clone();
+        tokio::task::spawn_blocking(move || saver.save_now())
+            .await
+            .unwrap_or(false)
     }
 
     /// Writes the sealed provider cache now (blocking); whether it was written.

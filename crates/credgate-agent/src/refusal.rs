@@ -134,21 +134,11 @@ impl Default for Refusals {
     }
 }
 
-/// A key for this process's fingerprints: from the kernel's random source, else from the
-/// standard library's per-process random hasher keys (fingerprints never leave the process).
+/// A key for this process's fingerprints, from the operating system's random source (as the
+/// sealed files' nonces are).
 fn random_key() -> [u8; 32] {
-    use std::io::Read as _;
-    let mut key = [0u8; 32];
-    let read = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut key));
-    if read.is_err() {
-        use std::hash::{BuildHasher, Hasher};
-        for chunk in key.chunks_mut(8) {
-            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-            h.write_u64(0);
-            chunk.copy_from_slice(&h.finish().to_le_bytes());
-        }
-    }
-    key
+    use chacha20poly1305::aead::{KeyInit, OsRng};
+    chacha20poly1305::ChaCha20Poly1305::generate_key(&mut OsRng).into()
 }
 
 impl Refusals {
@@ -362,8 +352,7 @@ pub async fn refuse(
     if by_provider {
         agent.renewer().refused(username, password.expose_secret());
         // The sealed file loses the answer now, not at the saver's next tick.
-        let saver = agent.clone();
-        let _ = tokio::task::spawn_blocking(move || saver.save_now()).await;
+        agent.save().await;
     }
     outcome
 }
