@@ -65,6 +65,20 @@ struct Stored {
     captured_ms: i64,
 }
 
+impl Stored {
+    /// `c` for `repository`, as the file holds it (its password in the clear: sealed before
+    /// it is written, zeroed by the caller after).
+    fn of(repository: &str, c: &Credential) -> Stored {
+        Stored {
+            repository: repository.to_owned(),
+            namespace: c.namespace.clone(),
+            username: c.username.clone(),
+            password: c.password.expose_secret().to_owned(),
+            captured_ms: c.captured_ms,
+        }
+    }
+}
+
 /// Why the captured credentials could not be written.
 #[derive(Debug, thiserror::Error)]
 pub enum CaptureError {
@@ -207,13 +221,7 @@ impl Captured {
     fn persist(&self, entries: &BTreeMap<String, Credential>) -> Result<(), CaptureError> {
         let stored: Vec<Stored> = entries
             .iter()
-            .map(|(repository, c)| Stored {
-                repository: repository.clone(),
-                namespace: c.namespace.clone(),
-                username: c.username.clone(),
-                password: c.password.expose_secret().to_owned(),
-                captured_ms: c.captured_ms,
-            })
+            .map(|(repository, c)| Stored::of(repository, c))
             .collect();
         let plain = Zeroizing::new(serde_json::to_vec(&stored).expect("entries serialize"));
         for s in stored {
@@ -416,13 +424,7 @@ pub fn fits(repository: &str, credential: &Credential) -> Result<(), CaptureErro
 
 /// How many bytes one credential takes in the file's (sealed) body.
 fn stored_size(repository: &str, c: &Credential) -> usize {
-    let stored = Stored {
-        repository: repository.to_owned(),
-        namespace: c.namespace.clone(),
-        username: c.username.clone(),
-        password: c.password.expose_secret().to_owned(),
-        captured_ms: c.captured_ms,
-    };
+    let stored = Stored::of(repository, c);
     let n = serde_json::to_vec(&stored).map_or(usize::MAX, |v| Zeroizing::new(v).len());
     drop(Zeroizing::new(stored.password));
     n

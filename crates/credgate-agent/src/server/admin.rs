@@ -11,15 +11,6 @@ const PROXY_OFF: &str = "the CRI proxy does not run on this agent (--cri-proxy-s
 /// Images one flush may name.
 const MAX_FLUSH_IMAGES: usize = 1024;
 
-/// The refusal of what `service` restricts, for a caller of another service.
-fn not_for(peer: Peer, service: Service) -> ApiError {
-    let uid = peer.uid.map_or("unknown".into(), |u| u.to_string());
-    ApiError::Denied(format!(
-        "uid {uid} may not call the {} service",
-        service.as_str()
-    ))
-}
-
 impl Api {
     /// Leaves out of an explanation what the caller could not learn from the services it may
     /// call: the guard's records without image-access, the sources, their cache and the

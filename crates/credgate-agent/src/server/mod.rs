@@ -155,13 +155,17 @@ fn admit(
             pid = who.pid,
             "call refused: the caller's uid is not allowed"
         );
-        let uid = who.uid.map_or("unknown".into(), |u| u.to_string());
-        Err(ApiError::Denied(format!(
-            "uid {uid} may not call the {} service",
-            service.as_str()
-        ))
-        .into())
+        Err(not_for(who, service).into())
     }
+}
+
+/// The refusal of a caller whose uid may not call `service` (or see what it guards).
+fn not_for(peer: Peer, service: Service) -> ApiError {
+    let uid = peer.uid.map_or("unknown".into(), |u| u.to_string());
+    ApiError::Denied(format!(
+        "uid {uid} may not call the {} service",
+        service.as_str()
+    ))
 }
 
 /// The services, over one agent.
