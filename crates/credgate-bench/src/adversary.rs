@@ -49,6 +49,17 @@ pub struct Counts {
     pub token_bytes_served: AtomicU64,
 }
 
+/// The counts as JSON.
+pub fn counts_json(c: &Counts) -> serde_json::Value {
+    serde_json::json!({
+        "idle_opened": c.idle_opened.load(Ordering::Relaxed),
+        "watch_connections_opened": c.watch_connections_opened.load(Ordering::Relaxed),
+        "oversized_sent": c.oversized_sent.load(Ordering::Relaxed),
+        "verify_calls": c.verify_calls.load(Ordering::Relaxed),
+        "token_bytes_served": c.token_bytes_served.load(Ordering::Relaxed),
+    })
+}
+
 /// A running attack; stops and joins every thread on [`Attack::stop`] (or on drop).
 pub struct Attack {
     stop: Arc<AtomicBool>,

@@ -14,6 +14,7 @@ mod guard;
 mod rollout;
 mod rotation;
 mod soak;
+mod tenant;
 
 use std::future::Future;
 use std::io::Write;
@@ -64,6 +65,9 @@ enum Scenario {
     Soak,
     #[value(hide = true)]
     GuardPopulate,
+    /// One hostile tenant of a soak's agent (internal; see tenant.rs).
+    #[value(hide = true)]
+    Tenant,
 }
 
 #[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
@@ -127,7 +131,8 @@ pub struct Args {
     /// Records in the guard's store (guard-check, guard-open).
     #[arg(long, default_value_t = 100_000)]
     records: usize,
-    /// The state directory to fill (guard-populate, internal).
+    /// The state directory to fill (guard-populate, internal); the agent's (soak: its files'
+    /// sizes are reported).
     #[arg(long, hide = true)]
     state_dir: Option<PathBuf>,
     /// The agent's socket (soak; helper: a running agent instead of one in this process).
@@ -146,11 +151,12 @@ pub struct Args {
     /// connections, oversized requests, non-reading watches, an endless token endpoint).
     #[arg(long)]
     adversarial: bool,
-    /// The parts of the adversarial phase to run (idle, watch, oversized, verify).
+    /// The parts of the adversarial phase to run (idle, watch, oversized, verify, tenants;
+    /// a tenant's own: pings, tracked, rate, names).
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "idle,watch,oversized,verify"
+        default_value = "idle,watch,oversized,verify,tenants"
     )]
     attack: Vec<String>,
     /// Silent connections the adversarial phase holds open.
@@ -191,6 +197,7 @@ fn main() -> Result<()> {
         Scenario::GuardOpen => guard::open(&args),
         Scenario::GuardPopulate => guard::populate_cmd(&args),
         Scenario::Soak => soak::soak(&args),
+        Scenario::Tenant => tenant::tenant(&args),
     }
 }
 

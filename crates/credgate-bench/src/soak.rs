@@ -129,6 +129,20 @@ async fn run(args: &Args, socket: &Path, pid: u32) -> Result<()> {
         let watch_connections = if on("watch") { 10 } else { 0 };
         let oversized = if on("oversized") { 2 } else { 0 };
         let verifiers = if on("verify") { 2 } else { 0 };
+        let tenants = on("tenants");
+        // As root, the local user's attacks run as another uid too: root's own connections
+        // are the ones the agent keeps room for.
+        let classic: Vec<&'static str> = ["idle", "watch", "oversized", "verify"]
+            .into_iter()
+            .filter(|p| on(p))
+            .collect();
+        let as_root = crate::tenant::own_uid() == 0;
+        let (idle, watch_connections, oversized, verifiers) = if as_root {
+            (0, 0, 0, 0)
+        } else {
+            (idle, watch_connections, oversized, verifiers)
+        };
+        let classic = if as_root { classic } else { Vec::new() };
         tokio::spawn(async move {
             tokio::time::sleep(half).await;
             let boundary = (started.elapsed(), done.load(Ordering::Relaxed));
@@ -143,8 +157,14 @@ async fn run(args: &Args, socket: &Path, pid: u32) -> Result<()> {
                 limit: half + Duration::from_secs(30),
             };
             let attack = crate::adversary::start(&socket, &plan).expect("the attack starts");
-            (boundary, attack)
+            let tenants = crate::tenant::Tenants::start(&socket, half, 200, tenants, &classic)
+                .expect("the tenants start");
+            (boundary, attack, tenants)
         })
+    });
+    let probe = args.adversarial.then(|| {
+        let half = args.duration / 2;
+        tokio::spawn(crate::tenant::probe(socket.to_owned(), half, deadline))
     });
     let mut clients = Vec::new();
     for c in 0..args.clients {
@@ -240,12 +260,24 @@ async fn run(args: &Args, socket: &Path, pid: u32) -> Result<()> {
     let total_done = done.load(Ordering::Relaxed);
     let adversarial = match attack {
         Some(task) => {
-            let ((at, before), attack) = task.await?;
+            let ((at, before), attack, tenants) = task.await?;
             let counts = tokio::task::spawn_blocking(move || attack.stop()).await?;
+            let tenants = tokio::task::spawn_blocking(move || tenants.finish()).await?;
+            let probed = match probe {
+                Some(p) => Some(p.await?),
+                None => None,
+            };
+            let files = args.state_dir.as_deref().map(crate::tenant::state_files);
             let base_rate = before as f64 / at.as_secs_f64();
             let attacked_rate =
                 (total_done - before) as f64 / (elapsed - at).as_secs_f64().max(1e-9);
-            Some((at, base_rate, attacked_rate, counts))
+            Some((
+                at,
+                base_rate,
+                attacked_rate,
+                counts,
+                (tenants, probed, files),
+            ))
         }
         None => None,
     };
@@ -297,7 +329,8 @@ async fn run(args: &Args, socket: &Path, pid: u32) -> Result<()> {
         .find(|s| s.at_s >= args.duration.as_secs() / 5)
         .copied()
         .unwrap_or(end);
-    let adversarial = adversarial.map(|(at, base, attacked, counts)| {
+    let adversarial = adversarial.map(|(at, base, attacked, counts, (tenants, probed, files))| {
+        let [mut health, mut limited] = probed.unwrap_or_default();
         let during = |f: fn(&Sample) -> u64| {
             samples
                 .iter()
@@ -328,6 +361,12 @@ async fn run(args: &Args, socket: &Path, pid: u32) -> Result<()> {
             "oversized_requests": counts.oversized_sent.load(Ordering::Relaxed),
             "verify_calls": counts.verify_calls.load(Ordering::Relaxed),
             "token_bytes_served": counts.token_bytes_served.load(Ordering::Relaxed),
+            "health_before": health[0].summary(),
+            "health_during": health[1].summary(),
+            "limited_lookup_before": limited[0].summary(),
+            "limited_lookup_during": limited[1].summary(),
+            "tenants": tenants,
+            "state_files": files,
         })
     });
     let result = json!({
@@ -394,6 +433,15 @@ async fn run(args: &Args, socket: &Path, pid: u32) -> Result<()> {
                 a["oversized_requests"],
                 a["verify_calls"],
                 a["token_bytes_served"],
+            ));
+            text.push_str(&format!(
+                "  health (new connection) before {}, during {}\n  rate-limited lookup before {}, during {}\n  tenants: {}\n  state files: {}\n",
+                a["health_before"],
+                a["health_during"],
+                a["limited_lookup_before"],
+                a["limited_lookup_during"],
+                a["tenants"],
+                a["state_files"],
             ));
         }
         text.push_str("  agent RSS/fds/children over time:");
