@@ -55,6 +55,8 @@ pub struct Containerd {
     child: Child,
     /// Its CRI (and containerd) socket.
     pub socket: PathBuf,
+    /// Its registry `config_path` (a `hosts.toml` per registry).
+    pub certs: PathBuf,
 }
 
 impl Containerd {
@@ -111,7 +113,22 @@ impl Containerd {
             assert!(Instant::now() < deadline, "containerd did not come up");
             std::thread::sleep(Duration::from_millis(50));
         }
-        Containerd { child, socket }
+        Containerd {
+            child,
+            socket,
+            certs,
+        }
+    }
+
+    /// Makes containerd try `mirror` (a plain-HTTP `127.0.0.1:PORT`) before `registry` itself
+    /// for images of `registry`, as an operator's hosts.toml does; containerd reads the file
+    /// at each pull.
+    pub fn set_mirror(&self, registry: &str, mirror: &str) {
+        std::fs::write(
+            self.certs.join(registry).join("hosts.toml"),
+            format!("server = \"http://{registry}\"\n[host.\"http://{mirror}\"]\n  capabilities = [\"pull\", \"resolve\"]\n"),
+        )
+        .unwrap();
     }
 }
 

@@ -1,8 +1,10 @@
 //! Debian's `docker-registry` (distribution 2.8) on 127.0.0.1.
 
+use std::collections::VecDeque;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::process::{require, run, signal, wait_for_exit};
@@ -13,7 +15,12 @@ pub struct Registry {
     config: PathBuf,
     dir: PathBuf,
     pub port: u16,
+    /// Its log's lines (the last [`LOG_LINES`]), across restarts.
+    log: Arc<Mutex<VecDeque<String>>>,
 }
+
+/// How many of a registry's log lines are kept.
+pub const LOG_LINES: usize = 20_000;
 
 impl Registry {
     /// Starts a registry in `dir` whose only user is `user`:`password` (htpasswd in
@@ -46,10 +53,10 @@ impl Registry {
             ),
         )
         .unwrap();
-        Self::spawn(&config, dir)
+        Self::spawn(&config, dir, Arc::default())
     }
 
-    fn spawn(config: &Path, dir: &Path) -> Registry {
+    fn spawn(config: &Path, dir: &Path, log: Arc<Mutex<VecDeque<String>>>) -> Registry {
         let mut child = Command::new("docker-registry")
             .arg("serve")
             .arg(config)
@@ -61,10 +68,18 @@ impl Registry {
         let (tx, rx) = std::sync::mpsc::channel();
         // Reads the registry's log until it ends (with the registry), so that it never blocks
         // on a full pipe.
+        let kept = log.clone();
         std::thread::spawn(move || {
             let mut tx = Some(tx);
             for line in BufReader::new(stderr).lines() {
                 let Ok(line) = line else { break };
+                {
+                    let mut kept = kept.lock().unwrap();
+                    if kept.len() == LOG_LINES {
+                        kept.pop_front();
+                    }
+                    kept.push_back(line.clone());
+                }
                 if let Some(i) = line.find("listening on 127.0.0.1:") {
                     let rest = &line[i + "listening on 127.0.0.1:".len()..];
                     let port: String = rest.chars().take_while(char::is_ascii_digit).collect();
@@ -82,6 +97,39 @@ impl Registry {
             config: config.to_path_buf(),
             dir: dir.to_path_buf(),
             port,
+            log,
+        }
+    }
+
+    /// The registry's log lines so far (distribution logs `authorized request` for a request a
+    /// credential authorized, `error authenticating user "USER"` for one it refused).
+    pub fn log_lines(&self) -> Vec<String> {
+        self.log.lock().unwrap().iter().cloned().collect()
+    }
+
+    /// Whether any request since line `from` of its log carried a credential: one it
+    /// authorized (with htpasswd every path but `/v2/` needs one, so an `authorized request`
+    /// line means a right credential) or one of `user` it refused.
+    pub fn saw_user(&self, user: &str, from: usize) -> bool {
+        let refused = format!("authenticating user \\\"{user}\\\"");
+        self.settled_log()
+            .iter()
+            .skip(from)
+            .any(|l| l.contains("msg=\"authorized request\"") || l.contains(&refused))
+    }
+
+    /// The log once the registry has written what its answers so far leave (a request's line
+    /// is written after its answer): no new line for 300 ms, or 5 s at most.
+    pub fn settled_log(&self) -> Vec<String> {
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        let mut seen = self.log.lock().unwrap().len();
+        loop {
+            std::thread::sleep(Duration::from_millis(300));
+            let now = self.log.lock().unwrap().len();
+            if now == seen || std::time::Instant::now() > deadline {
+                return self.log_lines();
+            }
+            seen = now;
         }
     }
 
@@ -140,7 +188,7 @@ impl Registry {
             &format!("addr: 127.0.0.1:{}\n", self.port),
         );
         std::fs::write(&self.config, config).unwrap();
-        let again = Self::spawn(&self.config, &self.dir);
+        let again = Self::spawn(&self.config, &self.dir, self.log.clone());
         assert_eq!(again.port, self.port);
         *self = again;
     }
