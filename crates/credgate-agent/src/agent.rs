@@ -35,6 +35,8 @@ pub struct AgentOptions {
     /// Keep the providers' answers and the tracked refs sealed in this state directory across
     /// restarts (`--persist-cache`); off when `None`.
     pub saved_cache: Option<std::path::PathBuf>,
+    /// What the CRI proxy may change in a pull (fill, credential scope); off by default.
+    pub pull_policy: crate::cri::policy::PullPolicy,
 }
 
 /// How long a Watch event may wait for room before its client is dropped.
@@ -232,6 +234,8 @@ struct Inner {
     proxy_running: std::sync::atomic::AtomicBool,
     /// How registries are asked to confirm a consumer's report of a refused credential.
     verifier: crate::guard::registry::Verifier,
+    /// What the CRI proxy may change in a pull.
+    pull_policy: crate::cri::policy::PullPolicy,
 }
 
 /// A running agent's shared state. Cheap to clone.
@@ -289,6 +293,7 @@ impl Agent {
                 refusals: crate::refusal::Refusals::default(),
                 proxy_running: std::sync::atomic::AtomicBool::new(false),
                 verifier,
+                pull_policy: options.pull_policy,
                 sources: options.sources,
                 engine,
                 engine_metrics,
@@ -317,6 +322,11 @@ impl Agent {
         self.inner
             .proxy_running
             .store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    /// What the CRI proxy may change in a pull.
+    pub fn pull_policy(&self) -> &crate::cri::policy::PullPolicy {
+        &self.inner.pull_policy
     }
 
     /// Whether the CRI proxy runs on this agent.
@@ -403,6 +413,9 @@ impl Agent {
         if let Some(guard) = self.guard() {
             self.explain_guard(guard, image, &mut answer);
         }
+        if self.proxy_running() {
+            self.explain_proxy(&explained.image, &mut answer);
+        }
         if let Some(c) = self
             .captured()
             .and_then(|c| c.for_repository(&explained.image))
@@ -423,6 +436,24 @@ impl Agent {
             );
         }
         Ok(answer)
+    }
+
+    /// What the CRI proxy's policy would do with a pull of `image` (a normalized name).
+    fn explain_proxy(&self, image: &str, answer: &mut credgate_api::v1::ExplainResponse) {
+        let policy = self.pull_policy();
+        answer.cri_fill = match policy.fill_pattern(image) {
+            Some(pattern) => format!(
+                "filled: a pull through the CRI proxy that comes without a credential gets the first credential the sources above give ({pattern} of --cri-proxy-fill); never a service-account-keyed provider's or a captured one"
+            ),
+            None if policy.fills() => {
+                "not filled: no --cri-proxy-fill pattern names the image; a pull without a credential goes as it came".into()
+            }
+            None => "not filled: --cri-proxy-fill is not set".into(),
+        };
+        let registry = credgate_core::reference::ImageRef::parse(image)
+            .map(|r| r.registry().to_owned())
+            .unwrap_or_default();
+        answer.cri_mirror_trust = policy.scope(&registry).describe();
     }
 
     /// The guard's records of `image` and its decision for node-wide credentials.

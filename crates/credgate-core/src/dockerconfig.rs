@@ -55,7 +55,8 @@ pub fn parse(bytes: &[u8]) -> Result<Vec<(String, AuthConfig)>, DockerConfigErro
         .collect()
 }
 
-fn decode_auth(auth: &str) -> Option<(String, String)> {
+/// `base64(username:password)`, as docker config files and containerd's `auth` fields hold it.
+pub fn decode_auth(auth: &str) -> Option<(String, String)> {
     let bytes = base64::engine::general_purpose::STANDARD
         .decode(auth)
         .ok()?;

@@ -760,6 +760,15 @@ impl Engine {
         self.inner.providers.iter().any(|p| p.spec.name == name)
     }
 
+    /// Whether provider `name` is keyed by service account (its config entry has
+    /// `tokenAttributes`): its answers belong to an identity, never to a pull without one.
+    pub fn keyed_by_service_account(&self, name: &str) -> bool {
+        self.inner
+            .providers
+            .iter()
+            .any(|p| p.spec.name == name && p.spec.token_attributes.is_some())
+    }
+
     /// Per-provider status, in config order.
     pub fn provider_status(&self) -> Vec<ProviderStatus> {
         self.inner.providers.iter().map(|p| p.status()).collect()

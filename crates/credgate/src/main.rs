@@ -49,6 +49,7 @@ fn main() -> ExitCode {
             Command::CheckConfig(args) => cmd::check::run(args),
             Command::KubeletConfig(args) => cmd::kubelet_config::run(args),
             Command::Match(args) => cmd::matching::run(args),
+            Command::Import(opts::ImportCommand::Containerd(args)) => cmd::import::containerd(args),
         }
     });
     match result {

@@ -62,6 +62,39 @@ pub enum Command {
         after_help = "Examples:\n  credgate match '*.dkr.ecr.*.amazonaws.com' 123456789012.dkr.ecr.us-east-1.amazonaws.com/app:v1\n  credgate match docker.io nginx:1.25\n  credgate match 'registry.io:5000/team' registry.io:5000/teams/app"
     )]
     Match(MatchArgs),
+    /// Move registry credentials from another program's config into a docker config the
+    /// agent reads.
+    #[command(
+        subcommand,
+        after_help = "Examples:\n  credgate import containerd --output /etc/credgate/docker-config.json"
+    )]
+    Import(ImportCommand),
+}
+
+/// What `credgate import` reads.
+#[derive(Subcommand)]
+pub enum ImportCommand {
+    /// containerd's CRI registry auth (`registry.configs."HOST".auth` of config version 1, 2
+    /// or 3) into a docker config (mode 0600) for `credgate serve --docker-config`; prints what
+    /// to remove from containerd's config and the `--cri-proxy-fill` patterns that keep CRI
+    /// pulls without credentials working as before. Never prints a secret.
+    #[command(after_help = "Examples:
+  credgate import containerd --output /etc/credgate/docker-config.json
+  credgate import containerd /etc/containerd/config.toml --output /etc/credgate/docker-config.json --force")]
+    Containerd(ImportContainerdArgs),
+}
+
+#[derive(Args)]
+pub struct ImportContainerdArgs {
+    /// containerd's config file.
+    #[arg(value_name = "CONFIG", default_value = "/etc/containerd/config.toml")]
+    pub config: PathBuf,
+    /// The docker config to write (mode 0600).
+    #[arg(long, short = 'o', value_name = "FILE")]
+    pub output: PathBuf,
+    /// Replace --output if it exists.
+    #[arg(long)]
+    pub force: bool,
 }
 
 /// Where providers and static sources come from.
@@ -278,6 +311,26 @@ pub struct ServeArgs {
     /// repositories it has no image of any more (removals that bypass the proxy).
     #[arg(long, value_name = "DURATION", value_parser = parse_duration, default_value = "5m")]
     pub captured_check_interval: Duration,
+    /// A pull through the CRI proxy that comes without a credential, for an image this
+    /// pattern names (as a provider's matchImages), gets the credential the agent's sources
+    /// give for it (providers, docker config; never a service-account-keyed provider's or a
+    /// captured pod credential). A credential the caller sent is never replaced. Repeatable.
+    #[arg(long, value_name = "PATTERN", requires = "cri_proxy_socket")]
+    pub cri_proxy_fill: Vec<String>,
+    /// Scope each pull's credential to its image's registry (its `server_address`), so that
+    /// containerd gives it to no mirror hosts.toml names, unless --cri-proxy-trusted-mirror
+    /// trusts every mirror of that registry.
+    #[arg(long, requires = "cri_proxy_socket")]
+    pub cri_proxy_scope_credentials: bool,
+    /// `REGISTRY=MIRROR[,MIRROR...]`: mirrors trusted with the credentials of pulls from
+    /// REGISTRY; a pull's credential then goes to the registry and these mirrors. Implies
+    /// --cri-proxy-scope-credentials. Repeatable.
+    #[arg(long, value_name = "REGISTRY=MIRRORS", requires = "cri_proxy_socket")]
+    pub cri_proxy_trusted_mirror: Vec<String>,
+    /// containerd's registry `config_path` (its hosts.toml files): a registry's credentials
+    /// reach its mirrors only if every mirror its hosts.toml names is trusted.
+    #[arg(long, value_name = "DIR", requires = "cri_proxy_socket")]
+    pub cri_proxy_hosts_dir: Option<PathBuf>,
     /// The container runtime the CRI proxy forwards to.
     #[arg(
         long,

@@ -17,6 +17,7 @@ fn auth_label(auth: &str) -> &'static str {
         "captured" => "captured",
         "docker-config" => "docker_config",
         a if a.starts_with("provider:") => "provider",
+        a if a.starts_with("filled:") => "filled",
         _ => "unknown",
     }
 }
@@ -32,6 +33,9 @@ pub(super) fn log(
     took: Duration,
 ) {
     let auth = match (&pull.credential, given.first()) {
+        (_, _) if pull.filled.is_some() => {
+            format!("filled:{}", pull.filled.as_deref().unwrap_or_default())
+        }
         (None, _) => "none".to_owned(),
         (Some(_), Some(g)) => g.auth(),
         (Some(_), None) => "unknown".to_owned(),
@@ -44,6 +48,7 @@ pub(super) fn log(
         pod = %pull.pod_name,
         auth = %auth,
         replaced_refused = pull.replaced.is_some(),
+        scope = pull.scope,
         code,
         result,
         runtime_message = %message,

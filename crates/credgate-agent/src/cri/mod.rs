@@ -26,6 +26,7 @@ use crate::status::ApiError;
 mod budget;
 mod capture;
 mod decision;
+pub mod policy;
 mod runtime;
 use budget::Budgets;
 use capture::Capturer;
@@ -199,6 +200,11 @@ struct Pull {
     /// The credential's `server_address` as sent (kept when the proxy replaces a refused
     /// credential).
     server_address: String,
+    /// The pull came without a credential and the proxy filled in the one this source of the
+    /// agent gives (`provider:NAME`, `docker-config`), for a `--cri-proxy-fill` pattern.
+    filled: Option<String>,
+    /// What the credential scope did with its `server_address`.
+    scope: &'static str,
 }
 
 /// `now_ms`: when it is captured, by the agent's clock.
@@ -256,6 +262,8 @@ fn pull_of(message: &[u8], now_ms: i64) -> Option<Pull> {
         replaced: None,
         valid,
         server_address,
+        filled: None,
+        scope: policy::Scoped::AsSent.as_str(),
     })
 }
 
@@ -313,6 +321,89 @@ async fn refreshed(agent: &crate::Agent, pull: &mut Pull, frame: &[u8]) -> Optio
     Some(Bytes::from(out))
 }
 
+/// The operator's policy ([`policy`]) applied to a pull: one that came without a credential,
+/// for an image a fill pattern names, gets the first credential the agent's sources give for
+/// it (never a service-account-keyed provider's, never a captured pod credential); the
+/// credential's `server_address` is scoped. `None`, and the request goes as it is, when the
+/// policy changes nothing.
+async fn apply_policy(agent: &crate::Agent, pull: &mut Pull, frame: &[u8]) -> Option<Bytes> {
+    use prost::Message as _;
+    let policy = agent.pull_policy();
+    if policy.is_off() || pull.other_registry {
+        // A credential named for another registry is not the image's: the runtime does not
+        // use it, and the policy does not make it usable.
+        return None;
+    }
+    let parsed = credgate_core::reference::ImageRef::parse(&pull.image).ok()?;
+    let message = grpc_message(frame)?;
+    let sent = wire::PullImageRequest::decode(message).ok()?.auth;
+    let mut auth = match (&pull.credential, sent) {
+        (Some(_), Some(auth)) => auth,
+        (Some(_), None) => return None,
+        (None, _) => {
+            let pattern = policy.fill_pattern(parsed.name())?;
+            let Some((source, credential)) = fill(agent, &pull.image).await else {
+                tracing::info!(image = %pull.image, pattern, "a pull without credentials is not filled: no source of the agent gives a credential for it");
+                return None;
+            };
+            let auth = wire::AuthConfig {
+                username: credential.username.clone(),
+                password: credential.password.expose_secret().to_owned(),
+                ..Default::default()
+            };
+            pull.credential = Some(crate::captured::Credential {
+                namespace: pull.pod_namespace.clone(),
+                username: credential.username,
+                password: credential.password,
+                captured_ms: 0,
+            });
+            pull.filled = Some(source);
+            auth
+        }
+    };
+    let scoped = policy.scope(parsed.registry());
+    pull.scope = scoped.as_str();
+    let address = scoped.server_address(&auth.server_address);
+    if pull.filled.is_none() && address == auth.server_address {
+        return None;
+    }
+    if let policy::Scoped::Registry { why, .. } = &scoped {
+        tracing::debug!(image = %pull.image, why = %why, "the pull's credential is scoped to its registry");
+    }
+    auth.server_address = address;
+    pull.server_address = auth.server_address.clone();
+    let changed = wire::with_pull_auth(message, &auth)?;
+    let mut out = Vec::with_capacity(changed.len() + 5);
+    out.push(0);
+    out.extend_from_slice(&u32::try_from(changed.len()).ok()?.to_be_bytes());
+    out.extend_from_slice(&changed);
+    Some(Bytes::from(out))
+}
+
+/// The credential a pull without one is filled with: the first the agent's sources give for
+/// `image` in their try-order (the same cache and runs as a Lookup), but none of a provider
+/// keyed by service account (the CRI carries no identity to ask with). With the source's
+/// name for the log.
+async fn fill(agent: &crate::Agent, image: &str) -> Option<(String, credgate_engine::Credential)> {
+    let engine = agent.engine();
+    let lookup = engine
+        .lookup(&credgate_engine::LookupRequest {
+            image,
+            ..Default::default()
+        })
+        .await
+        .ok()?;
+    let credential = lookup.credentials.into_iter().find(|c| match &c.source {
+        credgate_engine::Source::Provider(name) => !engine.keyed_by_service_account(name),
+        credgate_engine::Source::DockerConfig(_) => true,
+    })?;
+    let source = match &credential.source {
+        credgate_engine::Source::Provider(name) => format!("provider:{name}"),
+        credgate_engine::Source::DockerConfig(_) => "docker-config".to_owned(),
+    };
+    Some((source, credential))
+}
+
 /// Which of the agent's sources gave the pull's credential (or, when none does now, the one a
 /// refusal of it remembers), found once for the log, a refusal and capture; and whether a
 /// provider or a docker config gives it now (the node's own credential, not a pod's).
@@ -359,7 +450,10 @@ async fn refused(agent: &crate::Agent, pull: &Pull, given: &[crate::refusal::Giv
 fn recorded_as(pull: &Pull, guard: &crate::guard::Guard) -> Option<crate::guard::CredentialIn> {
     use crate::guard::CredentialIn;
     match &pull.credential {
+        // Filled by the proxy with the node's credential: as the kubelet records a pull with
+        // a credential provider's (no service account) or its config.json's.
         None => Some(CredentialIn::NodeWide),
+        Some(_) if pull.filled.is_some() => Some(CredentialIn::NodeWide),
         Some(_) if !pull.in_pod || pull.other_registry => None,
         Some(c) => Some(CredentialIn::Secret {
             coords: credgate_core::guard::Coords {
@@ -395,6 +489,10 @@ async fn pull(
     let mut asked = grpc_message(&bytes).and_then(|m| pull_of(m, now_ms));
     if let Some(pull) = asked.as_mut().filter(|p| p.valid) {
         if let Some(frame) = refreshed(&pulls.agent, pull, &bytes).await {
+            parts.headers.remove(hyper::header::CONTENT_LENGTH);
+            bytes = frame;
+        }
+        if let Some(frame) = apply_policy(&pulls.agent, pull, &bytes).await {
             parts.headers.remove(hyper::header::CONTENT_LENGTH);
             bytes = frame;
         }

@@ -201,5 +201,22 @@ fn text(e: &pb::ExplainResponse) -> String {
             ));
         }
     }
+    if !e.cri_fill.is_empty() || !e.cri_mirror_trust.is_empty() {
+        out.push_str(
+            "
+CRI proxy:
+",
+        );
+        out.push_str(&format!(
+            "  fill: {}
+",
+            e.cri_fill
+        ));
+        out.push_str(&format!(
+            "  mirrors: {}
+",
+            e.cri_mirror_trust
+        ));
+    }
     out
 }

@@ -4,6 +4,7 @@ pub mod ctl_admin;
 pub mod ctl_guard;
 pub mod explain;
 pub mod get;
+pub mod import;
 pub mod kubelet_config;
 pub mod matching;
 pub mod serve;

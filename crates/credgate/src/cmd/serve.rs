@@ -52,6 +52,13 @@ pub async fn run(args: ServeArgs) -> Result<Outcome> {
         )));
     }
     let sources = super::get::sources(&args.sources)?;
+    let pull_policy = credgate_agent::cri::policy::PullPolicy::new(
+        &args.cri_proxy_fill,
+        args.cri_proxy_scope_credentials,
+        &args.cri_proxy_trusted_mirror,
+        args.cri_proxy_hosts_dir.clone(),
+    )
+    .map_err(|e| crate::usage(format!("invalid {}", credgate_core::text::error_chain(&e))))?;
     let renewal = RenewalPolicy {
         margin: args.renew_before,
         recheck: args.recheck_interval,
@@ -114,6 +121,7 @@ pub async fn run(args: ServeArgs) -> Result<Outcome> {
             callers,
             watch_send_timeout: Some(args.watch_send_timeout),
             saved_cache: args.persist_cache.then(|| state_dir.clone()),
+            pull_policy,
         },
         state_dir: state_dir.clone(),
         socket: args

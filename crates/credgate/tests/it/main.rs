@@ -14,4 +14,5 @@ mod deploy;
 mod e2e;
 mod guard_agent;
 mod guard_e2e;
+mod policy;
 mod rotation;

@@ -1,0 +1,365 @@
+//! What the proxy may change in a `PullImage` (decision 0017), and nothing else:
+//!
+//! - fill: a pull that came without a credential, for an image one of the operator's patterns
+//!   names (`--cri-proxy-fill`), gets the credential the agent's sources give for it;
+//! - scope: the credential's `server_address`, which decides which of the hosts the runtime
+//!   tries for the image may receive it (`--cri-proxy-scope-credentials`,
+//!   `--cri-proxy-trusted-mirror`). containerd's CRI (1.5 through 2.x, `ParseAuth`) gives a
+//!   credential whose `server_address` is empty to every host it tries for the pull, mirrors
+//!   of `hosts.toml` included, and one whose `server_address` is set only to the host that
+//!   address names. With scope on, a pull's credential names the image's registry, unless
+//!   every mirror configured for that registry is trusted with its pods' credentials; then it
+//!   names none, and the registry and those mirrors receive it.
+//!
+//! Sans-IO but for [`configured_mirrors`], which reads one `hosts.toml` (bounded).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use credgate_core::pattern::{Pattern, PatternError, Target};
+
+/// Why the policy's flags were refused.
+#[derive(Debug, thiserror::Error)]
+pub enum PolicyError {
+    #[error("--cri-proxy-fill {0:?}")]
+    Pattern(String, #[source] PatternError),
+    #[error("--cri-proxy-trusted-mirror {0:?}: expected REGISTRY=MIRROR[,MIRROR...], each a HOST[:PORT]")]
+    Mirror(String),
+}
+
+/// The proxy's credential policy; by default it changes nothing.
+#[derive(Debug, Clone, Default)]
+pub struct PullPolicy {
+    fill: Vec<Pattern>,
+    scope: Option<Scope>,
+}
+
+#[derive(Debug, Clone)]
+struct Scope {
+    /// Per registry (as image references name it), the mirror hosts trusted with its pods'
+    /// credentials.
+    trusted: BTreeMap<String, Vec<String>>,
+    /// containerd's `config_path`: when set, a registry's mirrors are read from its
+    /// `hosts.toml`, and every one must be trusted for the credential to reach any.
+    hosts_dir: Option<PathBuf>,
+}
+
+/// What the policy does with a pull's `server_address`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Scoped {
+    /// Scope is off: as the caller sent it.
+    AsSent,
+    /// Set to the registry's own host: no mirror receives the credential.
+    Registry { address: String, why: String },
+    /// Cleared: the registry and its mirrors, all trusted, receive it.
+    TrustedMirrors { mirrors: Vec<String> },
+}
+
+impl Scoped {
+    /// The pull log's and metrics' name of it.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Scoped::AsSent => "as-sent",
+            Scoped::Registry { .. } => "registry-only",
+            Scoped::TrustedMirrors { .. } => "trusted-mirrors",
+        }
+    }
+
+    /// The `server_address` the runtime gets, given what was sent.
+    pub fn server_address(&self, sent: &str) -> String {
+        match self {
+            Scoped::AsSent => sent.to_owned(),
+            Scoped::Registry { address, .. } => address.clone(),
+            Scoped::TrustedMirrors { .. } => String::new(),
+        }
+    }
+
+    /// One sentence for people (explain, the log).
+    pub fn describe(&self) -> String {
+        match self {
+            Scoped::AsSent => "mirror trust is off: the credential's server address goes as the caller sent it (containerd gives a credential without one to every mirror hosts.toml names)".into(),
+            Scoped::Registry { address, why } => {
+                format!("server address set to {address}: only the registry receives the credential ({why})")
+            }
+            Scoped::TrustedMirrors { mirrors } if mirrors.is_empty() => {
+                "server address cleared: the registry receives the credential, and no mirror is configured".into()
+            }
+            Scoped::TrustedMirrors { mirrors } => format!(
+                "server address cleared: the registry and its trusted mirrors ({}) receive the credential",
+                mirrors.join(", ")
+            ),
+        }
+    }
+}
+
+/// The registry's name as image references give it, for Docker Hub's aliases too.
+fn registry_key(registry: &str) -> &str {
+    match registry {
+        "index.docker.io" | "registry-1.docker.io" => "docker.io",
+        r => r,
+    }
+}
+
+/// The host containerd contacts for `registry` when no mirror answers, which its
+/// `ParseAuth` compares with the host of the credential's `server_address`.
+pub fn runtime_host(registry: &str) -> &str {
+    match registry_key(registry) {
+        "docker.io" => "registry-1.docker.io",
+        r => r,
+    }
+}
+
+fn valid_host(h: &str) -> bool {
+    !h.is_empty()
+        && h.len() <= 262
+        && h.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-.:[]".contains(&b))
+}
+
+impl PullPolicy {
+    /// `fill`: matchImages patterns; `scope`: the policy on; `trusted`: `REGISTRY=MIRROR,...`
+    /// (scope on when any is given); `hosts_dir`: containerd's `config_path`.
+    pub fn new(
+        fill: &[String],
+        scope: bool,
+        trusted: &[String],
+        hosts_dir: Option<PathBuf>,
+    ) -> Result<PullPolicy, PolicyError> {
+        let fill = fill
+            .iter()
+            .map(|p| Pattern::parse(p).map_err(|e| PolicyError::Pattern(p.clone(), e)))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut map: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for t in trusted {
+            let (registry, mirrors) = t
+                .split_once('=')
+                .ok_or_else(|| PolicyError::Mirror(t.clone()))?;
+            let mirrors: Vec<String> = mirrors.split(',').map(|m| m.trim().to_owned()).collect();
+            if !valid_host(registry) || !mirrors.iter().all(|m| valid_host(m)) {
+                return Err(PolicyError::Mirror(t.clone()));
+            }
+            map.entry(registry_key(registry).to_owned())
+                .or_default()
+                .extend(mirrors);
+        }
+        let scope = (scope || !map.is_empty()).then_some(Scope {
+            trusted: map,
+            hosts_dir,
+        });
+        Ok(PullPolicy { fill, scope })
+    }
+
+    /// Whether the policy changes anything at all.
+    pub fn is_off(&self) -> bool {
+        self.fill.is_empty() && self.scope.is_none()
+    }
+
+    /// The fill pattern that names `image` (a normalized image name), if any.
+    pub fn fill_pattern(&self, image: &str) -> Option<&str> {
+        let target = Target::from_image_name(image);
+        self.fill
+            .iter()
+            .find(|p| p.matches(&target))
+            .map(Pattern::as_str)
+    }
+
+    /// Whether fill is on at all.
+    pub fn fills(&self) -> bool {
+        !self.fill.is_empty()
+    }
+
+    /// What becomes of the `server_address` of a credential for an image of `registry`.
+    pub fn scope(&self, registry: &str) -> Scoped {
+        let Some(scope) = &self.scope else {
+            return Scoped::AsSent;
+        };
+        let key = registry_key(registry);
+        let address = format!("https://{}", runtime_host(key));
+        let Some(trusted) = scope.trusted.get(key) else {
+            return Scoped::Registry {
+                address,
+                why: format!("no mirror of {key} is trusted with its pods' credentials"),
+            };
+        };
+        let Some(dir) = &scope.hosts_dir else {
+            return Scoped::TrustedMirrors {
+                mirrors: trusted.clone(),
+            };
+        };
+        match configured_mirrors(dir, key) {
+            Err(e) => Scoped::Registry {
+                address,
+                why: format!("its hosts.toml cannot be read: {e}"),
+            },
+            Ok(configured) => {
+                let untrusted: Vec<&String> =
+                    configured.iter().filter(|m| !trusted.contains(m)).collect();
+                if untrusted.is_empty() {
+                    Scoped::TrustedMirrors {
+                        mirrors: configured,
+                    }
+                } else {
+                    Scoped::Registry {
+                        address,
+                        why: format!(
+                            "hosts.toml names mirrors not trusted with its pods' credentials: {}",
+                            untrusted
+                                .iter()
+                                .map(|m| m.as_str())
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        ),
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Largest `hosts.toml` read.
+const MAX_HOSTS_FILE: u64 = 256 << 10;
+
+/// The hosts other than `registry`'s own that containerd's `DIR/REGISTRY/hosts.toml` has it
+/// try (its `[host."URL"]` tables and a `server` that is not the registry); none when the
+/// registry has no such file.
+pub fn configured_mirrors(dir: &Path, registry: &str) -> Result<Vec<String>, String> {
+    use std::io::Read as _;
+    let path = dir.join(runtime_dir(registry)).join("hosts.toml");
+    let file = match std::fs::File::open(&path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(format!("{}: {e}", path.display())),
+    };
+    let mut text = String::new();
+    file.take(MAX_HOSTS_FILE + 1)
+        .read_to_string(&mut text)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    if text.len() as u64 > MAX_HOSTS_FILE {
+        return Err(format!("{} is over {MAX_HOSTS_FILE} bytes", path.display()));
+    }
+    mirrors_in(&text, registry).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// The directory name containerd looks up for `registry` under its `config_path`.
+fn runtime_dir(registry: &str) -> &str {
+    registry_key(registry)
+}
+
+/// The mirrors a `hosts.toml` names for `registry`.
+pub fn mirrors_in(text: &str, registry: &str) -> Result<Vec<String>, String> {
+    let table: toml::Table = text
+        .parse()
+        .map_err(|e: toml::de::Error| e.message().to_owned())?;
+    let own = [registry_key(registry), runtime_host(registry)];
+    let mut out: Vec<String> = Vec::new();
+    let server = table.get("server").and_then(|s| s.as_str());
+    let hosts = table
+        .get("host")
+        .and_then(|h| h.as_table())
+        .map(|t| t.keys().map(String::as_str).collect::<Vec<_>>())
+        .unwrap_or_default();
+    for url in server.into_iter().chain(hosts) {
+        let host = host_of(url);
+        if !own.contains(&host) && !out.iter().any(|o| o == host) {
+            out.push(host.to_owned());
+        }
+    }
+    Ok(out)
+}
+
+/// `host[:port]` of a URL (or of a bare host, as containerd also accepts).
+fn host_of(url: &str) -> &str {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    rest.split(['/', '?', '#']).next().unwrap_or(rest)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn policy(trusted: &[&str], dir: Option<&Path>) -> PullPolicy {
+        let trusted: Vec<String> = trusted.iter().map(|s| (*s).to_owned()).collect();
+        PullPolicy::new(&[], true, &trusted, dir.map(Path::to_owned)).unwrap()
+    }
+
+    #[test]
+    fn off_by_default_and_as_sent() {
+        let p = PullPolicy::default();
+        assert!(p.is_off());
+        assert_eq!(p.scope("r.example"), Scoped::AsSent);
+        assert_eq!(Scoped::AsSent.server_address("x"), "x");
+    }
+
+    #[test]
+    fn a_registry_without_trusted_mirrors_is_pinned_to_its_runtime_host() {
+        let p = policy(&[], None);
+        let s = p.scope("docker.io");
+        assert_eq!(
+            s.server_address("https://elsewhere"),
+            "https://registry-1.docker.io"
+        );
+        assert_eq!(s.as_str(), "registry-only");
+        assert_eq!(
+            p.scope("127.0.0.1:5000").server_address(""),
+            "https://127.0.0.1:5000"
+        );
+    }
+
+    #[test]
+    fn trusted_mirrors_clear_the_address_unless_hosts_toml_names_another() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = policy(&["r.example:5000=m1.example,m2.example"], Some(dir.path()));
+        // No hosts.toml: no mirror configured, nothing to withhold.
+        assert_eq!(p.scope("r.example:5000").server_address("x"), "");
+        let d = dir.path().join("r.example:5000");
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::write(
+            d.join("hosts.toml"),
+            "server = \"https://r.example:5000\"\n[host.\"http://m1.example\"]\ncapabilities = [\"pull\"]\n",
+        )
+        .unwrap();
+        assert_eq!(
+            p.scope("r.example:5000"),
+            Scoped::TrustedMirrors {
+                mirrors: vec!["m1.example".into()]
+            }
+        );
+        std::fs::write(
+            d.join("hosts.toml"),
+            "[host.\"http://m1.example\"]\n[host.\"https://m3.example/v2\"]\n",
+        )
+        .unwrap();
+        let s = p.scope("r.example:5000");
+        assert_eq!(s.server_address(""), "https://r.example:5000");
+        assert!(s.describe().contains("m3.example"), "{}", s.describe());
+        std::fs::write(d.join("hosts.toml"), "[host.\"http://m1").unwrap();
+        assert!(p
+            .scope("r.example:5000")
+            .describe()
+            .contains("cannot be read"));
+    }
+
+    #[test]
+    fn docker_hub_aliases_are_one_registry() {
+        let p = policy(&["index.docker.io=mirror.example"], None);
+        assert_eq!(p.scope("docker.io").server_address("x"), "");
+    }
+
+    #[test]
+    fn bad_flags_are_refused() {
+        assert!(PullPolicy::new(&[], false, &["nomirrors".into()], None).is_err());
+        assert!(PullPolicy::new(&[], false, &["r=m/x".into()], None).is_err());
+        assert!(PullPolicy::new(&["*.example.com:x:y".into()], false, &[], None).is_err());
+    }
+
+    #[test]
+    fn fill_patterns_match_as_match_images() {
+        let p = PullPolicy::new(&["*.example.com/team".into()], false, &[], None).unwrap();
+        assert_eq!(
+            p.fill_pattern("r.example.com/team/app"),
+            Some("*.example.com/team")
+        );
+        assert_eq!(p.fill_pattern("r.example.com/other/app"), None);
+        assert_eq!(p.fill_pattern("a.b.example.com/team/app"), None);
+    }
+}

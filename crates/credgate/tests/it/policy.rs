@@ -1,0 +1,396 @@
+//! The CRI proxy as the node's credential policy point, against Debian's containerd (its CRI
+//! plugin) and docker-registry with htpasswd, called through the proxy by a grpc-go client
+//! dialing as the kubelet does: pulls that come without credentials filled in for the
+//! operator's patterns (`--cri-proxy-fill`), a pod credential's reach over hosts.toml mirrors
+//! (`--cri-proxy-scope-credentials`, `--cri-proxy-trusted-mirror`), and `credgate import
+//! containerd`. Needs root (containerd).
+
+use std::path::Path;
+
+use credgate_testbed::cri::*;
+use credgate_testbed::{oci_image, push, Containerd, Registry};
+use prost::Message as _;
+
+use crate::support::foreign::{build_go, go_call, Answer, Dial};
+use crate::support::{proxy_agent_with, text, write_script, Agent};
+
+const USER: &str = "node-user";
+const PASSWORD: &str = "node-Pa55word-not-for-logs";
+const POD_USER: &str = "pod-user";
+const POD_PASSWORD: &str = "pod-Pa55word-not-for-logs";
+
+fn needs_containerd() {
+    if let Some(why) = Containerd::unavailable() {
+        panic!("{why}: run as root with containerd installed, as scripts/test does");
+    }
+}
+
+/// A PullImage through `socket` by grpc-go (as the kubelet dials), in pod namespace team-a.
+fn pull(go: &Path, socket: &Path, image: &str, credential: Option<(&str, &str)>) -> Answer {
+    let request = pull_request(image, credential, "team-a").encode_to_vec();
+    go_call(go, Dial::Localhost, socket, PULL_IMAGE, &request, 0)
+}
+
+/// Removes `image` from containerd (called directly), so that the next pull fetches it.
+fn remove(go: &Path, containerd: &Containerd, image: &str) {
+    let request = RemoveImageRequest {
+        image: Some(ImageSpec {
+            image: image.to_owned(),
+        }),
+    }
+    .encode_to_vec();
+    let _ = go_call(
+        go,
+        Dial::Localhost,
+        &containerd.socket,
+        REMOVE_IMAGE,
+        &request,
+        0,
+    );
+}
+
+/// Providers `node` (matching `HOST/team` and `HOST/other`) and `keyed` (`HOST/sa`, keyed by
+/// service account but not requiring one, so that it runs for a lookup without one): both
+/// answer `USER`:`PASSWORD` for the registry. The agent's source flags.
+fn providers(dir: &Path, host: &str) -> Vec<String> {
+    let bin = dir.join("plugins");
+    std::fs::create_dir_all(&bin).unwrap();
+    for name in ["node", "keyed"] {
+        write_script(
+            &bin.join(name),
+            &format!(
+                r#"cat >/dev/null
+printf '{{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.kubelet.k8s.io/v1","cacheKeyType":"Registry","cacheDuration":"1h","auth":{{"{host}":{{"username":"{USER}","password":"{PASSWORD}"}}}}}}'"#
+            ),
+        );
+    }
+    let config = dir.join("providers.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "apiVersion: kubelet.config.k8s.io/v1\nkind: CredentialProviderConfig\nproviders:\n- name: node\n  matchImages: [\"{host}/team\", \"{host}/other\"]\n  defaultCacheDuration: 1h\n  apiVersion: credentialprovider.kubelet.k8s.io/v1\n- name: keyed\n  matchImages: [\"{host}/sa\"]\n  defaultCacheDuration: 1h\n  apiVersion: credentialprovider.kubelet.k8s.io/v1\n  tokenAttributes:\n    serviceAccountTokenAudience: registry\n    cacheType: ServiceAccount\n    requireServiceAccount: false\n"
+        ),
+    )
+    .unwrap();
+    vec![
+        "--image-credential-provider-config".into(),
+        config.display().to_string(),
+        "--image-credential-provider-bin-dir".into(),
+        bin.display().to_string(),
+    ]
+}
+
+fn agent_in(dir: &Path, runtime: &Path, args: &[String]) -> (Agent, std::path::PathBuf) {
+    std::fs::create_dir_all(dir).unwrap();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    proxy_agent_with(dir, runtime, &args)
+}
+
+#[test]
+#[ignore = "needs root"]
+fn pulls_without_credentials_are_filled_for_the_operators_patterns_only() {
+    needs_containerd();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let registry = Registry::start(d, USER, PASSWORD);
+    oci_image(d);
+    for repo in ["team/app", "other/app", "sa/app"] {
+        push(d, &registry, repo, USER, PASSWORD);
+    }
+    let containerd = Containerd::start(d, &[registry.host()]);
+    let host = registry.host();
+    let go = build_go(d);
+    let image = |repo: &str| format!("{host}/{repo}:v1");
+    let sources = providers(d, &host);
+
+    // Off: the pull goes as it came, and the registry refuses it.
+    let (agent, proxy) = agent_in(&d.join("off"), &containerd.socket, &sources);
+    let off = pull(&go, &proxy, &image("team/app"), None);
+    assert_eq!(off.code, 2, "{off:?}");
+    assert!(off.message.contains("401 Unauthorized"), "{off:?}");
+    let explained = text(&agent.credgate(&["explain", &image("team/app")]).stdout);
+    assert!(
+        explained.contains("fill: not filled: --cri-proxy-fill is not set"),
+        "{explained}"
+    );
+    agent.stop();
+
+    let mut on = sources.clone();
+    for p in ["team", "sa"] {
+        on.extend(["--cri-proxy-fill".into(), format!("{host}/{p}")]);
+    }
+    let (agent, proxy) = agent_in(&d.join("on"), &containerd.socket, &on);
+    let from = registry.settled_log().len();
+    let filled = pull(&go, &proxy, &image("team/app"), None);
+    assert_eq!(filled.code, 0, "{filled:?}");
+    assert!(
+        registry.saw_user(USER, from),
+        "the registry saw the provider's credential"
+    );
+    let pulls = text(&agent.credgate(&["ctl", "pulls", "-o", "json"]).stdout);
+    assert!(pulls.contains("\"filled:provider:node\""), "{pulls}");
+    // Recorded as the kubelet records a credential provider's pull: node-wide.
+    let explained = text(
+        &agent
+            .credgate(&["explain", "-o", "json", &image("team/app")])
+            .stdout,
+    );
+    let json: serde_json::Value = serde_json::from_str(&explained).unwrap();
+    assert!(
+        json["cri_fill"].as_str().unwrap().starts_with("filled:"),
+        "{json}"
+    );
+    assert_eq!(
+        json["guard_record_summaries"][0]["node_wide"], true,
+        "{json}"
+    );
+
+    // A credential the caller sent is never replaced, even a wrong one.
+    remove(&go, &containerd, &image("team/app"));
+    let wrong = pull(&go, &proxy, &image("team/app"), Some((USER, "wrong")));
+    assert_eq!(wrong.code, 2, "{wrong:?}");
+    // An image outside the patterns is not filled, though a provider matches it.
+    let other = pull(&go, &proxy, &image("other/app"), None);
+    assert_eq!(other.code, 2, "{other:?}");
+    assert!(
+        text(&agent.credgate(&["explain", &image("other/app")]).stdout)
+            .contains("not filled: no --cri-proxy-fill pattern names the image")
+    );
+    // A provider keyed by service account never fills, though its plugin answers.
+    let keyed = pull(&go, &proxy, &image("sa/app"), None);
+    assert_eq!(keyed.code, 2, "{keyed:?}");
+    let pulls = text(&agent.credgate(&["ctl", "pulls", "-o", "json"]).stdout);
+    assert_eq!(pulls.matches("filled:").count(), 1, "{pulls}");
+    let log = agent.log_text();
+    assert!(!log.contains(PASSWORD), "a secret reached the log");
+    agent.stop();
+}
+
+/// What one pull of a pod's credential did: whether it succeeded, and whether the mirror and
+/// the registry received the credential.
+#[derive(Debug, PartialEq, Eq)]
+struct Reach {
+    pulled: bool,
+    mirror: bool,
+    registry: bool,
+}
+
+#[test]
+#[ignore = "needs root"]
+fn mirror_trust_decides_which_hosts_receive_a_pods_credential() {
+    needs_containerd();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let (rd, md) = (d.join("registry"), d.join("mirror"));
+    std::fs::create_dir_all(&rd).unwrap();
+    std::fs::create_dir_all(&md).unwrap();
+    let registry = Registry::start(&rd, POD_USER, POD_PASSWORD);
+    let mirror = Registry::start(&md, POD_USER, POD_PASSWORD);
+    oci_image(d);
+    push(d, &registry, "team/app", POD_USER, POD_PASSWORD);
+    push(d, &mirror, "team/app", POD_USER, POD_PASSWORD);
+    let containerd = Containerd::start(d, &[registry.host(), mirror.host()]);
+    containerd.set_mirror(&registry.host(), &mirror.host());
+    let go = build_go(d);
+    let image = format!("{}/team/app:v1", registry.host());
+    let certs = containerd.certs.display().to_string();
+
+    let reach = |name: &str, flags: &[String]| {
+        remove(&go, &containerd, &image);
+        // Without capture, whose confirmation asks the image's registry itself: what reaches
+        // each host is containerd's doing alone.
+        let mut flags = flags.to_vec();
+        flags.push("--cri-proxy-capture=false".into());
+        let (agent, proxy) = agent_in(&d.join(name), &containerd.socket, &flags);
+        let (m, r) = (mirror.settled_log().len(), registry.settled_log().len());
+        let answer = pull(&go, &proxy, &image, Some((POD_USER, POD_PASSWORD)));
+        let explained = text(&agent.credgate(&["explain", &image]).stdout);
+        let log = agent.log_text();
+        agent.stop();
+        assert!(!log.contains(POD_PASSWORD), "a secret reached the log");
+        (
+            Reach {
+                pulled: answer.code == 0,
+                mirror: mirror.saw_user(POD_USER, m),
+                registry: registry.saw_user(POD_USER, r),
+            },
+            explained,
+        )
+    };
+
+    // Off: containerd's own behaviour, which gives the pod's credential to the mirror.
+    let (off, _) = reach("off", &[]);
+    assert_eq!(
+        off,
+        Reach {
+            pulled: true,
+            mirror: true,
+            registry: false
+        }
+    );
+    // On, the mirror not trusted: it never receives the credential; the registry serves.
+    let (scoped, explained) = reach("scoped", &["--cri-proxy-scope-credentials".into()]);
+    assert_eq!(
+        scoped,
+        Reach {
+            pulled: true,
+            mirror: false,
+            registry: true
+        }
+    );
+    assert!(
+        explained.contains("only the registry receives"),
+        "{explained}"
+    );
+    // Trusted (every mirror its hosts.toml names): the mirror receives it and serves.
+    let trust = format!("{}={}", registry.host(), mirror.host());
+    let (trusted, explained) = reach(
+        "trusted",
+        &[
+            "--cri-proxy-trusted-mirror".into(),
+            trust.clone(),
+            "--cri-proxy-hosts-dir".into(),
+            certs.clone(),
+        ],
+    );
+    assert_eq!(
+        trusted,
+        Reach {
+            pulled: true,
+            mirror: true,
+            registry: false
+        }
+    );
+    assert!(explained.contains("trusted mirrors"), "{explained}");
+    // Trust of another mirror than the one hosts.toml names gives this one nothing.
+    let (elsewhere, explained) = reach(
+        "elsewhere",
+        &[
+            "--cri-proxy-trusted-mirror".into(),
+            format!("{}=127.0.0.2:1", registry.host()),
+            "--cri-proxy-hosts-dir".into(),
+            certs,
+        ],
+    );
+    assert_eq!(
+        elsewhere,
+        Reach {
+            pulled: true,
+            mirror: false,
+            registry: true
+        }
+    );
+    assert!(explained.contains("not trusted"), "{explained}");
+}
+
+#[test]
+#[ignore = "needs root"]
+fn containerds_auth_config_imported_serves_the_same_pulls() {
+    needs_containerd();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let registry = Registry::start(d, USER, PASSWORD);
+    oci_image(d);
+    push(d, &registry, "team/app", USER, PASSWORD);
+    let containerd = Containerd::start(d, &[registry.host()]);
+    let host = registry.host();
+    let go = build_go(d);
+    let image = format!("{host}/team/app:v1");
+    let credgate = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_credgate"))
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let configs = [
+        (
+            "v2",
+            format!("version = 2\n[plugins.\"io.containerd.grpc.v1.cri\".registry.configs.\"{host}\".auth]\n  username = \"{USER}\"\n  password = \"{PASSWORD}\"\n"),
+        ),
+        (
+            "v3",
+            {
+                use base64::Engine as _;
+                let auth = base64::engine::general_purpose::STANDARD
+                    .encode(format!("{USER}:{PASSWORD}"));
+                format!("version = 3\n[plugins.\"io.containerd.cri.v1.images\".registry.configs.\"{host}\".auth]\n  auth = \"{auth}\"\n")
+            },
+        ),
+    ];
+    for (version, config) in configs {
+        let file = d.join(format!("containerd-{version}.toml"));
+        std::fs::write(&file, config).unwrap();
+        let out = d.join(format!("docker-{version}.json"));
+        let imported = credgate(&[
+            "import",
+            "containerd",
+            file.to_str().unwrap(),
+            "--output",
+            out.to_str().unwrap(),
+        ]);
+        assert!(imported.status.success(), "{imported:?}");
+        let said = text(&imported.stdout);
+        assert!(!said.contains(PASSWORD), "a secret on stdout");
+        assert!(said.contains(&format!("--cri-proxy-fill {host}")), "{said}");
+        // Not replaced without --force.
+        let again = credgate(&[
+            "import",
+            "containerd",
+            file.to_str().unwrap(),
+            "--output",
+            out.to_str().unwrap(),
+        ]);
+        assert_eq!(again.status.code(), Some(1), "{again:?}");
+        assert!(text(&again.stderr).contains("--force"));
+
+        remove(&go, &containerd, &image);
+        let (agent, proxy) = agent_in(
+            &d.join(format!("agent-{version}")),
+            &containerd.socket,
+            &[
+                "--docker-config".into(),
+                out.display().to_string(),
+                "--cri-proxy-fill".into(),
+                host.clone(),
+            ],
+        );
+        let answer = pull(&go, &proxy, &image, None);
+        assert_eq!(answer.code, 0, "{version}: {answer:?}");
+        let pulls = text(&agent.credgate(&["ctl", "pulls", "-o", "json"]).stdout);
+        assert!(pulls.contains("\"filled:docker-config\""), "{pulls}");
+        agent.stop();
+    }
+
+    // Bad input: a clear error, nothing written.
+    let out = d.join("never.json");
+    let bad = [
+        ("missing.toml", None, "cannot read containerd's config"),
+        (
+            "huge.toml",
+            Some("#".repeat((1 << 20) + 1)),
+            "over 1048576 bytes",
+        ),
+        ("noauth.toml", Some("version = 2\n[plugins]\n".into()), "no registry auth"),
+        (
+            "badauth.toml",
+            Some(format!("[plugins.\"io.containerd.grpc.v1.cri\".registry.configs.\"{host}\".auth]\n  auth = \"not base64 of anything\"\n")),
+            "is not base64 of user:password",
+        ),
+    ];
+    for (name, content, why) in bad {
+        let file = d.join(name);
+        if let Some(c) = content {
+            std::fs::write(&file, c).unwrap();
+        }
+        let refused = credgate(&[
+            "import",
+            "containerd",
+            file.to_str().unwrap(),
+            "--output",
+            out.to_str().unwrap(),
+        ]);
+        assert_eq!(refused.status.code(), Some(1), "{name}: {refused:?}");
+        assert!(text(&refused.stderr).contains(why), "{name}: {refused:?}");
+        assert!(!out.exists(), "{name}: something was written");
+    }
+}
