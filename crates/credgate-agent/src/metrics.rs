@@ -244,7 +244,7 @@ impl AgentMetrics {
         );
         r.register(
             "cri_pulls",
-            "Pulls through the CRI proxy by auth (none, captured, provider, docker_config, unknown) and result (ok, unauthorized, not_found, error)",
+            "Pulls through the CRI proxy by auth (none, captured, provider, docker_config, filled, unknown) and result (ok, unauthorized, not_found, error)",
             self.cri_pulls.clone(),
         );
         r.register(
