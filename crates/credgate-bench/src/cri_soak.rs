@@ -2,11 +2,16 @@
 //! containerd behind the proxy, a loopback docker-registry with htpasswd, and three loops for
 //! `--duration`: a "kubelet" (remove the image, pull it through the proxy with credentials,
 //! ImageStatus), a bridge-like caller of the API (`Health` on a new connection every 100 ms)
-//! and a sampler of the agent's RSS. The second half adds a hostile caller of the proxy:
-//! silent connections held open and reopened as they are closed, connections of 60 PullImage
-//! streams each sent to just under a PullImage's 512 KiB and never finished, and connections that ask for
-//! ListImages and never read. Reported: the kubelet's pulls and the API's answers before and
-//! during the attack, and the agent's RSS before, during and after.
+//! and a sampler of the agent's RSS. The second half adds a hostile caller of the proxy
+//! (silent connections held open and reopened as they are closed, connections of 60
+//! PullImage streams each sent to just under a PullImage's 512 KiB and never finished,
+//! connections that ask for ListImages and never read) and a pod author's pulls
+//! ([`tenant_pulls`]: slow pulls with large secrets against a registry that never answers,
+//! a registry whose errors carry forged log lines, captures from a registry that accepts any
+//! credential). Reported: the kubelet's pulls and the API's answers before and during the
+//! attack, the agent's RSS before, during and after, `captured.sealed`'s size, whether the
+//! kubelet's capture is kept and whether any log line was forged; and whether each bound held
+//! (the run fails when one did not).
 //!
 //! Needs root (containerd), and containerd, docker-registry, htpasswd and skopeo installed.
 
@@ -174,9 +179,16 @@ pub fn cri_soak(args: &Args) -> Result<()> {
         attacking.store(true, Ordering::Relaxed);
         let attack_stop = Arc::new(AtomicBool::new(false));
         let attack = tokio::spawn(attack(proxy_socket.to_owned(), attack_stop.clone()));
+        let tenants = tokio::spawn(tenant_pulls(
+            proxy_socket.to_owned(),
+            node.containerd.certs.clone(),
+            node.registry.host(),
+            attack_stop.clone(),
+        ));
         tokio::time::sleep(args.duration.saturating_sub(started.elapsed())).await;
         attack_stop.store(true, Ordering::Relaxed);
         let counts = attack.await.context("the attack")?;
+        let tenant_counts = tenants.await.context("the tenants' pulls")?;
         stop.store(true, Ordering::Relaxed);
         let mut pulls = kubelet.await?;
         let mut health = api.await?;
@@ -185,20 +197,201 @@ pub fn cri_soak(args: &Args) -> Result<()> {
         tokio::time::sleep(Duration::from_secs(5)).await;
         let after = rss_kb(pid);
         let rss = *rss.lock().unwrap();
+        let kept = kubelet_capture_kept(&api_socket).await;
+        let log = std::fs::read_to_string(node.dir.0.join("agent.log")).unwrap_or_default();
+        let forged_lines = log
+            .lines()
+            .filter(|l| l.trim_start().starts_with("FORGED-LINE"))
+            .count();
+        let forged_text = log.matches("FORGED-LINE").count();
+        let captured_size =
+            std::fs::metadata(node.dir.0.join("state/captured.sealed")).map_or(0, |m| m.len());
+        let (health_during, pulls_during) = (health[1].summary(), pulls[1].summary());
+        let holds = json!({
+            "health_within_1s": health_during["failed"] == 0
+                && health_during["max_ms"].as_f64().unwrap_or(f64::MAX) < 1000.0,
+            "kubelet_pulls_work": pulls_during["failed"] == 0
+                && pulls_during["ok"].as_u64().unwrap_or(0) > 0,
+            "kubelet_capture_kept": kept,
+            "no_forged_line": forged_lines == 0,
+            "captured_sealed_under_cap": captured_size <= credgate_agent::captured::MAX_FILE,
+            "rss_under_256_mib": rss[1].max(after) < 256 << 10,
+        });
+        let held = holds
+            .as_object()
+            .is_some_and(|h| h.values().all(|v| v == true));
         emit(
             args,
             json!({
-                "scenario": "cri-soak", "seconds": args.duration.as_secs(),
-                "pulls_before": pulls[0].summary(), "pulls_during": pulls[1].summary(),
-                "health_before": health[0].summary(), "health_during": health[1].summary(),
+                "scenario": "cri-soak",
+                "holds": holds, "seconds": args.duration.as_secs(),
+                "pulls_before": pulls[0].summary(), "pulls_during": pulls_during,
+                "health_before": health[0].summary(), "health_during": health_during,
                 "rss_kb_before": rss[0], "rss_kb_during": rss[1], "rss_kb_after": after,
                 "attack": counts,
+                "tenants": tenant_counts,
+                "kubelet_capture_kept": kept,
+                "log_lines_forged": forged_lines,
+                "log_forged_text_escaped": forged_text,
+                "captured_sealed_bytes": captured_size,
+                "captured_sealed_cap": credgate_agent::captured::MAX_FILE,
             }),
+        );
+        anyhow::ensure!(
+            held,
+            "a bound did not hold under the attack (see \"holds\")"
         );
         anyhow::Ok(())
     })?;
     drop(node);
     Ok(())
+}
+
+/// Whether the kubelet's pulls' credential (namespace `soak`, `team/app`) is still captured.
+async fn kubelet_capture_kept(api: &Path) -> bool {
+    let Ok(channel) = credgate_api::connect(api).await else {
+        return false;
+    };
+    credgate_api::v1::admin_client::AdminClient::new(channel)
+        .list_captured(credgate_api::v1::ListCapturedRequest {})
+        .await
+        .is_ok_and(|r| {
+            r.into_inner()
+                .captured
+                .iter()
+                .any(|c| c.namespace == "soak" && c.repository.ends_with("/team/app"))
+        })
+}
+
+/// What a pod author does with pulls, until `stop` (its images and secrets reach the
+/// runtime through the kubelet's connection):
+/// - 4 pulls at a time of an image on a registry that never answers, each carrying a 400 KiB
+///   secret (under a pull's 512 KiB), and pulls carrying a 1 MiB secret (refused at once);
+/// - pulls of an image whose registry answers with forged log lines in its error body;
+/// - pulls of ever new repositories on a registry that accepts any credential, each with a
+///   credential of 1300 control characters, all from one namespace (`attacker`).
+async fn tenant_pulls(
+    socket: PathBuf,
+    certs: PathBuf,
+    upstream: String,
+    stop: Arc<AtomicBool>,
+) -> serde_json::Value {
+    use crate::hostile_registry::{start, Kind};
+    use base64::Engine as _;
+    let basic = base64::engine::general_purpose::STANDARD.encode(format!("{USER}:{PASSWORD}"));
+    let (Ok(stalling), Ok(forging), Ok(accepting)) = (
+        start(Kind::Stalling),
+        start(Kind::Forging),
+        start(Kind::Accepting { upstream, basic }),
+    ) else {
+        return json!({"error": "cannot start the hostile registries"});
+    };
+    // containerd speaks plain HTTP to these two (read at each pull).
+    for host in [&forging.host, &accepting.host] {
+        let dir = certs.join(host);
+        let _ = std::fs::create_dir_all(&dir);
+        let _ = std::fs::write(
+            dir.join("hosts.toml"),
+            format!("server = \"http://{host}\"\n[host.\"http://{host}\"]\n  capabilities = [\"pull\", \"resolve\"]\n"),
+        );
+    }
+    let Ok(channel) = credgate_api::connect(&socket).await else {
+        return json!({"error": "cannot connect"});
+    };
+    let outcome = |r: &Result<Result<PullImageResponse, tonic::Status>, _>| match r {
+        Ok(Ok(_)) => "ok",
+        Ok(Err(s)) if s.code() == tonic::Code::ResourceExhausted => "refused",
+        Ok(Err(_)) => "failed",
+        Err(_) => "timed_out",
+    };
+    let mut tasks = tokio::task::JoinSet::new();
+    let pulls = |label: &'static str,
+                 image: String,
+                 user: String,
+                 password: String,
+                 every: Duration,
+                 limit: Duration| {
+        let (channel, stop) = (channel.clone(), stop.clone());
+        async move {
+            let mut seen: std::collections::BTreeMap<&'static str, u64> = Default::default();
+            while !stop.load(Ordering::Relaxed) {
+                let r = tokio::time::timeout(
+                    limit,
+                    call_on::<_, PullImageResponse>(
+                        channel.clone(),
+                        PULL_IMAGE,
+                        pull_request(
+                            &image.replace("{i}", &seen.values().sum::<u64>().to_string()),
+                            Some((&user, &password)),
+                            "attacker",
+                        ),
+                    ),
+                )
+                .await;
+                *seen.entry(outcome(&r)).or_default() += 1;
+                tokio::time::sleep(every).await;
+            }
+            (label, seen)
+        }
+    };
+    let stalled = format!("{}/tenant/app:v1", stalling.host);
+    for _ in 0..4 {
+        tasks.spawn(pulls(
+            "stalled_400KiB_secret",
+            stalled.clone(),
+            "t".into(),
+            "s".repeat(400 << 10),
+            Duration::ZERO,
+            Duration::from_secs(20),
+        ));
+    }
+    tasks.spawn(pulls(
+        "stalled_1MiB_secret",
+        stalled,
+        "t".into(),
+        "s".repeat(1 << 20),
+        Duration::from_secs(1),
+        Duration::from_secs(20),
+    ));
+    tasks.spawn(pulls(
+        "forging",
+        format!("{}/tenant/app:v1", forging.host),
+        "t".into(),
+        "p".into(),
+        Duration::from_secs(2),
+        Duration::from_secs(20),
+    ));
+    tasks.spawn(pulls(
+        "accept_any_captures",
+        format!("{}/attacker-{{i}}/app:v1", accepting.host),
+        "\u{1}".repeat(100),
+        "\u{1}".repeat(1200),
+        Duration::ZERO,
+        Duration::from_secs(20),
+    ));
+    let mut out = serde_json::Map::new();
+    while let Some(done) = tasks.join_next().await {
+        if let Ok((label, seen)) = done {
+            let entry = out.entry(label).or_insert_with(|| json!({}));
+            for (k, v) in seen {
+                let now = entry[k].as_u64().unwrap_or(0);
+                entry[k] = json!(now + v);
+            }
+        }
+    }
+    out.insert(
+        "stalling_requests".into(),
+        json!(stalling.requests.load(Ordering::Relaxed)),
+    );
+    out.insert(
+        "forging_requests".into(),
+        json!(forging.requests.load(Ordering::Relaxed)),
+    );
+    out.insert(
+        "accepting_requests".into(),
+        json!(accepting.requests.load(Ordering::Relaxed)),
+    );
+    serde_json::Value::Object(out)
 }
 
 /// The hostile caller, until `stop`: what it did.

@@ -11,6 +11,7 @@ mod agent;
 mod cri;
 mod cri_soak;
 mod guard;
+mod hostile_registry;
 mod rollout;
 mod rotation;
 mod soak;

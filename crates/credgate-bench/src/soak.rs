@@ -369,8 +369,24 @@ async fn run(args: &Args, socket: &Path, pid: u32) -> Result<()> {
             "state_files": files,
         })
     });
+    let holds = adversarial.as_ref().map(|a| {
+        let under = |name: &str, cap: &str| {
+            a["state_files"][name].as_u64().unwrap_or(0)
+                <= a["state_files"][cap].as_u64().unwrap_or(u64::MAX)
+        };
+        json!({
+            "health_within_1s": a["health_during"]["failed"] == 0
+                && a["health_during"]["max_ms"].as_u64().unwrap_or(u64::MAX) < 1000,
+            "rate_limited_lookup_within_60s": a["limited_lookup_during"]["failed"] == 0
+                && a["limited_lookup_during"]["ok"].as_u64().unwrap_or(0) > 0,
+            "mix_without_errors": errors.iter().sum::<u64>() == 0,
+            "cache_sealed_under_cap": under("cache_sealed", "cache_sealed_cap"),
+            "rss_under_256_mib": a["rss_kb_max_during"].as_u64().unwrap_or(u64::MAX) < 256 << 10,
+        })
+    });
     let result = json!({
         "scenario": "soak",
+        "holds": holds,
         "adversarial": adversarial,
         "seconds": elapsed.as_secs_f64(),
         "requests": total,
@@ -388,9 +404,7 @@ async fn run(args: &Args, socket: &Path, pid: u32) -> Result<()> {
     });
     if args.output == crate::Format::Json {
         println!("{result}");
-        return Ok(());
-    }
-    {
+    } else {
         let mut text = format!(
             "soak: {total} requests in {:.0} s ({:.0}/s), {} plugin runs, {} watch events\n",
             elapsed.as_secs_f64(),
@@ -452,7 +466,16 @@ async fn run(args: &Args, socket: &Path, pid: u32) -> Result<()> {
             ));
         }
         text.push('\n');
+        if let Some(h) = &holds {
+            text.push_str(&format!("  holds: {h}\n"));
+        }
         print!("{text}");
+    }
+    if let Some(h) = &holds {
+        anyhow::ensure!(
+            h.as_object().is_some_and(|h| h.values().all(|v| v == true)),
+            "a bound did not hold under the attack: {h}"
+        );
     }
     Ok(())
 }
