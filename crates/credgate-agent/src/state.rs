@@ -66,8 +66,10 @@ pub fn discard(dir: &Path, file: &str) -> std::io::Result<bool> {
     }
 }
 
-/// Milliseconds since the Unix epoch, by the system's clock.
-pub fn now_ms() -> i64 {
+/// Milliseconds since the Unix epoch, by the system's clock (tests; the agent reads time
+/// through its clock).
+#[cfg(test)]
+pub(crate) fn now_ms() -> i64 {
     unix_ms(SystemTime::now())
 }
 

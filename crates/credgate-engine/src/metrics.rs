@@ -88,6 +88,29 @@ impl Default for EngineMetrics {
     }
 }
 
+/// The processes sweepers killed, process-wide ([`crate::sweep::killed`]): read at each
+/// scrape, so that the count survives reloads (which build new runners).
+#[derive(Debug)]
+struct Escapees;
+
+impl prometheus_client::collector::Collector for Escapees {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder,
+    ) -> Result<(), std::fmt::Error> {
+        use prometheus_client::encoding::EncodeMetric as _;
+        let killed =
+            prometheus_client::metrics::counter::ConstCounter::new(crate::sweep::killed());
+        let metric = encoder.encode_descriptor(
+            "plugin_escapees_killed",
+            "Processes a plugin left behind (daemons that outlived their run) that credgate killed",
+            None,
+            killed.metric_type(),
+        )?;
+        killed.encode(metric)
+    }
+}
+
 impl EngineMetrics {
     /// Registers every family under the `credgate_` prefix.
     pub fn register(&self, registry: &mut Registry) {
@@ -123,6 +146,7 @@ impl EngineMetrics {
             "Live entries in a provider cache",
             self.entries.clone(),
         );
+        r.register_collector(Box::new(Escapees));
     }
 
     /// The handles of one provider.
@@ -231,6 +255,11 @@ mod tests {
         );
         assert!(
             out.contains("credgate_plugin_errors_total{provider=\"ecr\",reason=\"timeout\"} 1"),
+            "{out}"
+        );
+        assert!(
+            out.contains("# TYPE credgate_plugin_escapees_killed counter")
+                && out.contains("credgate_plugin_escapees_killed_total "),
             "{out}"
         );
         assert_eq!(p.error_count(), 1);
