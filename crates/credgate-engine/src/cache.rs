@@ -219,12 +219,11 @@ impl Cache {
         }
         let _w = self.writer.lock().unwrap_or_else(|p| p.into_inner());
         let cur = self.current.load();
-        let mut next: HashMap<CacheKey, Arc<Entry>> = cur
-            .entries
-            .iter()
-            .filter(|(_, e)| e.alive_at(now))
-            .map(|(k, e)| (k.clone(), e.clone()))
-            .collect();
+        // The table copied as it is (no key hashed again: with thousands of long image keys,
+        // rehashing every key at each insert cost a core under a tenant's tracked refs), then
+        // the dead entries left out.
+        let mut next: HashMap<CacheKey, Arc<Entry>> = cur.entries.clone();
+        next.retain(|_, e| e.alive_at(now));
         next.insert(entry.key(), entry);
         while next.len() > self.capacity {
             let victim = next

@@ -98,12 +98,30 @@ pub(crate) fn spawn(program: &Program, extra: &CStr) -> io::Result<Child> {
         extra,
         [&stdin_child, &stdout_child, &stderr_child],
     )?;
+    lower_priority(pid);
     Ok(Child {
         pid,
         stdin,
         stdout,
         stderr,
     })
+}
+
+/// How much nicer than the agent its plugins run: what plugins cost in CPU (a tenant can make
+/// them run often, through lookups of ever new keys or tracked refs) must not take the CPU
+/// the agent needs to answer others. With CFS weights, ten plugins at +10 weigh about as much
+/// as one thread of the agent.
+pub const PLUGIN_NICENESS: i32 = 10;
+
+/// Makes the plugin's process group (it leads its own, so every process it has forked yet
+/// and every later one, which inherits it) [`PLUGIN_NICENESS`] nicer than the agent. Best
+/// effort: a failure leaves the plugin at the agent's priority.
+fn lower_priority(pid: i32) {
+    let Some(group) = rustix::process::Pid::from_raw(pid) else {
+        return;
+    };
+    let own = rustix::process::getpriority_process(None).unwrap_or(0);
+    let _ = rustix::process::setpriority_pgrp(Some(group), (own + PLUGIN_NICENESS).min(19));
 }
 
 /// A pipe, (read end, write end), both close-on-exec.
@@ -246,5 +264,33 @@ mod tests {
             assert_eq!(reap(child.pid).unwrap(), Some(peeked), "{script}");
             assert_eq!(peek(child.pid), Peek::Exited(None), "reaped: gone");
         }
+    }
+
+    /// A plugin and what it forks run nicer than the agent.
+    #[test]
+    fn plugins_and_their_children_run_nicer_than_the_agent() {
+        use std::io::Read as _;
+        // The shell forks `cut`, which reads its own niceness (field 19 of its stat).
+        let program = Program::new(
+            Path::new("/bin/sh"),
+            &["-c".into(), "cut -d' ' -f19 /proc/self/stat; exit 0".into()],
+            &[],
+            "",
+        )
+        .unwrap();
+        let child = spawn(&program, c"CREDGATE_TEST=1").unwrap();
+        let mut out = String::new();
+        std::fs::File::from(child.stdout)
+            .read_to_string(&mut out)
+            .unwrap();
+        while reap(child.pid).unwrap().is_none() {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let own = rustix::process::getpriority_process(None).unwrap();
+        assert_eq!(
+            out.trim().parse::<i32>().unwrap(),
+            (own + PLUGIN_NICENESS).min(19),
+            "{out}"
+        );
     }
 }
