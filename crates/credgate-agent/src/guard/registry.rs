@@ -324,14 +324,18 @@ impl Verifier {
         basic: Option<(&str, &str)>,
         challenged: &mut bool,
     ) -> Attempt {
-        let head = |auth: Option<String>| {
-            let mut req = self.client.head(url).header(ACCEPT, MANIFEST_ACCEPT);
-            if let Some(a) = auth {
-                req = req.header(reqwest::header::AUTHORIZATION, a);
+        // reqwest's own helpers mark the Authorization header sensitive (kept out of its
+        // Debug output and HPACK tables).
+        let head = |auth: Auth<'_>| {
+            let req = self.client.head(url).header(ACCEPT, MANIFEST_ACCEPT);
+            match auth {
+                Auth::Anonymous => req,
+                Auth::Basic(u, p) => req.basic_auth(u, Some(p)),
+                Auth::Bearer(token) => req.bearer_auth(token),
             }
-            req.send()
+            .send()
         };
-        let first = match head(None).await {
+        let first = match head(Auth::Anonymous).await {
             Ok(r) => r,
             Err(e) => return Attempt::Unreachable(describe(&e)),
         };
@@ -346,17 +350,17 @@ impl Verifier {
             let (scheme, params) = parse_challenge(&challenge);
             let auth = match scheme.as_str() {
                 "basic" => match basic {
-                    Some((u, p)) => basic_header(u, p),
+                    Some((u, p)) => Auth::Basic(u, p),
                     None => return Attempt::Unauthorized,
                 },
                 "bearer" => match self.token(&params, target, basic).await {
-                    Ok(Some(token)) => format!("Bearer {token}"),
+                    Ok(Some(token)) => Auth::Bearer(token),
                     Ok(None) => return Attempt::Unauthorized,
                     Err(why) => return Attempt::Unreachable(why),
                 },
                 _ => return Attempt::Unauthorized,
             };
-            match head(Some(auth)).await {
+            match head(auth).await {
                 Ok(r) => r,
                 Err(e) => return Attempt::Unreachable(describe(&e)),
             }
@@ -399,7 +403,7 @@ impl Verifier {
         }
         let mut req = self.client.get(realm).query(&query);
         if let Some((u, p)) = basic {
-            req = req.header(reqwest::header::AUTHORIZATION, basic_header(u, p));
+            req = req.basic_auth(u, Some(p));
         }
         let response = req.send().await.map_err(|e| describe(&e))?;
         if !response.status().is_success() {
@@ -450,12 +454,11 @@ async fn capped_body(mut response: reqwest::Response, max: usize) -> Result<Vec<
     Ok(body)
 }
 
-fn basic_header(user: &str, password: &str) -> String {
-    use base64::Engine as _;
-    format!(
-        "Basic {}",
-        base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"))
-    )
+/// How a manifest request authenticates.
+enum Auth<'a> {
+    Anonymous,
+    Basic(&'a str, &'a str),
+    Bearer(String),
 }
 
 fn digest(headers: &HeaderMap) -> Option<String> {
