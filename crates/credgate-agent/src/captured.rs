@@ -447,19 +447,11 @@ pub fn from_auth(
     identity_token: String,
     registry_token: String,
 ) -> Option<(String, SecretString)> {
-    use base64::Engine as _;
     if !username.is_empty() || !password.is_empty() {
         return Some((username, SecretString::from(password)));
     }
     if !auth.is_empty() {
-        let decoded = Zeroizing::new(
-            base64::engine::general_purpose::STANDARD
-                .decode(auth.trim())
-                .ok()?,
-        );
-        let text = std::str::from_utf8(&decoded).ok()?;
-        let (u, p) = text.split_once(':')?;
-        return Some((u.to_owned(), SecretString::from(p.to_owned())));
+        return credgate_core::dockerconfig::decode_auth(auth);
     }
     if !registry_token.is_empty() {
         return Some((String::new(), SecretString::from(registry_token)));

@@ -44,25 +44,28 @@ pub fn parse(bytes: &[u8]) -> Result<Vec<(String, AuthConfig)>, DockerConfigErro
         .into_iter()
         .map(|(key, entry)| {
             let (username, password) = if entry.auth.is_empty() {
-                (entry.username, entry.password)
+                (entry.username, SecretString::from(entry.password))
             } else {
                 decode_auth(&entry.auth)
                     .ok_or_else(|| DockerConfigError::InvalidAuth { key: key.clone() })?
             };
-            let password = SecretString::from(password);
             Ok((key, AuthConfig { username, password }))
         })
         .collect()
 }
 
-/// `base64(username:password)`, as docker config files and containerd's `auth` fields hold it.
-pub fn decode_auth(auth: &str) -> Option<(String, String)> {
-    let bytes = base64::engine::general_purpose::STANDARD
-        .decode(auth)
-        .ok()?;
-    let text = String::from_utf8(bytes).ok()?;
+/// `base64(username:password)`, as docker config files, containerd's config and CRI
+/// `AuthConfig.auth` hold it (surrounding whitespace ignored). The decoded bytes are wiped.
+pub fn decode_auth(auth: &str) -> Option<(String, SecretString)> {
+    use secrecy::zeroize::Zeroizing;
+    let bytes = Zeroizing::new(
+        base64::engine::general_purpose::STANDARD
+            .decode(auth.trim())
+            .ok()?,
+    );
+    let text = std::str::from_utf8(&bytes).ok()?;
     let (user, pass) = text.split_once(':')?;
-    Some((user.to_owned(), pass.to_owned()))
+    Some((user.to_owned(), SecretString::from(pass.to_owned())))
 }
 
 #[cfg(test)]

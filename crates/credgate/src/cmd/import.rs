@@ -114,9 +114,9 @@ fn entry(host: &str, table: String, auth: &toml::Value) -> Result<Entry, ImportE
     };
     let (username, password) = (field("username"), field("password"));
     let (username, password) = if !username.is_empty() || !password.is_empty() {
-        (username, password)
+        (username, SecretString::from(password))
     } else if !field("auth").is_empty() {
-        credgate_core::dockerconfig::decode_auth(field("auth").trim()).ok_or_else(|| {
+        credgate_core::dockerconfig::decode_auth(&field("auth")).ok_or_else(|| {
             ImportError::BadAuth {
                 table: table.clone(),
             }
@@ -130,7 +130,7 @@ fn entry(host: &str, table: String, auth: &toml::Value) -> Result<Entry, ImportE
         host: host.to_owned(),
         table,
         username,
-        password: SecretString::from(password),
+        password,
     })
 }
 
