@@ -93,7 +93,11 @@ pub fn http2_builder(
         .max_send_buf_size(STREAM_SEND_BUFFER)
         .max_header_list_size(max_header_list)
         .max_pending_accept_reset_streams(Some(32))
-        .max_local_error_reset_streams(Some(256));
+        .max_local_error_reset_streams(Some(256))
+        // What the `:authority` rewriter in front of every connection assumes of the server:
+        // pinned, not left to hyper's defaults.
+        .max_frame_size(credgate_api::authority::MAX_FRAME as u32)
+        .header_table_size(credgate_api::authority::HEADER_TABLE_SIZE as u32);
     b
 }
 

@@ -25,6 +25,10 @@ pub const AUTHORITY: &[u8] = b"localhost";
 /// (RFC 9113 §4.2; the agent's servers never do), and the size re-encoded blocks are cut at.
 pub const MAX_FRAME: usize = 16_384;
 
+/// The dynamic table size the rewriter decodes with: the server's SETTINGS_HEADER_TABLE_SIZE,
+/// which servers behind the rewriter must announce (RFC 9113's default).
+pub const HEADER_TABLE_SIZE: usize = 4096;
+
 /// A header block may arrive in at most this many frames (a flood of tiny CONTINUATIONs is an
 /// attack, not a client).
 const MAX_FRAMES_PER_BLOCK: usize = 64;
@@ -100,7 +104,7 @@ impl Rewriter {
     /// is above `max_block` bytes (the decoded size counted as HTTP/2 does: 32 more per field).
     pub fn new(max_block: usize) -> Self {
         Rewriter {
-            decoder: Decoder::new(4096),
+            decoder: Decoder::new(HEADER_TABLE_SIZE),
             max_block,
             state: State::Preface(PREFACE_LEN),
             head: [0; HEAD_LEN],
