@@ -142,9 +142,16 @@ fn the_image_builds_and_its_binaries_run() {
     crate::support::require("podman");
     let bin_dir = crate::support::bin_dir();
     let tag = format!("localhost/credgate-test:{}", std::process::id());
+    // A storage of its own: the machine's may hold another user's (another driver's) state.
+    let storage = tempfile::tempdir().unwrap();
+    let options = format!(
+        "--storage-driver vfs --root {} --runroot {}",
+        storage.path().join("root").display(),
+        storage.path().join("runroot").display()
+    );
     let podman = |args: &[&str]| {
         Command::new("podman")
-            .args(["--storage-driver", "vfs"])
+            .args(options.split(' '))
             .args(args)
             .output()
             .unwrap()
@@ -152,7 +159,7 @@ fn the_image_builds_and_its_binaries_run() {
     let built = Command::new(repo().join("scripts/image"))
         .arg(&bin_dir)
         .arg(&tag)
-        .env("PODMAN_OPTS", "--storage-driver vfs")
+        .env("PODMAN_OPTS", &options)
         .output()
         .unwrap();
     assert!(built.status.success(), "{}", text(&built.stderr));
