@@ -42,8 +42,10 @@ pub const MAX_REFS_PER_CONSUMER: usize = 4096;
 pub const MAX_CONSUMERS: usize = 1024;
 /// The most refs the named consumers of one caller uid hold together (root and the agent's
 /// own uid excepted): a uid of the socket group cannot grow the tracked set, and the sealed
-/// cache that keeps it, by naming more consumers.
-pub const MAX_REFS_PER_UID: usize = 4096;
+/// cache that keeps it, by naming more consumers. Each ref may cost a plugin run per renewal
+/// (4096 refs behind a provider with 20 s answers made ~400 runs a second in the soak), so a
+/// tenant gets far fewer than a node's own consumers (root) may hold.
+pub const MAX_REFS_PER_UID: usize = 512;
 
 /// Why a tracking call was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -199,6 +201,24 @@ impl Drop for Subscription {
     }
 }
 
+/// Refuses `mine` refs for `consumer` when, with what the other consumers of caller `uid`
+/// hold, they pass [`MAX_REFS_PER_UID`]; root's and the agent's own uid are not bounded.
+fn uid_room(st: &State, uid: Option<u32>, consumer: &str, mine: usize) -> Result<(), TrackError> {
+    let Some(uid) = uid.filter(|u| !exempt(*u)) else {
+        return Ok(());
+    };
+    let others: usize = st
+        .owners
+        .iter()
+        .filter(|(c, o)| **o == uid && *c != consumer)
+        .map(|(c, _)| st.tracker.held_by(c).count())
+        .sum();
+    if others + mine > MAX_REFS_PER_UID {
+        return Err(TrackError::TooManyRefsForCaller);
+    }
+    Ok(())
+}
+
 fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -304,25 +324,13 @@ impl Renewer {
         replace: bool,
     ) -> Result<(), TrackError> {
         let st = self.lock();
-        if let Some(uid) = uid.filter(|u| !exempt(*u)) {
-            let mut others = 0usize;
-            for (c, _) in st
-                .owners
-                .iter()
-                .filter(|(c, o)| **o == uid && *c != consumer)
-            {
-                others += st.tracker.held_by(c).count();
-            }
-            let mut mine: std::collections::BTreeSet<&str> = if replace {
-                Default::default()
-            } else {
-                st.tracker.held_by(consumer).collect()
-            };
-            mine.extend(refs.iter().map(String::as_str));
-            if others + mine.len() > MAX_REFS_PER_UID {
-                return Err(TrackError::TooManyRefsForCaller);
-            }
-        }
+        let mut mine: std::collections::BTreeSet<&str> = if replace {
+            Default::default()
+        } else {
+            st.tracker.held_by(consumer).collect()
+        };
+        mine.extend(refs.iter().map(String::as_str));
+        uid_room(&st, uid, consumer, mine.len())?;
         let known = st.tracker.has_consumer(consumer);
         if !known && !refs.is_empty() && st.tracker.consumers() >= MAX_CONSUMERS {
             return Err(TrackError::TooManyConsumers);
@@ -487,9 +495,22 @@ impl Renewer {
 
     /// Subscribes to refs; each is tracked by the subscription while it lives.
     pub fn watch(&self, refs: &[String]) -> Result<Subscription, TrackError> {
+        self.watch_as(None, refs)
+    }
+
+    /// [`Renewer::watch`] for caller `uid`: a stream's refs count with its named consumers'
+    /// against [`MAX_REFS_PER_UID`] (root and the agent's own uid excepted), so that Watch
+    /// streams are no way around the bound.
+    pub fn watch_as(&self, uid: Option<u32>, refs: &[String]) -> Result<Subscription, TrackError> {
         Self::validate_refs(refs)?;
         let id = self.shared.watch_ids.fetch_add(1, Ordering::Relaxed);
         let consumer = format!("watch:{id}");
+        {
+            let distinct: std::collections::BTreeSet<&str> =
+                refs.iter().map(String::as_str).collect();
+            uid_room(&self.lock(), uid, &consumer, distinct.len())?;
+        }
+        self.own(uid, &consumer);
         self.apply(|t, now| t.track(&consumer, refs.iter().map(String::as_str), now));
         self.shared.metrics.watchers.inc();
         let st = self.lock();

@@ -158,7 +158,7 @@ impl Credentials for Api {
         let peer = peer(&request);
         let req = request.into_inner();
         self.observed(peer, "Watch", async {
-            self.watch_inner(req).map(Response::new)
+            self.watch_inner(peer.uid, req).map(Response::new)
         })
         .await
     }

@@ -459,14 +459,16 @@ impl Api {
         }
     }
 
-    fn watch_inner(&self, req: pb::WatchRequest) -> Result<WatchEvents, Status> {
+    /// `uid`: the caller's, whose refs (named consumers' and Watch streams' together) are
+    /// bounded.
+    fn watch_inner(&self, uid: Option<u32>, req: pb::WatchRequest) -> Result<WatchEvents, Status> {
         if req.refs.is_empty() {
             return Err(status::invalid("watch needs at least one ref"));
         }
         let mut sub = self
             .agent
             .renewer()
-            .watch(&req.refs)
+            .watch_as(uid, &req.refs)
             .map_err(ApiError::from)?;
         let mut streams = StreamMap::new();
         for (image, rx) in std::mem::take(&mut sub.receivers) {

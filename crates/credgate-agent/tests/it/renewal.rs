@@ -451,4 +451,20 @@ async fn one_caller_uid_cannot_track_without_bound_by_naming_consumers() {
     f.renewer
         .track_as(Some(4242), "c3", &refs("c", 10))
         .unwrap();
+    // A Watch stream's refs count with the uid's consumers', and are given back with it.
+    assert_eq!(
+        f.renewer.watch_as(Some(4242), &refs("w", 1)).err(),
+        Some(TrackError::TooManyRefsForCaller)
+    );
+    f.renewer.untrack("c3", &refs("c", 10)).unwrap();
+    let stream = f.renewer.watch_as(Some(4242), &refs("w", 10)).unwrap();
+    assert_eq!(
+        f.renewer.track_as(Some(4242), "c3", &refs("c", 1)),
+        Err(TrackError::TooManyRefsForCaller)
+    );
+    assert!(f.renewer.watch_as(Some(0), &refs("x", half)).is_ok());
+    drop(stream);
+    f.renewer
+        .track_as(Some(4242), "c3", &refs("c", 10))
+        .unwrap();
 }
