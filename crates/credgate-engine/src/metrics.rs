@@ -99,8 +99,7 @@ impl prometheus_client::collector::Collector for Escapees {
         mut encoder: prometheus_client::encoding::DescriptorEncoder,
     ) -> Result<(), std::fmt::Error> {
         use prometheus_client::encoding::EncodeMetric as _;
-        let killed =
-            prometheus_client::metrics::counter::ConstCounter::new(crate::sweep::killed());
+        let killed = prometheus_client::metrics::counter::ConstCounter::new(crate::sweep::killed());
         let metric = encoder.encode_descriptor(
             "plugin_escapees_killed",
             "Processes a plugin left behind (daemons that outlived their run) that credgate killed",
