@@ -8,7 +8,7 @@
 use std::path::Path;
 
 use crate::support::foreign::{build_go, go_call, python_call, Answer, Dial};
-use crate::support::{oci_image, proxy_agent, push, Agent, Registry};
+use crate::support::{needs_containerd, oci_image, proxy_agent, push, Agent, Registry};
 use credgate_api::v1::{HealthResponse, LookupRequest, LookupResponse, WatchEvent, WatchRequest};
 use credgate_testbed::cri::*;
 use credgate_testbed::Containerd;
@@ -182,13 +182,6 @@ async fn the_proxys_own_errors_reach_grpc_go_and_grpcio_whole() {
                 .contains("cannot reach the container runtime"),
             "{answer:?}"
         );
-    }
-}
-
-/// containerd needs root and must be installed: fail, never pass, without them.
-fn needs_containerd() {
-    if let Some(why) = Containerd::unavailable() {
-        panic!("{why}: run as root with containerd installed, as scripts/test does");
     }
 }
 

@@ -8,20 +8,14 @@ use std::process::Command;
 
 use std::time::Duration;
 
-use crate::support::{oci_image, proxy_agent, proxy_agent_with, push, Agent, Registry};
+use crate::support::{
+    needs_containerd, oci_image, proxy_agent, proxy_agent_with, push, Agent, Registry,
+};
 use credgate_testbed::cri::*;
 use credgate_testbed::Containerd;
 
 const USER: &str = "cri-user";
 const PASSWORD: &str = "cri-Pa55word-not-for-logs";
-
-/// containerd needs root and must be installed: these tests are `#[ignore = "needs root"]`
-/// (nextest reports them skipped) and fail, never pass, when run without either.
-fn needs_containerd() {
-    if let Some(why) = Containerd::unavailable() {
-        panic!("{why}: run as root with containerd installed, as scripts/test does");
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs root"]

@@ -12,18 +12,12 @@ use credgate_testbed::{oci_image, push, Containerd, Registry};
 use prost::Message as _;
 
 use crate::support::foreign::{build_go, go_call, Answer, Dial};
-use crate::support::{proxy_agent_with, text, write_script, Agent};
+use crate::support::{needs_containerd, proxy_agent_with, text, write_script, Agent};
 
 const USER: &str = "node-user";
 const PASSWORD: &str = "node-Pa55word-not-for-logs";
 const POD_USER: &str = "pod-user";
 const POD_PASSWORD: &str = "pod-Pa55word-not-for-logs";
-
-fn needs_containerd() {
-    if let Some(why) = Containerd::unavailable() {
-        panic!("{why}: run as root with containerd installed, as scripts/test does");
-    }
-}
 
 /// A PullImage through `socket` by grpc-go (as the kubelet dials), in pod namespace team-a.
 fn pull(go: &Path, socket: &Path, image: &str, credential: Option<(&str, &str)>) -> Answer {

@@ -9,21 +9,14 @@ use std::process::Command;
 use std::time::Duration;
 
 use credgate_testbed::cri::*;
-use credgate_testbed::Containerd;
 
-use crate::support::{proxy_agent_with, text, Agent};
+use crate::support::{needs_containerd, proxy_agent_with, text, Agent};
 
 const USER: &str = "alice";
 const OLD: &str = "old-Pa55word-not-for-logs";
 const NEW: &str = "new-Pa55word-not-for-logs";
 const NEWER: &str = "newer-Pa55word-not-for-logs";
 const FOURTH: &str = "fourth-Pa55word-not-for-logs";
-
-fn needs_containerd() {
-    if let Some(why) = Containerd::unavailable() {
-        panic!("{why}: run as root with containerd installed, as scripts/test does");
-    }
-}
 
 /// A provider `rotating` for the registry whose plugin answers `USER` with the password in
 /// `dir/backend` (keyed by registry, for an hour) and counts its runs in `dir/runs`.

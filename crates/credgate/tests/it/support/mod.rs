@@ -259,6 +259,14 @@ pub fn output_with_stdin(cmd: &mut Command, input: &[u8]) -> Output {
 #[allow(unused_imports)]
 pub use credgate_testbed::{oci_image, push, require, wait_for_exit, Registry};
 
+/// For tests of Debian's containerd (marked `#[ignore = "needs root"]`, which nextest reports
+/// skipped): fail, never pass, when run without root or containerd.
+pub fn needs_containerd() {
+    if let Some(why) = credgate_testbed::Containerd::unavailable() {
+        panic!("{why}: run as root with containerd installed, as scripts/test does");
+    }
+}
+
 /// A registry in `dir` that trusts the tokens of `tokens`.
 pub fn registry_with_tokens(dir: &Path, tokens: &token::TokenServer) -> Registry {
     Registry::with_auth(
