@@ -34,6 +34,22 @@ pub fn read_capped(path: &Path, max: u64) -> Result<Option<Vec<u8>>, String> {
 /// through a link, never waiting on a FIFO), fsynced, renamed into place, the directory
 /// fsynced.
 pub fn write_atomically(dir: &Path, file: &str, parts: &[&[u8]]) -> std::io::Result<()> {
+    place(dir, file, parts, Place::Replace)
+}
+
+/// [`write_atomically`], but only as a new file: `AlreadyExists` when `dir/file` exists, even
+/// one that appeared while this was written (the temporary file is linked, not renamed).
+pub fn write_new(dir: &Path, file: &str, parts: &[&[u8]]) -> std::io::Result<()> {
+    place(dir, file, parts, Place::New)
+}
+
+/// How a written file takes its name.
+enum Place {
+    Replace,
+    New,
+}
+
+fn place(dir: &Path, file: &str, parts: &[&[u8]], how: Place) -> std::io::Result<()> {
     let path = dir.join(file);
     let tmp = dir.join(format!("{file}.{}.tmp", std::process::id()));
     let write = || -> std::io::Result<()> {
@@ -48,7 +64,13 @@ pub fn write_atomically(dir: &Path, file: &str, parts: &[&[u8]]) -> std::io::Res
             f.write_all(part)?;
         }
         f.sync_all()?;
-        std::fs::rename(&tmp, &path)?;
+        match how {
+            Place::Replace => std::fs::rename(&tmp, &path)?,
+            Place::New => {
+                std::fs::hard_link(&tmp, &path)?;
+                std::fs::remove_file(&tmp)?;
+            }
+        }
         std::fs::File::open(dir)?.sync_all()
     };
     write().inspect_err(|_| {

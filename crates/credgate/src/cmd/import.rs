@@ -9,7 +9,7 @@
 //! `identitytoken`) and the older `auths."URL"` of the same fields. All are read.
 
 use std::collections::BTreeMap;
-use std::io::{Read as _, Write as _};
+use std::io::Read as _;
 use std::path::Path;
 
 use anyhow::{Context as _, Result};
@@ -53,8 +53,8 @@ const PLUGINS: [&str; 3] = [
     "cri",
 ];
 
-/// The registry credentials of a containerd config, by host (a later table of the same host
-/// is refused as a duplicate only if it differs).
+/// The registry credentials of a containerd config, by host; when tables name one host twice,
+/// the first read wins (version 2's plugin before 3's and 1's, `configs` before `auths`).
 pub fn parse(text: &str) -> Result<Vec<Entry>, ImportError> {
     let doc: toml::Table = text
         .parse()
@@ -206,37 +206,30 @@ fn summary(config: &Path, output: &Path, entries: &[Entry]) -> String {
     out
 }
 
-/// Writes `bytes` to `path`, mode 0600 from its creation, atomically; an existing `path` is
-/// replaced only with `force`.
+/// Writes `bytes` to `path`, mode 0600 from its creation, atomically and fsynced (the
+/// agent's own state-file writer); an existing `path` is replaced only with `force`.
 fn write_secret(path: &Path, bytes: &[u8], force: bool) -> Result<()> {
-    use std::os::unix::fs::OpenOptionsExt as _;
-    if !force && std::fs::symlink_metadata(path).is_ok() {
-        anyhow::bail!(
+    use credgate_agent::state::{write_atomically, write_new};
+    let file = path
+        .file_name()
+        .and_then(|f| f.to_str())
+        .with_context(|| format!("{} names no file", path.display()))?;
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let written = if force {
+        write_atomically(dir, file, &[bytes])
+    } else {
+        write_new(dir, file, &[bytes])
+    };
+    match written {
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => anyhow::bail!(
             "{} exists: not replaced (--force replaces it)",
             path.display()
-        );
+        ),
+        other => other.with_context(|| format!("cannot write {}", path.display())),
     }
-    let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
-    let written = (|| {
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
-            .open(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        if force {
-            std::fs::rename(&tmp, path)
-        } else {
-            // No overwrite even of a file that appeared meanwhile.
-            std::fs::hard_link(&tmp, path).and_then(|()| std::fs::remove_file(&tmp))
-        }
-    })();
-    if written.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    written.with_context(|| format!("cannot write {}", path.display()))
 }
 
 #[cfg(test)]
