@@ -45,6 +45,15 @@ pub enum Given {
     Captured(String),
 }
 
+impl From<credgate_engine::Source> for Given {
+    fn from(source: credgate_engine::Source) -> Given {
+        match source {
+            credgate_engine::Source::Provider(name) => Given::Provider(name),
+            credgate_engine::Source::DockerConfig(file) => Given::DockerConfig(file),
+        }
+    }
+}
+
 impl Given {
     /// The metric label: `provider`, `docker_config`, `captured`.
     pub fn label(&self) -> &'static str {
@@ -249,10 +258,7 @@ pub fn given_now(
             .engine()
             .given_by(image, username, password)
             .into_iter()
-            .map(|source| match source {
-                credgate_engine::Source::Provider(name) => Given::Provider(name),
-                credgate_engine::Source::DockerConfig(file) => Given::DockerConfig(file),
-            }),
+            .map(Given::from),
     );
     out
 }

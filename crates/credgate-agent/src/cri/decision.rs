@@ -32,13 +32,11 @@ pub(super) fn log(
     message: &str,
     took: Duration,
 ) {
-    let auth = match (&pull.credential, given.first()) {
-        (_, _) if pull.filled.is_some() => {
-            format!("filled:{}", pull.filled.as_deref().unwrap_or_default())
-        }
-        (None, _) => "none".to_owned(),
-        (Some(_), Some(g)) => g.auth(),
-        (Some(_), None) => "unknown".to_owned(),
+    let auth = match (&pull.filled, &pull.credential, given.first()) {
+        (Some(source), _, _) => format!("filled:{source}"),
+        (None, None, _) => "none".to_owned(),
+        (None, Some(_), Some(g)) => g.auth(),
+        (None, Some(_), None) => "unknown".to_owned(),
     };
     let result = result_of(code, message);
     agent.metrics().cri_pull(auth_label(&auth), result);

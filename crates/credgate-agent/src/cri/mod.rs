@@ -31,8 +31,8 @@ mod runtime;
 use budget::Budgets;
 use capture::Capturer;
 use runtime::{
-    ask, broken_runtime, exchange, grpc_message, read_whole, status, unreachable_runtime, Caller,
-    Runtime,
+    ask, broken_runtime, exchange, framed, grpc_message, read_whole, status, unreachable_runtime,
+    Caller, Runtime,
 };
 
 /// A body of either side.
@@ -308,17 +308,14 @@ async fn refreshed(agent: &crate::Agent, pull: &mut Pull, frame: &[u8]) -> Optio
             ..Default::default()
         },
     )?;
-    let mut out = Vec::with_capacity(replaced.len() + 5);
-    out.push(0);
-    out.extend_from_slice(&u32::try_from(replaced.len()).ok()?.to_be_bytes());
-    out.extend_from_slice(&replaced);
+    let frame = framed(&replaced)?;
     tracing::info!(image = %pull.image, provider = %provider, "a pull carried a credential the registry refused: provider {provider}'s answer of now is sent instead");
     if let Some(c) = pull.credential.as_mut() {
         c.username = fresh.username;
         c.password = fresh.password;
     }
     pull.replaced = Some(provider);
-    Some(Bytes::from(out))
+    Some(frame)
 }
 
 /// The operator's policy ([`policy`]) applied to a pull: one that came without a credential,
@@ -335,6 +332,7 @@ async fn apply_policy(agent: &crate::Agent, pull: &mut Pull, frame: &[u8]) -> Op
         return None;
     }
     let parsed = credgate_core::reference::ImageRef::parse(&pull.image).ok()?;
+    // Decoded from the frame as it is now: a refused credential may have been replaced.
     let message = grpc_message(frame)?;
     let sent = wire::PullImageRequest::decode(message).ok()?.auth;
     let mut auth = match (&pull.credential, sent) {
@@ -371,13 +369,7 @@ async fn apply_policy(agent: &crate::Agent, pull: &mut Pull, frame: &[u8]) -> Op
         tracing::debug!(image = %pull.image, why = %why, "the pull's credential is scoped to its registry");
     }
     auth.server_address = address;
-    pull.server_address = auth.server_address.clone();
-    let changed = wire::with_pull_auth(message, &auth)?;
-    let mut out = Vec::with_capacity(changed.len() + 5);
-    out.push(0);
-    out.extend_from_slice(&u32::try_from(changed.len()).ok()?.to_be_bytes());
-    out.extend_from_slice(&changed);
-    Some(Bytes::from(out))
+    framed(&wire::with_pull_auth(message, &auth)?)
 }
 
 /// The credential a pull without one is filled with: the first the agent's sources give for
@@ -397,10 +389,7 @@ async fn fill(agent: &crate::Agent, image: &str) -> Option<(String, credgate_eng
         credgate_engine::Source::Provider(name) => !engine.keyed_by_service_account(name),
         credgate_engine::Source::DockerConfig(_) => true,
     })?;
-    let source = match &credential.source {
-        credgate_engine::Source::Provider(name) => format!("provider:{name}"),
-        credgate_engine::Source::DockerConfig(_) => "docker-config".to_owned(),
-    };
+    let source = crate::refusal::Given::from(credential.source.clone()).auth();
     Some((source, credential))
 }
 

@@ -224,7 +224,8 @@ const MAX_HOSTS_FILE: u64 = 256 << 10;
 /// registry has no such file.
 pub fn configured_mirrors(dir: &Path, registry: &str) -> Result<Vec<String>, String> {
     use std::io::Read as _;
-    let path = dir.join(runtime_dir(registry)).join("hosts.toml");
+    // containerd looks the registry up under its name as image references give it.
+    let path = dir.join(registry_key(registry)).join("hosts.toml");
     let file = match std::fs::File::open(&path) {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
@@ -238,11 +239,6 @@ pub fn configured_mirrors(dir: &Path, registry: &str) -> Result<Vec<String>, Str
         return Err(format!("{} is over {MAX_HOSTS_FILE} bytes", path.display()));
     }
     mirrors_in(&text, registry).map_err(|e| format!("{}: {e}", path.display()))
-}
-
-/// The directory name containerd looks up for `registry` under its `config_path`.
-fn runtime_dir(registry: &str) -> &str {
-    registry_key(registry)
 }
 
 /// The mirrors a `hosts.toml` names for `registry`.

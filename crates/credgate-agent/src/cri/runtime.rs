@@ -236,6 +236,15 @@ pub(super) fn grpc_message(frame: &[u8]) -> Option<&[u8]> {
     msg.get(..len)
 }
 
+/// `message` as an uncompressed gRPC frame (the inverse of [`grpc_message`]).
+pub(super) fn framed(message: &[u8]) -> Option<Bytes> {
+    let mut out = Vec::with_capacity(message.len() + 5);
+    out.push(0);
+    out.extend_from_slice(&u32::try_from(message.len()).ok()?.to_be_bytes());
+    out.extend_from_slice(message);
+    Some(Bytes::from(out))
+}
+
 pub(super) fn unreachable_runtime(runtime: &Runtime, e: &std::io::Error) -> hyper::Response<Body> {
     status(ApiError::Runtime(format!(
         "credgate: cannot reach the container runtime at {}: {e}",
