@@ -228,7 +228,7 @@ pub fn start(socket: &Path, plan: &Plan) -> std::io::Result<Attack> {
 }
 
 /// Whether the agent closed `c` (reads reach the end); what it sent is read and dropped.
-fn closed_by_peer(c: &UnixStream) -> bool {
+pub(crate) fn closed_by_peer(c: &UnixStream) -> bool {
     let mut buf = [0u8; 4096];
     loop {
         match (&*c).read(&mut buf) {

@@ -36,15 +36,15 @@ use crate::{emit, percentile, Args};
 
 type Body = UnsyncBoxBody<Bytes, std::io::Error>;
 
-/// What one loop saw in one phase.
+/// What one loop saw in one phase (the CRI soak's loops, the API soak's probes).
 #[derive(Default)]
-struct Phase {
-    ok: Vec<Duration>,
-    failed: u64,
+pub(crate) struct Phase {
+    pub(crate) ok: Vec<Duration>,
+    pub(crate) failed: u64,
 }
 
 impl Phase {
-    fn summary(&mut self) -> serde_json::Value {
+    pub(crate) fn summary(&mut self) -> serde_json::Value {
         let n = self.ok.len();
         let (p50, max) = if n == 0 {
             (Duration::ZERO, Duration::ZERO)
@@ -54,17 +54,6 @@ impl Phase {
         };
         json!({"ok": n, "failed": self.failed, "p50_ms": ms(p50), "max_ms": ms(max)})
     }
-}
-
-fn rss_kb(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("VmRSS:"))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        })
-        .unwrap_or(0)
 }
 
 pub fn cri_soak(args: &Args) -> Result<()> {
@@ -134,28 +123,13 @@ pub fn cri_soak(args: &Args) -> Result<()> {
 
         // A bridge-like caller of the API: Health on a new connection every 100 ms.
         let api = {
-            let (attacking, stop, socket) = (attacking.clone(), stop.clone(), api_socket.clone());
-            tokio::spawn(async move {
-                let mut phases = [Phase::default(), Phase::default()];
-                while !stop.load(Ordering::Relaxed) {
-                    let at = phase(&attacking);
-                    let t = Instant::now();
-                    let health = tokio::time::timeout(Duration::from_secs(5), async {
-                        let channel = credgate_api::connect(&socket).await.ok()?;
-                        credgate_api::v1::admin_client::AdminClient::new(channel)
-                            .health(credgate_api::v1::HealthRequest {})
-                            .await
-                            .ok()
-                    })
-                    .await;
-                    match health {
-                        Ok(Some(_)) => phases[at].ok.push(t.elapsed()),
-                        _ => phases[at].failed += 1,
-                    }
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-                phases
-            })
+            let (attacking, stop) = (attacking.clone(), stop.clone());
+            tokio::spawn(crate::tenant::health_probe(
+                api_socket.clone(),
+                Duration::from_millis(100),
+                move || phase(&attacking),
+                move || !stop.load(Ordering::Relaxed),
+            ))
         };
 
         // RSS, by phase (2: after the attack).
@@ -165,7 +139,7 @@ pub fn cri_soak(args: &Args) -> Result<()> {
             tokio::spawn(async move {
                 while !stop.load(Ordering::Relaxed) {
                     let at = phase(&attacking);
-                    let kb = rss_kb(pid);
+                    let kb = crate::rss_kib(&pid.to_string());
                     {
                         let mut r = rss.lock().unwrap();
                         r[at] = r[at].max(kb);
@@ -195,7 +169,7 @@ pub fn cri_soak(args: &Args) -> Result<()> {
         sampler.await?;
         // After: the callers are gone; what is left of the agent's memory.
         tokio::time::sleep(Duration::from_secs(5)).await;
-        let after = rss_kb(pid);
+        let after = crate::rss_kib(&pid.to_string());
         let rss = *rss.lock().unwrap();
         let kept = kubelet_capture_kept(&api_socket).await;
         let log = std::fs::read_to_string(node.dir.0.join("agent.log")).unwrap_or_default();

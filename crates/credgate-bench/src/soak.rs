@@ -376,7 +376,7 @@ async fn run(args: &Args, socket: &Path, pid: u32) -> Result<()> {
         };
         json!({
             "health_within_1s": a["health_during"]["failed"] == 0
-                && a["health_during"]["max_ms"].as_u64().unwrap_or(u64::MAX) < 1000,
+                && a["health_during"]["max_ms"].as_f64().unwrap_or(f64::MAX) < 1000.0,
             "rate_limited_lookup_within_60s": a["limited_lookup_during"]["failed"] == 0
                 && a["limited_lookup_during"]["ok"].as_u64().unwrap_or(0) > 0,
             "mix_without_errors": errors.iter().sum::<u64>() == 0,

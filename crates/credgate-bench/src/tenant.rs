@@ -13,7 +13,7 @@
 //!
 //! Prints one JSON object of counts when done.
 
-use std::io::{Read as _, Write as _};
+use std::io::Write as _;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -27,6 +27,7 @@ use credgate_api::v1::image_access_client::ImageAccessClient;
 use credgate_api::v1::{self as pb};
 use serde_json::json;
 
+use crate::cri_soak::Phase;
 use crate::Args;
 
 pub fn tenant(args: &Args) -> Result<()> {
@@ -112,7 +113,7 @@ fn pings(socket: &Path, n: usize, until: Instant) -> serde_json::Value {
     let mut held: Vec<UnixStream> = Vec::new();
     let mut last_ping = Instant::now();
     while Instant::now() < until {
-        held.retain(|c| !closed(c));
+        held.retain(|c| !crate::adversary::closed_by_peer(c));
         while held.len() < n {
             let Ok(mut c) = UnixStream::connect(socket) else {
                 refused += 1;
@@ -134,19 +135,6 @@ fn pings(socket: &Path, n: usize, until: Instant) -> serde_json::Value {
         std::thread::sleep(Duration::from_millis(200));
     }
     json!({"opened": opened, "refused_or_closed_at_once": refused, "held_max": held_max})
-}
-
-/// Whether the agent closed `c`; what it sent is read and dropped.
-fn closed(mut c: &UnixStream) -> bool {
-    let mut buf = [0u8; 4096];
-    loop {
-        match c.read(&mut buf) {
-            Ok(0) => return true,
-            Ok(_) => continue,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return false,
-            Err(_) => return true,
-        }
-    }
 }
 
 async fn tracked(socket: PathBuf, uid: u32) -> serde_json::Value {
@@ -320,58 +308,21 @@ impl Tenants {
     }
 }
 
-/// Latencies of one probe in one phase.
-#[derive(Default)]
-pub struct Seen {
-    pub ok: Vec<Duration>,
-    pub failed: u64,
-}
-
-impl Seen {
-    pub fn summary(&mut self) -> serde_json::Value {
-        let max = self.ok.iter().max().copied().unwrap_or_default();
-        let p50 = if self.ok.is_empty() {
-            Duration::ZERO
-        } else {
-            crate::percentile(&mut self.ok, 0.5)
-        };
-        json!({"ok": self.ok.len(), "failed": self.failed,
-               "p50_ms": p50.as_millis(), "max_ms": max.as_millis()})
-    }
-}
-
 /// What this process (root or the agent's uid) sees during the soak, per phase (0: before the
 /// attack, 1: during): Health on a new connection every 200 ms (5 s at most), and a lookup of
 /// a new host behind the rate-limited provider every second (60 s at most, the kubelet's exec
 /// deadline).
-pub async fn probe(socket: PathBuf, half: Duration, until: Instant) -> [[Seen; 2]; 2] {
+pub async fn probe(socket: PathBuf, half: Duration, until: Instant) -> [[Phase; 2]; 2] {
     let started = Instant::now();
     let phase = move || usize::from(started.elapsed() >= half);
-    let health = {
-        let socket = socket.clone();
-        tokio::spawn(async move {
-            let mut seen: [Seen; 2] = Default::default();
-            while Instant::now() < until {
-                let (at, t) = (phase(), Instant::now());
-                let answer = tokio::time::timeout(Duration::from_secs(5), async {
-                    let channel = credgate_api::connect(&socket).await.ok()?;
-                    credgate_api::v1::admin_client::AdminClient::new(channel)
-                        .health(pb::HealthRequest {})
-                        .await
-                        .ok()
-                })
-                .await;
-                match answer {
-                    Ok(Some(_)) => seen[at].ok.push(t.elapsed()),
-                    _ => seen[at].failed += 1,
-                }
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-            seen
-        })
-    };
+    let health = tokio::spawn(health_probe(
+        socket.clone(),
+        Duration::from_millis(200),
+        phase,
+        move || Instant::now() < until,
+    ));
     let limited = tokio::spawn(async move {
-        let mut seen: [Seen; 2] = Default::default();
+        let mut seen: [Phase; 2] = Default::default();
         let Ok(channel) = credgate_api::connect(&socket).await else {
             seen[0].failed += 1;
             return seen;
@@ -397,6 +348,34 @@ pub async fn probe(socket: PathBuf, half: Duration, until: Instant) -> [[Seen; 2
         health.await.unwrap_or_default(),
         limited.await.unwrap_or_default(),
     ]
+}
+
+/// `Health` on a new connection every `every` (5 s at most each) while `running`, by the phase
+/// `phase` names (0 or 1): what the node's own callers see of the agent.
+pub(crate) async fn health_probe(
+    socket: PathBuf,
+    every: Duration,
+    phase: impl Fn() -> usize,
+    running: impl Fn() -> bool,
+) -> [Phase; 2] {
+    let mut seen: [Phase; 2] = Default::default();
+    while running() {
+        let (at, t) = (phase(), Instant::now());
+        let answer = tokio::time::timeout(Duration::from_secs(5), async {
+            let channel = credgate_api::connect(&socket).await.ok()?;
+            credgate_api::v1::admin_client::AdminClient::new(channel)
+                .health(pb::HealthRequest {})
+                .await
+                .ok()
+        })
+        .await;
+        match answer {
+            Ok(Some(_)) => seen[at].ok.push(t.elapsed()),
+            _ => seen[at].failed += 1,
+        }
+        tokio::time::sleep(every).await;
+    }
+    seen
 }
 
 /// The state directory's files and their caps, in bytes (a cap of 0: none of its own).
