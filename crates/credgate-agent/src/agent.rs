@@ -10,7 +10,6 @@ use credgate_engine::clock::{Clock, SystemClock};
 use credgate_engine::metrics::EngineMetrics;
 use credgate_engine::Engine;
 use prometheus_client::registry::Registry;
-use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::guard::{Guard, GuardOptions};
@@ -37,6 +36,8 @@ pub struct AgentOptions {
     pub saved_cache: Option<std::path::PathBuf>,
     /// What the CRI proxy may change in a pull (fill, credential scope); off by default.
     pub pull_policy: crate::cri::policy::PullPolicy,
+    /// The pull credentials the CRI proxy captures, opened by the caller (it runs the proxy).
+    pub captured: Option<Arc<crate::captured::Captured>>,
 }
 
 /// How long a Watch event may wait for room before its client is dropped.
@@ -199,6 +200,16 @@ fn own_uid() -> u32 {
     rustix::process::geteuid().as_raw()
 }
 
+/// Why [`Agent::reload_logged`] changed nothing.
+#[derive(Debug, thiserror::Error)]
+pub enum ReloadError {
+    /// The sources were refused (the old config keeps serving): the error chain.
+    #[error("{0}")]
+    Refused(String),
+    #[error("reload task failed")]
+    Task,
+}
+
 /// What a reload did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Reloaded {
@@ -221,7 +232,9 @@ struct Inner {
     started: SystemTime,
     loaded: Mutex<SystemTime>,
     /// Pull credentials captured by the CRI proxy, when it runs.
-    captured: std::sync::OnceLock<Arc<crate::captured::Captured>>,
+    captured: Option<Arc<crate::captured::Captured>>,
+    /// Every task the agent starts.
+    tasks: crate::tasks::Tasks,
     /// Held during a reload; the fingerprint of the sources the running engine was built from.
     reload: Mutex<Option<[u8; 32]>>,
     saved_cache: Option<crate::saved_cache::SavedCache>,
@@ -260,11 +273,14 @@ impl Agent {
         let mut registry = Registry::default();
         engine_metrics.register(&mut registry);
         metrics.register(&mut registry);
+        let tasks = crate::tasks::Tasks::new();
         let renewer = Renewer::new(
             engine.clone(),
             clock.clone(),
             options.renewal,
             metrics.clone(),
+            tasks.clone(),
+            options.captured.clone(),
         );
         let verifier = crate::guard::registry::Verifier::new(
             options
@@ -275,6 +291,7 @@ impl Agent {
         );
         let guard = options.guard.map(|g| {
             Guard::open(g, metrics.clone())
+                .with_tasks(tasks.clone())
                 .with_engine(engine.clone())
                 .with_clock(clock.clone())
         });
@@ -305,7 +322,8 @@ impl Agent {
                 started: now,
                 loaded: Mutex::new(now),
                 reload: Mutex::new(fingerprint),
-                captured: std::sync::OnceLock::new(),
+                captured: options.captured,
+                tasks,
                 callers: options.callers,
                 watch_send_timeout: options.watch_send_timeout.unwrap_or(WATCH_SEND_TIMEOUT),
             }),
@@ -531,11 +549,12 @@ impl Agent {
 
     /// Keeps the providers' answers and the tracked refs sealed on disk, off the lookup path:
     /// checks every second whether either changed and writes them on a blocking thread (fsynced
-    /// before they count as kept); a last write when `shutdown` turns true. Nothing when the
-    /// sealed cache is off. The caller owns the task and awaits it at shutdown.
-    pub fn spawn_saver(&self, mut shutdown: watch::Receiver<bool>) -> JoinHandle<()> {
+    /// before they count as kept); a last write when the agent's tasks stop. Nothing when the
+    /// sealed cache is off. The caller awaits it at shutdown.
+    pub fn spawn_saver(&self) -> JoinHandle<()> {
         let agent = self.clone();
-        tokio::spawn(async move {
+        let shutdown = self.tasks().token().clone();
+        self.tasks().spawn(async move {
             if agent.inner.saved_cache.is_none() {
                 return;
             }
@@ -543,7 +562,7 @@ impl Agent {
             loop {
                 let stopping = tokio::select! {
                     () = tokio::time::sleep(std::time::Duration::from_secs(1)) => false,
-                    _ = shutdown.wait_for(|s| *s) => true,
+                    () = shutdown.cancelled() => true,
                 };
                 let engine = agent.engine();
                 let now = (
@@ -564,7 +583,8 @@ impl Agent {
     /// [`Agent::save_now`] on a blocking thread, off the threads that serve calls.
     pub async fn save(&self) -> bool {
         let saver = self.clone();
-        tokio::task::spawn_blocking(move || saver.save_now())
+        self.tasks()
+            .spawn_blocking(move || saver.save_now())
             .await
             .unwrap_or(false)
     }
@@ -627,15 +647,14 @@ impl Agent {
         &self.inner.registry
     }
 
-    /// Serves the pull credentials the CRI proxy captures (set once, when the proxy starts).
-    pub fn set_captured(&self, captured: Arc<crate::captured::Captured>) {
-        self.inner.renewer.set_captured(captured.clone());
-        let _ = self.inner.captured.set(captured);
-    }
-
     /// The captured pull credentials, when the CRI proxy runs.
     pub fn captured(&self) -> Option<&Arc<crate::captured::Captured>> {
-        self.inner.captured.get()
+        self.inner.captured.as_ref()
+    }
+
+    /// Every task the agent starts, and their stop.
+    pub fn tasks(&self) -> &crate::tasks::Tasks {
+        &self.inner.tasks
     }
 
     /// Sets the gauges computed on demand (late renewals, the guard store's availability);
@@ -701,8 +720,31 @@ impl Agent {
         })
     }
 
-    /// Starts the renewal loop in the background.
-    pub fn spawn_renewal(&self, shutdown: watch::Receiver<bool>) -> JoinHandle<()> {
-        tokio::spawn(self.inner.renewer.clone().run(shutdown))
+    /// [`Agent::reload`] on a blocking thread, logged (SIGHUP and the Reload RPC).
+    pub async fn reload_logged(&self) -> Result<Reloaded, ReloadError> {
+        let agent = self.clone();
+        let reloaded = match self.tasks().spawn_blocking(move || agent.reload()).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(e)) => {
+                let msg = credgate_core::text::error_chain(&e);
+                tracing::error!(error = %msg, "reload refused; the old config keeps serving");
+                return Err(ReloadError::Refused(msg));
+            }
+            Err(_) => {
+                tracing::error!("reload task failed");
+                return Err(ReloadError::Task);
+            }
+        };
+        tracing::info!(
+            config = reloaded.identity.as_deref().unwrap_or("none"),
+            changed = reloaded.changed,
+            "provider config reloaded"
+        );
+        Ok(reloaded)
+    }
+
+    /// Starts the renewal loop, until the agent's tasks stop.
+    pub fn spawn_renewal(&self) -> JoinHandle<()> {
+        self.tasks().spawn(self.inner.renewer.clone().run())
     }
 }

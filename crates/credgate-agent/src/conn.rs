@@ -2,6 +2,7 @@
 //! uid), accept errors that pause instead of spinning, warnings that cannot flood the log, and
 //! IO that remembers how much its peer sent and when.
 
+use crate::tasks::CancellationToken;
 use std::collections::HashMap;
 use std::io;
 use std::pin::Pin;
@@ -183,11 +184,11 @@ pub async fn accept_failed(what: &'static str, throttle: &Throttle, e: &io::Erro
 
 /// The next connection a listener accepts, reaping finished connection tasks meanwhile (so
 /// that `connections` holds only live ones) and pausing on accept errors; `None` once
-/// `shutdown` turns true.
+/// `shutdown` is cancelled.
 pub async fn next_connection<S, A, F>(
     what: &'static str,
     throttle: &Throttle,
-    shutdown: &mut tokio::sync::watch::Receiver<bool>,
+    shutdown: &CancellationToken,
     connections: &mut tokio::task::JoinSet<()>,
     mut accept: impl FnMut() -> F,
 ) -> Option<(S, A)>
@@ -196,7 +197,7 @@ where
 {
     loop {
         tokio::select! {
-            () = async { let _ = shutdown.wait_for(|s| *s).await; } => return None,
+            () = shutdown.cancelled() => return None,
             Some(_) = connections.join_next(), if !connections.is_empty() => {}
             accepted = accept() => match accepted {
                 Ok(pair) => return Some(pair),

@@ -3,8 +3,9 @@
 //! An [`Agent`] holds the credential engine (rebuilt whole on reload), the renewal service
 //! ([`renewal`]) and the metric registry. [`server::serve`] exposes it as the `credgate.v1` gRPC
 //! API on a unix socket bound by [`socket::bind`]; [`metrics::serve`] exposes `/metrics`.
-//! Binaries stay thin: they parse flags, build an [`AgentOptions`], and wire signals to
-//! [`Agent::reload`] and the shutdown channel.
+//! [`node::Node`] composes them with the CRI proxy, signals and shutdown; binaries stay thin:
+//! they parse flags into [`node::NodeOptions`] and run the node. Every task is owned by the
+//! agent's [`tasks::Tasks`].
 
 pub mod agent;
 pub mod captured;
@@ -23,8 +24,9 @@ pub mod server;
 pub mod socket;
 pub mod state;
 pub mod status;
+pub mod tasks;
 
-pub use agent::{Agent, AgentOptions, CallerAllowlist, Reloaded, Service};
+pub use agent::{Agent, AgentOptions, CallerAllowlist, ReloadError, Reloaded, Service};
 pub use credgate_engine::sources::{SourceError, Sources};
 
 pub use credgate_core::text::error_chain;

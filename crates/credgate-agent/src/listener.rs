@@ -9,6 +9,7 @@
 //! budgets together fit in the open-file limit (`credgate serve` sizes them), so that no
 //! listener can take descriptors from another.
 
+use crate::tasks::CancellationToken;
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
@@ -22,7 +23,6 @@ use hyper::body::Incoming;
 use hyper_util::rt::TokioExecutor;
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::sync::watch;
 use tokio::task::JoinSet;
 
 use crate::conn::{self, Activity, Slot, Slots, Throttle};
@@ -208,12 +208,9 @@ impl<L: Accept> Listener<L> {
         &self.limits
     }
 
-    /// The next connection that may stay; `None` once `shutdown` turns true. Refused ones are
+    /// The next connection that may stay; `None` once `shutdown` is cancelled. Refused ones are
     /// closed here, holding nothing, and counted.
-    pub async fn next(
-        &mut self,
-        shutdown: &mut watch::Receiver<bool>,
-    ) -> Option<Accepted<L::Stream>> {
+    pub async fn next(&mut self, shutdown: &CancellationToken) -> Option<Accepted<L::Stream>> {
         loop {
             let (stream, peer) = conn::next_connection(
                 self.what,
@@ -273,7 +270,7 @@ impl<L: Accept> Listener<L> {
         builder: &hyper::server::conn::http2::Builder<TokioExecutor>,
         service: S,
         max_header_list: u32,
-        shutdown: watch::Receiver<bool>,
+        shutdown: CancellationToken,
     ) where
         S: hyper::service::HttpService<Incoming, ResBody = B> + Send + 'static,
         S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
@@ -411,7 +408,7 @@ async fn drive<I, S, B>(
     tracker: Tracker,
     limits: ListenerLimits,
     held: Held,
-    mut shutdown: watch::Receiver<bool>,
+    shutdown: CancellationToken,
 ) where
     S: hyper::service::HttpService<Incoming, ResBody = B>,
     S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
@@ -442,7 +439,7 @@ async fn drive<I, S, B>(
                     return;
                 }
             }
-            _ = shutdown.wait_for(|s| *s), if !closing => {
+            () = shutdown.cancelled(), if !closing => {
                 closing = true;
                 connection.as_mut().graceful_shutdown();
             }

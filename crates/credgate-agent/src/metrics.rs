@@ -2,6 +2,7 @@
 //! Labels never carry credentials or image names: refs are unbounded and their per-ref state
 //! is served by `ListTracked` instead.
 
+use crate::tasks::CancellationToken;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -542,14 +543,14 @@ impl Default for MetricsLimits {
     }
 }
 
-/// Serves `GET /metrics` (and `GET /healthz`) on `listener` until `shutdown` turns true, within
+/// Serves `GET /metrics` (and `GET /healthz`) on `listener` until `shutdown` is cancelled, within
 /// `limits`. The connections' tasks belong to this call: they end when it returns.
 pub async fn serve(
     listener: TcpListener,
     render: Render,
     limits: MetricsLimits,
     metrics: AgentMetrics,
-    mut shutdown: tokio::sync::watch::Receiver<bool>,
+    shutdown: CancellationToken,
 ) {
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder
@@ -566,7 +567,7 @@ pub async fn serve(
         shutdown_timeout: Duration::ZERO,
     };
     let mut listener = Listener::new("metrics", listener, listener_limits, metrics);
-    while let Some(accepted) = listener.next(&mut shutdown).await {
+    while let Some(accepted) = listener.next(&shutdown).await {
         let render = render.clone();
         let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
             let render = render.clone();

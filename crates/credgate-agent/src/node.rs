@@ -1,19 +1,21 @@
 //! The composition root: an agent with everything `credgate serve` runs around it (the API
 //! socket, renewal, the saver of the provider cache, metrics, the CRI proxy and its thread, the
-//! sweep of a dead agent's plugins), each task and thread owned here and stopped and joined by
-//! [`Node::run`]; the guard's store is closed last. A binary parses its flags into
-//! [`NodeOptions`], builds a [`Node`] and runs it until the stop signal it holds is sent.
+//! sweep of a dead agent's plugins, signals). Every task is the agent's ([`crate::tasks`]),
+//! stopped by its one token and waited for by [`Node::run`] under the shutdown deadline; the
+//! guard's store is closed last. A binary parses its flags into [`NodeOptions`], builds a
+//! [`Node`] and runs it until SIGTERM or SIGINT ([`Node::run_until_signalled`]).
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::watch;
-use tokio::task::JoinHandle;
+use tokio::sync::oneshot;
 
+use crate::captured::Captured;
 use crate::guard::registry::RegistryOptions;
 use crate::socket::{self, SocketAccess, SocketError, SocketId};
+use crate::tasks::Tasks;
 use crate::{metrics, server, Agent, AgentOptions, SourceError};
 
 /// The CRI image-service proxy, when it runs.
@@ -37,6 +39,7 @@ pub struct NodeOptions {
     pub state_dir: PathBuf,
     pub socket: PathBuf,
     pub socket_access: SocketAccess,
+    /// The API's limits; its connection budget is lowered to what the open-file limit leaves.
     pub limits: server::Limits,
     pub metrics_addr: Option<SocketAddr>,
     pub proxy: Option<ProxyConfig>,
@@ -45,6 +48,8 @@ pub struct NodeOptions {
 /// Why a node could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum NodeError {
+    #[error("refusing the state directory")]
+    StateDir(#[source] credgate_api::trust::TrustError),
     #[error("cannot build the agent")]
     Agent(#[from] SourceError),
     #[error("cannot serve the API")]
@@ -68,24 +73,95 @@ pub enum NodeError {
 /// A running node agent.
 pub struct Node {
     agent: Agent,
-    stop: watch::Sender<bool>,
-    stopped: watch::Receiver<bool>,
     api: (tokio::net::UnixListener, PathBuf, Option<SocketId>),
     limits: server::Limits,
-    renewal: JoinHandle<()>,
-    saver: JoinHandle<()>,
-    sweep: JoinHandle<()>,
-    metrics: Option<JoinHandle<()>>,
-    proxy: Option<(
-        PathBuf,
-        Option<SocketId>,
-        std::thread::JoinHandle<std::io::Result<()>>,
-    )>,
+    proxy: Option<(PathBuf, Option<SocketId>)>,
+}
+
+/// Descriptors the agent keeps for itself beyond its connections: plugin pipes, the store,
+/// registry connections, the metrics listener's own connections.
+const RESERVED_DESCRIPTORS: usize = 256;
+
+/// `limits` with the API's connection budget fitting the open-file limit (raised to its hard
+/// maximum first): every listener has a budget of its own, and together they fit.
+fn fit_open_files(mut limits: server::Limits, proxy: bool) -> server::Limits {
+    let nofile = crate::conn::raise_nofile_limit();
+    let proxy = if proxy {
+        crate::cri::default_limits().max_connections
+    } else {
+        0
+    };
+    let room = usize::try_from(nofile)
+        .unwrap_or(usize::MAX)
+        .saturating_sub(
+            RESERVED_DESCRIPTORS + metrics::MetricsLimits::default().max_connections + proxy,
+        );
+    let wanted = limits.max_connections.max(1);
+    if wanted > room {
+        tracing::warn!(
+            wanted,
+            allowed = room.max(1),
+            open_file_limit = nofile,
+            "--max-connections lowered to fit the open-file limit"
+        );
+    }
+    limits.max_connections = wanted.min(room.max(1));
+    limits.max_connections_per_uid = limits
+        .max_connections_per_uid
+        .clamp(1, limits.max_connections);
+    limits
+}
+
+/// Creates the state directory when it is absent. One someone else owns or can write (or a
+/// link to one) could hold a planted key and forged records: the node does not start on it.
+/// One that merely cannot be created yet (a read-only or full disk) does not stop it: the
+/// guard reports it, fails safe and tries again, and credentials keep being served meanwhile.
+fn check_state_dir(dir: &Path) -> Result<(), NodeError> {
+    match crate::state::state_dir(dir) {
+        Ok(()) => Ok(()),
+        Err(e @ credgate_api::trust::TrustError::Io { .. }) => {
+            tracing::error!(dir = %dir.display(), error = %e, "cannot set up the state directory");
+            Ok(())
+        }
+        Err(e) => Err(NodeError::StateDir(e)),
+    }
+}
+
+/// The captured pull credentials when the proxy keeps them; otherwise those of an earlier run
+/// are removed.
+fn open_captured(
+    proxy: Option<&ProxyConfig>,
+    state_dir: &Path,
+    clock: &Arc<dyn credgate_engine::clock::Clock>,
+) -> Result<Option<Arc<Captured>>, NodeError> {
+    let Some(config) = proxy else {
+        return Ok(None);
+    };
+    let failed = |error: String| NodeError::Proxy {
+        path: config.socket.clone(),
+        error,
+    };
+    if config.capture {
+        let captured = Captured::open(state_dir, config.captured_max_age)
+            .map_err(|e| failed(format!("cannot keep captured pull credentials: {e}")))?
+            .with_clock(clock.clone());
+        return Ok(Some(Arc::new(captured)));
+    }
+    match Captured::discard(state_dir) {
+        Ok(true) => tracing::info!(
+            "capture is off: the captured pull credentials of an earlier run were removed"
+        ),
+        Ok(false) => {}
+        Err(e) => return Err(failed(format!("capture is off, but the captured pull credentials of an earlier run cannot be removed: {e}"))),
+    }
+    Ok(None)
 }
 
 impl Node {
-    /// Builds the agent (never running a plugin), binds every socket and starts every task.
-    pub async fn start(options: NodeOptions) -> Result<Node, NodeError> {
+    /// Builds the agent (never running a plugin), binds every socket and starts every task;
+    /// returns once the CRI proxy, when configured, serves.
+    pub async fn start(mut options: NodeOptions) -> Result<Node, NodeError> {
+        check_state_dir(&options.state_dir)?;
         if options.agent.saved_cache.is_none() {
             match crate::saved_cache::SavedCache::discard(&options.state_dir) {
                 Ok(true) => tracing::info!("the provider cache is not kept (--persist-cache=false): the sealed cache of an earlier run was removed"),
@@ -98,13 +174,20 @@ impl Node {
                 }
             }
         }
+        let clock = options
+            .agent
+            .clock
+            .get_or_insert_with(|| Arc::new(credgate_engine::clock::SystemClock::new()))
+            .clone();
+        options.agent.captured = open_captured(options.proxy.as_ref(), &options.state_dir, &clock)?;
+        let limits = fit_open_files(options.limits, options.proxy.is_some());
         let agent = Agent::new(options.agent)?;
         let listener = socket::bind(&options.socket, &options.socket_access)
             .await
             .map_err(NodeError::Socket)?;
         let bound = socket::identity(&options.socket);
         // Plugins of an agent that was killed (SIGKILL, OOM) outlive it; this one ends them.
-        let sweep = tokio::task::spawn_blocking(|| {
+        agent.tasks().spawn_blocking(|| {
             let n = credgate_engine::sweep::orphans();
             if n > 0 {
                 tracing::warn!(
@@ -113,45 +196,24 @@ impl Node {
                 );
             }
         });
-        let (stop, stopped) = watch::channel(false);
-        let renewal = agent.spawn_renewal(stopped.clone());
-        let saver = agent.spawn_saver(stopped.clone());
-        let metrics = match options.metrics_addr {
-            Some(addr) => Some(Self::metrics(&agent, addr, stopped.clone()).await?),
-            None => None,
-        };
+        agent.spawn_renewal();
+        agent.spawn_saver();
+        if let Some(addr) = options.metrics_addr {
+            Self::metrics(&agent, addr).await?;
+        }
         let proxy = match &options.proxy {
-            Some(p) => Some(
-                Self::proxy(
-                    &agent,
-                    p,
-                    &options.state_dir,
-                    &options.limits,
-                    stopped.clone(),
-                )
-                .await?,
-            ),
+            Some(p) => Some(Self::proxy(&agent, p, &limits).await?),
             None => None,
         };
         Ok(Node {
             agent,
-            stop,
-            stopped,
             api: (listener, options.socket, bound),
-            limits: options.limits,
-            renewal,
-            saver,
-            sweep,
-            metrics,
+            limits,
             proxy,
         })
     }
 
-    async fn metrics(
-        agent: &Agent,
-        addr: SocketAddr,
-        stopped: watch::Receiver<bool>,
-    ) -> Result<JoinHandle<()>, NodeError> {
+    async fn metrics(agent: &Agent, addr: SocketAddr) -> Result<(), NodeError> {
         let listener = tokio::net::TcpListener::bind(addr)
             .await
             .map_err(|error| NodeError::Metrics { addr, error })?;
@@ -162,32 +224,25 @@ impl Node {
             scraped.refresh_gauges();
             metrics::render(scraped.registry())
         });
-        Ok(tokio::spawn(metrics::serve(
+        agent.tasks().spawn(metrics::serve(
             listener,
             render,
             metrics::MetricsLimits::default(),
             agent.metrics().clone(),
-            stopped,
-        )))
+            agent.tasks().token().clone(),
+        ));
+        Ok(())
     }
 
     /// The CRI proxy on its own thread and single-threaded runtime: a proxied call's tasks
     /// (the kubelet's connection, the call, the runtime's connection) wake each other on one
-    /// thread instead of across workers.
+    /// thread instead of across workers. Returns once it serves; a task of the agent's waits
+    /// for the thread and logs when it ends early.
     async fn proxy(
         agent: &Agent,
         config: &ProxyConfig,
-        state_dir: &std::path::Path,
         limits: &server::Limits,
-        stopped: watch::Receiver<bool>,
-    ) -> Result<
-        (
-            PathBuf,
-            Option<SocketId>,
-            std::thread::JoinHandle<std::io::Result<()>>,
-        ),
-        NodeError,
-    > {
+    ) -> Result<(PathBuf, Option<SocketId>), NodeError> {
         let failed = |error: String| NodeError::Proxy {
             path: config.socket.clone(),
             error,
@@ -196,27 +251,10 @@ impl Node {
             .await
             .map_err(|e| failed(e.to_string()))?;
         let runtime = crate::cri::endpoint_path(&config.runtime_endpoint);
-        let captured = if config.capture {
-            let captured = Arc::new(
-                crate::captured::Captured::open(state_dir, config.captured_max_age)
-                    .map_err(|e| failed(format!("cannot keep captured pull credentials: {e}")))?
-                    .with_clock(agent.clock().clone()),
-            );
-            agent.set_captured(captured.clone());
-            Some(captured)
-        } else {
-            match crate::captured::Captured::discard(state_dir) {
-                Ok(true) => tracing::info!("capture is off: the captured pull credentials of an earlier run were removed"),
-                Ok(false) => {}
-                Err(e) => return Err(failed(format!("capture is off, but the captured pull credentials of an earlier run cannot be removed: {e}"))),
-            }
-            None
-        };
         tracing::info!(socket = %config.socket.display(), runtime = %runtime.display(), "serving the CRI image-service proxy");
-        agent.set_proxy_running();
         let options = crate::cri::ProxyOptions {
             runtime,
-            captured,
+            captured: agent.captured().cloned(),
             guard: agent.guard().cloned(),
             limits: crate::listener::ListenerLimits {
                 shutdown_timeout: limits.shutdown_timeout,
@@ -227,88 +265,118 @@ impl Node {
             agent: agent.clone(),
         };
         let listener = listener.into_std().map_err(|e| failed(e.to_string()))?;
+        let stop = agent.tasks().token().clone();
+        let (started, serving) = oneshot::channel();
         let thread = std::thread::Builder::new()
             .name("cri-proxy".into())
             .spawn(move || -> std::io::Result<()> {
                 let runtime = tokio::runtime::Builder::new_current_thread()
                     .enable_all()
-                    .build()?;
-                runtime.block_on(async move {
-                    let listener = tokio::net::UnixListener::from_std(listener)?;
-                    crate::cri::serve(listener, options, stopped).await;
-                    Ok(())
-                })
+                    .build();
+                let ready = runtime.and_then(|runtime| {
+                    let _entered = runtime.enter();
+                    Ok((tokio::net::UnixListener::from_std(listener)?, runtime))
+                });
+                let (listener, runtime) = match ready {
+                    Ok(ready) => {
+                        let _ = started.send(Ok(()));
+                        ready
+                    }
+                    Err(e) => {
+                        let _ = started.send(Err(e.to_string()));
+                        return Err(e);
+                    }
+                };
+                runtime.block_on(crate::cri::serve(listener, options, stop));
+                Ok(())
             })
             .map_err(|e| failed(format!("cannot start its thread: {e}")))?;
-        Ok((
-            config.socket.clone(),
-            socket::identity(&config.socket),
-            thread,
-        ))
+        match serving.await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(failed(e)),
+            Err(_) => return Err(failed("its thread ended before it served".into())),
+        }
+        agent.set_proxy_running();
+        let stopping = agent.tasks().token().clone();
+        agent.tasks().spawn_blocking(move || {
+            let ended = thread.join();
+            let early = !stopping.is_cancelled();
+            match ended {
+                Ok(Ok(())) if !early => {}
+                Ok(Ok(())) => tracing::error!("the CRI proxy stopped while the agent serves"),
+                Ok(Err(e)) => tracing::error!(error = %e, "the CRI proxy failed"),
+                Err(_) => tracing::error!("the CRI proxy's thread panicked"),
+            }
+        });
+        Ok((config.socket.clone(), socket::identity(&config.socket)))
     }
 
     pub fn agent(&self) -> &Agent {
         &self.agent
     }
 
-    /// What stops the node: send `true` (SIGTERM, SIGINT).
-    pub fn stopper(&self) -> watch::Sender<bool> {
-        self.stop.clone()
+    /// What stops the node.
+    pub fn tasks(&self) -> &Tasks {
+        self.agent.tasks()
     }
 
-    /// Serves until the stop is sent; then every part finishes within its deadline, in order:
-    /// the API and the proxy stop accepting and finish their calls, renewal stops, the
-    /// provider cache is saved a last time, metrics stop, the guard's store is closed. Sockets
-    /// are removed when they are still the ones bound.
-    pub async fn run(self) -> Result<(), tokio::task::JoinError> {
+    /// [`Node::run`] until SIGTERM or SIGINT; SIGHUP reloads the provider config meanwhile.
+    pub async fn run_until_signalled(self) -> std::io::Result<()> {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut hup = signal(SignalKind::hangup())?;
+        let mut term = signal(SignalKind::terminate())?;
+        let mut int = signal(SignalKind::interrupt())?;
+        let agent = self.agent.clone();
+        let stop = agent.tasks().token().clone();
+        self.agent.tasks().spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = hup.recv() => { let _ = agent.reload_logged().await; }
+                    _ = term.recv() => break,
+                    _ = int.recv() => break,
+                    () = stop.cancelled() => return,
+                }
+            }
+            tracing::info!("stopping: no new calls, finishing those in flight");
+            agent.tasks().stop();
+        });
+        self.run().await;
+        Ok(())
+    }
+
+    /// Serves until the agent's tasks are told to stop; then every part finishes within the
+    /// shutdown deadline: the API and the proxy stop accepting and finish their calls, renewal
+    /// stops (a plugin run in flight is not waited for past the deadline), the provider cache
+    /// is saved a last time, metrics stop, the guard's store is closed. Sockets are removed
+    /// when they are still the ones bound.
+    pub async fn run(self) {
         let Node {
             agent,
-            stop,
-            stopped,
             api: (listener, socket_path, bound),
             limits,
-            renewal,
-            saver,
-            sweep,
-            metrics,
             proxy,
         } = self;
-        let limits_shutdown = limits.shutdown_timeout;
+        let deadline = limits.shutdown_timeout;
         // On a worker, not in the caller's `block_on`: a connection is then accepted by the
         // worker that the listener's readiness woke.
-        let served =
-            tokio::spawn(server::serve_with(agent.clone(), listener, limits, stopped)).await;
-        let _ = stop.send(true);
+        let stop = agent.tasks().token().clone();
+        let _ = agent
+            .tasks()
+            .spawn(server::serve_with(agent.clone(), listener, limits, stop))
+            .await;
         socket::remove_if_ours(&socket_path, bound);
-        if let Some((path, id, thread)) = proxy {
-            match tokio::task::spawn_blocking(move || thread.join()).await {
-                Ok(Ok(Ok(()))) => {}
-                Ok(Ok(Err(e))) => tracing::error!(error = %e, "the CRI proxy failed"),
-                _ => tracing::error!("the CRI proxy's thread panicked"),
-            }
+        // The saver's last write runs after the API drained; the deadline bounds the rest.
+        if !agent.tasks().wait(deadline + Duration::from_secs(1)).await {
+            tracing::warn!(
+                tasks = agent.tasks().len(),
+                "tasks still running at the shutdown deadline: ended"
+            );
+        }
+        if let Some((path, id)) = proxy {
             socket::remove_if_ours(&path, id);
         }
-        // Renewal stops at its next step; a plugin run in flight is not waited for past the
-        // shutdown deadline.
-        let mut renewal = renewal;
-        if tokio::time::timeout(limits_shutdown, &mut renewal)
-            .await
-            .is_err()
-        {
-            renewal.abort();
-            let _ = renewal.await;
-        }
-        // The last save of the provider answers, fsynced before the agent exits.
-        if saver.await.is_err() {
-            tracing::error!("the provider cache's saver failed");
-        }
-        if let Some(m) = metrics {
-            let _ = m.await;
-        }
-        let _ = sweep.await;
         if let Some(store) = agent.guard().and_then(|g| g.store().ok()) {
             store.close().await;
         }
-        served
     }
 }

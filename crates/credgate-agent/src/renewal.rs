@@ -16,7 +16,7 @@ use std::collections::hash_map::DefaultHasher;
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime};
 
 use arc_swap::ArcSwap;
@@ -30,6 +30,7 @@ use tokio::sync::{watch, Notify};
 
 use crate::captured::Captured;
 use crate::metrics::AgentMetrics;
+use crate::tasks::Tasks;
 
 /// The shortest time between two renewals of one ref.
 const MIN_INTERVAL: Duration = Duration::from_secs(1);
@@ -173,7 +174,9 @@ struct Shared {
     /// Bumped whenever a consumer's set of refs changes (to know when to save them).
     version: AtomicU64,
     /// Pull credentials captured by the CRI proxy, when it runs.
-    captured: OnceLock<Arc<Captured>>,
+    captured: Option<Arc<Captured>>,
+    /// Where renewals run, and their stop.
+    tasks: Tasks,
 }
 
 /// The renewal service. Cheap to clone.
@@ -274,6 +277,8 @@ impl Renewer {
         clock: Arc<dyn Clock>,
         policy: RenewalPolicy,
         metrics: AgentMetrics,
+        tasks: Tasks,
+        captured: Option<Arc<Captured>>,
     ) -> Self {
         Renewer {
             shared: Arc::new(Shared {
@@ -285,7 +290,8 @@ impl Renewer {
                 metrics,
                 watch_ids: AtomicU64::new(0),
                 version: AtomicU64::new(0),
-                captured: OnceLock::new(),
+                captured,
+                tasks,
             }),
         }
     }
@@ -697,17 +703,9 @@ impl Renewer {
             })
     }
 
-    /// Serves the pull credentials the CRI proxy captures (set once): each tracked ref's
-    /// value carries its repository's, and a capture or a drop is pushed to its watchers.
-    pub fn set_captured(&self, captured: Arc<Captured>) {
-        if self.shared.captured.set(captured).is_ok() {
-            self.shared.wake.notify_one();
-        }
-    }
-
     /// The captured credential for `image`'s repository.
     fn captured_for(&self, image: &str) -> Option<(String, CapturedCredential)> {
-        let captured = self.shared.captured.get()?;
+        let captured = self.shared.captured.as_ref()?;
         let name = ImageRef::parse(image).ok()?.name().to_string();
         let credential = captured.for_repository(&name)?;
         Some((name, credential))
@@ -730,19 +728,19 @@ impl Renewer {
         }
     }
 
-    /// Runs the renewal loop until `shutdown` turns true.
-    pub async fn run(self, mut shutdown: watch::Receiver<bool>) {
-        let mut captured_changes: Option<watch::Receiver<u64>> = None;
+    /// Runs the renewal loop until its tasks stop. Each tracked ref's value carries the pull
+    /// credential the CRI proxy captured for its repository, and a capture or a drop is pushed
+    /// to its watchers.
+    pub async fn run(self) {
+        let shutdown = self.shared.tasks.token().clone();
+        let mut captured_changes = self.shared.captured.as_ref().map(|captured| {
+            let mut rx = captured.changes();
+            rx.mark_changed();
+            rx
+        });
         loop {
-            if *shutdown.borrow() {
+            if shutdown.is_cancelled() {
                 return;
-            }
-            if captured_changes.is_none() {
-                if let Some(captured) = self.shared.captured.get() {
-                    let mut rx = captured.changes();
-                    rx.mark_changed();
-                    captured_changes = Some(rx);
-                }
             }
             let now = self.shared.clock.now();
             let grace = self.shared.policy.grace;
@@ -772,7 +770,9 @@ impl Renewer {
             };
             for (image, force) in due {
                 let this = self.clone();
-                tokio::spawn(async move { this.renew(image, force).await });
+                self.shared
+                    .tasks
+                    .spawn(async move { this.renew(image, force).await });
             }
             let sleep = async {
                 match next {
@@ -789,7 +789,7 @@ impl Renewer {
             tokio::select! {
                 _ = sleep => {}
                 _ = self.shared.wake.notified() => {}
-                _ = shutdown.changed() => {}
+                () = shutdown.cancelled() => {}
                 true = captured_changed => self.apply_captured(),
             }
         }

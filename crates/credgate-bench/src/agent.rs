@@ -15,7 +15,6 @@ use credgate_api::v1::admin_client::AdminClient;
 use credgate_api::v1::credentials_client::CredentialsClient;
 use credgate_api::v1::{LookupRequest, PingRequest};
 use serde_json::json;
-use tokio::sync::watch;
 
 use crate::{bin_dir, emit, percentile, Args};
 
@@ -23,7 +22,6 @@ use crate::{bin_dir, emit, percentile, Args};
 pub struct Served {
     pub socket: PathBuf,
     pub agent: Agent,
-    _stop: watch::Sender<bool>,
     _runtime: tokio::runtime::Runtime,
     _dir: TempDir,
 }
@@ -54,13 +52,12 @@ pub fn serve(args: &Args) -> Result<Served> {
         ..Default::default()
     })?;
     let socket = dir.0.join("credgate.sock");
-    let (stop, stop_rx) = watch::channel(false);
     let listener = runtime.block_on(socket::bind(&socket, &SocketAccess::default()))?;
-    runtime.spawn(server::serve(agent.clone(), listener, stop_rx));
+    let stop = agent.tasks().token().clone();
+    runtime.spawn(server::serve(agent.clone(), listener, stop));
     Ok(Served {
         socket,
         agent,
-        _stop: stop,
         _runtime: runtime,
         _dir: dir,
     })

@@ -7,6 +7,7 @@
 //! unreachable: `UNAVAILABLE` with what failed. A call never outlives the caller's own
 //! deadline (`grpc-timeout`).
 
+use crate::tasks::CancellationToken;
 use std::convert::Infallible;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -18,7 +19,6 @@ use http_body_util::BodyExt;
 use hyper::body::{Bytes, Incoming};
 use secrecy::ExposeSecret as _;
 use tokio::net::UnixListener;
-use tokio::sync::watch;
 
 use crate::listener::{Counted, Listener, ListenerLimits, Tracker};
 use crate::status::ApiError;
@@ -671,13 +671,9 @@ pub fn default_limits() -> ListenerLimits {
 pub const MAX_STREAMS: u32 = 64;
 
 /// Serves the proxy on `listener`, forwarding to the runtime at `runtime`, until `shutdown`
-/// turns true; then stops accepting and lets calls in flight finish for at most the
+/// is cancelled; then stops accepting and lets calls in flight finish for at most the
 /// shutdown deadline.
-pub async fn serve(
-    listener: UnixListener,
-    options: ProxyOptions,
-    mut shutdown: watch::Receiver<bool>,
-) {
+pub async fn serve(listener: UnixListener, options: ProxyOptions, shutdown: CancellationToken) {
     let ProxyOptions {
         runtime,
         captured,
@@ -698,12 +694,12 @@ pub async fn serve(
     // runtime's image list, checked periodically, drops what no image is left of.
     let sweeper = captured.clone().map(|captured| {
         let own = own.clone();
-        let mut stop = shutdown.clone();
+        let stop = shutdown.clone();
         tokio::spawn(async move {
             loop {
                 tokio::select! {
                     () = tokio::time::sleep(check_every) => {}
-                    () = async { let _ = stop.wait_for(|s| *s).await; } => return,
+                    () = stop.cancelled() => return,
                 }
                 let expiring = captured.clone();
                 let _ = tokio::task::spawn_blocking(move || expiring.expire()).await;
@@ -736,7 +732,7 @@ pub async fn serve(
     let builder = crate::listener::http2_builder(MAX_STREAMS, MAX_HEADER_LIST);
     let shutdown_timeout = limits.shutdown_timeout;
     let mut listener = Listener::new("cri-proxy", listener, limits, metrics);
-    while let Some(accepted) = listener.next(&mut shutdown).await {
+    while let Some(accepted) = listener.next(&shutdown).await {
         let caller = std::sync::Arc::new(Caller {
             runtime: std::sync::Arc::new(Runtime::new(runtime.clone())),
             budgets: Budgets::connection(&proxy_budget, budget::CONNECTION_BYTES),

@@ -163,6 +163,8 @@ pub struct Guard {
     engine: Option<Arc<ArcSwap<Engine>>>,
     /// Where decisions and recordings read the time (the agent's clock; tests pause it).
     clock: Arc<dyn credgate_engine::clock::Clock>,
+    /// Where the writes of what decisions learned run (the agent's tasks).
+    tasks: crate::tasks::Tasks,
 }
 
 impl Guard {
@@ -188,6 +190,7 @@ impl Guard {
             verifier,
             engine: None,
             clock: Arc::new(credgate_engine::clock::SystemClock::default()),
+            tasks: crate::tasks::Tasks::new(),
         };
         guard.update_gauges();
         guard
@@ -202,6 +205,12 @@ impl Guard {
     /// Now, in milliseconds since the Unix epoch, by the guard's clock.
     fn now_ms(&self) -> i64 {
         crate::state::unix_ms(self.clock.wall())
+    }
+
+    /// Writes what decisions learn as one of `tasks`.
+    pub fn with_tasks(mut self, tasks: crate::tasks::Tasks) -> Guard {
+        self.tasks = tasks;
+        self
     }
 
     /// Verification tries the engine's credentials for a node-wide credential.
@@ -348,7 +357,7 @@ impl Guard {
                 learned,
             };
             let now = check.now_ms;
-            tokio::spawn(async move {
+            self.tasks.spawn(async move {
                 if let Err(e) = store.apply(op, now).await {
                     tracing::warn!(error = %e, "cannot store what a decision learned");
                 }

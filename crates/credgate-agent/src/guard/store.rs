@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 
 use credgate_core::guard::{self, stored, Learned, Presented, Record};
 use rusqlite::{params, Connection, TransactionBehavior};
@@ -256,6 +256,9 @@ pub struct Store {
     mem: Arc<RwLock<Mem>>,
     tx: mpsc::Sender<Msg>,
     commits: Arc<AtomicU64>,
+    /// The writer thread, joined by [`Store::close`] (it ends on its own when the store is
+    /// dropped unclosed: its channel closes).
+    writer: Arc<Mutex<Option<std::thread::JoinHandle<()>>>>,
 }
 
 fn read<'a>(m: &'a RwLock<Mem>) -> std::sync::RwLockReadGuard<'a, Mem> {
@@ -342,11 +345,16 @@ impl Store {
         let writer_mem = mem.clone();
         let commits = Arc::new(AtomicU64::new(0));
         let writer_commits = commits.clone();
-        std::thread::Builder::new()
+        let writer = std::thread::Builder::new()
             .name("credgate-guard-writer".into())
             .spawn(move || writer(conn, rx, writer_mem, writer_commits, log_rows))
             .map_err(io)?;
-        Ok(Store { mem, tx, commits })
+        Ok(Store {
+            mem,
+            tx,
+            commits,
+            writer: Arc::new(Mutex::new(Some(writer))),
+        })
     }
 
     /// The record of an image ID.
@@ -401,12 +409,21 @@ impl Store {
         rx.await.map_err(|_| StoreError::Closed)?
     }
 
-    /// Commits what is queued, checkpoints and closes the file. Later writes fail with
-    /// [`StoreError::Closed`]; reads keep answering from memory.
+    /// Commits what is queued, checkpoints and closes the file, and joins the writer thread.
+    /// Later writes fail with [`StoreError::Closed`]; reads keep answering from memory.
     pub async fn close(&self) {
         let (done, rx) = oneshot::channel();
         if self.tx.send(Msg::Close(done)).is_ok() {
             let _ = rx.await;
+        }
+        let writer = self.writer.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(writer) = writer {
+            if tokio::task::spawn_blocking(move || writer.join())
+                .await
+                .map_or(true, |joined| joined.is_err())
+            {
+                tracing::error!("the guard store's writer thread panicked");
+            }
         }
     }
 }

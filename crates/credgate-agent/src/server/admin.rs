@@ -4,6 +4,7 @@ use credgate_api::v1::{self as pb};
 use tonic::{Request, Response, Status};
 
 use super::*;
+use crate::ReloadError;
 
 /// What calls about the CRI proxy answer on an agent that does not run it.
 const PROXY_OFF: &str = "the CRI proxy does not run on this agent (--cri-proxy-socket)";
@@ -107,15 +108,10 @@ impl Admin for Api {
         request: Request<pb::ReloadRequest>,
     ) -> Result<Response<pb::ReloadResponse>, Status> {
         self.observed(peer(&request), "Reload", async {
-            let agent = self.agent.clone();
-            let reloaded = tokio::task::spawn_blocking(move || agent.reload())
-                .await
-                .map_err(|_| ApiError::Internal("reload task failed"))?
-                .map_err(|e| {
-                    let msg = error_chain(&e);
-                    tracing::error!(error = %msg, "reload refused; the old config keeps serving");
-                    ApiError::Reload(msg)
-                })?;
+            let reloaded = self.agent.reload_logged().await.map_err(|e| match e {
+                ReloadError::Refused(msg) => ApiError::Reload(msg),
+                ReloadError::Task => ApiError::Internal("reload task failed"),
+            })?;
             Ok(Response::new(pb::ReloadResponse {
                 config_identity: reloaded.identity.unwrap_or_default(),
                 changed: reloaded.changed,

@@ -6,13 +6,13 @@
 //! Every call runs as a task of its own on the runtime (hyper-util's `TokioExecutor`), so a
 //! slow call never holds up the other calls of its connection.
 
+use crate::tasks::CancellationToken;
 use std::future::Future;
 use std::pin::Pin;
 use std::time::Duration;
 
 use hyper::body::Incoming;
 use tokio::net::UnixListener;
-use tokio::sync::watch;
 use tonic::codegen::Service;
 use tonic::service::Routes;
 
@@ -24,7 +24,7 @@ use crate::metrics::AgentMetrics;
 /// The largest header block a client may send.
 pub const MAX_HEADER_LIST: u32 = 16 << 10;
 
-/// Serves `routes` on `listener` until `shutdown` turns true; then stops accepting, asks every
+/// Serves `routes` on `listener` until `shutdown` is cancelled; then stops accepting, asks every
 /// connection to finish (HTTP/2 GOAWAY: calls in flight complete, no new ones start), waits for
 /// them at most `limits.shutdown_timeout` and closes what is left.
 pub(super) async fn serve(
@@ -33,7 +33,7 @@ pub(super) async fn serve(
     callers: CallerAllowlist,
     limits: Limits,
     metrics: AgentMetrics,
-    mut shutdown: watch::Receiver<bool>,
+    shutdown: CancellationToken,
 ) {
     let mut builder = http2_builder(limits.max_streams, MAX_HEADER_LIST);
     builder
@@ -44,7 +44,7 @@ pub(super) async fn serve(
     // to do here and is closed at once, holding nothing.
     let mut listener = Listener::new("api", listener, limits.listener(), metrics)
         .admit(move |uid| callers.admits_any(uid));
-    while let Some(accepted) = listener.next(&mut shutdown).await {
+    while let Some(accepted) = listener.next(&shutdown).await {
         let tracker = Tracker::new();
         let service = CallService {
             routes: routes.clone(),

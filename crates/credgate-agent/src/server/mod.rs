@@ -1,6 +1,7 @@
 //! The gRPC services on the unix socket. Errors become statuses in [`crate::status`], once;
 //! statuses carry messages built from typed errors, none of which holds a secret.
 
+use crate::tasks::CancellationToken;
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::pin::Pin;
@@ -15,7 +16,6 @@ use credgate_engine::{Credential, CredentialRef, LookupRequest, ServiceAccount};
 use secrecy::{ExposeSecret, SecretString};
 use tokio::net::UnixListener;
 use tokio::sync::mpsc::error::SendTimeoutError;
-use tokio::sync::watch;
 use tokio_stream::wrappers::WatchStream;
 use tokio_stream::{Stream, StreamExt, StreamMap};
 use tonic::service::interceptor::InterceptedService;
@@ -172,7 +172,7 @@ fn not_for(peer: Peer, service: Service) -> ApiError {
 #[derive(Clone)]
 pub struct Api {
     agent: Agent,
-    shutdown: watch::Receiver<bool>,
+    shutdown: CancellationToken,
     watch_send_timeout: Duration,
 }
 
@@ -182,7 +182,7 @@ pub const WATCH_BUFFER: usize = 16;
 pub use crate::agent::WATCH_SEND_TIMEOUT;
 
 impl Api {
-    pub fn new(agent: Agent, shutdown: watch::Receiver<bool>) -> Self {
+    pub fn new(agent: Agent, shutdown: CancellationToken) -> Self {
         Api {
             watch_send_timeout: agent.watch_send_timeout(),
             agent,
@@ -478,10 +478,10 @@ impl Api {
         // for the client: a client that stops reading costs a bounded amount of memory, and
         // one that has not taken an event for WATCH_SEND_TIMEOUT is dropped.
         let (tx, rx) = tokio::sync::mpsc::channel(WATCH_BUFFER);
-        let mut shutdown = self.shutdown.clone();
+        let shutdown = self.shutdown.clone();
         let metrics = self.agent.metrics().clone();
         let send_timeout = self.watch_send_timeout;
-        tokio::spawn(async move {
+        self.agent.tasks().spawn(async move {
             // The subscription lives as long as the stream: dropping it releases the refs.
             let _sub = sub;
             loop {
@@ -513,16 +513,12 @@ impl Api {
                         }
                     }
                     _ = tx.closed() => break,
-                    _ = stopped(&mut shutdown) => break,
+                    () = shutdown.cancelled() => break,
                 }
             }
         });
         Ok(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx)))
     }
-}
-
-async fn stopped(shutdown: &mut watch::Receiver<bool>) {
-    let _ = shutdown.wait_for(|stop| *stop).await;
 }
 
 type WatchEvents = Pin<Box<dyn Stream<Item = Result<pb::WatchEvent, Status>> + Send + 'static>>;
@@ -595,17 +591,17 @@ pub const MAX_ADMIN_MESSAGE: usize = 4 << 10;
 pub const MAX_IMAGE_ACCESS_MESSAGE: usize = 128 << 10;
 
 /// Serves the API on `listener` with the default [`Limits`]; see [`serve_with`].
-pub async fn serve(agent: Agent, listener: UnixListener, shutdown: watch::Receiver<bool>) {
+pub async fn serve(agent: Agent, listener: UnixListener, shutdown: CancellationToken) {
     serve_with(agent, listener, Limits::default(), shutdown).await;
 }
 
-/// Serves the API on `listener` until `shutdown` turns true, then stops accepting and lets the
+/// Serves the API on `listener` until `shutdown` is cancelled, then stops accepting and lets the
 /// calls in flight finish (Watch streams end) for at most `limits.shutdown_timeout`.
 pub async fn serve_with(
     agent: Agent,
     listener: UnixListener,
     limits: Limits,
-    shutdown: watch::Receiver<bool>,
+    shutdown: CancellationToken,
 ) {
     let callers = agent.callers().clone();
     let metrics = agent.metrics().clone();

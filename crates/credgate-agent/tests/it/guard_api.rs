@@ -11,7 +11,6 @@ use credgate_engine::clock::Clock;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
-use tokio::sync::watch;
 use tonic::transport::Channel;
 
 /// The system's clocks, moved forward by hand: time passes without a test sleeping.
@@ -41,7 +40,7 @@ impl Clock for Shifted {
     }
 }
 
-async fn start(dir: &std::path::Path) -> (ImageAccessClient<Channel>, watch::Sender<bool>) {
+async fn start(dir: &std::path::Path) -> (ImageAccessClient<Channel>, tokio_util::sync::DropGuard) {
     start_with(dir, None, None).await
 }
 
@@ -49,7 +48,7 @@ async fn start_with(
     dir: &std::path::Path,
     max_age: Option<Duration>,
     clock: Option<Arc<dyn Clock>>,
-) -> (ImageAccessClient<Channel>, watch::Sender<bool>) {
+) -> (ImageAccessClient<Channel>, tokio_util::sync::DropGuard) {
     let agent = Agent::new(AgentOptions {
         guard: Some(GuardOptions {
             policy: Policy::AlwaysVerify,
@@ -64,10 +63,10 @@ async fn start_with(
     .unwrap();
     let path = dir.join("credgate.sock");
     let listener = socket::bind(&path, &SocketAccess::default()).await.unwrap();
-    let (stop, stop_rx) = watch::channel(false);
-    tokio::spawn(server::serve(agent, listener, stop_rx));
+    let stop = tokio_util::sync::CancellationToken::new();
+    tokio::spawn(server::serve(agent, listener, stop.clone()));
     let channel = credgate_api::connect(&path).await.unwrap();
-    (ImageAccessClient::new(channel), stop)
+    (ImageAccessClient::new(channel), stop.drop_guard())
 }
 
 fn node_wide() -> Option<pb::PullCredential> {

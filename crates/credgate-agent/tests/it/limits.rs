@@ -14,7 +14,6 @@ use credgate_agent::{server, Agent, AgentOptions, CallerAllowlist, Service, Sour
 use credgate_api::v1::admin_client::AdminClient;
 use credgate_api::v1::credentials_client::CredentialsClient;
 use credgate_api::v1::{self as pb};
-use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 /// The HTTP/2 client preface and an empty SETTINGS frame.
@@ -23,7 +22,7 @@ const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x0
 struct Server {
     dir: tempfile::TempDir,
     socket: PathBuf,
-    stop: watch::Sender<bool>,
+    stop: tokio_util::sync::CancellationToken,
     task: JoinHandle<()>,
 }
 
@@ -68,8 +67,8 @@ impl Server {
         let listener = socket::bind(&socket, &SocketAccess::default())
             .await
             .unwrap();
-        let (stop, stop_rx) = watch::channel(false);
-        let task = tokio::spawn(server::serve_with(agent, listener, limits, stop_rx));
+        let stop = tokio_util::sync::CancellationToken::new();
+        let task = tokio::spawn(server::serve_with(agent, listener, limits, stop.clone()));
         Server {
             dir,
             socket,
@@ -334,7 +333,7 @@ async fn a_stop_closes_calls_still_running_at_the_shutdown_deadline() {
     let channel = credgate_api::connect(&s.socket).await.unwrap();
     let call = gated_lookup(&channel);
     s.until_started().await;
-    s.stop.send(true).unwrap();
+    s.stop.cancel();
     // The plugin never answers; the server returns anyway.
     let Server { dir, task, .. } = s;
     tokio::time::timeout(Duration::from_secs(20), task)
@@ -430,7 +429,7 @@ async fn the_metrics_listener_bounds_idle_connections() {
     use std::net::TcpStream;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let (stop, stop_rx) = watch::channel(false);
+    let stop = tokio_util::sync::CancellationToken::new();
     let counters = credgate_agent::metrics::AgentMetrics::default();
     let served = tokio::spawn(metrics::serve(
         listener,
@@ -441,7 +440,7 @@ async fn the_metrics_listener_bounds_idle_connections() {
             max_age: Duration::from_secs(60),
         },
         counters.clone(),
-        stop_rx,
+        stop.clone(),
     ));
     let outcome = tokio::task::spawn_blocking(move || {
         let read_to_end = |s: &mut TcpStream| -> (bool, Vec<u8>) {
@@ -484,7 +483,7 @@ async fn the_metrics_listener_bounds_idle_connections() {
         text.contains(r#"credgate_connections_closed_total{listener="metrics",reason="limit"} 1"#),
         "{text}"
     );
-    stop.send(true).unwrap();
+    stop.cancel();
     tokio::time::timeout(Duration::from_secs(20), served)
         .await
         .expect("stopped")

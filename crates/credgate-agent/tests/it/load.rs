@@ -8,7 +8,6 @@ use credgate_agent::socket::{self, SocketAccess};
 use credgate_agent::{server, Agent, AgentOptions, Sources};
 use credgate_api::v1::credentials_client::CredentialsClient;
 use credgate_api::v1::LookupRequest;
-use tokio::sync::watch;
 
 const CLIENTS: usize = 64;
 const CONNECTIONS: usize = 8;
@@ -44,8 +43,8 @@ async fn many_concurrent_clients_no_errors_memory_stable() {
     .unwrap();
     let path = dir.path().join("s.sock");
     let listener = socket::bind(&path, &SocketAccess::default()).await.unwrap();
-    let (stop, stop_rx) = watch::channel(false);
-    let served = tokio::spawn(server::serve(agent.clone(), listener, stop_rx));
+    let stop = tokio_util::sync::CancellationToken::new();
+    let served = tokio::spawn(server::serve(agent.clone(), listener, stop.clone()));
 
     let mut channels = Vec::new();
     for _ in 0..CONNECTIONS {
@@ -91,7 +90,7 @@ async fn many_concurrent_clients_no_errors_memory_stable() {
         "one plugin run for the whole load"
     );
 
-    stop.send(true).unwrap();
+    stop.cancel();
     drop(channels);
     served.await.unwrap();
 }

@@ -15,7 +15,6 @@ use credgate_engine::clock::{Clock, TokioClock};
 use credgate_engine::exec::{BoxFuture, PluginCommand, PluginRunner, RunError};
 use credgate_engine::{Engine, EngineOptions};
 use secrecy::ExposeSecret;
-use tokio::sync::watch;
 
 const MIN: Duration = Duration::from_secs(60);
 const HOUR: Duration = Duration::from_secs(3600);
@@ -81,7 +80,7 @@ struct Fixture {
     engine: Arc<ArcSwap<Engine>>,
     renewer: Renewer,
     clock: Arc<dyn Clock>,
-    _stop: watch::Sender<bool>,
+    _stop: tokio_util::sync::DropGuard,
 }
 
 fn policy() -> RenewalPolicy {
@@ -103,20 +102,22 @@ fn start(plugin: Arc<TokenPlugin>, policy: RenewalPolicy) -> Fixture {
         .build()
         .unwrap();
     let engine = Arc::new(ArcSwap::from_pointee(engine));
+    let tasks = credgate_agent::tasks::Tasks::new();
     let renewer = Renewer::new(
         engine.clone(),
         clock.clone(),
         policy,
         AgentMetrics::default(),
+        tasks.clone(),
+        None,
     );
-    let (stop, stop_rx) = watch::channel(false);
-    tokio::spawn(renewer.clone().run(stop_rx));
+    tokio::spawn(renewer.clone().run());
     Fixture {
         plugin,
         engine,
         renewer,
         clock,
-        _stop: stop,
+        _stop: tasks.token().clone().drop_guard(),
     }
 }
 

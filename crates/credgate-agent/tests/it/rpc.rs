@@ -9,7 +9,6 @@ use credgate_agent::{server, Agent, AgentOptions, Sources};
 use credgate_api::v1::admin_client::AdminClient;
 use credgate_api::v1::credentials_client::CredentialsClient;
 use credgate_api::v1::{self as pb};
-use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_stream::StreamExt;
 use tonic::transport::Channel;
@@ -47,7 +46,7 @@ fn config(dir: &Path, providers: &[&str]) -> PathBuf {
 struct Server {
     dir: tempfile::TempDir,
     socket: PathBuf,
-    stop: watch::Sender<bool>,
+    stop: tokio_util::sync::CancellationToken,
     task: JoinHandle<()>,
     agent: Agent,
 }
@@ -77,9 +76,9 @@ impl Server {
         let listener = socket::bind(&socket, &SocketAccess::default())
             .await
             .unwrap();
-        let (stop, stop_rx) = watch::channel(false);
-        agent.spawn_renewal(stop_rx.clone());
-        let task = tokio::spawn(server::serve(agent.clone(), listener, stop_rx));
+        let stop = agent.tasks().token().clone();
+        agent.spawn_renewal();
+        let task = tokio::spawn(server::serve(agent.clone(), listener, stop.clone()));
         Server {
             dir,
             socket,
@@ -291,7 +290,7 @@ async fn shutdown_finishes_the_call_in_flight_and_ends_watch_streams() {
         started.exists()
     })
     .await;
-    s.stop.send(true).unwrap();
+    s.stop.cancel();
     let answer = in_flight
         .await
         .unwrap()
