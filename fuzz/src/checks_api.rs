@@ -26,11 +26,13 @@ pub fn hpack_block(data: &[u8]) {
 
 /// The `:authority` rewriter on arbitrary client bytes (after a real preface): fed in pieces it
 /// gives what it gives fed whole, and what it passes on is frames whose header blocks decode
-/// with an empty table, add nothing to it, and carry no `:authority` but `localhost`.
+/// with an empty table, hold only literals that are not indexed (every representation, not the
+/// first), and carry no `:authority` but `localhost`.
 pub fn authority_rewrite(data: &[u8]) {
     use credgate_api::authority::{Rewriter, AUTHORITY};
+    use credgate_api::frame::{self, Head};
     let step = data.first().map_or(1, |&b| usize::from(b).max(1));
-    let mut input = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    let mut input = frame::PREFACE.to_vec();
     input.extend_from_slice(data);
     let (mut whole, mut pieces) = (Vec::new(), Vec::new());
     let whole_result = Rewriter::new(1 << 16).feed(&input, &mut whole);
@@ -48,33 +50,74 @@ pub fn authority_rewrite(data: &[u8]) {
         return;
     }
     let mut decoder = credgate_api::hpack::Decoder::new(4096);
-    let (mut rest, mut block, mut open) = (&whole[24..], Vec::new(), false);
-    while rest.len() >= 9 {
-        let len = usize::from(rest[0]) << 16 | usize::from(rest[1]) << 8 | usize::from(rest[2]);
-        let (kind, flags) = (rest[3], rest[4]);
-        let Some(payload) = rest.get(9..9 + len) else {
+    let (mut rest, mut block, mut open) = (&whole[frame::PREFACE.len()..], Vec::new(), false);
+    while let Some(head) = Head::peek(rest) {
+        let Some(payload) = rest.get(frame::HEAD_LEN..frame::HEAD_LEN + head.len) else {
             return; // a frame still arriving
         };
         // A CONTINUATION outside a block is passed on as it came, for the server to refuse.
-        if kind == 0x1 || (kind == 0x9 && open) {
+        if head.kind == frame::HEADERS || (head.kind == frame::CONTINUATION && open) {
+            assert!(head.len <= frame::MAX_FRAME);
             block.extend_from_slice(payload);
-            open = flags & 0x4 == 0;
+            open = head.flags & frame::END_HEADERS == 0;
             if !open {
                 decoder
                     .decode(&block, |n, v| {
                         assert!(n != b":authority" || v == AUTHORITY);
                     })
                     .expect("a re-encoded block decodes");
-                assert!(
-                    block
-                        .iter()
-                        .take(1)
-                        .all(|b| b & 0xc0 != 0x40 && b & 0x80 == 0),
-                    "a literal that is not indexed"
-                );
+                assert!(literals_only(&block), "a representation that indexes");
                 block.clear();
             }
         }
-        rest = &rest[9 + len..];
+        rest = &rest[frame::HEAD_LEN + head.len..];
     }
+}
+
+/// Whether every representation of `block` is a literal without indexing or never indexed
+/// (RFC 7541 §6.2.2, §6.2.3), read without the decoder under test: a 4-bit-prefix name index,
+/// then the strings.
+pub fn literals_only(mut block: &[u8]) -> bool {
+    fn integer(input: &mut &[u8], n: u8) -> Option<usize> {
+        let (&first, rest) = input.split_first()?;
+        *input = rest;
+        let max = (1usize << n) - 1;
+        let mut value = usize::from(first) & max;
+        if value < max {
+            return Some(value);
+        }
+        let mut shift = 0;
+        loop {
+            let (&b, rest) = input.split_first()?;
+            *input = rest;
+            value = value.checked_add(usize::from(b & 0x7f).checked_shl(shift)?)?;
+            if b & 0x80 == 0 {
+                return Some(value);
+            }
+            shift += 7;
+            if shift > 28 {
+                return None;
+            }
+        }
+    }
+    fn string(input: &mut &[u8]) -> Option<()> {
+        let len = integer(input, 7)?;
+        *input = input.get(len..)?;
+        Some(())
+    }
+    while let Some(&first) = block.first() {
+        if first & 0xe0 != 0 {
+            return false; // indexed, incremental indexing or a table size update
+        }
+        let Some(index) = integer(&mut block, 4) else {
+            return false;
+        };
+        if index == 0 && string(&mut block).is_none() {
+            return false;
+        }
+        if string(&mut block).is_none() {
+            return false;
+        }
+    }
+    true
 }

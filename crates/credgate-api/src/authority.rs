@@ -16,14 +16,15 @@
 //! the deprecated priority fields are dropped. See `docs/decisions/0012-authority-rewrite.md`
 //! for why, and for what to remove once `h2` accepts such authorities.
 
+use crate::frame::{self, Head, CONTINUATION, END_HEADERS, END_STREAM, HEADERS, HEAD_LEN};
 use crate::hpack::{self, Decoder, HpackError};
 
 /// What every request's `:authority` becomes.
 pub const AUTHORITY: &[u8] = b"localhost";
 
-/// The largest frame a client may send unless the server raised SETTINGS_MAX_FRAME_SIZE
-/// (RFC 9113 §4.2; the agent's servers never do), and the size re-encoded blocks are cut at.
-pub const MAX_FRAME: usize = 16_384;
+/// The largest frame a client may send (servers behind the rewriter must not raise
+/// SETTINGS_MAX_FRAME_SIZE), and the size re-encoded blocks are cut at.
+pub use crate::frame::MAX_FRAME;
 
 /// The dynamic table size the rewriter decodes with: the server's SETTINGS_HEADER_TABLE_SIZE,
 /// which servers behind the rewriter must announce (RFC 9113's default).
@@ -32,15 +33,6 @@ pub const HEADER_TABLE_SIZE: usize = 4096;
 /// A header block may arrive in at most this many frames (a flood of tiny CONTINUATIONs is an
 /// attack, not a client).
 const MAX_FRAMES_PER_BLOCK: usize = 64;
-
-const PREFACE_LEN: usize = 24;
-const HEAD_LEN: usize = 9;
-const HEADERS: u8 = 0x1;
-const CONTINUATION: u8 = 0x9;
-const END_STREAM: u8 = 0x1;
-const END_HEADERS: u8 = 0x4;
-const PADDED: u8 = 0x8;
-const PRIORITY: u8 = 0x20;
 
 /// Why the client's bytes cannot be passed on: each ends the connection, as `h2` would end it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -106,7 +98,7 @@ impl Rewriter {
         Rewriter {
             decoder: Decoder::new(HEADER_TABLE_SIZE),
             max_block,
-            state: State::Preface(PREFACE_LEN),
+            state: State::Preface(frame::PREFACE.len()),
             head: [0; HEAD_LEN],
             have: 0,
             payload: Vec::new(),
@@ -178,10 +170,12 @@ impl Rewriter {
     }
 
     fn on_head(&mut self, out: &mut Vec<u8>) -> Result<(), RewriteError> {
-        let h = &self.head;
-        let len = usize::from(h[0]) << 16 | usize::from(h[1]) << 8 | usize::from(h[2]);
-        let (kind, flags) = (h[3], h[4]);
-        let stream = u32::from_be_bytes([h[5], h[6], h[7], h[8]]) & 0x7fff_ffff;
+        let Head {
+            len,
+            kind,
+            flags,
+            stream,
+        } = Head::parse(&self.head);
         if let Some(open) = self.open {
             if kind != CONTINUATION || stream != open.stream {
                 return Err(RewriteError::Interrupted);
@@ -221,20 +215,11 @@ impl Rewriter {
             unreachable!("a payload is gathered only in the Gather state");
         };
         self.state = State::Head;
-        let mut fragment = &self.payload[..];
-        if kind == HEADERS {
-            if flags & PADDED != 0 {
-                let (&pad, rest) = fragment.split_first().ok_or(RewriteError::Malformed)?;
-                let keep = rest
-                    .len()
-                    .checked_sub(usize::from(pad))
-                    .ok_or(RewriteError::Malformed)?;
-                fragment = &rest[..keep];
-            }
-            if flags & PRIORITY != 0 {
-                fragment = fragment.get(5..).ok_or(RewriteError::Malformed)?;
-            }
-        }
+        let fragment = if kind == HEADERS {
+            frame::header_fragment(&self.payload, flags).map_err(|_| RewriteError::Malformed)?
+        } else {
+            &self.payload[..]
+        };
         let open = self
             .open
             .as_mut()
@@ -294,7 +279,7 @@ impl Rewriter {
             if last {
                 flags |= END_HEADERS;
             }
-            frame(out, kind, flags, open.stream, chunk);
+            frame::put(out, kind, flags, open.stream, chunk);
             if last {
                 return Ok(());
             }
@@ -304,21 +289,10 @@ impl Rewriter {
     }
 }
 
-/// Appends one frame.
-fn frame(out: &mut Vec<u8>, kind: u8, flags: u8, stream: u32, payload: &[u8]) {
-    let len = payload.len() as u32;
-    out.extend_from_slice(&len.to_be_bytes()[1..]);
-    out.push(kind);
-    out.push(flags);
-    out.extend_from_slice(&stream.to_be_bytes());
-    out.extend_from_slice(payload);
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+    use crate::frame::{put as frame, PADDED, PREFACE, PRIORITY};
 
     /// A SETTINGS frame (empty), a HEADERS block and a DATA frame, as a client sends them.
     fn request(block: &[u8], flags: u8) -> Vec<u8> {
@@ -334,12 +308,11 @@ mod tests {
         assert_eq!(&bytes[..24], PREFACE);
         let mut rest = &bytes[24..];
         let mut out = Vec::new();
-        while !rest.is_empty() {
-            let len = usize::from(rest[0]) << 16 | usize::from(rest[1]) << 8 | usize::from(rest[2]);
-            let stream = u32::from_be_bytes([rest[5], rest[6], rest[7], rest[8]]);
-            out.push((rest[3], rest[4], stream, rest[9..9 + len].to_vec()));
-            rest = &rest[9 + len..];
+        while let Some(h) = Head::peek(rest) {
+            out.push((h.kind, h.flags, h.stream, rest[9..9 + h.len].to_vec()));
+            rest = &rest[9 + h.len..];
         }
+        assert!(rest.is_empty());
         out
     }
 

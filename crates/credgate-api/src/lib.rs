@@ -65,6 +65,7 @@ pub mod methods {
 pub mod authority;
 pub mod codec;
 pub mod cri;
+pub mod frame;
 pub mod hpack;
 mod redact;
 pub mod trust;

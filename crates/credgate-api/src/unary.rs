@@ -13,39 +13,18 @@ use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::Duration;
 
+use crate::frame::{self, PREFACE};
+
 /// The largest answer accepted, in bytes of gRPC message. Our flow-control windows are opened
 /// this far up front, so the agent never waits for a window update from us.
 pub const MAX_RESPONSE: usize = 1 << 20;
 
 /// The largest request sent: the agent's initial stream window, which we cannot wait for.
 const MAX_REQUEST: usize = 65_535;
-/// The default SETTINGS_MAX_FRAME_SIZE, which we keep: no frame of ours or the agent's is larger.
-const MAX_FRAME: usize = 16_384;
 /// A bound on one header block (HEADERS plus CONTINUATION frames).
 const MAX_HEADER_BLOCK: usize = 64 << 10;
 
-const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 const STREAM: u32 = 1;
-
-mod frame {
-    pub const DATA: u8 = 0;
-    pub const HEADERS: u8 = 1;
-    pub const RST_STREAM: u8 = 3;
-    pub const SETTINGS: u8 = 4;
-    pub const PING: u8 = 6;
-    pub const GOAWAY: u8 = 7;
-    pub const WINDOW_UPDATE: u8 = 8;
-    pub const CONTINUATION: u8 = 9;
-
-    pub const END_STREAM: u8 = 0x1;
-    pub const ACK: u8 = 0x1;
-    pub const END_HEADERS: u8 = 0x4;
-    pub const PADDED: u8 = 0x8;
-    pub const PRIORITY: u8 = 0x20;
-
-    pub const SETTINGS_ENABLE_PUSH: u16 = 0x2;
-    pub const SETTINGS_INITIAL_WINDOW_SIZE: u16 = 0x4;
-}
 
 /// Why a unary call failed. Never carries the answer's bytes.
 #[derive(Debug, thiserror::Error)]
@@ -68,16 +47,6 @@ pub enum CallError {
     /// The answer was not well-formed HTTP/2 or gRPC.
     #[error("malformed answer: {0}")]
     Protocol(&'static str),
-}
-
-/// Appends one HTTP/2 frame (9-byte head, then `payload`) to `out`.
-pub fn put_frame(out: &mut Vec<u8>, kind: u8, flags: u8, stream: u32, payload: &[u8]) {
-    let len = u32::try_from(payload.len()).expect("frames are small");
-    out.extend_from_slice(&len.to_be_bytes()[1..]);
-    out.push(kind);
-    out.push(flags);
-    out.extend_from_slice(&stream.to_be_bytes());
-    out.extend_from_slice(payload);
 }
 
 /// The gRPC length-prefixed message (uncompressed).
@@ -115,25 +84,25 @@ fn request_bytes(method: &str, message: &[u8]) -> Vec<u8> {
         settings.extend_from_slice(&id.to_be_bytes());
         settings.extend_from_slice(&value.to_be_bytes());
     }
-    put_frame(&mut out, frame::SETTINGS, 0, 0, &settings);
+    frame::put(&mut out, frame::SETTINGS, 0, 0, &settings);
     // The connection window starts at 65,535 whatever the settings say: open it as far.
-    put_frame(&mut out, frame::WINDOW_UPDATE, 0, 0, &window.to_be_bytes());
+    frame::put(&mut out, frame::WINDOW_UPDATE, 0, 0, &window.to_be_bytes());
     let headers = request_head(method);
-    put_frame(
+    frame::put(
         &mut out,
         frame::HEADERS,
         frame::END_HEADERS,
         STREAM,
         &headers,
     );
-    let mut chunks = message.chunks(MAX_FRAME).peekable();
+    let mut chunks = message.chunks(frame::MAX_FRAME).peekable();
     if chunks.peek().is_none() {
-        put_frame(&mut out, frame::DATA, frame::END_STREAM, STREAM, &[]);
+        frame::put(&mut out, frame::DATA, frame::END_STREAM, STREAM, &[]);
     }
     while let Some(chunk) = chunks.next() {
         let last = chunks.peek().is_none();
         let flags = if last { frame::END_STREAM } else { 0 };
-        put_frame(&mut out, frame::DATA, flags, STREAM, chunk);
+        frame::put(&mut out, frame::DATA, flags, STREAM, chunk);
     }
     out
 }
@@ -239,18 +208,15 @@ impl<S: Read + Write> Reader<'_, S> {
     fn frame(&mut self) -> Result<(u8, u8, u32, Vec<u8>), CallError> {
         loop {
             let avail = &self.buf[self.start..];
-            if avail.len() >= 9 {
-                let len = u32::from_be_bytes([0, avail[0], avail[1], avail[2]]) as usize;
-                if len > MAX_FRAME {
+            if let Some(head) = frame::Head::peek(avail) {
+                if head.len > frame::MAX_FRAME {
                     return Err(CallError::Protocol("oversized frame"));
                 }
-                if avail.len() >= 9 + len {
-                    let (kind, flags) = (avail[3], avail[4]);
-                    let stream =
-                        u32::from_be_bytes([avail[5], avail[6], avail[7], avail[8]]) & 0x7fff_ffff;
-                    let payload = avail[9..9 + len].to_vec();
-                    self.start += 9 + len;
-                    return Ok((kind, flags, stream, payload));
+                let end = frame::HEAD_LEN + head.len;
+                if let Some(payload) = avail.get(frame::HEAD_LEN..end) {
+                    let payload = payload.to_vec();
+                    self.start += end;
+                    return Ok((head.kind, head.flags, head.stream, payload));
                 }
             }
             self.send_replies()?;
@@ -292,10 +258,10 @@ impl<S: Read + Write> Reader<'_, S> {
             }
             match kind {
                 frame::SETTINGS if stream == 0 && flags & frame::ACK == 0 => {
-                    put_frame(&mut self.replies, frame::SETTINGS, frame::ACK, 0, &[]);
+                    frame::put(&mut self.replies, frame::SETTINGS, frame::ACK, 0, &[]);
                 }
                 frame::PING if flags & frame::ACK == 0 => {
-                    put_frame(&mut self.replies, frame::PING, frame::ACK, 0, &payload);
+                    frame::put(&mut self.replies, frame::PING, frame::ACK, 0, &payload);
                 }
                 frame::GOAWAY => {
                     return Err(CallError::Protocol("the agent closed the connection"))
@@ -304,7 +270,8 @@ impl<S: Read + Write> Reader<'_, S> {
                     return Err(CallError::Protocol("the agent reset the call"))
                 }
                 frame::HEADERS if stream == STREAM => {
-                    let fragment = unpad(&payload, flags, true)?;
+                    let fragment = frame::header_fragment(&payload, flags)
+                        .map_err(|_| CallError::Protocol("frame padding"))?;
                     self.block.clear();
                     self.block_ends_stream = flags & frame::END_STREAM != 0;
                     self.fragment(fragment, flags, &mut answer)?;
@@ -313,7 +280,8 @@ impl<S: Read + Write> Reader<'_, S> {
                     self.fragment(&payload, flags, &mut answer)?;
                 }
                 frame::DATA if stream == STREAM => {
-                    let data = unpad(&payload, flags, false)?;
+                    let data = frame::data(&payload, flags)
+                        .map_err(|_| CallError::Protocol("frame padding"))?;
                     if answer.body.len() + data.len() > MAX_RESPONSE + 5 {
                         return Err(CallError::Protocol("answer too large"));
                     }
@@ -351,29 +319,6 @@ impl<S: Read + Write> Reader<'_, S> {
         answer.ended = self.block_ends_stream;
         Ok(())
     }
-}
-
-/// The payload without padding (and, for HEADERS, without the priority fields).
-fn unpad(payload: &[u8], flags: u8, headers: bool) -> Result<&[u8], CallError> {
-    let bad = CallError::Protocol("frame padding");
-    let (mut body, pad) = if flags & frame::PADDED != 0 {
-        let (&pad, rest) = payload.split_first().ok_or(bad)?;
-        (rest, pad as usize)
-    } else {
-        (payload, 0)
-    };
-    if headers && flags & frame::PRIORITY != 0 {
-        body = body
-            .get(5..)
-            .ok_or(CallError::Protocol("priority fields"))?;
-    }
-    body.get(
-        ..body
-            .len()
-            .checked_sub(pad)
-            .ok_or(CallError::Protocol("frame padding"))?,
-    )
-    .ok_or(CallError::Protocol("frame padding"))
 }
 
 /// Calls `method` (`/credgate.v1.Credentials/Lookup`) once on the socket at `path`; the whole
@@ -516,7 +461,7 @@ mod tests {
         let server = std::thread::spawn(move || {
             let (mut c, _) = listener.accept().unwrap();
             let mut ping = Vec::new();
-            put_frame(&mut ping, frame::PING, 0, 0, b"keepbusy");
+            frame::put(&mut ping, frame::PING, 0, 0, b"keepbusy");
             while !stopped.load(std::sync::atomic::Ordering::Relaxed) {
                 if c.write_all(&ping).is_err() {
                     break;
@@ -609,15 +554,15 @@ mod tests {
     #[test]
     fn a_whole_exchange_with_settings_ping_continuation_and_padding() {
         let mut a = Vec::new();
-        put_frame(&mut a, frame::SETTINGS, 0, 0, &[0, 3, 0, 0, 0, 100]);
-        put_frame(&mut a, frame::PING, 0, 0, b"12345678");
+        frame::put(&mut a, frame::SETTINGS, 0, 0, &[0, 3, 0, 0, 0, 100]);
+        frame::put(&mut a, frame::PING, 0, 0, b"12345678");
         // The first block adds an entry to the dynamic table, which the trailers use: one
         // decoder serves the whole connection.
         let mut head = block(&[(b":status", b"200"), (b"content-type", b"application/grpc")]);
         head.extend_from_slice(b"\x40\x06x-seen\x011");
         let (first, rest) = head.split_at(3);
-        put_frame(&mut a, frame::HEADERS, 0, STREAM, first);
-        put_frame(
+        frame::put(&mut a, frame::HEADERS, 0, STREAM, first);
+        frame::put(
             &mut a,
             frame::CONTINUATION,
             frame::END_HEADERS,
@@ -630,11 +575,11 @@ mod tests {
         let mut padded = vec![3];
         padded.extend_from_slice(&msg);
         padded.extend_from_slice(&[0, 0, 0]);
-        put_frame(&mut a, frame::DATA, frame::PADDED, STREAM, &padded);
-        put_frame(&mut a, frame::WINDOW_UPDATE, 0, 0, &[0, 0, 1, 0]);
+        frame::put(&mut a, frame::DATA, frame::PADDED, STREAM, &padded);
+        frame::put(&mut a, frame::WINDOW_UPDATE, 0, 0, &[0, 0, 1, 0]);
         let mut trailers = block(&[(b"grpc-status", b"0")]);
         trailers.push(0x80 | 62);
-        put_frame(
+        frame::put(
             &mut a,
             frame::HEADERS,
             frame::END_HEADERS | frame::END_STREAM,
@@ -649,8 +594,8 @@ mod tests {
             assert!(sent.starts_with(PREFACE));
             // After the request: a SETTINGS ack and the PING's answer with its payload.
             let mut tail = Vec::new();
-            put_frame(&mut tail, frame::SETTINGS, frame::ACK, 0, &[]);
-            put_frame(&mut tail, frame::PING, frame::ACK, 0, b"12345678");
+            frame::put(&mut tail, frame::SETTINGS, frame::ACK, 0, &[]);
+            frame::put(&mut tail, frame::PING, frame::ACK, 0, b"12345678");
             assert!(sent.ends_with(&tail), "chunk {chunk}");
             let request = request_bytes(
                 crate::methods::HEALTH,
@@ -684,7 +629,7 @@ mod tests {
     fn frames(list: &[(u8, u8, u32, &[u8])]) -> Vec<u8> {
         let mut out = Vec::new();
         for (kind, flags, stream, payload) in list {
-            put_frame(&mut out, *kind, *flags, *stream, payload);
+            frame::put(&mut out, *kind, *flags, *stream, payload);
         }
         out
     }
@@ -765,16 +710,16 @@ mod tests {
         let mut rest = &bytes[PREFACE.len()..];
         let mut data = Vec::new();
         let mut ended = false;
-        while !rest.is_empty() {
-            let len = u32::from_be_bytes([0, rest[0], rest[1], rest[2]]) as usize;
-            assert!(len <= MAX_FRAME);
-            if rest[3] == frame::DATA {
+        while let Some(head) = frame::Head::peek(rest) {
+            assert!(head.len <= frame::MAX_FRAME);
+            if head.kind == frame::DATA {
                 assert!(!ended);
-                data.extend_from_slice(&rest[9..9 + len]);
-                ended = rest[4] & frame::END_STREAM != 0;
+                data.extend_from_slice(&rest[9..9 + head.len]);
+                ended = head.flags & frame::END_STREAM != 0;
             }
-            rest = &rest[9 + len..];
+            rest = &rest[9 + head.len..];
         }
+        assert!(rest.is_empty());
         assert!(ended);
         assert_eq!(data, message);
     }

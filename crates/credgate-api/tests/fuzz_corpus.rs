@@ -15,3 +15,22 @@ fn hpack_block() {
 fn authority_rewrite() {
     replay::replay("authority_rewrite", checks_api::authority_rewrite);
 }
+
+/// The check's own reader of representations refuses what indexes, and reads what the
+/// encoder writes.
+#[test]
+fn literals_only_tells_indexing_representations_apart() {
+    let ours = credgate_api::hpack::encode([(&b":path"[..], &b"/x"[..]), (b"a", b"b")]);
+    assert!(checks_api::literals_only(&ours));
+    assert!(checks_api::literals_only(b""));
+    // Indexed (:method GET), incremental indexing, a table size update.
+    for bad in [&b"\x82"[..], b"\x41\x01a", b"\x20"] {
+        assert!(!checks_api::literals_only(bad), "{bad:?}");
+    }
+    // A literal whose value runs past the block.
+    assert!(!checks_api::literals_only(b"\x00\x01a\x05b"));
+    // After a good literal, an indexing one.
+    let mut mixed = ours.clone();
+    mixed.push(0x82);
+    assert!(!checks_api::literals_only(&mixed));
+}

@@ -18,7 +18,8 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use credgate_api::unary::{grpc_message, put_frame as frame, request_head};
+use credgate_api::frame::{put as frame, DATA, END_HEADERS, END_STREAM, HEADERS};
+use credgate_api::unary::{grpc_message, request_head};
 use credgate_api::v1::{self as pb};
 use prost::Message;
 
@@ -332,28 +333,33 @@ fn endless_registry(
     }
 }
 
-const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
-
 /// The preface and SETTINGS announcing the largest window a client may choose.
 fn greedy_preface(out: &mut Vec<u8>) {
-    out.extend_from_slice(PREFACE);
+    out.extend_from_slice(credgate_api::frame::PREFACE);
     let mut settings = Vec::new();
-    settings.extend_from_slice(&4u16.to_be_bytes()); // INITIAL_WINDOW_SIZE
+    settings.extend_from_slice(&credgate_api::frame::SETTINGS_INITIAL_WINDOW_SIZE.to_be_bytes());
     settings.extend_from_slice(&0x7fff_ffffu32.to_be_bytes());
-    frame(out, 4, 0, 0, &settings);
-    frame(out, 8, 0, 0, &0x7fff_0000u32.to_be_bytes()); // connection WINDOW_UPDATE
+    frame(out, credgate_api::frame::SETTINGS, 0, 0, &settings);
+    // The connection's window.
+    frame(
+        out,
+        credgate_api::frame::WINDOW_UPDATE,
+        0,
+        0,
+        &0x7fff_0000u32.to_be_bytes(),
+    );
 }
 
 /// One call on stream 1, as bytes (the body may be far over the agent's limits).
 fn one_call(method: &str, message: &impl Message) -> Vec<u8> {
     let mut out = Vec::new();
     greedy_preface(&mut out);
-    frame(&mut out, 1, 0x4, 1, &request_head(method));
+    frame(&mut out, HEADERS, END_HEADERS, 1, &request_head(method));
     let body = grpc_message(message);
     let mut chunks = body.chunks(16_384).peekable();
     while let Some(c) = chunks.next() {
         let flags = if chunks.peek().is_none() { 0x1 } else { 0 };
-        frame(&mut out, 0, flags, 1, c);
+        frame(&mut out, DATA, flags, 1, c);
     }
     out
 }
@@ -366,8 +372,8 @@ fn watch_streams(watch: &pb::WatchRequest, streams: u32) -> Vec<u8> {
     let body = grpc_message(watch);
     for i in 0..streams {
         let id = 1 + 2 * i;
-        frame(&mut out, 1, 0x4, id, &head);
-        frame(&mut out, 0, 0x1, id, &body);
+        frame(&mut out, HEADERS, END_HEADERS, id, &head);
+        frame(&mut out, DATA, END_STREAM, id, &body);
     }
     out
 }

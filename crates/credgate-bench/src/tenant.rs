@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
-use credgate_api::unary::put_frame;
+use credgate_api::frame;
 use credgate_api::v1::credentials_client::CredentialsClient;
 use credgate_api::v1::image_access_client::ImageAccessClient;
 use credgate_api::v1::{self as pb};
@@ -104,11 +104,11 @@ pub fn own_uid() -> u32 {
 
 /// Connections that look alive to HTTP/2 (PINGs) but never make a request.
 fn pings(socket: &Path, n: usize, until: Instant) -> serde_json::Value {
-    let mut hello = Vec::from(&b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"[..]);
-    put_frame(&mut hello, 4, 0, 0, &[]); // SETTINGS
-    put_frame(&mut hello, 4, 1, 0, &[]); // ACK of the agent's SETTINGS
+    let mut hello = frame::PREFACE.to_vec();
+    frame::put(&mut hello, frame::SETTINGS, 0, 0, &[]);
+    frame::put(&mut hello, frame::SETTINGS, frame::ACK, 0, &[]);
     let mut ping = Vec::new();
-    put_frame(&mut ping, 6, 0, 0, &[7; 8]);
+    frame::put(&mut ping, frame::PING, 0, 0, &[7; 8]);
     let (mut opened, mut refused, mut held_max) = (0u64, 0u64, 0usize);
     let mut held: Vec<UnixStream> = Vec::new();
     let mut last_ping = Instant::now();
