@@ -11,8 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use credgate_api::authority::Rewriter;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncRead, ReadBuf};
 
 /// How long accepting pauses after an error that is not the client's (too many open files):
 /// retrying at once would spin.
@@ -276,123 +275,74 @@ impl Activity {
     }
 }
 
-/// The IO of an HTTP/2 server connection: it remembers how much its peer sent and when, and
-/// hands the server the peer's bytes with every request's `:authority` made acceptable to `h2`
-/// (`credgate_api::authority`: clients on a unix socket send the socket's path there).
-pub struct Watched<T> {
+/// A connection's IO that counts what its peer sent into its [`Activity`].
+pub struct Counted<T> {
     io: T,
     activity: Arc<Activity>,
-    rewriter: Option<Rewriter>,
-    /// Rewritten bytes the server has not read yet, from `at`.
-    out: Vec<u8>,
-    at: usize,
 }
 
-impl<T> Watched<T> {
-    /// `max_block`: for an HTTP/2 server, the largest header block the peer may send, as
-    /// sent or as decoded (its `:authority` is rewritten); `None` for other protocols.
-    pub fn new(io: T, activity: Arc<Activity>, max_block: Option<usize>) -> Self {
-        Watched {
-            io,
-            activity,
-            rewriter: max_block.map(Rewriter::new),
-            out: Vec::new(),
-            at: 0,
-        }
+impl<T> Counted<T> {
+    pub fn new(io: T, activity: Arc<Activity>) -> Self {
+        Counted { io, activity }
     }
 }
 
-/// What one read from the peer takes at most when its bytes are rewritten.
-const READ_CHUNK: usize = 8 << 10;
-
-impl<T: AsyncRead + Unpin> AsyncRead for Watched<T> {
+impl<T: AsyncRead + Unpin> AsyncRead for Counted<T> {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        let this = &mut *self;
-        if buf.remaining() == 0 {
-            return Poll::Ready(Ok(()));
-        }
-        loop {
-            if this.at < this.out.len() {
-                let n = buf.remaining().min(this.out.len() - this.at);
-                buf.put_slice(&this.out[this.at..this.at + n]);
-                this.at += n;
-                if this.at == this.out.len() {
-                    this.out.clear();
-                    this.at = 0;
-                    if this.out.capacity() > 4 * READ_CHUNK {
-                        this.out = Vec::new();
-                    }
-                }
-                return Poll::Ready(Ok(()));
-            }
-            let Some(rewriter) = this.rewriter.as_mut() else {
-                let before = buf.filled().len();
-                std::task::ready!(Pin::new(&mut this.io).poll_read(cx, buf))?;
-                this.activity.read(buf.filled().len() - before);
-                return Poll::Ready(Ok(()));
-            };
-            let mut chunk = [0u8; READ_CHUNK];
-            // Bytes that pass unchanged (the preface, DATA and the like) go straight on.
-            let passing = rewriter.passing();
-            let limit = if passing > 0 {
-                passing.min(buf.remaining())
-            } else {
-                READ_CHUNK
-            }
-            .min(READ_CHUNK);
-            let mut read = ReadBuf::new(&mut chunk[..limit]);
-            std::task::ready!(Pin::new(&mut this.io).poll_read(cx, &mut read))?;
-            let n = read.filled().len();
-            this.activity.read(n);
-            if n == 0 {
-                return Poll::Ready(Ok(()));
-            }
-            if passing > 0 {
-                buf.put_slice(read.filled());
-                rewriter.passed(n);
-                return Poll::Ready(Ok(()));
-            }
-            if let Err(e) = rewriter.feed(read.filled(), &mut this.out) {
-                tracing::debug!(error = %e, "closing a connection: its HTTP/2 frames cannot be passed on");
-                return Poll::Ready(Err(io::Error::new(io::ErrorKind::InvalidData, e)));
-            }
-        }
+        let before = buf.filled().len();
+        std::task::ready!(Pin::new(&mut self.io).poll_read(cx, buf))?;
+        self.activity.read(buf.filled().len() - before);
+        Poll::Ready(Ok(()))
     }
 }
 
-impl<T: AsyncWrite + Unpin> AsyncWrite for Watched<T> {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        data: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write(cx, data)
-    }
+forward_write!(Counted);
 
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
-    }
+/// `AsyncWrite` for a wrapper whose field `io` is written unchanged.
+macro_rules! forward_write {
+    ($wrapper:ident) => {
+        impl<T: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for $wrapper<T> {
+            fn poll_write(
+                mut self: std::pin::Pin<&mut Self>,
+                cx: &mut std::task::Context<'_>,
+                data: &[u8],
+            ) -> std::task::Poll<std::io::Result<usize>> {
+                std::pin::Pin::new(&mut self.io).poll_write(cx, data)
+            }
 
-    fn is_write_vectored(&self) -> bool {
-        self.io.is_write_vectored()
-    }
+            fn poll_write_vectored(
+                mut self: std::pin::Pin<&mut Self>,
+                cx: &mut std::task::Context<'_>,
+                bufs: &[std::io::IoSlice<'_>],
+            ) -> std::task::Poll<std::io::Result<usize>> {
+                std::pin::Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+            }
 
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.io).poll_flush(cx)
-    }
+            fn is_write_vectored(&self) -> bool {
+                self.io.is_write_vectored()
+            }
 
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.io).poll_shutdown(cx)
-    }
+            fn poll_flush(
+                mut self: std::pin::Pin<&mut Self>,
+                cx: &mut std::task::Context<'_>,
+            ) -> std::task::Poll<std::io::Result<()>> {
+                std::pin::Pin::new(&mut self.io).poll_flush(cx)
+            }
+
+            fn poll_shutdown(
+                mut self: std::pin::Pin<&mut Self>,
+                cx: &mut std::task::Context<'_>,
+            ) -> std::task::Poll<std::io::Result<()>> {
+                std::pin::Pin::new(&mut self.io).poll_shutdown(cx)
+            }
+        }
+    };
 }
+pub(crate) use forward_write;
 
 /// Raises the soft limit of open descriptors to the hard one and returns it, so that the
 /// connection budgets can be checked against what the process may really open.
@@ -468,16 +418,24 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn watched_io_counts_what_it_reads() {
+    async fn counted_io_counts_what_it_reads_and_bytes_are_no_request() {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let (a, mut b) = tokio::io::duplex(64);
         let activity = Activity::new();
-        let mut w = Watched::new(a, activity.clone(), None);
+        let mut w = Counted::new(a, activity.clone());
         assert_eq!(activity.bytes(), 0);
+        std::thread::sleep(Duration::from_millis(30));
         b.write_all(b"hello").await.unwrap();
         let mut buf = [0u8; 5];
         w.read_exact(&mut buf).await.unwrap();
         assert_eq!(activity.bytes(), 5);
-        assert!(activity.quiet_for() <= activity.age());
+        // Bytes alone leave the connection quiet since it opened; a request ends that.
+        assert!(activity.quiet_for() >= Duration::from_millis(30));
+        activity.requested();
+        assert!(activity.quiet_for() < Duration::from_millis(30));
+        w.write_all(b"back").await.unwrap();
+        let mut back = [0u8; 4];
+        b.read_exact(&mut back).await.unwrap();
+        assert_eq!(&back, b"back");
     }
 }

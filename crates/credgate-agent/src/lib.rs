@@ -19,6 +19,7 @@ pub mod node;
 pub mod pulls;
 pub mod refusal;
 pub mod renewal;
+mod rewrite;
 pub mod saved_cache;
 pub mod server;
 pub mod socket;

@@ -280,10 +280,9 @@ impl<L: Accept> Listener<L> {
         B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
         TokioExecutor: hyper::rt::bounds::Http2ServerConnExec<S::Future, B>,
     {
-        let io = hyper_util::rt::TokioIo::new(conn::Watched::new(
-            accepted.stream,
-            tracker.activity.clone(),
-            Some(4 * max_header_list as usize),
+        let io = hyper_util::rt::TokioIo::new(crate::rewrite::Rewritten::new(
+            conn::Counted::new(accepted.stream, tracker.activity.clone()),
+            4 * max_header_list as usize,
         ));
         let connection = builder.serve_connection(io, service);
         let task = drive(

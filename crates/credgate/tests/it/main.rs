@@ -14,5 +14,6 @@ mod deploy;
 mod e2e;
 mod guard_agent;
 mod guard_e2e;
+mod hpack;
 mod policy;
 mod rotation;

@@ -54,19 +54,24 @@ fn clients_dir() -> PathBuf {
 /// Builds the grpc-go client into `dir` (Go's build cache under the target directory makes a
 /// second build a link).
 pub fn build_go(dir: &Path) -> PathBuf {
+    build_go_program(dir, "grpccall")
+}
+
+/// Builds `tests/clients/NAME.go` into `dir/NAME` against Debian's Go packages.
+pub fn build_go_program(dir: &Path, name: &str) -> PathBuf {
     credgate_testbed::require("go");
     let gopath = Path::new("/usr/share/gocode");
     assert!(
         gopath.join("src/google.golang.org/grpc").is_dir(),
         "grpc-go is required: apt-get install -y golang-go golang-google-grpc-dev (scripts/test does this as root)"
     );
-    let out = dir.join("grpccall");
+    let out = dir.join(name);
     let cache = Path::new(env!("CARGO_TARGET_TMPDIR")).join("go-build-cache");
     credgate_testbed::run(
         Command::new("go")
             .args(["build", "-o"])
             .arg(&out)
-            .arg(clients_dir().join("grpccall.go"))
+            .arg(clients_dir().join(format!("{name}.go")))
             .env("GOPATH", gopath)
             .env("GO111MODULE", "off")
             .env("GOFLAGS", "")
