@@ -223,7 +223,7 @@ fn respond(
         request,
         answer.failures.first().map(|f| f.message.clone()),
         &auth,
-        bridge::parse_key_type(&answer.cache_key_type).unwrap_or(CacheKeyType::Image),
+        answer.cache_key_type.parse().unwrap_or(CacheKeyType::Image),
         Duration::from_millis(answer.cache_for_ms.max(0).unsigned_abs()).min(max_cache),
     )
 }

@@ -10,7 +10,7 @@ use std::time::Duration;
 use secrecy::{ExposeSecret, SecretString};
 use serde::{Deserialize, Serialize};
 
-use super::CacheKeyType;
+use super::{CacheKeyType, REQUEST_KIND, RESPONSE_KIND};
 use crate::config::WireVersion;
 use crate::duration::GoDuration;
 
@@ -51,7 +51,7 @@ pub enum RequestError {
     TooLarge,
     #[error("the request on stdin is not a JSON object (line {line}, column {column})")]
     Malformed { line: usize, column: usize },
-    #[error("the request's kind is not CredentialProviderRequest")]
+    #[error("the request's kind is not {REQUEST_KIND}")]
     WrongKind,
     #[error("the request's apiVersion is not one of credentialprovider.kubelet.k8s.io/v1alpha1, v1beta1, v1")]
     UnknownVersion,
@@ -83,7 +83,7 @@ pub fn decode_request(input: &[u8]) -> Result<KubeletRequest, RequestError> {
         line: e.line(),
         column: e.column(),
     })?;
-    if raw.kind != "CredentialProviderRequest" {
+    if raw.kind != REQUEST_KIND {
         return Err(RequestError::WrongKind);
     }
     let api_version = WireVersion::parse(&raw.api_version).ok_or(RequestError::UnknownVersion)?;
@@ -203,7 +203,7 @@ pub fn encode_response(
     // Go durations: whole milliseconds are enough for a cache.
     let ms = i64::try_from(cache_for.as_millis()).unwrap_or(i64::MAX / 1_000_000);
     let raw = RawResponse {
-        kind: "CredentialProviderResponse",
+        kind: RESPONSE_KIND,
         api_version: version.as_str(),
         cache_key_type: key_type.as_str(),
         cache_duration: GoDuration(ms.saturating_mul(1_000_000)).to_string(),
@@ -212,16 +212,6 @@ pub fn encode_response(
     let mut out = serde_json::to_vec(&raw).expect("a response serializes");
     out.push(b'\n');
     out
-}
-
-/// Reads a `cacheKeyType` as the agent reports it.
-pub fn parse_key_type(s: &str) -> Option<CacheKeyType> {
-    match s {
-        "Image" => Some(CacheKeyType::Image),
-        "Registry" => Some(CacheKeyType::Registry),
-        "Global" => Some(CacheKeyType::Global),
-        _ => None,
-    }
 }
 
 #[cfg(test)]

@@ -20,8 +20,9 @@ use serde::{Deserialize, Serialize};
 use crate::config::WireVersion;
 use crate::duration::GoDuration;
 
-const REQUEST_KIND: &str = "CredentialProviderRequest";
-const RESPONSE_KIND: &str = "CredentialProviderResponse";
+/// The `kind` of a request and of a response.
+pub(crate) const REQUEST_KIND: &str = "CredentialProviderRequest";
+pub(crate) const RESPONSE_KIND: &str = "CredentialProviderResponse";
 
 /// What a plugin is asked.
 pub struct Request<'a> {
@@ -71,12 +72,35 @@ pub enum CacheKeyType {
 }
 
 impl CacheKeyType {
+    pub const ALL: [CacheKeyType; 3] = [
+        CacheKeyType::Image,
+        CacheKeyType::Registry,
+        CacheKeyType::Global,
+    ];
+
+    /// Its name on the wire (`cacheKeyType`), in the agent's API and in saved caches.
     pub fn as_str(self) -> &'static str {
         match self {
             CacheKeyType::Image => "Image",
             CacheKeyType::Registry => "Registry",
             CacheKeyType::Global => "Global",
         }
+    }
+}
+
+/// A name that is not a cache key type (they are case-sensitive).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("not a cache key type (Image, Registry or Global)")]
+pub struct UnknownCacheKeyType;
+
+impl std::str::FromStr for CacheKeyType {
+    type Err = UnknownCacheKeyType;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        CacheKeyType::ALL
+            .into_iter()
+            .find(|k| k.as_str() == s)
+            .ok_or(UnknownCacheKeyType)
     }
 }
 
@@ -157,12 +181,11 @@ pub fn decode_response(stdout: &[u8], expected: WireVersion) -> Result<Response,
             expected: expected.as_str(),
         });
     }
-    let cache_key_type = match key_type.as_ref().and_then(Loose::as_str) {
-        Some("Image") => CacheKeyType::Image,
-        Some("Registry") => CacheKeyType::Registry,
-        Some("Global") => CacheKeyType::Global,
-        _ => return Err(ResponseError::InvalidCacheKeyType),
-    };
+    let cache_key_type = key_type
+        .as_ref()
+        .and_then(Loose::as_str)
+        .and_then(|s| s.parse().ok())
+        .ok_or(ResponseError::InvalidCacheKeyType)?;
     let cache_duration = match duration {
         None | Some(Loose::Null) => None,
         Some(Loose::Str(s)) => {
@@ -460,5 +483,15 @@ mod tests {
             r#"{{"kind":"CredentialProviderResponse","apiVersion":"{V1}","cacheKeyType":"Image","auth":{{"a":{{"password":"{secret}"}}}}}}"#
         ));
         assert!(!format!("{r:?}").contains(secret));
+    }
+
+    #[test]
+    fn cache_key_types_parse_as_they_print_and_only_so() {
+        for k in CacheKeyType::ALL {
+            assert_eq!(k.as_str().parse::<CacheKeyType>(), Ok(k));
+        }
+        for bad in ["image", "GLOBAL", "", "Image "] {
+            assert_eq!(bad.parse::<CacheKeyType>(), Err(UnknownCacheKeyType));
+        }
     }
 }
