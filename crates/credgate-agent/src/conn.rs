@@ -115,7 +115,8 @@ impl Slots {
     }
 
     /// Connections holding a slot now.
-    pub fn in_use(&self) -> usize {
+    #[cfg(test)]
+    fn in_use(&self) -> usize {
         lock(&self.inner.state).total
     }
 }

@@ -204,10 +204,6 @@ impl<L: Accept> Listener<L> {
         self
     }
 
-    pub fn limits(&self) -> &ListenerLimits {
-        &self.limits
-    }
-
     /// The next connection that may stay; `None` once `shutdown` is cancelled. Refused ones are
     /// closed here, holding nothing, and counted.
     pub async fn next(&mut self, shutdown: &CancellationToken) -> Option<Accepted<L::Stream>> {

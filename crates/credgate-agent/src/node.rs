@@ -16,7 +16,7 @@ use crate::captured::Captured;
 use crate::guard::registry::RegistryOptions;
 use crate::socket::{self, SocketAccess, SocketError, SocketId};
 use crate::tasks::Tasks;
-use crate::{metrics, server, Agent, AgentOptions, SourceError};
+use crate::{metrics, scrape, server, Agent, AgentOptions, SourceError};
 
 /// The CRI image-service proxy, when it runs.
 #[derive(Debug, Clone)]
@@ -94,7 +94,7 @@ fn fit_open_files(mut limits: server::Limits, proxy: bool) -> server::Limits {
     let room = usize::try_from(nofile)
         .unwrap_or(usize::MAX)
         .saturating_sub(
-            RESERVED_DESCRIPTORS + metrics::MetricsLimits::default().max_connections + proxy,
+            RESERVED_DESCRIPTORS + scrape::MetricsLimits::default().max_connections + proxy,
         );
     let wanted = limits.max_connections.max(1);
     if wanted > room {
@@ -220,14 +220,14 @@ impl Node {
         let local = listener.local_addr().unwrap_or(addr);
         tracing::info!(addr = %local, "serving metrics at /metrics");
         let scraped = agent.clone();
-        let render: metrics::Render = Arc::new(move || {
+        let render: scrape::Render = Arc::new(move || {
             scraped.refresh_gauges();
             metrics::render(scraped.registry())
         });
-        agent.tasks().spawn(metrics::serve(
+        agent.tasks().spawn(scrape::serve(
             listener,
             render,
-            metrics::MetricsLimits::default(),
+            scrape::MetricsLimits::default(),
             agent.metrics().clone(),
             agent.tasks().token().clone(),
         ));

@@ -84,7 +84,7 @@ pub enum Refused {
     /// A docker config entry: reported only.
     Reported,
     /// Refused within [`HOLDOFF`] already: nothing more.
-    AlreadyRefused,
+    Recently,
     /// No source of the agent gave it: nothing.
     NotGiven,
 }
@@ -95,7 +95,7 @@ impl Refused {
             Refused::Dropped(_) => "dropped",
             Refused::Forgotten => "forgotten",
             Refused::Reported => "reported",
-            Refused::AlreadyRefused => "already_refused",
+            Refused::Recently => "already_refused",
             Refused::NotGiven => "not_given",
         }
     }
@@ -320,7 +320,7 @@ pub async fn refuse(
     // Nothing is dropped again within the hold-off: a plugin that answers the same refused
     // credential once more is not run again for every pull that carries it.
     if refusals.recently_refused(&fp, now) {
-        return Refused::AlreadyRefused;
+        return Refused::Recently;
     }
     let why = format!("refused by the registry ({seen} of {image})");
     let mut dropped = Vec::new();
@@ -341,7 +341,7 @@ pub async fn refuse(
         .and_then(|t| t.duration_since(agent.clock().wall()).ok())
         .map_or(now + DEFAULT_MEMORY, |left| now + left);
     if !refusals.note(fp, primary, now, until) {
-        return Refused::AlreadyRefused;
+        return Refused::Recently;
     }
     for g in given {
         agent.metrics().refused(g.label());
@@ -446,7 +446,7 @@ pub enum Report {
     /// Not a credential the agent gives for the image: nothing changes.
     NotGiven,
     /// Refused already within [`HOLDOFF`].
-    AlreadyRefused,
+    Recently,
     /// The registry could not be asked: nothing changes.
     Unreachable(String),
 }
@@ -458,7 +458,7 @@ impl Report {
             Report::Refused(_) => "refused",
             Report::Accepted => "accepted",
             Report::NotGiven => "not_given",
-            Report::AlreadyRefused => "already_refused",
+            Report::Recently => "already_refused",
             Report::Unreachable(_) => "unreachable",
         }
     }
@@ -491,7 +491,7 @@ pub async fn report(
             break 'outcome Report::NotGiven;
         }
         if refusals.recently_refused(&fp, now) {
-            break 'outcome Report::AlreadyRefused;
+            break 'outcome Report::Recently;
         }
         if refusals.recently_accepted(&fp, now) {
             break 'outcome Report::Accepted;

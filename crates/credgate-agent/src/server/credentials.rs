@@ -31,7 +31,7 @@ impl Credentials for Api {
                 Report::Refused(Refused::Reported) => {
                     "the registry refuses it: it comes from a docker config file, which credgate does not change; update that file".into()
                 }
-                Report::Refused(Refused::AlreadyRefused) | Report::AlreadyRefused => {
+                Report::Refused(Refused::Recently) | Report::Recently => {
                     "refused already; Lookup gives the source's new answer".into()
                 }
                 Report::Refused(Refused::NotGiven) | Report::NotGiven => {

@@ -26,8 +26,6 @@ mod credentials;
 mod http;
 mod image_access;
 
-pub use image_access::record as wire_record;
-
 use crate::agent::{Agent, CallerAllowlist, Service};
 
 /// Milliseconds since the Unix epoch; 0 for `None` or times before it.
@@ -111,8 +109,7 @@ fn service_account(sa: pb::ServiceAccount) -> Result<ServiceAccount, Status> {
     })
 }
 
-pub use crate::error_chain;
-pub use crate::listener::Peer;
+use crate::listener::Peer;
 
 /// An answer with no credential and no failure says why, source by source (`explain`).
 fn with_reasons(

@@ -425,13 +425,13 @@ async fn a_uid_no_service_admits_is_closed_at_once() {
 /// send no request head are closed at the header deadline, and a scrape still works.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_metrics_listener_bounds_idle_connections() {
-    use credgate_agent::metrics::{self, MetricsLimits};
+    use credgate_agent::scrape::{self, MetricsLimits};
     use std::net::TcpStream;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let stop = tokio_util::sync::CancellationToken::new();
     let counters = credgate_agent::metrics::AgentMetrics::default();
-    let served = tokio::spawn(metrics::serve(
+    let served = tokio::spawn(scrape::serve(
         listener,
         std::sync::Arc::new(|| "# EOF\n".to_owned()),
         MetricsLimits {
