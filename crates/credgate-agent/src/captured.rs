@@ -2,27 +2,38 @@
 //! per image repository so that consumers that fetch layers after the pull (lazy-pull
 //! snapshotters) get them, and sealed in the state directory so that they survive restarts.
 //!
-//! The file (`captured.sealed`, 0600) is ChaCha20-Poly1305 under a key derived from the node
-//! key: a lost or replaced node key makes it unreadable, and then it is discarded with a
-//! warning, never served as garbage. It is written, fsynced and renamed into place before the
-//! proxy answers the pull.
+//! The file (`captured.sealed`, 0600) is a [`crate::state::sealed`] file (`CGCAPTR\n`,
+//! version 2) of a JSON body, under a key derived from the node key: a lost or replaced node
+//! key makes it unreadable, and then it is discarded with a warning, never served as garbage.
+//! It is written, fsynced and renamed into place before the proxy answers the pull. A file of
+//! version 1 (`CGCAPT1\n`, its header not bound to the body) is read once and written again
+//! in version 2.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use chacha20poly1305::aead::{Aead, AeadCore, KeyInit, OsRng};
-use chacha20poly1305::{ChaCha20Poly1305, Key, Nonce};
+use chacha20poly1305::aead::Aead;
+use chacha20poly1305::Nonce;
 use secrecy::{ExposeSecret, SecretString};
 use serde::{Deserialize, Serialize};
 use zeroize::Zeroizing;
 
-use crate::guard::keys::NodeKey;
+use crate::state::key::NodeKey;
+use crate::state::sealed::{self, Kind, Sealed};
 
-const MAGIC: &[u8; 8] = b"CGCAPT1\n";
-const FILE: &str = "captured.sealed";
-const KEY_LABEL: &[u8] = b"captured pull credentials v1";
+const KIND: Kind = Kind {
+    file: "captured.sealed",
+    magic: b"CGCAPTR\n",
+    version: 2,
+    label: b"captured pull credentials v1",
+    max: MAX_FILE,
+};
+const FILE: &str = KIND.file;
+/// Version 1's magic: then came the node key's id, the nonce and the sealed body, the header
+/// not bound to it.
+const MAGIC_V1: &[u8; 8] = b"CGCAPT1\n";
 
 /// One captured credential.
 #[derive(Clone)]
@@ -97,6 +108,27 @@ pub enum CaptureError {
     TooLarge(usize),
 }
 
+/// The credentials of a sealed body.
+fn entries(plain: &[u8]) -> Option<BTreeMap<String, Credential>> {
+    let stored: Vec<Stored> = serde_json::from_slice(plain).ok()?;
+    Some(
+        stored
+            .into_iter()
+            .map(|s| {
+                (
+                    s.repository,
+                    Credential {
+                        namespace: s.namespace,
+                        username: s.username,
+                        password: SecretString::from(s.password),
+                        captured_ms: s.captured_ms,
+                    },
+                )
+            })
+            .collect(),
+    )
+}
+
 /// The most one captured credential may take as it is stored (username, password, namespace
 /// and repository, encoded: a control character takes six bytes there): the CRI's fields are
 /// small, and registry tokens a few KiB at most.
@@ -109,9 +141,7 @@ pub const MAX_ENTRIES_PER_NAMESPACE: usize = MAX_ENTRIES / 4;
 
 /// The captured credentials, by normalized repository (`registry.example.com/team/app`).
 pub struct Captured {
-    dir: PathBuf,
-    key: Zeroizing<[u8; 32]>,
-    key_id: u32,
+    sealed: Sealed,
     max_age: Option<Duration>,
     max_entries: usize,
     /// The agent's clock (ages of captures).
@@ -139,9 +169,7 @@ impl Captured {
         let node = NodeKey::load_or_create(state_dir)
             .map_err(|e| CaptureError::Key(crate::error_chain(&e)))?;
         let captured = Captured {
-            dir: state_dir.to_owned(),
-            key: node.derive(KEY_LABEL),
-            key_id: node.id(),
+            sealed: Sealed::new(state_dir, KIND, &node),
             max_age,
             max_entries: MAX_ENTRIES,
             clock: std::sync::Arc::new(credgate_engine::clock::SystemClock::new()),
@@ -150,21 +178,25 @@ impl Captured {
             changes: tokio::sync::watch::Sender::new(0),
         };
         let path = captured.path();
-        match crate::state::read_capped(&path, MAX_FILE) {
-            Ok(Some(bytes)) => match captured.unseal(&bytes) {
+        match captured.sealed.read() {
+            sealed::Read::Body(body) => match entries(&body) {
                 Some(entries) => *captured.lock() = entries,
-                None => {
-                    tracing::warn!(
-                        path = %path.display(),
-                        "captured pull credentials sealed under another node key (or damaged): discarded"
-                    );
-                    let _ = std::fs::remove_file(&path);
-                }
+                None => captured.discard_unreadable(),
             },
-            Ok(None) => {}
+            sealed::Read::Unreadable => match captured.read_v1() {
+                Some(entries) => {
+                    tracing::info!(path = %path.display(), "captured pull credentials of format version 1: written again in version 2");
+                    if let Err(e) = captured.persist(&entries) {
+                        tracing::warn!(error = %e, "cannot write the captured pull credentials in version 2; version 1 is read again at the next start");
+                    }
+                    *captured.lock() = entries;
+                }
+                None => captured.discard_unreadable(),
+            },
+            sealed::Read::Absent => {}
             // Nothing is served from it; the next capture replaces it (a rename replaces a
             // link or a FIFO, never writes through it).
-            Err(why) => tracing::warn!(
+            sealed::Read::Refused(why) => tracing::warn!(
                 path = %path.display(),
                 error = %why,
                 "captured pull credentials refused: nothing is served from the file"
@@ -175,46 +207,38 @@ impl Captured {
     }
 
     fn path(&self) -> PathBuf {
-        self.dir.join(FILE)
+        self.sealed.path()
+    }
+
+    fn discard_unreadable(&self) {
+        let path = self.path();
+        tracing::warn!(
+            path = %path.display(),
+            "captured pull credentials sealed under another node key (or damaged): discarded"
+        );
+        let _ = std::fs::remove_file(&path);
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Credential>> {
         self.by_repository.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn cipher(&self) -> ChaCha20Poly1305 {
-        ChaCha20Poly1305::new(Key::from_slice(&*self.key))
-    }
-
-    fn unseal(&self, bytes: &[u8]) -> Option<BTreeMap<String, Credential>> {
-        let rest = bytes.strip_prefix(MAGIC)?;
+    /// The entries of a version-1 file sealed under this node key.
+    fn read_v1(&self) -> Option<BTreeMap<String, Credential>> {
+        let bytes = crate::state::read_capped(&self.path(), MAX_FILE).ok()??;
+        let rest = bytes.strip_prefix(MAGIC_V1)?;
         let (id, rest) = rest.split_at_checked(4)?;
-        if u32::from_be_bytes(id.try_into().ok()?) != self.key_id {
+        if u32::from_be_bytes(id.try_into().ok()?) != self.sealed.key_id() {
             return None;
         }
-        let (nonce, sealed) = rest.split_at_checked(12)?;
+        let (nonce, body) = rest.split_at_checked(12)?;
         let plain = Zeroizing::new(
-            self.cipher()
-                .decrypt(Nonce::from_slice(nonce), sealed)
+            self.sealed
+                .cipher()
+                .decrypt(Nonce::from_slice(nonce), body)
                 .ok()?,
         );
-        let stored: Vec<Stored> = serde_json::from_slice(&plain).ok()?;
-        Some(
-            stored
-                .into_iter()
-                .map(|s| {
-                    (
-                        s.repository,
-                        Credential {
-                            namespace: s.namespace,
-                            username: s.username,
-                            password: SecretString::from(s.password),
-                            captured_ms: s.captured_ms,
-                        },
-                    )
-                })
-                .collect(),
-        )
+        entries(&plain)
     }
 
     /// Seals `entries` and replaces the file: written, fsynced, renamed, the directory fsynced.
@@ -229,29 +253,12 @@ impl Captured {
         }
         // Never a file the reader refuses (every entry was checked at capture; this is the
         // last guard, and refuses the write instead of losing every tenant's captures).
-        if (plain.len() + SEAL_OVERHEAD) as u64 > MAX_FILE {
-            return Err(CaptureError::Write {
+        self.sealed
+            .write(&plain)
+            .map_err(|error| CaptureError::Write {
                 path: self.path(),
-                error: std::io::Error::other(format!(
-                    "{} bytes would exceed the file's {MAX_FILE}-byte limit",
-                    plain.len() + SEAL_OVERHEAD
-                )),
-            });
-        }
-        let nonce = ChaCha20Poly1305::generate_nonce(&mut OsRng);
-        let sealed = self
-            .cipher()
-            .encrypt(&nonce, plain.as_slice())
-            .expect("sealing a buffer cannot fail");
-        crate::state::write_atomically(
-            &self.dir,
-            FILE,
-            &[MAGIC, &self.key_id.to_be_bytes(), &nonce, &sealed],
-        )
-        .map_err(|error| CaptureError::Write {
-            path: self.path(),
-            error,
-        })
+                error: error.into(),
+            })
     }
 
     /// Tells the age of captures by `clock` (the agent's) instead of the system's.
@@ -435,9 +442,6 @@ fn stored_size(repository: &str, c: &Credential) -> usize {
 /// refuse it.
 pub const MAX_FILE: u64 = 16 << 20;
 
-/// The header, nonce and tag a sealed body is wrapped in.
-const SEAL_OVERHEAD: usize = 8 + 4 + 12 + 16;
-
 /// A credential as `PullImage.auth` carries it: username and password, `auth` (base64 of
 /// `user:password`), an identity token or a registry token.
 pub fn from_auth(
@@ -524,6 +528,40 @@ mod tests {
         assert!(!dir.path().join(FILE).exists());
     }
 
+    /// A file of version 1 (the header not bound to the body) is read once and written again
+    /// in version 2; one of another node key is still discarded.
+    #[test]
+    fn a_version_1_file_is_read_and_written_again_in_version_2() {
+        use chacha20poly1305::aead::{AeadCore, KeyInit, OsRng};
+        use chacha20poly1305::{ChaCha20Poly1305, Key};
+        let dir = private_dir();
+        let node = NodeKey::load_or_create(dir.path()).unwrap();
+        let key = node.derive(KIND.label);
+        let body = serde_json::to_vec(&[Stored::of(
+            "registry.example.com/team/app",
+            &cred("team", "u", "v1-secret", 5),
+        )])
+        .unwrap();
+        let nonce = ChaCha20Poly1305::generate_nonce(&mut OsRng);
+        let sealed = ChaCha20Poly1305::new(Key::from_slice(&*key))
+            .encrypt(&nonce, body.as_slice())
+            .unwrap();
+        let v1 = [&MAGIC_V1[..], &node.id().to_be_bytes(), &nonce, &sealed].concat();
+        std::fs::write(dir.path().join(FILE), &v1).unwrap();
+        let c = Captured::open(dir.path(), None).unwrap();
+        let got = c.for_repository("registry.example.com/team/app").unwrap();
+        assert_eq!(got.password.expose_secret(), "v1-secret");
+        let now = std::fs::read(dir.path().join(FILE)).unwrap();
+        assert!(now.starts_with(KIND.magic), "written again in version 2");
+        assert_eq!(Captured::open(dir.path(), None).unwrap().list().len(), 1);
+        // A version-1 file of another node key is discarded, as before.
+        let mut other = v1.clone();
+        other[8..12].copy_from_slice(&(node.id() ^ 1).to_be_bytes());
+        std::fs::write(dir.path().join(FILE), &other).unwrap();
+        assert!(Captured::open(dir.path(), None).unwrap().list().is_empty());
+        assert!(!dir.path().join(FILE).exists());
+    }
+
     #[test]
     fn size_and_count_are_bounded_the_oldest_dropped_first() {
         let dir = private_dir();
@@ -558,7 +596,7 @@ mod tests {
     #[test]
     fn what_is_written_is_bounded_as_stored_and_always_readable() {
         assert!(
-            (MAX_ENTRIES * (MAX_CREDENTIAL + 1) + SEAL_OVERHEAD + 2) as u64 <= MAX_FILE,
+            (MAX_ENTRIES * (MAX_CREDENTIAL + 1) + sealed::OVERHEAD + 2) as u64 <= MAX_FILE,
             "the file's limit holds every entry at its largest"
         );
         let dir = private_dir();
@@ -592,7 +630,7 @@ mod tests {
         }
         let size = std::fs::metadata(dir.path().join(FILE)).unwrap().len();
         assert!(
-            size <= (40 * (MAX_CREDENTIAL + 1) + SEAL_OVERHEAD + 2) as u64,
+            size <= (40 * (MAX_CREDENTIAL + 1) + sealed::OVERHEAD + 2) as u64,
             "{size}"
         );
         let again = Captured::open(dir.path(), None).unwrap();

@@ -2,9 +2,7 @@
 //! `STATE_DIR/cache.sealed`, so that a restart (a reboot, an upgrade, a fleet-wide rollout of
 //! the agent) costs no plugin run while the answers are valid.
 //!
-//! The file: `CGCACHE\n`, a format version and the node key's id (big-endian u32 each), a
-//! 96-bit nonce, then ChaCha20-Poly1305 of the JSON body under a key derived from the node key,
-//! with the 16-byte header as associated data (so the version and key id cannot be swapped).
+//! The file is a [`crate::state::sealed`] file (`CGCACHE\n`, version 1) of a JSON body.
 //! Without the node key nothing in it can be read; a file sealed under another key, of another
 //! version or damaged is discarded with a warning. The engine decides what of it may be served
 //! again ([`credgate_engine::saved`]).
@@ -13,24 +11,24 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use chacha20poly1305::aead::{Aead, AeadCore, KeyInit, OsRng, Payload};
-use chacha20poly1305::{ChaCha20Poly1305, Key, Nonce};
-use credgate_core::wire::CacheKeyType;
 use credgate_engine::saved::{SavedAuth, SavedEntry, SavedScope};
 use secrecy::{ExposeSecret, SecretString};
 use serde::{Deserialize, Serialize};
 use zeroize::Zeroizing;
 
-use crate::guard::keys::NodeKey;
-
-const MAGIC: &[u8; 8] = b"CGCACHE\n";
-const VERSION: u32 = 1;
-const HEADER: usize = 16;
-const FILE: &str = "cache.sealed";
-const KEY_LABEL: &[u8] = b"provider cache v1";
+use crate::state::key::NodeKey;
+use crate::state::sealed::{self, Kind, Sealed};
 
 /// The largest file read or written.
 pub const MAX_FILE: u64 = 16 << 20;
+
+const KIND: Kind = Kind {
+    file: "cache.sealed",
+    magic: b"CGCACHE\n",
+    version: 1,
+    label: b"provider cache v1",
+    max: MAX_FILE,
+};
 /// The most answers kept (the longest-lived first).
 pub const MAX_ENTRIES: usize = 4096;
 
@@ -102,9 +100,7 @@ pub struct Loaded {
 
 /// The sealed file of one state directory.
 pub struct SavedCache {
-    dir: PathBuf,
-    key: Zeroizing<[u8; 32]>,
-    key_id: u32,
+    sealed: Sealed,
 }
 
 fn ms(t: SystemTime) -> u64 {
@@ -115,29 +111,12 @@ fn at(ms: u64) -> SystemTime {
     UNIX_EPOCH + Duration::from_millis(ms)
 }
 
-fn key_type_name(k: CacheKeyType) -> &'static str {
-    match k {
-        CacheKeyType::Image => "Image",
-        CacheKeyType::Registry => "Registry",
-        CacheKeyType::Global => "Global",
-    }
-}
-
-fn key_type(name: &str) -> Option<CacheKeyType> {
-    match name {
-        "Image" => Some(CacheKeyType::Image),
-        "Registry" => Some(CacheKeyType::Registry),
-        "Global" => Some(CacheKeyType::Global),
-        _ => None,
-    }
-}
-
 impl SavedCache {
     /// Removes the sealed file of an earlier run from `state_dir`, for an agent that keeps no
     /// provider answers (`--persist-cache=false`): none kept before is served again, nor left
     /// on disk. Whether there was one.
     pub fn discard(state_dir: &Path) -> std::io::Result<bool> {
-        crate::state::discard(state_dir, FILE)
+        crate::state::discard(state_dir, KIND.file)
     }
 
     /// The sealed file of `state_dir` (the node key's directory).
@@ -145,26 +124,12 @@ impl SavedCache {
         let node = NodeKey::load_or_create(state_dir)
             .map_err(|e| SavedError::Key(crate::error_chain(&e)))?;
         Ok(SavedCache {
-            dir: state_dir.to_owned(),
-            key: node.derive(KEY_LABEL),
-            key_id: node.id(),
+            sealed: Sealed::new(state_dir, KIND, &node),
         })
     }
 
     fn path(&self) -> PathBuf {
-        self.dir.join(FILE)
-    }
-
-    fn header(&self) -> [u8; HEADER] {
-        let mut h = [0u8; HEADER];
-        h[..8].copy_from_slice(MAGIC);
-        h[8..12].copy_from_slice(&VERSION.to_be_bytes());
-        h[12..].copy_from_slice(&self.key_id.to_be_bytes());
-        h
-    }
-
-    fn cipher(&self) -> ChaCha20Poly1305 {
-        ChaCha20Poly1305::new(Key::from_slice(&*self.key))
+        self.sealed.path()
     }
 
     /// Reads the file, if there is one; what cannot be read is counted in `dropped`, with a
@@ -172,16 +137,17 @@ impl SavedCache {
     pub fn load(&self) -> Loaded {
         let mut loaded = Loaded::default();
         let path = self.path();
-        let bytes = match crate::state::read_capped(&path, MAX_FILE) {
-            Ok(Some(b)) => b,
-            Ok(None) => return loaded,
-            Err(why) => {
+        let stored = match self.sealed.read() {
+            sealed::Read::Absent => return loaded,
+            sealed::Read::Refused(why) => {
                 tracing::warn!(path = %path.display(), error = %why, "saved provider answers refused: nothing is restored from the file");
                 loaded.dropped.insert("refused", 1);
                 return loaded;
             }
+            sealed::Read::Body(body) => serde_json::from_slice::<Stored>(&body).ok(),
+            sealed::Read::Unreadable => None,
         };
-        let Some(stored) = self.unseal(&bytes) else {
+        let Some(stored) = stored else {
             tracing::warn!(path = %path.display(), "saved provider answers sealed under another node key, of another version, or damaged: discarded");
             let _ = std::fs::remove_file(&path);
             loaded.dropped.insert("node_key", 1);
@@ -199,26 +165,6 @@ impl SavedCache {
             .map(|c| (c.consumer, c.refs))
             .collect();
         loaded
-    }
-
-    fn unseal(&self, bytes: &[u8]) -> Option<Stored> {
-        let (header, rest) = bytes.split_at_checked(HEADER)?;
-        if header != self.header() {
-            return None;
-        }
-        let (nonce, sealed) = rest.split_at_checked(12)?;
-        let plain = Zeroizing::new(
-            self.cipher()
-                .decrypt(
-                    Nonce::from_slice(nonce),
-                    Payload {
-                        msg: sealed,
-                        aad: header,
-                    },
-                )
-                .ok()?,
-        );
-        serde_json::from_slice(&plain).ok()
     }
 
     /// Seals `entries` (the longest-lived [`MAX_ENTRIES`]) and `consumers` and replaces the
@@ -282,37 +228,20 @@ impl SavedCache {
             );
         }
         let plain = Zeroizing::new(serde_json::to_vec(&stored).expect("entries serialize"));
-        if plain.len() as u64 + 64 > MAX_FILE {
-            // The sizes above add up to the whole: never a file the next start refuses.
-            return Err(SavedError::Write {
-                path: self.path(),
-                error: std::io::Error::other("the sealed cache would pass its size limit"),
-            });
-        }
         let n = stored.entries.len();
         for e in stored.entries {
             for a in e.auth {
                 drop(Zeroizing::new(a.password));
             }
         }
-        let header = self.header();
-        let nonce = ChaCha20Poly1305::generate_nonce(&mut OsRng);
-        let sealed = self
-            .cipher()
-            .encrypt(
-                &nonce,
-                Payload {
-                    msg: plain.as_slice(),
-                    aad: &header,
-                },
-            )
-            .expect("sealing a buffer cannot fail");
-        crate::state::write_atomically(&self.dir, FILE, &[&header, &nonce, &sealed]).map_err(
-            |error| SavedError::Write {
+        // The sizes above add up to the whole: the sealed file refuses what would pass the
+        // reader's limit, never writing a file the next start refuses.
+        self.sealed
+            .write(&plain)
+            .map_err(|error| SavedError::Write {
                 path: self.path(),
-                error,
-            },
-        )?;
+                error: error.into(),
+            })?;
         Ok(n)
     }
 }
@@ -321,7 +250,7 @@ fn stored(e: SavedEntry) -> StoredEntry {
     StoredEntry {
         provider: e.provider,
         identity: e.provider_identity,
-        key_type: key_type_name(e.key_type).to_owned(),
+        key_type: e.key_type.as_str().to_owned(),
         image: e.image,
         registry: e.registry,
         scope: e.scope.map(|s| StoredScope {
@@ -362,7 +291,7 @@ fn entry(e: StoredEntry) -> Option<SavedEntry> {
     Some(SavedEntry {
         provider: e.provider,
         provider_identity: e.identity,
-        key_type: key_type(&e.key_type)?,
+        key_type: e.key_type.parse().ok()?,
         image: e.image,
         registry: e.registry,
         scope,
@@ -383,6 +312,7 @@ fn entry(e: StoredEntry) -> Option<SavedEntry> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use credgate_core::wire::CacheKeyType;
     use std::os::unix::fs::PermissionsExt;
 
     fn private_dir() -> tempfile::TempDir {
@@ -426,7 +356,7 @@ mod tests {
             )
             .unwrap();
         assert_eq!(n, 1);
-        let bytes = std::fs::read(dir.path().join(FILE)).unwrap();
+        let bytes = std::fs::read(dir.path().join(KIND.file)).unwrap();
         for clear in [
             &b"ecr-password-not-in-clear"[..],
             b"AWS",
@@ -451,7 +381,7 @@ mod tests {
         // The header is bound: another version or key id does not open.
         let mut tampered = bytes.clone();
         tampered[11] ^= 1;
-        std::fs::write(dir.path().join(FILE), &tampered).unwrap();
+        std::fs::write(dir.path().join(KIND.file), &tampered).unwrap();
         let loaded = SavedCache::open(dir.path()).unwrap().load();
         assert_eq!(loaded.dropped.get("node_key"), Some(&1));
         assert!(loaded.entries.is_empty());
@@ -460,7 +390,7 @@ mod tests {
         std::fs::write(dir.path().join("node.key"), [3u8; 32]).unwrap();
         let loaded = SavedCache::open(dir.path()).unwrap().load();
         assert_eq!(loaded.dropped.get("node_key"), Some(&1));
-        assert!(!dir.path().join(FILE).exists());
+        assert!(!dir.path().join(KIND.file).exists());
     }
 
     /// 60 consumers of 1000 refs of 340 bytes each (20 MB) beside a provider's answer: the
@@ -483,7 +413,7 @@ mod tests {
         consumers.push(("nydus".into(), vec!["registry.example.com/app:v1".into()]));
         let n = cache.save(vec![saved("kept-answer")], consumers).unwrap();
         assert_eq!(n, 1);
-        let size = std::fs::metadata(dir.path().join(FILE)).unwrap().len();
+        let size = std::fs::metadata(dir.path().join(KIND.file)).unwrap().len();
         assert!(size <= MAX_FILE, "{size} bytes written");
         let loaded = SavedCache::open(dir.path()).unwrap().load();
         assert!(loaded.dropped.is_empty(), "{:?}", loaded.dropped);
@@ -496,13 +426,13 @@ mod tests {
     fn a_link_or_an_oversized_file_is_refused() {
         let dir = private_dir();
         let cache = SavedCache::open(dir.path()).unwrap();
-        std::os::unix::fs::symlink("/dev/zero", dir.path().join(FILE)).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", dir.path().join(KIND.file)).unwrap();
         assert_eq!(cache.load().dropped.get("refused"), Some(&1));
-        std::fs::remove_file(dir.path().join(FILE)).unwrap();
-        let f = std::fs::File::create(dir.path().join(FILE)).unwrap();
+        std::fs::remove_file(dir.path().join(KIND.file)).unwrap();
+        let f = std::fs::File::create(dir.path().join(KIND.file)).unwrap();
         f.set_len(MAX_FILE + 1).unwrap();
         std::fs::set_permissions(
-            dir.path().join(FILE),
+            dir.path().join(KIND.file),
             std::fs::Permissions::from_mode(0o600),
         )
         .unwrap();

@@ -150,9 +150,9 @@ mod tests {
     /// prints each cause once.
     #[test]
     fn every_error_prints_each_cause_once() {
-        use crate::guard::keys::KeyError;
         use crate::guard::store::StoreError;
         use crate::socket::SocketError;
+        use crate::state::key::KeyError;
         use credgate_core::text::repeated_cause;
         use credgate_engine::sources::SourceError;
         use std::sync::Arc;

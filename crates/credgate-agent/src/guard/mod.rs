@@ -8,7 +8,6 @@
 //! [`REOPEN_INTERVAL`], when the store or key is next needed, so a state directory that was
 //! read-only or full at start is used as soon as it is writable again.
 
-pub mod keys;
 pub mod registry;
 pub mod store;
 
@@ -25,7 +24,7 @@ use credgate_engine::{Engine, LookupRequest};
 use secrecy::{ExposeSecret, SecretString};
 
 use crate::metrics::AgentMetrics;
-use keys::NodeKey;
+use crate::state::key::{self as keys, NodeKey};
 use store::{Done, Op, PresentImage, Pruned, Store, StoreError};
 
 /// How the guard behaves.

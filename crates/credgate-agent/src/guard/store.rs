@@ -281,7 +281,7 @@ impl Store {
         // Created 0600 before SQLite opens it; its -wal and -shm files take the same mode. A
         // link or a file someone else can write is refused: the directory is the agent's alone,
         // so what is checked here is what SQLite opens.
-        crate::state::trusted_file(&path, true).map_err(|e| match e {
+        crate::state::create_trusted(&path).map_err(|e| match e {
             crate::state::FileError::Io(source) => io(source),
             crate::state::FileError::Untrusted(e) => StoreError::Untrusted(e),
         })?;

@@ -53,7 +53,7 @@ impl NodeKey {
             path: path.clone(),
             source,
         };
-        let opened = crate::state::trusted_file(&path, false).and_then(|f| {
+        let opened = crate::state::open_trusted(&path).and_then(|f| {
             let mode = f
                 .metadata()
                 .map_err(crate::state::FileError::Io)?

@@ -1,10 +1,14 @@
-//! The agent's state directory and its files: the directory trusted only when it is the
+//! The agent's state directory and its files: the node key ([`key`]), the sealed files
+//! ([`sealed`]), and the rules they all follow: the directory trusted only when it is the
 //! agent's own, files opened without following links and refused unless they are the agent's
 //! regular files, and the sealed files (`captured.sealed`, `cache.sealed`) read as the other
 //! state files are (no links, a regular file of the agent's uid that nobody else can write, size
 //! capped before reading, never waited on) and replaced whole (written to a private temporary
 //! file, fsynced, renamed into place, the directory fsynced), so that a crash leaves the old
 //! file or the new one, never a mix.
+
+pub mod key;
+pub mod sealed;
 
 use std::io::{Read as _, Write as _};
 use std::os::unix::fs::OpenOptionsExt as _;
@@ -14,7 +18,7 @@ use std::time::SystemTime;
 /// The file's bytes: `None` when there is none; an error (never a wait) when it is a link,
 /// not a regular file, not the agent's own, writable by others, or larger than `max` bytes.
 pub fn read_capped(path: &Path, max: u64) -> Result<Option<Vec<u8>>, String> {
-    let file = match trusted_file(path, false) {
+    let file = match open_trusted(path) {
         Ok(f) => f,
         Err(FileError::Io(e)) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(FileError::Io(e)) => return Err(e.to_string()),
@@ -120,18 +124,30 @@ pub(crate) enum FileError {
     Untrusted(credgate_api::trust::TrustError),
 }
 
-/// Opens a file of the state directory without following a link (created 0600 when `create`),
-/// and refuses it unless it is a regular file (a FIFO is refused without waiting for a
+/// Opens an existing file of the state directory: see [`create_trusted`].
+pub(crate) fn open_trusted(path: &std::path::Path) -> Result<std::fs::File, FileError> {
+    trusted_file(path, Open::Existing)
+}
+
+/// Opens a file of the state directory without following a link, creating it 0600 when
+/// absent, and refuses it unless it is a regular file (a FIFO is refused without waiting for a
 /// writer), the agent owns it and nobody else can write it.
-pub(crate) fn trusted_file(
-    path: &std::path::Path,
-    create: bool,
-) -> Result<std::fs::File, FileError> {
+pub(crate) fn create_trusted(path: &std::path::Path) -> Result<std::fs::File, FileError> {
+    trusted_file(path, Open::OrCreate)
+}
+
+#[derive(PartialEq)]
+enum Open {
+    Existing,
+    OrCreate,
+}
+
+fn trusted_file(path: &std::path::Path, how: Open) -> Result<std::fs::File, FileError> {
     use std::os::unix::fs::OpenOptionsExt;
     let file = std::fs::OpenOptions::new()
         .read(true)
-        .append(create)
-        .create(create)
+        .append(how == Open::OrCreate)
+        .create(how == Open::OrCreate)
         .mode(0o600)
         .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
         .open(path)
