@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use super::Pull;
+use super::pulls::Pull;
 use crate::pulls::{result_of, PullRecord};
 
 /// The metric's label for an `auth` value.

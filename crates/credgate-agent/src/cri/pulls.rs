@@ -1,0 +1,308 @@
+//! What the proxy does with a `PullImage`: reads the image and the credential it carries,
+//! lets the policy fill or replace the credential ([`super::fill`]), forwards it, then logs
+//! the decision, records it for the guard and hands the credential to capture.
+
+use hyper::body::Incoming;
+use secrecy::ExposeSecret as _;
+
+use super::fill::{apply_policy, refreshed};
+use super::*;
+
+/// What a `PullImage` asks: the image, and the credential it carries, to keep (and record)
+/// once the runtime says it succeeded.
+pub(super) struct Pull {
+    pub(super) image: String,
+    pub(super) repository: String,
+    /// `None`: a pull without credentials (anonymous or the runtime's own).
+    pub(super) credential: Option<crate::captured::Credential>,
+    /// Whether the pull came with a pod's sandbox config.
+    pub(super) in_pod: bool,
+    /// The credential names another registry (`server_address`) than the image's: the
+    /// runtime does not use it, and it is neither captured nor recorded.
+    pub(super) other_registry: bool,
+    pub(super) pod_namespace: String,
+    pub(super) pod_name: String,
+    /// The pull carried a credential of this provider that its registry had refused, and the
+    /// proxy sent the provider's answer of now instead.
+    pub(super) replaced: Option<String>,
+    /// The reference parses: the pull is recorded, refused and captured as well as logged.
+    pub(super) valid: bool,
+    /// The credential's `server_address` as sent (kept when the proxy replaces a refused
+    /// credential).
+    pub(super) server_address: String,
+    /// The pull came without a credential and the proxy filled in the one this source of the
+    /// agent gives (`provider:NAME`, `docker-config`), for a `--cri-proxy-fill` pattern.
+    pub(super) filled: Option<String>,
+    /// What the credential scope did with its `server_address`.
+    pub(super) scope: &'static str,
+}
+
+/// `now_ms`: when it is captured, by the agent's clock.
+pub(super) fn pull_of(message: &[u8], now_ms: i64) -> Option<Pull> {
+    use prost::Message as _;
+    let req = wire::PullImageRequest::decode(message).ok()?;
+    let image = req.image.map(|i| i.image).unwrap_or_default();
+    // A reference that does not parse is still logged, listed and counted (the runtime
+    // refuses it); nothing else is done with it.
+    let parsed = credgate_core::reference::ImageRef::parse(&image).ok();
+    let repository = parsed
+        .as_ref()
+        .map_or_else(|| image.clone(), |p| p.name().to_owned());
+    let other_registry = req.auth.as_ref().is_some_and(|a| {
+        !a.server_address.is_empty()
+            && parsed.as_ref().is_some_and(|p| {
+                !credgate_core::helper::names_registry(&a.server_address, p.registry())
+            })
+    });
+    let valid = parsed.is_some();
+    let server_address = req
+        .auth
+        .as_ref()
+        .map(|a| a.server_address.clone())
+        .unwrap_or_default();
+    let metadata = req.sandbox_config.and_then(|s| s.metadata);
+    let in_pod = metadata.is_some();
+    let pod_name = metadata
+        .as_ref()
+        .map(|m| m.name.clone())
+        .unwrap_or_default();
+    let namespace = metadata.map(|m| m.namespace).unwrap_or_default();
+    let credential = req.auth.and_then(|auth| {
+        crate::captured::from_auth(
+            auth.username,
+            auth.password,
+            &auth.auth,
+            auth.identity_token,
+            auth.registry_token,
+        )
+    });
+    Some(Pull {
+        image,
+        repository,
+        credential: credential.map(|(username, password)| crate::captured::Credential {
+            namespace: namespace.clone(),
+            username,
+            password,
+            captured_ms: now_ms,
+        }),
+        in_pod,
+        other_registry,
+        pod_namespace: namespace.clone(),
+        pod_name,
+        replaced: None,
+        valid,
+        server_address,
+        filled: None,
+        scope: policy::Scoped::AsSent.as_str(),
+    })
+}
+
+/// How long a pull's answer waits for its capture to be confirmed by the registry and on
+/// disk; past it the answer goes back and the capture goes on (counted as late).
+pub(super) const CAPTURE_WAIT: Duration = Duration::from_secs(2);
+
+/// Which of the agent's sources gave the pull's credential (or, when none does now, the one a
+/// refusal of it remembers), found once for the log, a refusal and capture; and whether a
+/// provider or a docker config gives it now (the node's own credential, not a pod's).
+pub(super) fn sources_of(agent: &crate::Agent, pull: &Pull) -> (Vec<crate::refusal::Given>, bool) {
+    let Some(c) = &pull.credential else {
+        return (Vec::new(), false);
+    };
+    let password = c.password.expose_secret();
+    let now =
+        crate::refusal::given_now(agent, &pull.image, &pull.repository, &c.username, password);
+    let own = now
+        .iter()
+        .any(|g| !matches!(g, crate::refusal::Given::Captured(_)));
+    (
+        crate::refusal::or_known(agent, now, &c.username, password),
+        own,
+    )
+}
+
+/// The runtime says the registry refused the pull's credential: when one of the agent's
+/// sources gave it, it is refused ([`crate::refusal`]); a pod's own secret changes nothing.
+pub(super) async fn refused(agent: &crate::Agent, pull: &Pull, given: &[crate::refusal::Given]) {
+    let Some(c) = &pull.credential else { return };
+    if given.is_empty() {
+        return;
+    }
+    crate::refusal::refuse(
+        agent,
+        &pull.image,
+        &pull.repository,
+        &c.username,
+        &c.password,
+        given,
+        "a pull through the CRI proxy",
+    )
+    .await;
+}
+
+/// How the image access guard records a pull: a pull with a credential as a secret of the
+/// pod's namespace named after its content (`PullImage` carries no secret name; the guard
+/// matches by content across names anyway); one without as node-wide. A pull with a
+/// credential but no pod is never recorded as node-wide: its result is not recorded at all,
+/// and the intent keeps the image requiring authentication.
+pub(super) fn recorded_as(
+    pull: &Pull,
+    guard: &crate::guard::Guard,
+) -> Option<crate::guard::CredentialIn> {
+    use crate::guard::CredentialIn;
+    match &pull.credential {
+        // Filled by the proxy with the node's credential: as the kubelet records a pull with
+        // a credential provider's (no service account) or its config.json's.
+        None => Some(CredentialIn::NodeWide),
+        Some(_) if pull.filled.is_some() => Some(CredentialIn::NodeWide),
+        Some(_) if !pull.in_pod || pull.other_registry => None,
+        Some(c) => Some(CredentialIn::Secret {
+            coords: credgate_core::guard::Coords {
+                namespace: c.namespace.clone(),
+                // Without the node key no name, and `record_result` refuses the record for
+                // the missing key, as it does any secret then.
+                name: guard
+                    .unnamed_secret(&c.username, &c.password)
+                    .unwrap_or_default(),
+                uid: String::new(),
+            },
+            username: c.username.clone(),
+            password: c.password.clone(),
+        }),
+    }
+}
+
+/// A `PullImage`: read whole (bounded), forwarded, its answer read whole, then logged
+/// ([`decision`]), recorded by the guard (when it is on) and, when the runtime says it
+/// succeeded, the credential it carried for the image's registry offered for capture (when
+/// capture is on; confirmed with the registry and written after the answer goes back).
+pub(super) async fn pull(
+    caller: &Caller,
+    pulls: &Pulls,
+    request: hyper::Request<Incoming>,
+) -> hyper::Response<Body> {
+    let (mut parts, mut bytes, taken) =
+        match read_whole(caller, request, "PullImage", MAX_PULL_REQUEST).await {
+            Ok(read) => read,
+            Err(refused) => return refused,
+        };
+    let now_ms = crate::state::unix_ms(pulls.agent.clock().wall());
+    let mut asked = grpc_message(&bytes).and_then(|m| pull_of(m, now_ms));
+    if let Some(pull) = asked.as_mut().filter(|p| p.valid) {
+        if let Some(frame) = refreshed(&pulls.agent, pull, &bytes).await {
+            parts.headers.remove(hyper::header::CONTENT_LENGTH);
+            bytes = frame;
+        }
+        if let Some(frame) = apply_policy(&pulls.agent, pull, &bytes).await {
+            parts.headers.remove(hyper::header::CONTENT_LENGTH);
+            bytes = frame;
+        }
+    }
+    // The intent is on disk before the runtime starts pulling.
+    if let (Some(guard), Some(pull)) = (&pulls.guard, asked.as_ref().filter(|p| p.valid)) {
+        if let Err(e) = guard.record_intent(&pull.image).await {
+            tracing::error!(error = %crate::error_chain(&e), "pull intent not recorded");
+        }
+    }
+    // The request goes to the runtime as soon as the pull is forwarded: what it held of the
+    // caller's budget is given back now, not when the pull ends (a registry that stalls would
+    // otherwise let a few slow pulls hold the connection's whole budget).
+    drop(taken);
+    let started = std::time::Instant::now();
+    let whole = match exchange(caller, parts, bytes, MAX_PULL_MESSAGE).await {
+        Ok(whole) => whole,
+        Err(refused) => return refused,
+    };
+    let Some(pull) = asked else {
+        return whole.into_response();
+    };
+    let code = whole.code().unwrap_or(2);
+    let message = whole.message();
+    let (given, own) = sources_of(&pulls.agent, &pull);
+    decision::log(
+        &pulls.agent,
+        &pull,
+        &given,
+        code,
+        &message,
+        started.elapsed(),
+    );
+    if pull.valid {
+        if crate::pulls::result_of(code, &message) == "unauthorized" {
+            refused(&pulls.agent, &pull, &given).await;
+        }
+        settle(pulls, pull, own, &whole).await;
+    }
+    whole.into_response()
+}
+
+/// What a forwarded pull leaves once the runtime answered: the guard's record of its result
+/// (with the guard), its credential's capture when it succeeded (with capture), on disk before
+/// the answer goes back (bounded by [`CAPTURE_WAIT`]).
+/// `own`: the credential is the node's (see [`sources_of`]), never captured as a pod's.
+pub(super) async fn settle(pulls: &Pulls, pull: Pull, own: bool, whole: &runtime::Whole) {
+    use prost::Message as _;
+    let image_ref = (whole.code() == Some(0))
+        .then(|| grpc_message(&whole.data))
+        .flatten()
+        .and_then(|m| wire::PullImageResponse::decode(m).ok())
+        .map(|r| r.image_ref)
+        .filter(|r| !r.is_empty());
+    if let Some(guard) = &pulls.guard {
+        let used = recorded_as(&pull, guard);
+        let result = match (&image_ref, &used) {
+            (Some(id), Some(used)) => guard.record_result(&pull.image, id, true, Some(used)).await,
+            (Some(_), None) => Ok(()),
+            (None, _) => guard.record_result(&pull.image, "", false, None).await,
+        };
+        if let Err(e) = result {
+            tracing::error!(error = %crate::error_chain(&e), "pull result not recorded");
+        }
+    }
+    let (Some(_), Some(credential), Some(capture)) = (&image_ref, pull.credential, &pulls.capture)
+    else {
+        return;
+    };
+    if pull.other_registry {
+        pulls.agent.metrics().capture("other_registry");
+        tracing::warn!(repository = %pull.repository, "pull credentials not captured: their server address names another registry");
+        return;
+    }
+    if own {
+        // The node's own credential (the kubelet got it from a provider through the bridge,
+        // or from a docker config): not a pod's secret, and a copy would outlive the
+        // provider's rotation of it.
+        pulls.agent.metrics().capture("own_source");
+        return;
+    }
+    let repository = pull.repository.clone();
+    if let Some(settled) = capture
+        .capturer
+        .offer(pull.image, pull.repository, credential)
+    {
+        // Acknowledged means kept: a crash right after the answer loses no confirmed capture.
+        // A registry slow to confirm holds the answer only so long.
+        if tokio::time::timeout(CAPTURE_WAIT, settled).await.is_err() {
+            pulls.agent.metrics().cri_captures_late.inc();
+            tracing::warn!(repository = %repository, "the pull is answered before its credential's capture is confirmed: the registry did not confirm it within {CAPTURE_WAIT:?}; the capture goes on");
+        }
+    }
+}
+
+/// What the proxy does with pulls besides forwarding them, each part independent of the
+/// others: the decision log (always), the guard's records (with the guard), capture (with
+/// captured credentials).
+pub(super) struct Pulls {
+    /// Its metrics, and for the pull decision log its engine, clock and pull ring.
+    pub(super) agent: crate::Agent,
+    pub(super) guard: Option<crate::guard::Guard>,
+    pub(super) capture: Option<Capture>,
+}
+
+/// What the proxy captures with: where captures are kept, the task that confirms and writes
+/// them.
+pub(super) struct Capture {
+    pub(super) captured: std::sync::Arc<crate::captured::Captured>,
+    pub(super) capturer: Capturer,
+    /// The proxy's own calls to the runtime (its image list), on a budget of their own.
+    pub(super) own: std::sync::Arc<Caller>,
+}
