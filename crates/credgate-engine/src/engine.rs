@@ -379,7 +379,7 @@ impl EngineBuilder {
                 .get(&spec.name)
                 .copied()
                 .unwrap_or_default();
-            let identity = crate::saved::identity(&spec, &opts.plugin_dir.join(&spec.name));
+            let identity = crate::provider::identity(&spec, &opts.plugin_dir.join(&spec.name));
             let rate = opts.plugin_rates.get(&spec.name).copied();
             providers.push(Arc::new(Provider::new(ProviderParts {
                 rate,

@@ -12,7 +12,6 @@ use std::time::{Duration, SystemTime};
 use credgate_core::keyring::AuthSet;
 use credgate_core::wire::{AuthConfig, CacheKeyType};
 use secrecy::{ExposeSecret, SecretString};
-use sha2::{Digest, Sha256};
 
 use crate::cache::{Entry, Scope};
 use crate::engine::Engine;
@@ -67,48 +66,6 @@ pub struct Restored {
     pub restored: u64,
     /// Dropped entries by reason: `provider_gone`, `config_changed`, `expired`, `invalid`.
     pub dropped: BTreeMap<&'static str, u64>,
-}
-
-/// A provider's identity: everything of its config entry and plugin binary that could change
-/// its answers (name, patterns, cache duration, wire version, args, env, token attributes, the
-/// plugin's path, size, modification and change times, inode and device).
-pub(crate) fn identity(
-    spec: &credgate_core::config::ProviderSpec,
-    plugin: &std::path::Path,
-) -> String {
-    let mut h = Sha256::new();
-    let mut put = |part: &[u8]| {
-        h.update((part.len() as u64).to_be_bytes());
-        h.update(part);
-    };
-    put(spec.name.as_bytes());
-    for p in &spec.match_images {
-        put(p.as_str().as_bytes());
-    }
-    put(&spec.default_cache_duration.as_nanos().to_be_bytes());
-    put(format!("{:?}", spec.api_version).as_bytes());
-    for a in &spec.args {
-        put(a.as_bytes());
-    }
-    for (k, v) in &spec.env {
-        put(k.as_bytes());
-        put(v.as_bytes());
-    }
-    put(format!("{:?}", spec.token_attributes).as_bytes());
-    put(plugin.as_os_str().as_encoded_bytes());
-    if let Ok(meta) = std::fs::metadata(plugin) {
-        use std::os::unix::fs::MetadataExt;
-        put(&meta.len().to_be_bytes());
-        put(&meta.mtime().to_be_bytes());
-        put(&meta.mtime_nsec().to_be_bytes());
-        // A plugin rewritten in place with its size and mtime set back still changes its
-        // ctime, which no one can set.
-        put(&meta.ctime().to_be_bytes());
-        put(&meta.ctime_nsec().to_be_bytes());
-        put(&meta.ino().to_be_bytes());
-        put(&meta.dev().to_be_bytes());
-    }
-    format!("sha256:{}", hex::encode(h.finalize()))
 }
 
 impl Engine {
