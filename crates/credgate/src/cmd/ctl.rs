@@ -5,75 +5,13 @@ use anyhow::{Context, Result};
 use credgate_api::v1::admin_client::AdminClient;
 use credgate_api::v1::credentials_client::CredentialsClient;
 use credgate_api::v1::{self as pb};
-use serde::Serialize;
 use tokio_stream::StreamExt;
 use tonic::transport::Channel;
 
-use super::get::{print_rows, print_table, time_ms, Row};
+use super::get::{print_rows, Row};
+use super::print::{answer, json, print_table, show, status_error, time_ms};
 use crate::opts::{CtlArgs, CtlCall, Output};
 use crate::Outcome;
-
-/// Prints a response: the message as JSON with `-o json`, else `text` of it.
-pub fn show<T: Serialize>(out: Output, value: &T, text: impl FnOnce(&T) -> String) -> Result<()> {
-    if out == Output::Json {
-        json(value)
-    } else {
-        println!("{}", text(value));
-        Ok(())
-    }
-}
-
-pub fn json(value: &impl Serialize) -> Result<()> {
-    let mut v = serde_json::to_value(value)?;
-    name_enums(&mut v);
-    println!("{}", serde_json::to_string_pretty(&v)?);
-    Ok(())
-}
-
-/// JSON is for programs: the API's enums by name (`"decision": "ALLOW"`), not by number.
-fn name_enums(v: &mut serde_json::Value) {
-    match v {
-        serde_json::Value::Object(fields) => {
-            for (key, field) in fields.iter_mut() {
-                let number = field.as_i64().and_then(|n| i32::try_from(n).ok());
-                match (key.as_str(), number) {
-                    ("decision", Some(n)) => {
-                        *field = super::ctl_guard::decision_name(n).into();
-                    }
-                    ("pull_policy", Some(n)) => {
-                        *field = pb::PullPolicy::try_from(n)
-                            .map_or("UNSPECIFIED", |p| p.as_str_name())
-                            .into();
-                    }
-                    _ => name_enums(field),
-                }
-            }
-        }
-        serde_json::Value::Array(items) => items.iter_mut().for_each(name_enums),
-        _ => {}
-    }
-}
-
-/// The agent's status as a sentence: its message, which says what failed; the code's name
-/// only when there is no message.
-pub fn status_error(s: tonic::Status) -> anyhow::Error {
-    if s.message().is_empty() {
-        return anyhow::anyhow!(
-            "the agent answered {}",
-            credgate_agent::metrics::code_name(s.code()).to_lowercase()
-        );
-    }
-    anyhow::anyhow!("{}", s.message())
-}
-
-/// The answer of a call, or its status as an error.
-pub async fn answer<T>(
-    call: impl std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
-) -> Result<T> {
-    call.await
-        .map(tonic::Response::into_inner)
-        .map_err(status_error)
-}
 
 pub async fn run(args: CtlArgs) -> Result<Outcome> {
     super::ctl_guard::check_args(&args.call)?;

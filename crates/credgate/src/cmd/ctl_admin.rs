@@ -5,8 +5,7 @@ use credgate_api::v1::admin_client::AdminClient;
 use credgate_api::v1::{self as pb};
 use tonic::transport::Channel;
 
-use super::ctl::{answer, json};
-use super::get::{print_table, time_ms};
+use super::print::{answer, json, print_table, time_ms};
 use crate::opts::Output;
 use crate::Outcome;
 

@@ -8,8 +8,7 @@ use credgate_api::v1::pull_credential::Kind;
 use credgate_api::v1::{self as pb};
 use tonic::transport::Channel;
 
-use super::ctl::{answer, json, show};
-use super::get::{print_table, time_ms};
+use super::print::{answer, decision_name, json, print_table, show, time_ms};
 use crate::opts::{CredentialArgs, CtlCall, Output, PullPolicyArg};
 use crate::{usage, Outcome};
 
@@ -147,16 +146,6 @@ fn image_id(id: &str) -> Result<()> {
         )));
     }
     Ok(())
-}
-
-pub(super) fn decision_name(d: i32) -> &'static str {
-    match pb::Decision::try_from(d) {
-        Ok(pb::Decision::Allow) => "ALLOW",
-        Ok(pb::Decision::MustAuthenticate) => "MUST_AUTHENTICATE",
-        Ok(pb::Decision::Refuse) => "REFUSE",
-        Ok(pb::Decision::Pull) => "PULL",
-        _ => "UNSPECIFIED",
-    }
 }
 
 /// `ALLOW (secret_match): ...`: a decision, its reason and its message on one line.

@@ -8,8 +8,9 @@ use anyhow::{Context, Result};
 use credgate_api::v1::admin_client::AdminClient;
 use credgate_api::v1::{self as pb};
 
-use super::ctl::{answer, json};
-use super::get::{agent_socket, build_engine, rfc3339};
+use super::get::{agent_socket, build_engine};
+use super::print::rfc3339;
+use super::print::{answer, json};
 use crate::opts::{ExplainArgs, Output};
 use crate::{usage, Outcome};
 

@@ -14,6 +14,7 @@ use credgate_engine::{Credential, Engine, LookupRequest};
 use secrecy::ExposeSecret;
 use serde::Serialize;
 
+use super::print::{print_table, rfc3339, whole_seconds};
 use crate::opts::{GetArgs, Output, PerProvider, SourceArgs};
 use crate::{usage, Outcome};
 
@@ -213,12 +214,6 @@ fn timeouts(flags: &[PerProvider]) -> (Duration, HashMap<String, Duration>) {
     (default, per)
 }
 
-pub fn rfc3339(t: SystemTime) -> String {
-    time::OffsetDateTime::from(t)
-        .format(&time::format_description::well_known::Rfc3339)
-        .unwrap_or_default()
-}
-
 /// Prints credentials: JSON with passwords, or a table without them.
 pub fn print_rows(rows: &[Row], output: Output) -> Result<()> {
     match output {
@@ -244,99 +239,4 @@ pub fn print_rows(rows: &[Row], output: Output) -> Result<()> {
         }
     }
     Ok(())
-}
-
-/// A Unix-ms instant of the API, to whole seconds (`-` when unset).
-pub fn time_ms(ms: i64) -> String {
-    if ms <= 0 {
-        return "-".into();
-    }
-    whole_seconds(&rfc3339(
-        SystemTime::UNIX_EPOCH + Duration::from_millis(ms.unsigned_abs()),
-    ))
-}
-
-/// `2026-11-22T10:00:00.123Z` → `2026-11-22T10:00:00Z`.
-fn whole_seconds(t: &str) -> String {
-    match (t.find('.'), t.rfind(['Z', '+'])) {
-        (Some(dot), Some(zone)) if dot < zone => format!("{}{}", &t[..dot], &t[zone..]),
-        _ => t.to_owned(),
-    }
-}
-
-/// The widest a table cell is shown; longer values (a plugin's username, a consumer name) are
-/// cut, and `-o json` shows them whole.
-const CELL_MAX: usize = 80;
-
-/// A value as a table shows it: control characters escaped, cut after [`CELL_MAX`] characters.
-fn cell(value: &str) -> String {
-    let mut out = String::new();
-    for (n, c) in value.chars().enumerate() {
-        if n == CELL_MAX {
-            out.push('\u{2026}');
-            break;
-        }
-        if c.is_control() {
-            out.extend(c.escape_default());
-        } else {
-            out.push(c);
-        }
-    }
-    out
-}
-
-/// Aligned columns, one line per row; empty when there are no rows.
-pub fn render_table(header: &[&str], rows: &[Vec<String>]) -> String {
-    if rows.is_empty() {
-        return String::new();
-    }
-    let shown: Vec<Vec<String>> = std::iter::once(header.iter().map(|h| cell(h)).collect())
-        .chain(rows.iter().map(|r| r.iter().map(|c| cell(c)).collect()))
-        .collect();
-    let mut widths = vec![0usize; header.len()];
-    for row in &shown {
-        for (w, c) in widths.iter_mut().zip(row) {
-            *w = (*w).max(c.chars().count());
-        }
-    }
-    let mut out = String::new();
-    for row in &shown {
-        let mut line = String::new();
-        for (c, w) in row.iter().zip(&widths) {
-            line.push_str(c);
-            line.extend(std::iter::repeat_n(' ', w - c.chars().count() + 2));
-        }
-        out.push_str(line.trim_end());
-        out.push('\n');
-    }
-    out
-}
-
-/// Prints aligned columns; nothing when there are no rows.
-pub fn print_table(header: &[&str], rows: &[Vec<String>]) {
-    print!("{}", render_table(header, rows));
-}
-
-#[cfg(test)]
-mod table_tests {
-    use super::*;
-
-    #[test]
-    fn long_and_odd_cells_are_cut_and_escaped_not_a_panic() {
-        let rows = vec![
-            vec!["a".repeat(70_000), "x\ny".into()],
-            vec!["short".into(), "z".into()],
-        ];
-        let text = render_table(&["USER", "NOTE"], &rows);
-        let lines: Vec<&str> = text.lines().collect();
-        assert_eq!(lines.len(), 3);
-        assert!(
-            lines.iter().all(|l| l.chars().count() < 2 * CELL_MAX),
-            "{text}"
-        );
-        assert!(lines[1].contains('\u{2026}'));
-        assert!(lines[1].ends_with("x\\ny"), "{}", lines[1]);
-        assert!(lines[2].starts_with("short "));
-        assert_eq!(render_table(&["A"], &[]), "");
-    }
 }

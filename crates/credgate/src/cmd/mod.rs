@@ -7,4 +7,5 @@ pub mod get;
 pub mod import;
 pub mod kubelet_config;
 pub mod matching;
+pub mod print;
 pub mod serve;
