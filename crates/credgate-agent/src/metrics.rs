@@ -6,6 +6,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::EncodeLabelSet;
+
+use crate::pulls::{AuthLabel, PullResult};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -14,18 +17,59 @@ use prometheus_client::registry::Registry;
 
 type Labels = Vec<(&'static str, String)>;
 
-/// Every result of a capture (`credgate_cri_captures_total{result}`).
-pub const CAPTURE_RESULTS: &[&str] = &[
-    "captured",
-    "unchanged",
-    "other_registry",
-    "own_source",
-    "unconfirmed",
-    "unreachable",
-    "too_large",
-    "busy",
-    "failed",
-];
+/// The labels of `credgate_cri_pulls_total`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct CriPullLabels {
+    pub auth: AuthLabel,
+    pub result: PullResult,
+}
+
+/// What became of a credential offered for capture (`credgate_cri_captures_total{result}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CaptureResult {
+    Captured,
+    /// The same credential was kept already.
+    Unchanged,
+    /// It was sent for another registry than the image's.
+    OtherRegistry,
+    /// It is one of the agent's own sources' (never a pod's).
+    OwnSource,
+    /// The registry did not confirm it.
+    Unconfirmed,
+    Unreachable,
+    TooLarge,
+    /// The capture queue was full.
+    Busy,
+    Failed,
+}
+
+impl CaptureResult {
+    pub const ALL: [CaptureResult; 9] = [
+        CaptureResult::Captured,
+        CaptureResult::Unchanged,
+        CaptureResult::OtherRegistry,
+        CaptureResult::OwnSource,
+        CaptureResult::Unconfirmed,
+        CaptureResult::Unreachable,
+        CaptureResult::TooLarge,
+        CaptureResult::Busy,
+        CaptureResult::Failed,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CaptureResult::Captured => "captured",
+            CaptureResult::Unchanged => "unchanged",
+            CaptureResult::OtherRegistry => "other_registry",
+            CaptureResult::OwnSource => "own_source",
+            CaptureResult::Unconfirmed => "unconfirmed",
+            CaptureResult::Unreachable => "unreachable",
+            CaptureResult::TooLarge => "too_large",
+            CaptureResult::Busy => "busy",
+            CaptureResult::Failed => "failed",
+        }
+    }
+}
 
 /// Every source a refused credential is counted under
 /// (`credgate_credentials_refused_total{source}`).
@@ -96,7 +140,7 @@ pub struct AgentMetrics {
     /// Captured credentials dropped to stay within the limit of repositories.
     pub captured_dropped: Counter,
     /// Pulls through the CRI proxy by the credentials the kubelet sent and the result.
-    pub cri_pulls: Family<Labels, Counter>,
+    pub cri_pulls: Family<CriPullLabels, Counter>,
     /// Pulls without credentials that failed as unauthorized while a provider of the agent that
     /// matches the image had a credential for it.
     pub cri_pulls_missed: Counter,
@@ -196,8 +240,8 @@ impl Default for AgentMetrics {
             lookups,
             captures: {
                 let f = Family::default();
-                for r in CAPTURE_RESULTS {
-                    let _ = by_result(&f, r);
+                for r in CaptureResult::ALL {
+                    let _ = by_result(&f, r.as_str());
                 }
                 f
             },
@@ -399,12 +443,9 @@ impl AgentMetrics {
     }
 
     /// Counts a pull through the CRI proxy.
-    pub fn cri_pull(&self, auth: &str, result: &str) {
+    pub fn cri_pull(&self, auth: AuthLabel, result: PullResult) {
         self.cri_pulls
-            .get_or_create(&vec![
-                ("auth", auth.to_owned()),
-                ("result", result.to_owned()),
-            ])
+            .get_or_create(&CriPullLabels { auth, result })
             .inc();
     }
 
@@ -416,8 +457,8 @@ impl AgentMetrics {
     }
 
     /// Counts what became of a credential offered for capture.
-    pub fn capture(&self, result: &'static str) {
-        by_result(&self.captures, result).inc();
+    pub fn capture(&self, result: CaptureResult) {
+        by_result(&self.captures, result.as_str()).inc();
     }
 
     /// Counts a verification.

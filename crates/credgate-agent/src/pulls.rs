@@ -5,6 +5,10 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime};
 
+use prometheus_client::encoding::{EncodeLabelValue, LabelValueEncoder};
+
+use crate::refusal::Given;
+
 /// Pulls kept.
 pub const RING: usize = 256;
 /// The longest runtime message kept with a pull.
@@ -41,31 +45,126 @@ pub struct PullRecord {
     pub repository: String,
     pub pod_namespace: String,
     pub pod_name: String,
-    /// `none`, `captured`, `provider:NAME`, `docker-config`, `unknown`.
-    pub auth: String,
+    pub auth: PullAuth,
     /// The runtime's gRPC code (0: pulled) and message.
     pub code: i32,
     pub message: String,
     pub duration: Duration,
 }
 
-/// What the runtime's answer says, for the metric's `result` label.
-pub fn result_of(code: i32, message: &str) -> &'static str {
-    let m = message.to_ascii_lowercase();
-    match code {
-        0 => "ok",
-        _ if m.contains("401")
-            || m.contains("403")
-            || m.contains("unauthorized")
-            || m.contains("authorization failed")
-            || m.contains("access denied")
-            || m.contains("denied") =>
-        {
-            "unauthorized"
+/// The credential a pull through the proxy went with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PullAuth {
+    None,
+    /// One this source of the agent gives.
+    Given(Given),
+    /// The kubelet sent none; the proxy filled in this source's.
+    Filled(Given),
+    /// One no source of the agent gives: a pod's own pull secret the proxy has not captured.
+    Unknown,
+}
+
+impl std::fmt::Display for PullAuth {
+    /// As the pull log shows it: `none`, `captured`, `provider:NAME`, `docker-config`,
+    /// `filled:provider:NAME`, `unknown`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PullAuth::None => f.write_str("none"),
+            PullAuth::Given(g) => g.fmt(f),
+            PullAuth::Filled(g) => write!(f, "filled:{g}"),
+            PullAuth::Unknown => f.write_str("unknown"),
         }
-        5 => "not_found",
-        _ if m.contains("not found") => "not_found",
-        _ => "error",
+    }
+}
+
+impl PullAuth {
+    /// `credgate_cri_pulls_total`'s `auth` label: which kind of source, never its name.
+    pub fn label(&self) -> AuthLabel {
+        match self {
+            PullAuth::None => AuthLabel::None,
+            PullAuth::Given(Given::Provider(_)) => AuthLabel::Provider,
+            PullAuth::Given(Given::DockerConfig(_)) => AuthLabel::DockerConfig,
+            PullAuth::Given(Given::Captured(_)) => AuthLabel::Captured,
+            PullAuth::Filled(_) => AuthLabel::Filled,
+            PullAuth::Unknown => AuthLabel::Unknown,
+        }
+    }
+}
+
+/// The `auth` label of a pull.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AuthLabel {
+    None,
+    Captured,
+    DockerConfig,
+    Provider,
+    Filled,
+    Unknown,
+}
+
+impl AuthLabel {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AuthLabel::None => "none",
+            AuthLabel::Captured => "captured",
+            AuthLabel::DockerConfig => "docker_config",
+            AuthLabel::Provider => "provider",
+            AuthLabel::Filled => "filled",
+            AuthLabel::Unknown => "unknown",
+        }
+    }
+}
+
+impl EncodeLabelValue for AuthLabel {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> std::fmt::Result {
+        std::fmt::Write::write_str(encoder, self.as_str())
+    }
+}
+
+/// What the runtime's answer to a pull says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PullResult {
+    Ok,
+    Unauthorized,
+    NotFound,
+    Error,
+}
+
+impl PullResult {
+    /// Read from the runtime's gRPC code and message (runtimes put the registry's refusal in
+    /// the message, under codes that vary).
+    pub fn of(code: i32, message: &str) -> PullResult {
+        let m = message.to_ascii_lowercase();
+        match code {
+            0 => PullResult::Ok,
+            _ if m.contains("401")
+                || m.contains("403")
+                || m.contains("unauthorized")
+                || m.contains("authorization failed")
+                || m.contains("access denied")
+                || m.contains("denied") =>
+            {
+                PullResult::Unauthorized
+            }
+            5 => PullResult::NotFound,
+            _ if m.contains("not found") => PullResult::NotFound,
+            _ => PullResult::Error,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PullResult::Ok => "ok",
+            PullResult::Unauthorized => "unauthorized",
+            PullResult::NotFound => "not_found",
+            PullResult::Error => "error",
+        }
+    }
+}
+
+impl EncodeLabelValue for PullResult {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> std::fmt::Result {
+        std::fmt::Write::write_str(encoder, self.as_str())
     }
 }
 
@@ -84,7 +183,6 @@ impl PullLog {
         cut(&mut record.repository, IMAGE);
         cut(&mut record.pod_namespace, NAMESPACE);
         cut(&mut record.pod_name, POD_NAME);
-        cut(&mut record.auth, IMAGE);
         let mut ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
         if ring.len() == RING {
             ring.pop_front();
@@ -133,7 +231,7 @@ mod tests {
             repository: image.split(':').next().unwrap_or(image).into(),
             pod_namespace: "ns".into(),
             pod_name: "pod".into(),
-            auth: "none".into(),
+            auth: PullAuth::None,
             code: 2,
             message: message.into(),
             duration: Duration::from_millis(3),
@@ -157,12 +255,15 @@ mod tests {
         assert!(log.may_warn("reg.io/app-1:v1"));
         assert!(!log.may_warn("reg.io/app-1:v1"));
         assert_eq!(
-            result_of(2, "failed to resolve: 401 Unauthorized"),
+            PullResult::of(2, "failed to resolve: 401 Unauthorized").as_str(),
             "unauthorized"
         );
-        assert_eq!(result_of(0, ""), "ok");
-        assert_eq!(result_of(5, "x"), "not_found");
-        assert_eq!(result_of(2, "invalid reference format"), "error");
+        assert_eq!(PullResult::of(0, "").as_str(), "ok");
+        assert_eq!(PullResult::of(5, "x").as_str(), "not_found");
+        assert_eq!(
+            PullResult::of(2, "invalid reference format").as_str(),
+            "error"
+        );
     }
 
     /// Pod names, namespaces and images are the caller's: 300 pulls with 1 MB pod names keep

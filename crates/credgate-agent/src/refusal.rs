@@ -63,13 +63,15 @@ impl Given {
             Given::Captured(_) => "captured",
         }
     }
+}
 
+impl std::fmt::Display for Given {
     /// As the pull log names it: `provider:NAME`, `docker-config`, `captured`.
-    pub fn auth(&self) -> String {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Given::Provider(name) => format!("provider:{name}"),
-            Given::DockerConfig(_) => "docker-config".into(),
-            Given::Captured(_) => "captured".into(),
+            Given::Provider(name) => write!(f, "provider:{name}"),
+            Given::DockerConfig(_) => f.write_str("docker-config"),
+            Given::Captured(_) => f.write_str("captured"),
         }
     }
 }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{ensure, Context as _, Result};
-use credgate_agent::guard::{Answer, CredentialIn, Guard, GuardOptions, PullPolicy};
+use credgate_agent::guard::{Answer, CredentialIn, Guard, GuardOptions, PullEnd, PullPolicy};
 use credgate_agent::metrics::AgentMetrics;
 use credgate_core::guard::{Coords, Policy};
 use secrecy::SecretString;
@@ -79,9 +79,10 @@ pub fn populate(dir: &Path, n: usize) -> Result<()> {
                 while i < n {
                     g.record_result(
                         &format!("registry.example.com/team/app-{i}:v1"),
-                        &format!("sha256:{i:064x}"),
-                        true,
-                        Some(&secret(i)),
+                        PullEnd::Pulled {
+                            image_ref: &format!("sha256:{i:064x}"),
+                            used: &secret(i),
+                        },
                     )
                     .await?;
                     i += 64;
@@ -184,9 +185,10 @@ pub fn record(args: &Args) -> Result<()> {
                         let k = c * per_caller + i;
                         g.record_result(
                             &format!("registry.example.com/team/app-{k}:v1"),
-                            &format!("sha256:{k:064x}"),
-                            true,
-                            Some(&secret(k)),
+                            PullEnd::Pulled {
+                                image_ref: &format!("sha256:{k:064x}"),
+                                used: &secret(k),
+                            },
                         )
                         .await?;
                     }

@@ -72,7 +72,7 @@ impl Capturer {
             settled: Some(tx),
         };
         if self.tx.try_send(offer).is_err() {
-            self.metrics.capture("busy");
+            self.metrics.capture(crate::metrics::CaptureResult::Busy);
             tracing::warn!("pull credentials not captured: too many captures waiting");
             return None;
         }
@@ -115,7 +115,7 @@ async fn handle(offer: Offer, captured: Arc<Captured>, verifier: Verifier, metri
     // Dropped (told) however the capture ends.
     let _settled = settled;
     if let Err(e) = crate::captured::fits(&repository, &credential) {
-        metrics.capture("too_large");
+        metrics.capture(crate::metrics::CaptureResult::TooLarge);
         tracing::warn!(repository = %repository, error = %e, "pull credentials not captured");
         return;
     }
@@ -123,11 +123,11 @@ async fn handle(offer: Offer, captured: Arc<Captured>, verifier: Verifier, metri
         .for_repository(&repository)
         .is_some_and(|held| held.same(&credential))
     {
-        metrics.capture("unchanged");
+        metrics.capture(crate::metrics::CaptureResult::Unchanged);
         return;
     }
     let Ok(parsed) = ImageRef::parse(&image) else {
-        metrics.capture("failed");
+        metrics.capture(crate::metrics::CaptureResult::Failed);
         return;
     };
     let target = Target::of(&parsed);
@@ -141,12 +141,12 @@ async fn handle(offer: Offer, captured: Arc<Captured>, verifier: Verifier, metri
     {
         Ok(true) => {}
         Ok(false) => {
-            metrics.capture("unconfirmed");
+            metrics.capture(crate::metrics::CaptureResult::Unconfirmed);
             tracing::info!(repository = %repository, "pull credentials not captured: the registry did not check them (it serves the image anonymously) or refused them");
             return;
         }
         Err(why) => {
-            metrics.capture("unreachable");
+            metrics.capture(crate::metrics::CaptureResult::Unreachable);
             tracing::warn!(repository = %repository, error = %why, "pull credentials not captured: the registry could not be asked to confirm them");
             return;
         }
@@ -157,20 +157,20 @@ async fn handle(offer: Offer, captured: Arc<Captured>, verifier: Verifier, metri
     };
     match written {
         Ok(Ok(dropped)) => {
-            metrics.capture("captured");
+            metrics.capture(crate::metrics::CaptureResult::Captured);
             metrics.captured_dropped.inc_by(dropped as u64);
             tracing::info!(repository = %repository, dropped, "pull credentials captured");
         }
         Ok(Err(e @ CaptureError::TooLarge(_))) => {
-            metrics.capture("too_large");
+            metrics.capture(crate::metrics::CaptureResult::TooLarge);
             tracing::warn!(repository = %repository, error = %e, "pull credentials not captured");
         }
         Ok(Err(e)) => {
-            metrics.capture("failed");
+            metrics.capture(crate::metrics::CaptureResult::Failed);
             tracing::error!(repository = %repository, error = %e, "pull credentials not captured");
         }
         Err(e) => {
-            metrics.capture("failed");
+            metrics.capture(crate::metrics::CaptureResult::Failed);
             tracing::error!(repository = %repository, error = %e, "pull credentials not captured");
         }
     }

@@ -8,19 +8,7 @@
 use std::time::Duration;
 
 use super::pulls::Pull;
-use crate::pulls::{result_of, PullRecord};
-
-/// The metric's label for an `auth` value.
-fn auth_label(auth: &str) -> &'static str {
-    match auth {
-        "none" => "none",
-        "captured" => "captured",
-        "docker-config" => "docker_config",
-        a if a.starts_with("provider:") => "provider",
-        a if a.starts_with("filled:") => "filled",
-        _ => "unknown",
-    }
-}
+use crate::pulls::{PullAuth, PullRecord, PullResult};
 
 /// `given`: the sources that gave the pull's credential (`unknown` when it carried one none
 /// gave: a pod's own pull secret the proxy has not captured).
@@ -33,13 +21,13 @@ pub(super) fn log(
     took: Duration,
 ) {
     let auth = match (&pull.filled, &pull.credential, given.first()) {
-        (Some(source), _, _) => format!("filled:{source}"),
-        (None, None, _) => "none".to_owned(),
-        (None, Some(_), Some(g)) => g.auth(),
-        (None, Some(_), None) => "unknown".to_owned(),
+        (Some(source), _, _) => PullAuth::Filled(source.clone()),
+        (None, None, _) => PullAuth::None,
+        (None, Some(_), Some(g)) => PullAuth::Given(g.clone()),
+        (None, Some(_), None) => PullAuth::Unknown,
     };
-    let result = result_of(code, message);
-    agent.metrics().cri_pull(auth_label(&auth), result);
+    let result = PullResult::of(code, message);
+    agent.metrics().cri_pull(auth.label(), result);
     tracing::info!(
         image = %pull.image,
         pod_namespace = %pull.pod_namespace,
@@ -48,12 +36,12 @@ pub(super) fn log(
         replaced_refused = pull.replaced.is_some(),
         scope = pull.scope,
         code,
-        result,
+        result = result.as_str(),
         runtime_message = %message,
         millis = u64::try_from(took.as_millis()).unwrap_or(u64::MAX),
         "pull"
     );
-    if auth == "none" && result == "unauthorized" {
+    if auth == PullAuth::None && result == PullResult::Unauthorized {
         warn_if_a_source_would_have_answered(agent, pull);
     }
     agent.pulls().push(PullRecord {

@@ -123,7 +123,7 @@ pub(super) async fn apply_policy(
 pub(super) async fn fill(
     agent: &crate::Agent,
     image: &str,
-) -> Option<(String, credgate_engine::Credential)> {
+) -> Option<(crate::refusal::Given, credgate_engine::Credential)> {
     let engine = agent.engine();
     let lookup = engine
         .lookup(&credgate_engine::LookupRequest {
@@ -136,6 +136,6 @@ pub(super) async fn fill(
         credgate_engine::Source::Provider(name) => !engine.keyed_by_service_account(name),
         credgate_engine::Source::DockerConfig(_) => true,
     })?;
-    let source = crate::refusal::Given::from(credential.source.clone()).auth();
+    let source = crate::refusal::Given::from(credential.source.clone());
     Some((source, credential))
 }

@@ -7,6 +7,7 @@ use secrecy::ExposeSecret as _;
 
 use super::fill::{apply_policy, refreshed};
 use super::*;
+use crate::guard::PullEnd;
 
 /// What a `PullImage` asks: the image, and the credential it carries, to keep (and record)
 /// once the runtime says it succeeded.
@@ -32,7 +33,7 @@ pub(super) struct Pull {
     pub(super) server_address: String,
     /// The pull came without a credential and the proxy filled in the one this source of the
     /// agent gives (`provider:NAME`, `docker-config`), for a `--cri-proxy-fill` pattern.
-    pub(super) filled: Option<String>,
+    pub(super) filled: Option<crate::refusal::Given>,
     /// What the credential scope did with its `server_address`.
     pub(super) scope: &'static str,
 }
@@ -227,7 +228,7 @@ pub(super) async fn pull(
         started.elapsed(),
     );
     if pull.valid {
-        if crate::pulls::result_of(code, &message) == "unauthorized" {
+        if crate::pulls::PullResult::of(code, &message) == crate::pulls::PullResult::Unauthorized {
             refused(&pulls.agent, &pull, &given).await;
         }
         settle(pulls, pull, own, &whole).await;
@@ -249,10 +250,14 @@ pub(super) async fn settle(pulls: &Pulls, pull: Pull, own: bool, whole: &runtime
         .filter(|r| !r.is_empty());
     if let Some(guard) = &pulls.guard {
         let used = recorded_as(&pull, guard);
-        let result = match (&image_ref, &used) {
-            (Some(id), Some(used)) => guard.record_result(&pull.image, id, true, Some(used)).await,
-            (Some(_), None) => Ok(()),
-            (None, _) => guard.record_result(&pull.image, "", false, None).await,
+        let end = match (&image_ref, &used) {
+            (Some(image_ref), Some(used)) => Some(PullEnd::Pulled { image_ref, used }),
+            (Some(_), None) => None,
+            (None, _) => Some(PullEnd::Failed),
+        };
+        let result = match end {
+            Some(end) => guard.record_result(&pull.image, end).await,
+            None => Ok(()),
         };
         if let Err(e) = result {
             tracing::error!(error = %crate::error_chain(&e), "pull result not recorded");
@@ -263,7 +268,10 @@ pub(super) async fn settle(pulls: &Pulls, pull: Pull, own: bool, whole: &runtime
         return;
     };
     if pull.other_registry {
-        pulls.agent.metrics().capture("other_registry");
+        pulls
+            .agent
+            .metrics()
+            .capture(crate::metrics::CaptureResult::OtherRegistry);
         tracing::warn!(repository = %pull.repository, "pull credentials not captured: their server address names another registry");
         return;
     }
@@ -271,7 +279,10 @@ pub(super) async fn settle(pulls: &Pulls, pull: Pull, own: bool, whole: &runtime
         // The node's own credential (the kubelet got it from a provider through the bridge,
         // or from a docker config): not a pod's secret, and a copy would outlive the
         // provider's rotation of it.
-        pulls.agent.metrics().capture("own_source");
+        pulls
+            .agent
+            .metrics()
+            .capture(crate::metrics::CaptureResult::OwnSource);
         return;
     }
     let repository = pull.repository.clone();

@@ -150,6 +150,36 @@ pub fn normalize(image: &str) -> Result<(String, String), GuardError> {
     Ok((name, reference))
 }
 
+/// How a pull ended, as the guard records it.
+#[derive(Debug, Clone, Copy)]
+pub enum PullEnd<'a> {
+    /// The runtime pulled the image as `image_ref` (its ID) with `used`.
+    Pulled {
+        image_ref: &'a str,
+        used: &'a CredentialIn,
+    },
+    Failed,
+}
+
+impl<'a> PullEnd<'a> {
+    /// The end a consumer reports (`RecordPullResult`): a success names the image ID and the
+    /// credential used.
+    pub fn reported(
+        success: bool,
+        image_ref: &'a str,
+        used: Option<&'a CredentialIn>,
+    ) -> Result<PullEnd<'a>, GuardError> {
+        if !success {
+            return Ok(PullEnd::Failed);
+        }
+        if image_ref.is_empty() {
+            return Err(GuardError::Missing("image_ref of a successful pull"));
+        }
+        let used = used.ok_or(GuardError::Missing("the credential of a successful pull"))?;
+        Ok(PullEnd::Pulled { image_ref, used })
+    }
+}
+
 /// The guard.
 #[derive(Clone)]
 pub struct Guard {
@@ -408,31 +438,23 @@ impl Guard {
         Ok(())
     }
 
-    /// A pull of `image` ended; on success `used` is recorded for `image_ref`.
-    pub async fn record_result(
-        &self,
-        image: &str,
-        image_ref: &str,
-        success: bool,
-        used: Option<&CredentialIn>,
-    ) -> Result<(), GuardError> {
+    /// A pull of `image` ended: a pulled image records the credential used for its ID, and
+    /// either way the pull's intent is released.
+    pub async fn record_result(&self, image: &str, end: PullEnd<'_>) -> Result<(), GuardError> {
         let (name, reference) = normalize(image)?;
-        let used = if success {
-            if image_ref.is_empty() {
-                return Err(GuardError::Missing("image_ref of a successful pull"));
+        let (image_ref, used) = match end {
+            PullEnd::Pulled { image_ref, used } => {
+                if image_ref.len() > IMAGE_REF_MAX || image_ref.chars().any(char::is_control) {
+                    return Err(GuardError::InvalidImageRef(image_ref.to_owned()));
+                }
+                match self.presented(std::slice::from_ref(used)).pop() {
+                    Some(p) => (image_ref, Some(p)),
+                    // Without the node key a secret cannot be recorded; the intent stays, so
+                    // the image keeps requiring authentication.
+                    None => return Err(GuardError::Missing("the node key")),
+                }
             }
-            if image_ref.len() > IMAGE_REF_MAX || image_ref.chars().any(char::is_control) {
-                return Err(GuardError::InvalidImageRef(image_ref.to_owned()));
-            }
-            let used = used.ok_or(GuardError::Missing("the credential of a successful pull"))?;
-            match self.presented(std::slice::from_ref(used)).pop() {
-                Some(p) => Some(p),
-                // Without the node key a secret cannot be recorded; the intent stays, so the
-                // image keeps requiring authentication.
-                None => return Err(GuardError::Missing("the node key")),
-            }
-        } else {
-            None
+            PullEnd::Failed => ("", None),
         };
         let store = self.store()?;
         // Names a record holds beyond its bound are dropped, the oldest first: counted.
@@ -488,10 +510,16 @@ impl Guard {
             .verifier
             .verify(&target, expected_digest, credentials, &node_wide)
             .await;
-        self.metrics.verification(verified.reason);
+        self.metrics.verification(verified.reason.as_str());
         if let Some(i) = verified.accepted {
-            self.record_result(image, image_ref, true, Some(&credentials[i]))
-                .await?;
+            self.record_result(
+                image,
+                PullEnd::Pulled {
+                    image_ref,
+                    used: &credentials[i],
+                },
+            )
+            .await?;
         }
         Ok(verified)
     }

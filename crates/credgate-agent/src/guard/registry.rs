@@ -58,14 +58,52 @@ impl Target {
     }
 }
 
+/// Why a verification ended as it did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VerifyReason {
+    /// A credential was accepted (and the digest, when one was expected, matched).
+    Verified,
+    Unauthorized,
+    DigestMismatch,
+    NotFound,
+    /// The registry answered with another status.
+    Refused,
+    Unreachable,
+    /// No credential that can be verified was given.
+    NoCredentials,
+}
+
+impl VerifyReason {
+    pub const ALL: [VerifyReason; 7] = [
+        VerifyReason::Verified,
+        VerifyReason::Unauthorized,
+        VerifyReason::DigestMismatch,
+        VerifyReason::NotFound,
+        VerifyReason::Refused,
+        VerifyReason::Unreachable,
+        VerifyReason::NoCredentials,
+    ];
+
+    /// As the API and `credgate_guard_verifications_total{result}` name it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            VerifyReason::Verified => "verified",
+            VerifyReason::Unauthorized => "unauthorized",
+            VerifyReason::DigestMismatch => "digest_mismatch",
+            VerifyReason::NotFound => "not_found",
+            VerifyReason::Refused => "refused",
+            VerifyReason::Unreachable => "unreachable",
+            VerifyReason::NoCredentials => "no_credentials",
+        }
+    }
+}
+
 /// The outcome.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Verified {
     /// Index of the accepted credential.
     pub accepted: Option<usize>,
-    /// `verified`, `unauthorized`, `digest_mismatch`, `not_found`, `refused`, `unreachable`,
-    /// `no_credentials`.
-    pub reason: &'static str,
+    pub reason: VerifyReason,
     pub message: String,
     pub digest: Option<String>,
 }
@@ -206,7 +244,7 @@ impl Verifier {
                                 last = Some(Verified {
                                     digest: Some(digest.clone()),
                                     ..deny(
-                                        "digest_mismatch",
+                                        VerifyReason::DigestMismatch,
                                         format!("the registry serves {digest} for this reference, not {want}"),
                                     )
                                 });
@@ -215,20 +253,20 @@ impl Verifier {
                         }
                         return Verified {
                             accepted: Some(i),
-                            reason: "verified",
+                            reason: VerifyReason::Verified,
                             message: format!("credential {i} accepted by {}", target.registry),
                             digest: Some(digest),
                         };
                     }
                     Attempt::Unauthorized => {
                         last = Some(deny(
-                            "unauthorized",
+                            VerifyReason::Unauthorized,
                             format!("{} refused the credentials", target.registry),
                         ));
                     }
                     Attempt::NotFound => {
                         last = Some(deny(
-                            "not_found",
+                            VerifyReason::NotFound,
                             format!(
                                 "{} has no manifest {}:{} for these credentials",
                                 target.registry, target.repository, target.reference
@@ -237,13 +275,13 @@ impl Verifier {
                     }
                     Attempt::Refused(status) => {
                         last = Some(deny(
-                            "refused",
+                            VerifyReason::Refused,
                             format!("{} answered {status}", target.registry),
                         ));
                     }
                     Attempt::Unreachable(why) => {
                         return deny(
-                            "unreachable",
+                            VerifyReason::Unreachable,
                             format!("cannot reach {}: {why}", target.registry),
                         );
                     }
@@ -252,7 +290,7 @@ impl Verifier {
         }
         last.unwrap_or(Verified {
             accepted: None,
-            reason: "no_credentials",
+            reason: VerifyReason::NoCredentials,
             message: "no credential that can be verified against a registry was given".into(),
             digest: None,
         })
@@ -563,7 +601,7 @@ mod tests {
             password: SecretString::from("p"),
         }];
         let got = v.verify(&target, None, &creds, &[]).await;
-        assert_eq!(got.reason, "unreachable", "{got:?}");
+        assert_eq!(got.reason, VerifyReason::Unreachable, "{got:?}");
         assert!(
             got.message.contains("larger than 64 KiB"),
             "{}",

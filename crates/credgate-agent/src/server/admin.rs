@@ -217,8 +217,10 @@ impl Admin for Api {
                     image: p.image,
                     pod_namespace: p.pod_namespace,
                     pod_name: p.pod_name,
-                    auth: p.auth,
-                    result: crate::pulls::result_of(p.code, &p.message).to_owned(),
+                    auth: p.auth.to_string(),
+                    result: crate::pulls::PullResult::of(p.code, &p.message)
+                        .as_str()
+                        .to_owned(),
                     code: p.code,
                     message: p.message,
                     duration_ms: u64::try_from(p.duration.as_millis()).unwrap_or(u64::MAX),

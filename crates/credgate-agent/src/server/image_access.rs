@@ -8,7 +8,7 @@ use tonic::{Request, Response, Status};
 
 use super::{peer, Api};
 use crate::guard::store::PresentImage;
-use crate::guard::{Answer, CredentialIn, Guard, PullPolicy};
+use crate::guard::{Answer, CredentialIn, Guard, PullEnd, PullPolicy};
 use crate::status::{self, ApiError};
 
 /// Records and intents on a `ListRecords` page by default, and at most.
@@ -169,8 +169,10 @@ impl ImageAccess for Api {
         let req = request.into_inner();
         self.observed(peer, "RecordPullResult", async {
             let used = req.credential.map(credential).transpose()?;
+            let end = PullEnd::reported(req.success, &req.image_ref, used.as_ref())
+                .map_err(ApiError::from)?;
             self.guard()?
-                .record_result(&req.image, &req.image_ref, req.success, used.as_ref())
+                .record_result(&req.image, end)
                 .await
                 .map_err(ApiError::from)?;
             Ok(Response::new(pb::RecordPullResultResponse {}))
@@ -201,7 +203,7 @@ impl ImageAccess for Api {
             };
             Ok(Response::new(pb::VerifyResponse {
                 decision: decision as i32,
-                reason: v.reason.to_owned(),
+                reason: v.reason.as_str().to_owned(),
                 message: v.message,
                 credential_index: v.accepted.map_or(-1, |i| i32::try_from(i).unwrap_or(-1)),
                 digest: v.digest.unwrap_or_default(),

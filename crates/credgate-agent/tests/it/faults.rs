@@ -89,7 +89,12 @@ async fn pull(g: &Guard, i: usize) -> Result<(), String> {
     g.record_intent(&image(i))
         .await
         .map_err(|e| e.to_string())?;
-    g.record_result(&image(i), &image_ref(i), true, Some(&secret("team-a")))
+    let used = secret("team-a");
+    let end = credgate_agent::guard::PullEnd::Pulled {
+        image_ref: &image_ref(i),
+        used: &used,
+    };
+    g.record_result(&image(i), end)
         .await
         .map_err(|e| e.to_string())
 }
