@@ -1,7 +1,8 @@
 //! The agent's state: the engine in use (swapped whole on reload), the renewal service, and
 //! the metric registry.
 
-use std::sync::{Arc, Mutex};
+use parking_lot::Mutex;
+use std::sync::Arc;
 use std::time::SystemTime;
 
 use arc_swap::ArcSwap;
@@ -540,11 +541,7 @@ impl Agent {
 
     /// What the sealed provider cache did.
     pub fn saved_cache_report(&self) -> SavedCacheReport {
-        self.inner
-            .saved_report
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        self.inner.saved_report.lock().clone()
     }
 
     /// Keeps the providers' answers and the tracked refs sealed on disk, off the lookup path:
@@ -599,11 +596,7 @@ impl Agent {
         match cache.save(entries, consumers) {
             Ok(n) => {
                 self.inner.metrics.cache_persisted.inc_by(n as u64);
-                let mut report = self
-                    .inner
-                    .saved_report
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner());
+                let mut report = self.inner.saved_report.lock();
                 report.saved_entries = n as u64;
                 report.last_saved = Some(self.inner.clock.wall());
                 true
@@ -681,12 +674,12 @@ impl Agent {
 
     /// When the config in use was loaded.
     pub fn loaded(&self) -> SystemTime {
-        *self.inner.loaded.lock().unwrap_or_else(|p| p.into_inner())
+        *self.inner.loaded.lock()
     }
 
     /// Re-reads every source. On error the engine in use keeps serving.
     pub fn reload(&self) -> Result<Reloaded, SourceError> {
-        let mut loaded_from = self.inner.reload.lock().unwrap_or_else(|p| p.into_inner());
+        let mut loaded_from = self.inner.reload.lock();
         // The same bytes as the running engine's: nothing to rebuild, and its caches stay.
         let fingerprint = self.inner.sources.fingerprint();
         if fingerprint.is_some() && fingerprint == *loaded_from {
@@ -711,7 +704,7 @@ impl Agent {
         let identity = engine.config_identity().map(str::to_owned);
         self.inner.engine.store(Arc::new(engine));
         *loaded_from = fingerprint;
-        *self.inner.loaded.lock().unwrap_or_else(|p| p.into_inner()) = self.inner.clock.wall();
+        *self.inner.loaded.lock() = self.inner.clock.wall();
         self.inner.metrics.reload(true);
         self.inner.renewer.refresh_all();
         Ok(Reloaded {

@@ -9,9 +9,9 @@
 //! version 1 (`CGCAPT1\n`, its header not bound to the body) is read once and written again
 //! in version 2.
 
+use parking_lot::Mutex;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 use std::time::Duration;
 
 use chacha20poly1305::aead::Aead;
@@ -219,8 +219,8 @@ impl Captured {
         let _ = std::fs::remove_file(&path);
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Credential>> {
-        self.by_repository.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> parking_lot::MutexGuard<'_, BTreeMap<String, Credential>> {
+        self.by_repository.lock()
     }
 
     /// The entries of a version-1 file sealed under this node key.
@@ -329,7 +329,7 @@ impl Captured {
         &self,
         edit: impl FnOnce(&mut BTreeMap<String, Credential>) -> bool,
     ) -> Result<bool, CaptureError> {
-        let _writer = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        let _writer = self.writer.lock();
         let mut next = self.lock().clone();
         if !edit(&mut next) {
             return Ok(false);

@@ -3,11 +3,12 @@
 //! IO that remembers how much its peer sent and when.
 
 use crate::tasks::CancellationToken;
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::io;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -91,7 +92,7 @@ impl Slots {
 
     /// A slot for a connection of `uid` (`None` for TCP peers), if the budget has one.
     pub fn try_take(&self, uid: Option<u32>) -> Result<Slot, Refused> {
-        let mut state = lock(&self.inner.state);
+        let mut state = self.inner.state.lock();
         if state.total >= self.inner.max {
             return Err(Refused::Full);
         }
@@ -117,13 +118,13 @@ impl Slots {
     /// Connections holding a slot now.
     #[cfg(test)]
     fn in_use(&self) -> usize {
-        lock(&self.inner.state).total
+        self.inner.state.lock().total
     }
 }
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        let mut state = lock(&self.inner.state);
+        let mut state = self.inner.state.lock();
         state.total -= 1;
         if let Some(u) = self.uid {
             if let Some(n) = state.by_uid.get_mut(&u) {
@@ -134,10 +135,6 @@ impl Drop for Slot {
             }
         }
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Lets a repeated warning through at most once per period, counting what it held back.
@@ -158,7 +155,7 @@ impl Throttle {
     /// the last one that was; `None` when it should not.
     pub fn check(&self) -> Option<u64> {
         let now = Instant::now();
-        let mut state = lock(&self.state);
+        let mut state = self.state.lock();
         match state.0 {
             Some(last) if now.duration_since(last) < self.every => {
                 state.1 += 1;

@@ -1,8 +1,8 @@
 //! The CRI proxy's pull decision log: the recent pulls (a bounded ring, never a secret), for
 //! `credgate ctl pulls`, and the throttle of the "unauthorized without credentials" warning.
 
+use parking_lot::Mutex;
 use std::collections::{HashMap, VecDeque};
-use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime};
 
 use prometheus_client::encoding::{EncodeLabelValue, LabelValueEncoder};
@@ -183,7 +183,7 @@ impl PullLog {
         cut(&mut record.repository, IMAGE);
         cut(&mut record.pod_namespace, NAMESPACE);
         cut(&mut record.pod_name, POD_NAME);
-        let mut ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
+        let mut ring = self.ring.lock();
         if ring.len() == RING {
             ring.pop_front();
         }
@@ -192,7 +192,7 @@ impl PullLog {
 
     /// The recent pulls, newest first; of `repository` (a normalized name) only when given.
     pub fn list(&self, repository: Option<&str>) -> Vec<PullRecord> {
-        let ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
+        let ring = self.ring.lock();
         ring.iter()
             .rev()
             .filter(|r| repository.is_none_or(|want| r.repository == want))
@@ -203,7 +203,7 @@ impl PullLog {
     /// Whether a warning about `image` may be logged now (once per [`WARN_EVERY`]).
     pub fn may_warn(&self, image: &str) -> bool {
         let now = Instant::now();
-        let mut warned = self.warned.lock().unwrap_or_else(|p| p.into_inner());
+        let mut warned = self.warned.lock();
         if let Some(at) = warned.get(image) {
             if now.duration_since(*at) < WARN_EVERY {
                 return false;

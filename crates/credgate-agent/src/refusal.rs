@@ -15,8 +15,8 @@
 //! per interval, and the proxy knows a client's stale copy (the kubelet caches what the bridge
 //! gave it) for what it is ([`Refusals::known`]).
 
+use parking_lot::Mutex;
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime};
 
 use hmac::{Hmac, Mac};
@@ -153,8 +153,8 @@ fn random_key() -> [u8; 32] {
 }
 
 impl Refusals {
-    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> parking_lot::MutexGuard<'_, State> {
+        self.state.lock()
     }
 
     fn fingerprint(&self, username: &str, password: &str) -> Fingerprint {

@@ -12,11 +12,12 @@
 //! Everything reads time from the injected [`Clock`] and sleeps with tokio's timer, so a test
 //! on a paused runtime moves through days of renewals in milliseconds.
 
+use parking_lot::{Mutex, MutexGuard};
 use std::collections::hash_map::DefaultHasher;
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use arc_swap::ArcSwap;
@@ -222,10 +223,6 @@ fn uid_room(st: &State, uid: Option<u32>, consumer: &str, mine: usize) -> Result
     Ok(())
 }
 
-fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 /// Root and the agent's own uid: not bounded per uid.
 fn exempt(uid: u32) -> bool {
     uid == 0 || uid == rustix::process::geteuid().as_raw()
@@ -297,7 +294,7 @@ impl Renewer {
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
-        lock(&self.shared.state)
+        self.shared.state.lock()
     }
 
     fn validate(consumer: &str, refs: &[String]) -> Result<(), TrackError> {

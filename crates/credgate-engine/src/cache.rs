@@ -3,8 +3,9 @@
 //! copy-on-write under a mutex. Writes purge dead entries and evict the soonest-expiring ones
 //! beyond the capacity, so memory stays bounded whatever the request pattern.
 
+use parking_lot::Mutex;
 use std::hash::Hash;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Instant, SystemTime};
 
 use arc_swap::{ArcSwap, Guard};
@@ -217,7 +218,7 @@ impl Cache {
         if !entry.alive_at(now) {
             return self.load().len();
         }
-        let _w = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        let _w = self.writer.lock();
         let cur = self.current.load();
         // The table copied as it is (no key hashed again: with thousands of long image keys,
         // rehashing every key at each insert cost a core under a tenant's tracked refs), then
@@ -240,7 +241,7 @@ impl Cache {
 
     /// Removes every entry `drop` picks (and the dead ones); returns the removed live ones.
     pub fn remove(&self, drop: impl Fn(&Entry) -> bool, now: Instant) -> Vec<Arc<Entry>> {
-        let _w = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        let _w = self.writer.lock();
         let cur = self.current.load();
         let mut removed = Vec::new();
         let mut next = HashMap::with_capacity(cur.entries.len());

@@ -6,8 +6,9 @@
 //! Sharded copy-on-write maps keep reads lock-free and writes cheap; each shard holds a bounded
 //! number of resolutions and of bytes of keys and names, and starts over when either is full.
 
+use parking_lot::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Instant;
 
 use arc_swap::ArcSwap;
@@ -122,7 +123,7 @@ impl Memo {
 
     /// Remembers a resolution.
     pub fn insert(&self, key: &str, resolved: Arc<Resolved>) {
-        let _w = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        let _w = self.writer.lock();
         let slot = &self.shards[shard_of(key)];
         let current = slot.load();
         let added = weight(key, &resolved);

@@ -8,11 +8,12 @@
 //! its own run. So a burst behind a `Registry` or `Global` plugin costs one run, and no request
 //! waits longer than two runs.
 
+use parking_lot::Mutex;
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -277,10 +278,6 @@ pub struct Provider {
     global_slots: Arc<Semaphore>,
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 /// What a provider is built from.
 pub struct ProviderParts {
     pub spec: ProviderSpec,
@@ -398,7 +395,7 @@ impl Provider {
         let mut counted = false;
         loop {
             let (pending, join, lead) = {
-                let mut inflight = lock(&self.inflight);
+                let mut inflight = self.inflight.lock();
                 let snapshot = self.cache.load();
                 if let Some(e) = snapshot.find(
                     ask.image,
@@ -451,7 +448,7 @@ impl Provider {
     }
 
     fn check_backoff(&self) -> Result<(), ProviderError> {
-        let state = lock(&self.state);
+        let state = self.state.lock();
         let now = self.clock.now();
         match state.next_allowed {
             Some(t) if now < t => {
@@ -504,7 +501,7 @@ impl Provider {
                     .set(i64::try_from(n).unwrap_or(i64::MAX));
             }
             {
-                let mut inflight = lock(&this.inflight);
+                let mut inflight = this.inflight.lock();
                 inflight.pending.retain(|p| !Arc::ptr_eq(p, &job));
                 if let Ok(entry) = &result {
                     inflight.hint = Some(entry.key_type);
@@ -559,7 +556,7 @@ impl Provider {
         let _global = self.global_slots.acquire().await;
         let started = Instant::now();
         self.metrics.runs.inc();
-        lock(&self.state).last_run = Some(self.clock.wall());
+        self.state.lock().last_run = Some(self.clock.wall());
         // The answer is decoded as soon as it may be whole, while the plugin exits; that
         // decode counts if the output did not grow after it.
         let mut early: Option<(usize, RunResult)> = None;
@@ -628,7 +625,7 @@ impl Provider {
     }
 
     fn record(&self, result: &RunResult) {
-        let mut state = lock(&self.state);
+        let mut state = self.state.lock();
         match result {
             Ok(_) => {
                 state.consecutive_failures = 0;
@@ -671,14 +668,14 @@ impl Provider {
             self.metrics
                 .entries
                 .set(i64::try_from(left).unwrap_or(i64::MAX));
-            lock(&self.state).last_dropped = Some((self.clock.wall(), why.to_owned()));
+            self.state.lock().last_dropped = Some((self.clock.wall(), why.to_owned()));
         }
         removed
     }
 
     /// Until when the provider is backing off (a lookup now is refused without a run).
     pub fn backoff_until(&self) -> Option<SystemTime> {
-        let state = lock(&self.state);
+        let state = self.state.lock();
         let now = self.clock.now();
         state
             .next_allowed
@@ -687,7 +684,7 @@ impl Provider {
     }
 
     pub fn status(&self) -> ProviderStatus {
-        let state = lock(&self.state);
+        let state = self.state.lock();
         ProviderStatus {
             name: self.spec.name.clone(),
             runs: self.metrics.runs.get(),

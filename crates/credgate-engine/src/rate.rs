@@ -4,7 +4,7 @@
 //! the registry's token service (ECR's GetAuthorizationToken allows 20 a second per account and
 //! region, burst 200).
 
-use std::sync::Mutex;
+use parking_lot::Mutex;
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -168,8 +168,8 @@ impl Bucket {
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> parking_lot::MutexGuard<'_, State> {
+        self.state.lock()
     }
 
     /// The rate, for messages.
@@ -306,7 +306,7 @@ mod tests {
             let (b, order) = (b.clone(), order.clone());
             tasks.push(tokio::spawn(async move {
                 b.take(tenant).await.unwrap();
-                order.lock().unwrap().push(format!("tenant-{i}"));
+                order.lock().push(format!("tenant-{i}"));
             }));
             tokio::task::yield_now().await;
         }
@@ -316,7 +316,7 @@ mod tests {
         );
         let started = Instant::now();
         assert!(b.take(Caller::of(Some(0), 4242)).await.unwrap());
-        order.lock().unwrap().push("root".into());
+        order.lock().push("root".into());
         assert!(
             started.elapsed() <= Duration::from_millis(1100),
             "root waited {:?} behind the tenant's runs",
@@ -325,7 +325,7 @@ mod tests {
         for t in tasks {
             t.await.unwrap();
         }
-        assert_eq!(order.lock().unwrap()[0], "root");
+        assert_eq!(order.lock()[0], "root");
         // Another caller's turn would come after the wait limit: refused at once.
         let slow = Bucket::new(PluginRate {
             per_second: 0.1,

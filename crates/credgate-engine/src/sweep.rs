@@ -17,8 +17,9 @@
 //! started at another time (a recycled pid). Plugins of engines still running, and processes
 //! of other pid namespaces (where the marker's pid means another process), are left alone.
 
+use parking_lot::{Condvar, Mutex, MutexGuard};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use crate::owned_thread::OwnedThread;
@@ -39,7 +40,7 @@ struct Shared {
 
 impl Shared {
     fn pending(&self) -> MutexGuard<'_, Pending> {
-        self.pending.lock().unwrap_or_else(|p| p.into_inner())
+        self.pending.lock()
     }
 }
 
@@ -182,17 +183,13 @@ fn sweeper(s: &Shared) {
         let stopping = {
             let mut pending = s.pending();
             while pending.is_empty() && !pending.stop {
-                pending = s.wake.wait(pending).unwrap_or_else(|p| p.into_inner());
+                s.wake.wait(&mut pending);
             }
             if pending.is_empty() {
                 return;
             }
             if !pending.stop {
-                pending = s
-                    .wake
-                    .wait_timeout_while(pending, PAUSE, |p| !p.stop)
-                    .unwrap_or_else(|p| p.into_inner())
-                    .0;
+                s.wake.wait_while_for(&mut pending, |p| !p.stop, PAUSE);
             }
             pending.stop
         };

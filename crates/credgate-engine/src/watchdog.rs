@@ -20,7 +20,8 @@
 //! leader (the plugin) has not been reaped, so its id cannot have been reused. A run marks
 //! itself [`Watch::done`] (under the same lock the watchdog signals under) before it reaps.
 
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use parking_lot::{Condvar, Mutex, MutexGuard};
+use std::sync::Arc;
 
 use crate::owned_thread::OwnedThread;
 use std::time::{Duration, Instant};
@@ -64,7 +65,7 @@ struct Entry {
 
 impl Entry {
     fn state(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        self.state.lock()
     }
 
     /// One look; false once the run is done with.
@@ -140,7 +141,7 @@ struct Shared {
 
 impl Shared {
     fn runs(&self) -> MutexGuard<'_, Runs> {
-        self.runs.lock().unwrap_or_else(|p| p.into_inner())
+        self.runs.lock()
     }
 }
 
@@ -228,7 +229,7 @@ fn watch_runs(shared: &Shared) {
             } else if idle_since.get_or_insert_with(Instant::now).elapsed() >= LINGER {
                 runs.asleep = true;
                 while runs.entries.is_empty() && !runs.stop {
-                    runs = shared.wake.wait(runs).unwrap_or_else(|p| p.into_inner());
+                    shared.wake.wait(&mut runs);
                 }
                 runs.asleep = false;
                 idle_since = None;

@@ -20,7 +20,7 @@ use crate::status::ApiError;
 pub(super) struct Runtime {
     pub(super) path: PathBuf,
     pub(super) sender: Mutex<Option<hyper::client::conn::http2::SendRequest<Body>>>,
-    pub(super) tasks: std::sync::Mutex<JoinSet<()>>,
+    pub(super) tasks: parking_lot::Mutex<JoinSet<()>>,
 }
 
 impl Runtime {
@@ -28,7 +28,7 @@ impl Runtime {
         Runtime {
             path,
             sender: Mutex::new(None),
-            tasks: std::sync::Mutex::new(JoinSet::new()),
+            tasks: parking_lot::Mutex::new(JoinSet::new()),
         }
     }
 
@@ -45,7 +45,7 @@ impl Runtime {
             .handshake(TokioIo::new(stream))
             .await
             .map_err(std::io::Error::other)?;
-        let mut tasks = self.tasks.lock().unwrap_or_else(|p| p.into_inner());
+        let mut tasks = self.tasks.lock();
         // Connections that ended are reaped here, so the set holds the live one only.
         while tasks.try_join_next().is_some() {}
         tasks.spawn(async move {

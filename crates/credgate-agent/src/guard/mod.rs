@@ -11,8 +11,9 @@
 pub mod registry;
 pub mod store;
 
+use parking_lot::Mutex;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
@@ -629,7 +630,7 @@ impl<T, E: std::error::Error + 'static> Retrying<T, E> {
         if let Some(v) = self.value.get() {
             return Ok(v);
         }
-        let mut failure = self.failure.lock().unwrap_or_else(|p| p.into_inner());
+        let mut failure = self.failure.lock();
         if let Some((e, at)) = failure.as_ref() {
             if at.elapsed() < REOPEN_INTERVAL {
                 return Err(e.clone());

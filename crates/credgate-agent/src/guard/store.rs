@@ -10,11 +10,12 @@
 //! Merges happen in the writer, against its authoritative state, so two pulls of one image with
 //! different credentials cannot lose each other's update.
 
+use parking_lot::{Mutex, RwLock};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::Arc;
 
 use credgate_core::guard::{self, stored, Learned, Presented, Record};
 use rusqlite::{params, Connection, TransactionBehavior};
@@ -261,14 +262,6 @@ pub struct Store {
     writer: Arc<Mutex<Option<std::thread::JoinHandle<()>>>>,
 }
 
-fn read<'a>(m: &'a RwLock<Mem>) -> std::sync::RwLockReadGuard<'a, Mem> {
-    m.read().unwrap_or_else(|p| p.into_inner())
-}
-
-fn write<'a>(m: &'a RwLock<Mem>) -> std::sync::RwLockWriteGuard<'a, Mem> {
-    m.write().unwrap_or_else(|p| p.into_inner())
-}
-
 impl Store {
     /// Opens (or creates) `dir/guard.db`, checks it and loads it into memory.
     pub fn open(dir: &Path) -> Result<Store, StoreError> {
@@ -359,12 +352,12 @@ impl Store {
 
     /// The record of an image ID.
     pub fn record(&self, image_ref: &str) -> Option<Arc<Record>> {
-        read(&self.mem).records.get(image_ref).cloned()
+        self.mem.read().records.get(image_ref).cloned()
     }
 
     /// The record of an image ID and whether an intent exists for `name`, read together.
     pub fn view(&self, image_ref: &str, name: &str) -> (Option<Arc<Record>>, bool) {
-        let m = read(&self.mem);
+        let m = self.mem.read();
         (
             m.records.get(image_ref).cloned(),
             m.intent_names.contains_key(name),
@@ -373,14 +366,16 @@ impl Store {
 
     /// Every record, sorted by image ID.
     pub fn records(&self) -> Vec<Arc<Record>> {
-        let mut all: Vec<Arc<Record>> = read(&self.mem).records.values().cloned().collect();
+        let mut all: Vec<Arc<Record>> = self.mem.read().records.values().cloned().collect();
         all.sort_by(|a, b| a.image_ref.cmp(&b.image_ref));
         all
     }
 
     /// Every intent, sorted by image reference.
     pub fn intents(&self) -> Vec<(String, Intent)> {
-        let mut all: Vec<(String, Intent)> = read(&self.mem)
+        let mut all: Vec<(String, Intent)> = self
+            .mem
+            .read()
             .intents
             .iter()
             .map(|(k, v)| (k.clone(), v.clone()))
@@ -396,7 +391,7 @@ impl Store {
 
     /// (records, intents) stored.
     pub fn counts(&self) -> (usize, usize) {
-        let m = read(&self.mem);
+        let m = self.mem.read();
         (m.records.len(), m.intents.len())
     }
 
@@ -416,7 +411,7 @@ impl Store {
         if self.tx.send(Msg::Close(done)).is_ok() {
             let _ = rx.await;
         }
-        let writer = self.writer.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let writer = self.writer.lock().take();
         if let Some(writer) = writer {
             if tokio::task::spawn_blocking(move || writer.join())
                 .await
@@ -535,7 +530,7 @@ fn writer(
         if !batch.is_empty() {
             log_rows += commit(&mut conn, batch, &mem);
             commits.fetch_add(1, Ordering::Relaxed);
-            let m = read(&mem);
+            let m = mem.read();
             if needs_compaction(log_rows, m.records.len()) {
                 match compact(&mut conn, &m) {
                     Ok(rows) => log_rows = rows,
@@ -603,7 +598,7 @@ fn run(
     let mut results = Vec::with_capacity(batch.len());
     let mut effects = Vec::new();
     {
-        let snapshot = read(mem);
+        let snapshot = mem.read();
         for job in batch {
             let ctx = Ctx {
                 mem: &snapshot,
@@ -640,7 +635,7 @@ fn run(
             _ => 0,
         })
         .sum();
-    let mut m = write(mem);
+    let mut m = mem.write();
     for e in effects {
         match e {
             Effect::PutRecord(r, _) => {

@@ -953,7 +953,7 @@ async fn the_pull_decision_log_against_a_fake_runtime() {
         "{}",
         crate::support::text(&out.stderr)
     );
-    fake.answers.lock().unwrap().pull = Ok("sha256:feed".into());
+    fake.answers.lock().pull = Ok("sha256:feed".into());
     let pulled: PullImageResponse = call(
         &proxy,
         PULL_IMAGE,
@@ -1000,7 +1000,7 @@ async fn without_capture_pulls_are_still_recorded_and_logged() {
     )
     .await
     .unwrap();
-    let image_ref = fake.answers.lock().unwrap().pull.clone().unwrap();
+    let image_ref = fake.answers.lock().pull.clone().unwrap();
     assert_eq!(pulled.image_ref, image_ref);
     let check = |secret: &str| {
         agent.credgate(&[
