@@ -107,37 +107,20 @@ fn request_bytes(method: &str, message: &[u8]) -> Vec<u8> {
     out
 }
 
-/// Percent-encoding of a `grpc-message` value: bytes outside printable ASCII, and `%`.
+/// What gRPC percent-encodes in a `grpc-message`: bytes outside printable ASCII, and `%`.
+const GRPC_MESSAGE: &percent_encoding::AsciiSet = &percent_encoding::CONTROLS.add(b'%');
+
+/// Percent-encoding of a `grpc-message` value.
 pub fn encode_message(message: &str) -> String {
-    let mut out = String::with_capacity(message.len());
-    for b in message.bytes() {
-        if (0x20..0x7f).contains(&b) && b != b'%' {
-            out.push(char::from(b));
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
+    percent_encoding::utf8_percent_encode(message, GRPC_MESSAGE).to_string()
 }
 
-/// Percent-decoding of a `grpc-message` value (gRPC encodes bytes outside printable ASCII and
-/// `%` itself); a `%` not followed by two hex digits stays as it is.
+/// Percent-decoding of a `grpc-message` value; a `%` not followed by two hex digits stays as
+/// it is.
 pub fn decode_message(raw: &[u8]) -> String {
-    let mut out = Vec::with_capacity(raw.len());
-    let mut i = 0;
-    while i < raw.len() {
-        if raw[i] == b'%' && i + 2 < raw.len() {
-            let hex = std::str::from_utf8(&raw[i + 1..i + 3]).unwrap_or("");
-            if let Ok(b) = u8::from_str_radix(hex, 16) {
-                out.push(b);
-                i += 3;
-                continue;
-            }
-        }
-        out.push(raw[i]);
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
+    percent_encoding::percent_decode(raw)
+        .decode_utf8_lossy()
+        .into_owned()
 }
 
 /// What the stream carried, as far as a unary call cares.
@@ -425,6 +408,14 @@ fn exchange<S: Read + Write>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn grpc_message_is_percent_encoded_as_grpc_does_and_decodes_back() {
+        let message = "100% sure: é\n\x7f~ ok";
+        let encoded = encode_message(message);
+        assert_eq!(encoded, "100%25 sure: %C3%A9%0A%7F~ ok");
+        assert_eq!(decode_message(encoded.as_bytes()), message);
+    }
 
     #[test]
     fn grpc_message_is_percent_decoded() {

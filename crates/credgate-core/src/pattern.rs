@@ -112,29 +112,22 @@ fn host_char_ok(c: char) -> bool {
     c.is_ascii_alphanumeric() || "-_.~!$&'()*+,;=:[]<>\"".contains(c)
 }
 
+/// Percent-decoding as Go's `url.Parse` does it: a `%` not followed by two hex digits is an
+/// error (the decoder itself would pass it on).
 fn unescape(s: &str) -> Result<String, PatternError> {
-    if !s.contains('%') {
-        return Ok(s.to_owned());
+    let bad = s.match_indices('%').map(|(i, _)| i).find(|&i| {
+        !s.as_bytes()
+            .get(i + 1..i + 3)
+            .is_some_and(|h| h.iter().all(u8::is_ascii_hexdigit))
+    });
+    if let Some(i) = bad {
+        return Err(PatternError::InvalidEscape(
+            s[i..].chars().take(3).collect(),
+        ));
     }
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'%' {
-            let hex = b
-                .get(i + 1..i + 3)
-                .filter(|h| h.iter().all(u8::is_ascii_hexdigit));
-            let hex =
-                hex.ok_or_else(|| PatternError::InvalidEscape(s[i..].chars().take(3).collect()))?;
-            let text = std::str::from_utf8(hex).expect("hex digits are ascii");
-            out.push(u8::from_str_radix(text, 16).expect("validated hex"));
-            i += 3;
-        } else {
-            out.push(b[i]);
-            i += 1;
-        }
-    }
-    Ok(String::from_utf8_lossy(&out).into_owned())
+    Ok(percent_encoding::percent_decode_str(s)
+        .decode_utf8_lossy()
+        .into_owned())
 }
 
 /// Go's `net.SplitHostPort`, falling back to (whole, "") when it fails, as the kubelet does.

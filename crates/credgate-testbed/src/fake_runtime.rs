@@ -4,8 +4,9 @@
 //! trailers-only error (as containerd answers a failed pull), every other method with an empty
 //! message.
 
+use parking_lot::Mutex;
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use http_body_util::{BodyExt, Full};
 use hyper::body::{Bytes, Incoming};
@@ -47,20 +48,28 @@ impl Drop for FakeRuntime {
 
 fn grpc_frame(message: &[u8]) -> Bytes {
     let mut frame = vec![0u8];
-    frame.extend_from_slice(&(message.len() as u32).to_be_bytes());
+    let len = u32::try_from(message.len()).expect("a test message fits a gRPC frame");
+    frame.extend_from_slice(&len.to_be_bytes());
     frame.extend_from_slice(message);
     Bytes::from(frame)
 }
 
-/// A `ListImagesResponse` of about `size` bytes (images with 1000-byte ids).
+/// A `ListImagesResponse` of at most `size` bytes (images with 1000-byte ids, 1006 bytes
+/// each as encoded).
 fn list(size: usize) -> Bytes {
-    let mut msg = Vec::with_capacity(size);
-    let id = vec![b'a'; 1000];
-    while msg.len() + 1006 <= size {
-        msg.extend_from_slice(&[0x0a, 0xeb, 0x07, 0x0a, 0xe8, 0x07]);
-        msg.extend_from_slice(&id);
+    use prost::Message as _;
+    let image = credgate_api::cri::Image {
+        id: "a".repeat(1000),
+        ..Default::default()
+    };
+    let each = credgate_api::cri::ListImagesResponse {
+        images: vec![image.clone()],
     }
-    grpc_frame(&msg)
+    .encoded_len();
+    let response = credgate_api::cri::ListImagesResponse {
+        images: vec![image; size / each],
+    };
+    grpc_frame(&response.encode_to_vec())
 }
 
 type Body = http_body_util::combinators::UnsyncBoxBody<Bytes, std::io::Error>;
@@ -122,7 +131,7 @@ pub async fn start(socket: &Path, answers: Answers) -> FakeRuntime {
                     async move {
                         let path = req.uri().path().to_owned();
                         let _ = req.into_body().collect().await;
-                        let now = answers.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                        let now = answers.lock().clone();
                         if path.ends_with("/PullImage") {
                             tokio::time::sleep(now.pull_delay).await;
                         }
