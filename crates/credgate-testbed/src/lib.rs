@@ -15,7 +15,7 @@ mod registry;
 
 pub use image::{oci_image, push};
 pub use process::{
-    eventually, eventually_async, eventually_await, require, require_root, run, wait_for_exit,
-    Containerd,
+    eventually, eventually_async, eventually_await, eventually_some, require, require_root, run,
+    wait_for_exit, Containerd,
 };
 pub use registry::Registry;

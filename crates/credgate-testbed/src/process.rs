@@ -108,11 +108,9 @@ impl Containerd {
             .stderr(std::fs::File::create(base.join("log")).unwrap())
             .spawn()
             .expect("containerd starts");
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while !socket.exists() {
-            assert!(Instant::now() < deadline, "containerd did not come up");
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        eventually("containerd comes up", Duration::from_secs(30), || {
+            socket.exists()
+        });
         Containerd {
             child,
             socket,
@@ -159,16 +157,39 @@ pub fn eventually(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
     }
 }
 
-/// [`eventually`] with a condition that awaits (a call to the agent, say).
+/// [`eventually`] with a condition that awaits (a call to the agent, say). Time is tokio's,
+/// for the deadline as for the pauses, so that a test on a paused clock advances to it
+/// instead of spinning.
 pub async fn eventually_await<F, Fut>(what: &str, limit: Duration, mut done: F)
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = bool>,
 {
-    let deadline = Instant::now() + limit;
+    let deadline = tokio::time::Instant::now() + limit;
     while !done().await {
-        assert!(Instant::now() < deadline, "{what}: not within {limit:?}");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{what}: not within {limit:?}"
+        );
         tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// What `found` gives once it gives something, polled as [`eventually_await`] polls; `None`
+/// when it gave nothing within `limit` (for a test that reports what it saw instead).
+pub async fn eventually_some<T>(
+    limit: Duration,
+    mut found: impl FnMut() -> Option<T>,
+) -> Option<T> {
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        if let Some(v) = found() {
+            return Some(v);
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 

@@ -221,8 +221,12 @@ async fn a_read_only_state_directory_fails_safe_until_writable() {
 
     // Writable again: the next call after the retry interval opens the store, no restart.
     fs.remount("rw");
-    tokio::time::sleep(credgate_agent::guard::REOPEN_INTERVAL).await;
-    assert_eq!(answer(&g, 1, "team-a"), Answer::Allow);
+    credgate_testbed::eventually_async(
+        "the store reopens after its retry interval",
+        10 * credgate_agent::guard::REOPEN_INTERVAL,
+        || answer(&g, 1, "team-a") == Answer::Allow,
+    )
+    .await;
     assert_eq!(answer(&g, 1, "team-b"), Answer::MustAuthenticate);
     pull(&g, 2).await.expect("recording after recovery");
     assert_eq!(answer(&g, 2, "team-a"), Answer::Allow);

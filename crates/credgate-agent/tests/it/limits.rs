@@ -442,6 +442,7 @@ async fn the_metrics_listener_bounds_idle_connections() {
         counters.clone(),
         stop.clone(),
     ));
+    let held = counters.open_connections("metrics");
     let outcome = tokio::task::spawn_blocking(move || {
         let read_to_end = |s: &mut TcpStream| -> (bool, Vec<u8>) {
             s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
@@ -450,7 +451,11 @@ async fn the_metrics_listener_bounds_idle_connections() {
             (closed, got)
         };
         let mut idle: Vec<TcpStream> = (0..3).map(|_| TcpStream::connect(addr).unwrap()).collect();
-        std::thread::sleep(Duration::from_millis(50));
+        credgate_testbed::eventually(
+            "the three idle connections held",
+            Duration::from_secs(10),
+            || held.get() == 3,
+        );
         let mut fourth = TcpStream::connect(addr).unwrap();
         let (fourth_closed, fourth_got) = read_to_end(&mut fourth);
         // The idle ones are closed at the header deadline (hyper may answer 408 first).

@@ -551,15 +551,12 @@ printf '{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.ku
         events += 1;
     }
     // The drop is counted just before the stuck stream's subscription is released.
-    let released = tokio::time::Instant::now() + Duration::from_secs(10);
-    while metrics.watchers.get() != 1 {
-        assert!(
-            tokio::time::Instant::now() < released,
-            "only the reading client is left: {}",
-            metrics.watchers.get()
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    credgate_testbed::eventually_async(
+        "only the reading client is left",
+        Duration::from_secs(10),
+        || metrics.watchers.get() == 1,
+    )
+    .await;
     // The reading client is unaffected: changes keep coming.
     let mut after = 0;
     while after < 20 {

@@ -622,7 +622,7 @@ async fn half_sent_pulls_hold_a_bounded_amount_and_let_go() {
         });
     }
     let count = || exhausted.load(std::sync::atomic::Ordering::Relaxed);
-    crate::support::h2::within(Duration::from_secs(20), || {
+    credgate_testbed::eventually_some(Duration::from_secs(20), || {
         (count() >= 4 * 51).then_some(())
     })
     .await;
@@ -638,7 +638,7 @@ async fn half_sent_pulls_hold_a_bounded_amount_and_let_go() {
     waiting.abort_all();
     // Twice as many streams are held as when requests could be 1 MiB (each is at most
     // 512 KiB now), and their buffers grow through sizes the heap keeps: 12 MB of slack.
-    let settled = crate::support::h2::within(Duration::from_secs(20), || {
+    let settled = credgate_testbed::eventually_some(Duration::from_secs(20), || {
         let now = crate::support::h2::rss(pid);
         (now < before + (12 << 20)).then_some(now)
     })

@@ -223,20 +223,26 @@ async fn tenant_b_cannot_use_tenant_a_private_image() {
 
     // The records never show a secret, and neither does the agent's log. The coordinates of
     // B's copy were learned by a decision and are written in the background.
-    let mut shown = String::new();
-    for _ in 0..100 {
-        let listed = t
-            .client
-            .list_records(pb::ListRecordsRequest::default())
-            .await
-            .unwrap()
-            .into_inner();
-        shown = format!("{listed:?}");
-        if shown.contains("team-b") {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
+    let client = t.client.clone();
+    credgate_testbed::eventually_await(
+        "B's coordinates recorded",
+        std::time::Duration::from_secs(5),
+        || {
+            let mut client = client.clone();
+            async move {
+                let records = client.list_records(pb::ListRecordsRequest::default()).await;
+                format!("{:?}", records.unwrap().into_inner()).contains("team-b")
+            }
+        },
+    )
+    .await;
+    let listed = t
+        .client
+        .list_records(pb::ListRecordsRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    let shown = format!("{listed:?}");
     assert!(
         shown.contains("team-a") && shown.contains("team-b"),
         "{shown}"
@@ -344,10 +350,20 @@ async fn registry_killed_and_restarted_during_verifications() {
     // Four clients verify A and B in turns, without pause, through the whole fault.
     const BOUND: Duration = Duration::from_secs(30);
     let stop = Arc::new(AtomicBool::new(false));
+    let done = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    // Each phase lasts until the workers have made this many more verifications.
+    let phase = |what: &'static str| {
+        let done = done.clone();
+        let from = done.load(Ordering::Relaxed);
+        credgate_testbed::eventually_async(what, BOUND, move || {
+            done.load(Ordering::Relaxed) >= from + 16
+        })
+    };
     let mut workers = Vec::new();
     for w in 0..4 {
         let mut t = tenants(channel.clone());
         let stop = stop.clone();
+        let done = done.clone();
         let digest = digest.clone();
         workers.push(tokio::spawn(async move {
             let mut seen = Vec::new();
@@ -360,12 +376,13 @@ async fn registry_killed_and_restarted_during_verifications() {
                     .await
                     .expect("a verification returns within the bound");
                 seen.push((is_a, v));
+                done.fetch_add(1, Ordering::Relaxed);
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
             seen
         }));
     }
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    phase("verifications before the fault").await;
     registry.kill();
     // Down: a verification denies and says why; the records still answer for A, not for B.
     let v = t.verify(vec![a()], &digest).await;
@@ -378,12 +395,12 @@ async fn registry_killed_and_restarted_during_verifications() {
     assert!(v.message.contains("cannot reach"), "{}", v.message);
     assert_eq!(t.check(vec![a()]).await.0, pb::Decision::Allow);
     assert_eq!(t.check(vec![b()]).await.0, pb::Decision::MustAuthenticate);
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    phase("verifications while the registry is down").await;
     registry.restart();
     // Back: the next verification reaches it; no restart of the agent, no stale connection.
     let v = t.verify(vec![a()], &digest).await;
     assert_verified_by(&v, 0, "the registry is back");
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    phase("verifications after the registry is back").await;
     stop.store(true, Ordering::Relaxed);
 
     let mut outcomes = std::collections::BTreeMap::<(bool, String), usize>::new();

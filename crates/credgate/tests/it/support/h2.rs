@@ -3,7 +3,6 @@
 //! they are tested against is credgate-testbed's).
 
 use std::path::Path;
-use std::time::Duration;
 
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full, StreamBody};
@@ -85,18 +84,4 @@ pub fn rss(pid: u32) -> u64 {
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
         .unwrap();
     kb * 1024
-}
-
-/// Waits until `f` gives `Some`, at most `limit`.
-pub async fn within<T>(limit: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
-    let deadline = tokio::time::Instant::now() + limit;
-    loop {
-        if let Some(v) = f() {
-            return Some(v);
-        }
-        if tokio::time::Instant::now() >= deadline {
-            return None;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
