@@ -257,6 +257,23 @@ fn publish(
     rs.tx.send_replace(Some(value));
 }
 
+/// The credentials of `value` but those refused.
+fn without_refused(value: Option<&Value>, refused: &[(String, SecretString)]) -> Vec<Credential> {
+    let Some(value) = value else {
+        return Vec::new();
+    };
+    value
+        .credentials
+        .iter()
+        .filter(|c| {
+            !refused
+                .iter()
+                .any(|(u, p)| c.username == *u && c.password.expose_secret() == p.expose_secret())
+        })
+        .cloned()
+        .collect()
+}
+
 /// Whether two credential lists are the same for a consumer (expiry alone does not count).
 fn same(a: &[Credential], b: &[Credential]) -> bool {
     a.len() == b.len()
@@ -829,21 +846,7 @@ impl Renewer {
             publish(rs, credentials, captured);
         } else if error.is_some() && !refused.is_empty() {
             // A refused credential is no last known good: it goes, whatever is left.
-            let kept: Vec<Credential> = rs
-                .value
-                .as_ref()
-                .map(|v| {
-                    v.credentials
-                        .iter()
-                        .filter(|c| {
-                            !refused.iter().any(|(u, p)| {
-                                c.username == *u && c.password.expose_secret() == p.expose_secret()
-                            })
-                        })
-                        .cloned()
-                        .collect()
-                })
-                .unwrap_or_default();
+            let kept = without_refused(rs.value.as_deref(), &refused);
             let captured = self.captured_for(&image);
             publish(rs, kept, captured);
         }

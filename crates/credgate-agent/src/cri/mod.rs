@@ -157,6 +157,30 @@ pub fn default_limits() -> ListenerLimits {
     .root_and_own_exempt()
 }
 
+/// One caller connection's calls, each forwarded and counted as an open stream until its
+/// answer's body ends.
+fn service(
+    caller: std::sync::Arc<Caller>,
+    pulls: std::sync::Arc<Pulls>,
+    streams: Tracker,
+) -> impl hyper::service::Service<
+    hyper::Request<Incoming>,
+    Response = hyper::Response<Counted<Body>>,
+    Error = Infallible,
+    Future = impl std::future::Future<Output = Result<hyper::Response<Counted<Body>>, Infallible>>
+                 + Send,
+> + Clone {
+    hyper::service::service_fn(move |request: hyper::Request<Incoming>| {
+        let caller = caller.clone();
+        let pulls = pulls.clone();
+        let open = streams.stream();
+        async move {
+            let answer = forward(&caller, &pulls, request).await;
+            Ok::<_, Infallible>(answer.map(|body| Counted::new(body, open)))
+        }
+    })
+}
+
 /// Streams one caller connection may have open: a kubelet pulls a few images at a time.
 pub const MAX_STREAMS: u32 = 64;
 
@@ -190,18 +214,10 @@ pub async fn serve(listener: UnixListener, options: ProxyOptions, shutdown: Canc
             shutdown.clone(),
         ))
     });
-    let (capture, capture_task) = match captured.clone() {
+    let (capture, capture_task) = match captured {
         Some(captured) => {
-            let verifier = crate::guard::registry::Verifier::new(registry);
-            let (capturer, task) = Capturer::start(captured.clone(), verifier, metrics.clone());
-            (
-                Some(Capture {
-                    captured,
-                    capturer,
-                    own: own.clone(),
-                }),
-                Some(task),
-            )
+            let (capture, task) = Capture::start(captured, registry, &own, &metrics);
+            (Some(capture), Some(task))
         }
         None => (None, None),
     };
@@ -215,22 +231,13 @@ pub async fn serve(listener: UnixListener, options: ProxyOptions, shutdown: Canc
     let shutdown_timeout = limits.shutdown_timeout;
     let mut listener = Listener::new("cri-proxy", listener, limits, metrics);
     while let Some(accepted) = listener.next(&shutdown).await {
+        // Each caller has a connection to the runtime and a buffer budget of its own.
         let caller = std::sync::Arc::new(Caller {
             runtime: std::sync::Arc::new(Runtime::new(runtime.clone())),
             budgets: Budgets::connection(&proxy_budget, budget::CONNECTION_BYTES),
         });
         let tracker = Tracker::new();
-        let pulls = pulls.clone();
-        let streams = tracker.clone();
-        let service = hyper::service::service_fn(move |request: hyper::Request<Incoming>| {
-            let caller = caller.clone();
-            let pulls = pulls.clone();
-            let open = streams.stream();
-            async move {
-                let answer = forward(&caller, &pulls, request).await;
-                Ok::<_, Infallible>(answer.map(|body| Counted::new(body, open)))
-            }
-        });
+        let service = service(caller, pulls.clone(), tracker.clone());
         listener.serve_http2(
             accepted,
             tracker,

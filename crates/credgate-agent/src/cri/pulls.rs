@@ -317,3 +317,24 @@ pub(super) struct Capture {
     /// The proxy's own calls to the runtime (its image list), on a budget of their own.
     pub(super) own: std::sync::Arc<Caller>,
 }
+
+impl Capture {
+    /// Capture into `captured`, confirmed with the image's registry, its image checks on the
+    /// proxy's `own` runtime connection; and the task that confirms and writes, which ends
+    /// once the last `Capture` is gone.
+    pub(super) fn start(
+        captured: std::sync::Arc<crate::captured::Captured>,
+        registry: crate::guard::registry::RegistryOptions,
+        own: &std::sync::Arc<Caller>,
+        metrics: &crate::metrics::AgentMetrics,
+    ) -> (Capture, tokio::task::JoinHandle<()>) {
+        let verifier = crate::guard::registry::Verifier::new(registry);
+        let (capturer, task) = Capturer::start(captured.clone(), verifier, metrics.clone());
+        let capture = Capture {
+            captured,
+            capturer,
+            own: own.clone(),
+        };
+        (capture, task)
+    }
+}

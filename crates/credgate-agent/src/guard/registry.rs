@@ -230,61 +230,11 @@ impl Verifier {
                     .collect(),
                 CredentialIn::ServiceAccount(_) => continue,
             };
-            let deny = |reason, message: String| Verified {
-                accepted: None,
-                reason,
-                message,
-                digest: None,
-            };
             for basic in candidates {
-                match self.attempt(&url, target, basic).await.0 {
-                    Attempt::Ok(digest) => {
-                        if let Some(want) = expected_digest.filter(|w| !w.is_empty()) {
-                            if want != digest {
-                                last = Some(Verified {
-                                    digest: Some(digest.clone()),
-                                    ..deny(
-                                        VerifyReason::DigestMismatch,
-                                        format!("the registry serves {digest} for this reference, not {want}"),
-                                    )
-                                });
-                                continue;
-                            }
-                        }
-                        return Verified {
-                            accepted: Some(i),
-                            reason: VerifyReason::Verified,
-                            message: format!("credential {i} accepted by {}", target.registry),
-                            digest: Some(digest),
-                        };
-                    }
-                    Attempt::Unauthorized => {
-                        last = Some(deny(
-                            VerifyReason::Unauthorized,
-                            format!("{} refused the credentials", target.registry),
-                        ));
-                    }
-                    Attempt::NotFound => {
-                        last = Some(deny(
-                            VerifyReason::NotFound,
-                            format!(
-                                "{} has no manifest {}:{} for these credentials",
-                                target.registry, target.repository, target.reference
-                            ),
-                        ));
-                    }
-                    Attempt::Refused(status) => {
-                        last = Some(deny(
-                            VerifyReason::Refused,
-                            format!("{} answered {status}", target.registry),
-                        ));
-                    }
-                    Attempt::Unreachable(why) => {
-                        return deny(
-                            VerifyReason::Unreachable,
-                            format!("cannot reach {}: {why}", target.registry),
-                        );
-                    }
+                let attempt = self.attempt(&url, target, basic).await.0;
+                match step(attempt, i, target, expected_digest) {
+                    Step::Accepted(v) | Step::Stop(v) => return v,
+                    Step::Denied(v) => last = Some(v),
                 }
             }
         }
@@ -516,6 +466,66 @@ fn describe(e: &reqwest::Error) -> String {
         "malformed token response".into()
     } else {
         "request failed".into()
+    }
+}
+
+/// What one attempt means for a verification.
+enum Step {
+    /// A credential was accepted: the verification ends.
+    Accepted(Verified),
+    /// Refused: the denial stands unless a later attempt is accepted.
+    Denied(Verified),
+    /// The registry cannot be reached: no later attempt will do better.
+    Stop(Verified),
+}
+
+/// The step of `attempt`, made with credential `i`.
+fn step(attempt: Attempt, i: usize, target: &Target, expected_digest: Option<&str>) -> Step {
+    let deny = |reason, message: String| Verified {
+        accepted: None,
+        reason,
+        message,
+        digest: None,
+    };
+    match attempt {
+        Attempt::Ok(digest) => {
+            if let Some(want) = expected_digest.filter(|w| !w.is_empty()) {
+                if want != digest {
+                    return Step::Denied(Verified {
+                        digest: Some(digest.clone()),
+                        ..deny(
+                            VerifyReason::DigestMismatch,
+                            format!("the registry serves {digest} for this reference, not {want}"),
+                        )
+                    });
+                }
+            }
+            Step::Accepted(Verified {
+                accepted: Some(i),
+                reason: VerifyReason::Verified,
+                message: format!("credential {i} accepted by {}", target.registry),
+                digest: Some(digest),
+            })
+        }
+        Attempt::Unauthorized => Step::Denied(deny(
+            VerifyReason::Unauthorized,
+            format!("{} refused the credentials", target.registry),
+        )),
+        Attempt::NotFound => Step::Denied(deny(
+            VerifyReason::NotFound,
+            format!(
+                "{} has no manifest {}:{} for these credentials",
+                target.registry, target.repository, target.reference
+            ),
+        )),
+        Attempt::Refused(status) => Step::Denied(deny(
+            VerifyReason::Refused,
+            format!("{} answered {status}", target.registry),
+        )),
+        Attempt::Unreachable(why) => Step::Stop(deny(
+            VerifyReason::Unreachable,
+            format!("cannot reach {}: {why}", target.registry),
+        )),
     }
 }
 

@@ -243,6 +243,39 @@ impl Api {
         .into())
     }
 
+    /// The validity a lookup asks for: its minimum, or longer to reach its deadline.
+    fn min_valid_for(&self, req: &pb::LookupRequest) -> Duration {
+        let min = Duration::from_millis(req.min_valid_for_ms);
+        if req.valid_until_unix_ms <= 0 {
+            return min;
+        }
+        let until =
+            SystemTime::UNIX_EPOCH + Duration::from_millis(req.valid_until_unix_ms.unsigned_abs());
+        let wanted = until
+            .duration_since(self.agent.clock().wall())
+            .unwrap_or_default();
+        min.max(wanted)
+    }
+
+    /// A tracked ref's last good credentials, for when its providers fail: never one a
+    /// registry refused since.
+    fn last_known_good(&self, image: &str) -> Option<Vec<pb::Credential>> {
+        let value = self.agent.renewer().last_good(image)?;
+        let now = self.agent.clock().now();
+        let refusals = self.agent.refusals();
+        let kept = value
+            .credentials
+            .iter()
+            .filter(|c| {
+                refusals
+                    .known(&c.username, c.password.expose_secret(), now)
+                    .is_none()
+            })
+            .map(credential)
+            .collect();
+        Some(kept)
+    }
+
     async fn lookup_inner(
         &self,
         mut req: pb::LookupRequest,
@@ -256,15 +289,7 @@ impl Api {
             .take()
             .map(service_account)
             .transpose()?;
-        let mut min_valid_for = Duration::from_millis(req.min_valid_for_ms);
-        if req.valid_until_unix_ms > 0 {
-            let until = SystemTime::UNIX_EPOCH
-                + Duration::from_millis(req.valid_until_unix_ms.unsigned_abs());
-            let wanted = until
-                .duration_since(self.agent.clock().wall())
-                .unwrap_or_default();
-            min_valid_for = min_valid_for.max(wanted);
-        }
+        let min_valid_for = self.min_valid_for(&req);
         let engine = self.agent.engine();
         if !req.provider.is_empty() {
             return self
@@ -297,25 +322,10 @@ impl Api {
         let lookup = engine.lookup(&request).await.map_err(ApiError::from)?;
         let failures: Vec<pb::ProviderFailure> = lookup.errors.iter().map(failure).collect();
         let fallback = (!failures.is_empty() && sa.is_none() && !req.registry_host)
-            .then(|| self.agent.renewer().last_good(&req.image))
+            .then(|| self.last_known_good(&req.image))
             .flatten();
         let (credentials, last_known_good) = match fallback {
-            Some(v) => {
-                // Never a credential a registry refused since.
-                let now = self.agent.clock().now();
-                let refusals = self.agent.refusals();
-                let kept = v
-                    .credentials
-                    .iter()
-                    .filter(|c| {
-                        refusals
-                            .known(&c.username, c.password.expose_secret(), now)
-                            .is_none()
-                    })
-                    .map(credential)
-                    .collect();
-                (kept, true)
-            }
+            Some(kept) => (kept, true),
             None => (lookup.credentials.iter().map(credential).collect(), false),
         };
         let mut answer = pb::LookupResponse {
