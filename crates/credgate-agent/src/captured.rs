@@ -480,11 +480,7 @@ mod tests {
         }
     }
 
-    fn private_dir() -> tempfile::TempDir {
-        let dir = tempfile::tempdir().unwrap();
-        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
-        dir
-    }
+    use crate::state::private_dir;
 
     #[test]
     fn sealed_across_reopen_unreadable_in_the_clear_and_dropped_with_another_key() {

@@ -115,12 +115,6 @@ impl AuthLabel {
     }
 }
 
-impl EncodeLabelValue for AuthLabel {
-    fn encode(&self, encoder: &mut LabelValueEncoder) -> std::fmt::Result {
-        std::fmt::Write::write_str(encoder, self.as_str())
-    }
-}
-
 /// What the runtime's answer to a pull says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum PullResult {
@@ -162,11 +156,18 @@ impl PullResult {
     }
 }
 
-impl EncodeLabelValue for PullResult {
-    fn encode(&self, encoder: &mut LabelValueEncoder) -> std::fmt::Result {
-        std::fmt::Write::write_str(encoder, self.as_str())
-    }
+/// A metric label's value: its `as_str`.
+macro_rules! label_values {
+    ($($label:ty),*) => {
+        $(impl EncodeLabelValue for $label {
+            fn encode(&self, encoder: &mut LabelValueEncoder) -> std::fmt::Result {
+                std::fmt::Write::write_str(encoder, self.as_str())
+            }
+        })*
+    };
 }
+
+label_values!(AuthLabel, PullResult);
 
 /// The ring and the warning's throttle.
 #[derive(Default)]

@@ -315,11 +315,7 @@ mod tests {
     use credgate_core::wire::CacheKeyType;
     use std::os::unix::fs::PermissionsExt;
 
-    fn private_dir() -> tempfile::TempDir {
-        let dir = tempfile::tempdir().unwrap();
-        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
-        dir
-    }
+    use crate::state::private_dir;
 
     fn saved(password: &str) -> SavedEntry {
         SavedEntry {

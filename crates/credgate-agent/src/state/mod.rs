@@ -92,6 +92,15 @@ pub fn discard(dir: &Path, file: &str) -> std::io::Result<bool> {
     }
 }
 
+/// A temporary state directory as the agent keeps its own: 0700 (tests).
+#[cfg(test)]
+pub(crate) fn private_dir() -> tempfile::TempDir {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
+    dir
+}
+
 /// Milliseconds since the Unix epoch, by the system's clock (tests; the agent reads time
 /// through its clock).
 #[cfg(test)]

@@ -179,12 +179,7 @@ mod tests {
         max: 4096,
     };
 
-    fn private_dir() -> tempfile::TempDir {
-        let dir = tempfile::tempdir().unwrap();
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
-        dir
-    }
+    use crate::state::private_dir;
 
     #[test]
     fn a_body_round_trips_and_any_changed_byte_makes_the_file_unreadable() {

@@ -76,6 +76,14 @@ impl Tenants {
         (pb::Decision::try_from(r.decision).unwrap(), r.reason)
     }
 
+    async fn records(&mut self) -> pb::ListRecordsResponse {
+        self.client
+            .list_records(pb::ListRecordsRequest::default())
+            .await
+            .unwrap()
+            .into_inner()
+    }
+
     async fn verify(&mut self, creds: Vec<pb::PullCredential>, digest: &str) -> pb::VerifyResponse {
         self.client
             .verify(pb::VerifyRequest {
@@ -236,12 +244,7 @@ async fn tenant_b_cannot_use_tenant_a_private_image() {
         },
     )
     .await;
-    let listed = t
-        .client
-        .list_records(pb::ListRecordsRequest::default())
-        .await
-        .unwrap()
-        .into_inner();
+    let listed = t.records().await;
     let shown = format!("{listed:?}");
     assert!(
         shown.contains("team-a") && shown.contains("team-b"),
@@ -462,12 +465,7 @@ async fn registry_killed_and_restarted_during_verifications() {
     }
     // B was never recorded, by an error or otherwise.
     assert_eq!(t.check(vec![b()]).await.0, pb::Decision::MustAuthenticate);
-    let listed = t
-        .client
-        .list_records(pb::ListRecordsRequest::default())
-        .await
-        .unwrap()
-        .into_inner();
+    let listed = t.records().await;
     assert!(!format!("{listed:?}").contains("team-b"), "{listed:?}");
     assert!(agent.stop().success());
 }
