@@ -378,20 +378,7 @@ impl Guard {
         };
         let decision = guard::decide(&check, view, || self.presented(credentials));
         if let (Some(learned), Ok(store)) = (decision.update, store) {
-            // What the decision learned (new coordinates of a known secret, a rotation) is
-            // written in the background; the answer does not wait for it.
-            let store = store.clone();
-            let op = Op::Learn {
-                image_ref: image_ref.to_owned(),
-                name: name.to_owned(),
-                learned,
-            };
-            let now = check.now_ms;
-            self.tasks.spawn(async move {
-                if let Err(e) = store.apply(op, now).await {
-                    tracing::warn!(error = %e, "cannot store what a decision learned");
-                }
-            });
+            self.learn(store, image_ref, name, learned, check.now_ms);
         }
         match decision.verdict {
             Verdict::Pull if pull_policy == PullPolicy::Never => refuse(),
@@ -412,6 +399,29 @@ impl Guard {
                 message: auth_message(r).into(),
             },
         }
+    }
+
+    /// Writes what a decision learned (new coordinates of a known secret, a rotation) in the
+    /// background: the answer does not wait for it.
+    fn learn(
+        &self,
+        store: &Store,
+        image_ref: &str,
+        name: &str,
+        learned: guard::Learned,
+        now_ms: i64,
+    ) {
+        let store = store.clone();
+        let op = Op::Learn {
+            image_ref: image_ref.to_owned(),
+            name: name.to_owned(),
+            learned,
+        };
+        self.tasks.spawn(async move {
+            if let Err(e) = store.apply(op, now_ms).await {
+                tracing::warn!(error = %e, "cannot store what a decision learned");
+            }
+        });
     }
 
     /// The name a credential no secret names is recorded under ([`NodeKey::name`]); `None`

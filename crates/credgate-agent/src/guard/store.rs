@@ -316,22 +316,7 @@ impl Store {
                 });
             }
         }
-        let version: i64 = conn
-            .query_row("PRAGMA user_version", [], |r| r.get(0))
-            .map_err(|e| corrupt(e.to_string()))?;
-        if version > SCHEMA_VERSION {
-            return Err(StoreError::TooNew {
-                path: path.clone(),
-                found: version,
-            });
-        }
-        for (i, sql) in MIGRATIONS.iter().enumerate().skip(version as usize) {
-            let next = i as i64 + 1;
-            conn.execute_batch(&format!(
-                "BEGIN IMMEDIATE; {sql} PRAGMA user_version = {next}; COMMIT;"
-            ))
-            .map_err(|e| corrupt(format!("migration to version {next}: {e}")))?;
-        }
+        migrate(&conn, &path)?;
         let (mem, log_rows) = load(&conn).map_err(corrupt)?;
         let mem = Arc::new(RwLock::new(mem));
         let (tx, rx) = mpsc::channel::<Msg>();
@@ -421,6 +406,32 @@ impl Store {
             }
         }
     }
+}
+
+/// Brings the schema of the store at `path` to [`SCHEMA_VERSION`], one transaction a step; a
+/// store of a newer version is refused, never downgraded.
+fn migrate(conn: &Connection, path: &Path) -> Result<(), StoreError> {
+    let corrupt = |detail: String| StoreError::Corrupt {
+        path: path.to_owned(),
+        detail,
+    };
+    let version: i64 = conn
+        .query_row("PRAGMA user_version", [], |r| r.get(0))
+        .map_err(|e| corrupt(e.to_string()))?;
+    if version > SCHEMA_VERSION {
+        return Err(StoreError::TooNew {
+            path: path.to_owned(),
+            found: version,
+        });
+    }
+    for (i, sql) in MIGRATIONS.iter().enumerate().skip(version as usize) {
+        let next = i as i64 + 1;
+        conn.execute_batch(&format!(
+            "BEGIN IMMEDIATE; {sql} PRAGMA user_version = {next}; COMMIT;"
+        ))
+        .map_err(|e| corrupt(format!("migration to version {next}: {e}")))?;
+    }
+    Ok(())
 }
 
 /// Reads the state; also returns the length of the record log.
