@@ -1,4 +1,4 @@
-//! The gRPC services on the unix socket. Errors become statuses in [`crate::status`], once;
+//! The gRPC services on the unix socket. Errors become statuses in `status.rs`, once;
 //! statuses carry messages built from typed errors, none of which holds a secret.
 
 use crate::tasks::CancellationToken;
