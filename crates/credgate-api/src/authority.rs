@@ -555,4 +555,272 @@ mod tests {
         oversized.extend([0x00, 0x40, 0x01, HEADERS, 0, 0, 0, 0, 1]);
         assert_eq!(rewrite(&oversized), Err(RewriteError::FrameSize(16_385)));
     }
+
+    /// Every representation a client may use, in blocks on any odd stream, with or without
+    /// END_STREAM, padding and priority, cut into CONTINUATIONs anywhere: what the server
+    /// decodes of the output is what the client meant (a model of its dynamic table says what
+    /// that is, not the decoder under test), `:authority` aside, never-indexed marks kept, and
+    /// each block's stream and END_STREAM kept.
+    mod representations {
+        use super::*;
+        use crate::hpack::{put_integer, STATIC};
+        use proptest::prelude::*;
+        use std::collections::VecDeque;
+
+        #[derive(Debug, Clone)]
+        enum Name {
+            Static(usize),
+            New(String),
+        }
+
+        #[derive(Debug, Clone, Copy, PartialEq)]
+        enum How {
+            Incremental,
+            Without,
+            Never,
+        }
+
+        #[derive(Debug, Clone)]
+        enum Rep {
+            /// Static table entry 1..=61.
+            Static(usize),
+            /// A dynamic entry, counted from the newest (taken modulo the table's length).
+            Dynamic(usize),
+            Literal {
+                name: Name,
+                value: String,
+                how: How,
+            },
+        }
+
+        #[derive(Debug, Clone)]
+        struct Block {
+            stream: u32,
+            end_stream: bool,
+            pad: Option<u8>,
+            priority: bool,
+            size_update: Option<usize>,
+            reps: Vec<Rep>,
+            /// Where the encoded block is cut into CONTINUATIONs (fractions of its length).
+            cuts: Vec<u8>,
+        }
+
+        /// The client's dynamic table, newest first, as RFC 7541 §4 keeps it.
+        struct Table {
+            entries: VecDeque<(String, String)>,
+            size: usize,
+            max: usize,
+        }
+
+        impl Table {
+            fn evict(&mut self) {
+                while self.size > self.max {
+                    let (n, v) = self.entries.pop_back().expect("size counts entries");
+                    self.size -= n.len() + v.len() + 32;
+                }
+            }
+
+            fn insert(&mut self, name: String, value: String) {
+                self.size += name.len() + value.len() + 32;
+                self.entries.push_front((name, value));
+                self.evict();
+            }
+        }
+
+        fn string(out: &mut Vec<u8>, s: &str) {
+            put_integer(out, s.len(), 7, 0);
+            out.extend_from_slice(s.as_bytes());
+        }
+
+        /// The block's bytes and the fields it means: (name, value, never indexed).
+        fn encode(block: &Block, table: &mut Table) -> (Vec<u8>, Vec<(String, String, bool)>) {
+            let mut out = Vec::new();
+            let mut fields = Vec::new();
+            if let Some(size) = block.size_update {
+                put_integer(&mut out, size, 5, 0x20);
+                table.max = size;
+                table.evict();
+            }
+            for rep in &block.reps {
+                match rep {
+                    Rep::Static(i) => {
+                        put_integer(&mut out, *i, 7, 0x80);
+                        let (n, v) = STATIC[i - 1];
+                        fields.push((n.to_owned(), v.to_owned(), false));
+                    }
+                    Rep::Dynamic(k) if !table.entries.is_empty() => {
+                        let k = k % table.entries.len();
+                        put_integer(&mut out, 62 + k, 7, 0x80);
+                        let (n, v) = table.entries[k].clone();
+                        fields.push((n, v, false));
+                    }
+                    Rep::Dynamic(_) => {
+                        put_integer(&mut out, 2, 7, 0x80);
+                        fields.push((":method".into(), "GET".into(), false));
+                    }
+                    Rep::Literal { name, value, how } => {
+                        let (prefix, flags) = match how {
+                            How::Incremental => (6, 0x40),
+                            How::Without => (4, 0x00),
+                            How::Never => (4, 0x10),
+                        };
+                        let name = match name {
+                            Name::Static(i) => {
+                                put_integer(&mut out, *i, prefix, flags);
+                                STATIC[i - 1].0.to_owned()
+                            }
+                            Name::New(n) => {
+                                put_integer(&mut out, 0, prefix, flags);
+                                string(&mut out, n);
+                                n.clone()
+                            }
+                        };
+                        string(&mut out, value);
+                        if *how == How::Incremental {
+                            table.insert(name.clone(), value.clone());
+                        }
+                        fields.push((name, value.clone(), *how == How::Never));
+                    }
+                }
+            }
+            let fields = fields
+                .into_iter()
+                .map(|(n, v, never)| {
+                    let v = if n == ":authority" {
+                        String::from_utf8_lossy(AUTHORITY).into_owned()
+                    } else {
+                        v
+                    };
+                    (n, v, never)
+                })
+                .collect();
+            (out, fields)
+        }
+
+        /// HEADERS (with its padding and priority fields) and CONTINUATIONs carrying `encoded`.
+        fn frames_of(block: &Block, encoded: &[u8], out: &mut Vec<u8>) {
+            let mut at: Vec<usize> = block
+                .cuts
+                .iter()
+                .map(|c| usize::from(*c) * encoded.len() / 256)
+                .collect();
+            at.sort_unstable();
+            at.dedup();
+            let mut pieces = Vec::new();
+            let mut from = 0;
+            for cut in at.into_iter().chain([encoded.len()]) {
+                pieces.push(&encoded[from..cut.max(from)]);
+                from = cut.max(from);
+            }
+            let last = pieces.len() - 1;
+            for (i, piece) in pieces.into_iter().enumerate() {
+                let mut flags = if i == last { END_HEADERS } else { 0 };
+                if i > 0 {
+                    frame(out, CONTINUATION, flags, block.stream, piece);
+                    continue;
+                }
+                if block.end_stream {
+                    flags |= END_STREAM;
+                }
+                let mut payload = Vec::new();
+                if let Some(pad) = block.pad {
+                    flags |= PADDED;
+                    payload.push(pad);
+                }
+                if block.priority {
+                    flags |= PRIORITY;
+                    payload.extend_from_slice(&[0, 0, 0, 1, 15]);
+                }
+                payload.extend_from_slice(piece);
+                payload.extend(std::iter::repeat_n(0, usize::from(block.pad.unwrap_or(0))));
+                frame(out, HEADERS, flags, block.stream, &payload);
+            }
+        }
+
+        fn rep() -> impl Strategy<Value = Rep> {
+            let value = "[ -~]{0,40}";
+            let name = prop_oneof![
+                (1usize..=61).prop_map(Name::Static),
+                "[a-z][a-z0-9-]{0,15}".prop_map(Name::New),
+                Just(Name::Static(1)), // :authority
+            ];
+            let how = prop_oneof![Just(How::Incremental), Just(How::Without), Just(How::Never)];
+            prop_oneof![
+                (1usize..=61).prop_map(Rep::Static),
+                (0usize..64).prop_map(Rep::Dynamic),
+                (name, value, how).prop_map(|(name, value, how)| Rep::Literal { name, value, how }),
+            ]
+        }
+
+        fn block() -> impl Strategy<Value = Block> {
+            (
+                (0u32..1 << 30).prop_map(|n| 2 * n + 1),
+                any::<bool>(),
+                prop::option::of(0u8..20),
+                any::<bool>(),
+                prop::option::weighted(0.2, 0usize..=4096),
+                prop::collection::vec(rep(), 0..14),
+                prop::collection::vec(any::<u8>(), 0..4),
+            )
+                .prop_map(
+                    |(stream, end_stream, pad, priority, size_update, reps, cuts)| Block {
+                        stream,
+                        end_stream,
+                        pad,
+                        priority,
+                        size_update,
+                        reps,
+                        cuts,
+                    },
+                )
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+            #[test]
+            fn every_representation_stream_and_end_stream_passes_as_meant(
+                blocks in prop::collection::vec(block(), 1..8),
+            ) {
+                let mut table = Table { entries: VecDeque::new(), size: 0, max: 4096 };
+                let mut input = PREFACE.to_vec();
+                let mut meant = Vec::new();
+                for b in &blocks {
+                    let (encoded, fields) = encode(b, &mut table);
+                    frames_of(b, &encoded, &mut input);
+                    meant.push(fields);
+                }
+                let mut out = Vec::new();
+                Rewriter::new(1 << 16).feed(&input, &mut out).unwrap();
+                let mut server = Decoder::new(4096);
+                let mut got = Vec::new();
+                let mut heads = Vec::new();
+                let mut block = Vec::new();
+                for (kind, flags, stream, payload) in frames(&out) {
+                    if kind == HEADERS {
+                        heads.push((stream, flags & END_STREAM != 0));
+                        prop_assert_eq!(flags & (PADDED | PRIORITY), 0);
+                    }
+                    block.extend_from_slice(&payload);
+                    if flags & END_HEADERS != 0 {
+                        let mut fields = Vec::new();
+                        server
+                            .decode_fields(&block, |n, v, never| {
+                                fields.push((
+                                    String::from_utf8_lossy(n).into_owned(),
+                                    String::from_utf8_lossy(v).into_owned(),
+                                    never,
+                                ));
+                            })
+                            .unwrap();
+                        got.push(fields);
+                        block.clear();
+                    }
+                }
+                prop_assert_eq!(got, meant);
+                let sent: Vec<(u32, bool)> = blocks.iter().map(|b| (b.stream, b.end_stream)).collect();
+                prop_assert_eq!(heads, sent);
+            }
+        }
+    }
 }

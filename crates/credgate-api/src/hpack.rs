@@ -30,7 +30,7 @@ pub enum HpackError {
 }
 
 /// The static table (RFC 7541 Appendix A); index 1 is the first entry.
-const STATIC: [(&str, &str); 61] = [
+pub(crate) const STATIC: [(&str, &str); 61] = [
     (":authority", ""),
     (":method", "GET"),
     (":method", "POST"),
@@ -376,7 +376,7 @@ pub fn encode_field(out: &mut Vec<u8>, name: &[u8], value: &[u8], never_indexed:
 
 /// Writes an integer with an `n`-bit prefix, the prefix's other bits being `flags` (RFC 7541
 /// §5.1).
-fn put_integer(out: &mut Vec<u8>, mut value: usize, n: u8, flags: u8) {
+pub(crate) fn put_integer(out: &mut Vec<u8>, mut value: usize, n: u8, flags: u8) {
     let mask = (1usize << n) - 1;
     if value < mask {
         out.push(flags | value as u8);
