@@ -183,7 +183,7 @@ impl Captured {
                 Some(entries) => *captured.lock() = entries,
                 None => captured.discard_unreadable(),
             },
-            sealed::Read::Unreadable => match captured.read_v1() {
+            sealed::Read::Unreadable(bytes) => match captured.read_v1(&bytes) {
                 Some(entries) => {
                     tracing::info!(path = %path.display(), "captured pull credentials of format version 1: written again in version 2");
                     if let Err(e) = captured.persist(&entries) {
@@ -216,16 +216,15 @@ impl Captured {
             path = %path.display(),
             "captured pull credentials sealed under another node key (or damaged): discarded"
         );
-        let _ = std::fs::remove_file(&path);
+        let _ = self.sealed.remove();
     }
 
     fn lock(&self) -> parking_lot::MutexGuard<'_, BTreeMap<String, Credential>> {
         self.by_repository.lock()
     }
 
-    /// The entries of a version-1 file sealed under this node key.
-    fn read_v1(&self) -> Option<BTreeMap<String, Credential>> {
-        let bytes = crate::state::read_capped(&self.path(), MAX_FILE).ok()??;
+    /// The entries of a version-1 file's `bytes`, sealed under this node key.
+    fn read_v1(&self, bytes: &[u8]) -> Option<BTreeMap<String, Credential>> {
         let rest = bytes.strip_prefix(MAGIC_V1)?;
         let (id, rest) = rest.split_at_checked(4)?;
         if u32::from_be_bytes(id.try_into().ok()?) != self.sealed.key_id() {

@@ -145,11 +145,11 @@ impl SavedCache {
                 return loaded;
             }
             sealed::Read::Body(body) => serde_json::from_slice::<Stored>(&body).ok(),
-            sealed::Read::Unreadable => None,
+            sealed::Read::Unreadable(_) => None,
         };
         let Some(stored) = stored else {
             tracing::warn!(path = %path.display(), "saved provider answers sealed under another node key, of another version, or damaged: discarded");
-            let _ = std::fs::remove_file(&path);
+            let _ = self.sealed.remove();
             loaded.dropped.insert("node_key", 1);
             return loaded;
         };

@@ -47,8 +47,9 @@ pub enum Read {
     Absent,
     /// Not one the agent may read (a link, not its own, too large...): why.
     Refused(String),
-    /// Sealed under another node key, of another kind or version, or damaged.
-    Unreadable,
+    /// Sealed under another node key, of another kind or version, or damaged: the bytes
+    /// read (a reader of an older format may still know them).
+    Unreadable(Vec<u8>),
     /// The body, in the clear.
     Body(Zeroizing<Vec<u8>>),
 }
@@ -98,7 +99,10 @@ impl Sealed {
         match super::read_capped(&self.path(), self.kind.max) {
             Ok(None) => Read::Absent,
             Err(why) => Read::Refused(why),
-            Ok(Some(bytes)) => self.open(&bytes).map_or(Read::Unreadable, Read::Body),
+            Ok(Some(bytes)) => match self.open(&bytes) {
+                Some(body) => Read::Body(body),
+                None => Read::Unreadable(bytes),
+            },
         }
     }
 
@@ -202,13 +206,13 @@ mod tests {
         }
         // Another key, kind or version does not open it.
         let other_key = Sealed::new(dir.path(), KIND, &NodeKey::from_bytes([2; 32]));
-        assert!(matches!(other_key.read(), Read::Unreadable));
+        assert!(matches!(other_key.read(), Read::Unreadable(_)));
         let v2 = Sealed::new(
             dir.path(),
             Kind { version: 2, ..KIND },
             &NodeKey::from_bytes([1; 32]),
         );
-        assert!(matches!(v2.read(), Read::Unreadable));
+        assert!(matches!(v2.read(), Read::Unreadable(_)));
     }
 
     #[test]
