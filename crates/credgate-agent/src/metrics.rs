@@ -73,7 +73,11 @@ impl CaptureResult {
 
 /// Every source a refused credential is counted under
 /// (`credgate_credentials_refused_total{source}`).
-pub const REFUSED_SOURCES: &[&str] = &["provider", "captured", "docker_config"];
+pub const REFUSED_SOURCES: [AuthLabel; 3] = [
+    AuthLabel::Provider,
+    AuthLabel::Captured,
+    AuthLabel::DockerConfig,
+];
 
 /// Every method of the API, so that their handles exist before the first call.
 pub const METHODS: &[&str] = &[
@@ -251,7 +255,7 @@ impl Default for AgentMetrics {
             credentials_refused: {
                 let f: Family<Labels, Counter> = Family::default();
                 for source in REFUSED_SOURCES {
-                    let _ = f.get_or_create(&vec![("source", (*source).to_owned())]);
+                    let _ = f.get_or_create(&vec![("source", source.as_str().to_owned())]);
                 }
                 f
             },
@@ -412,9 +416,9 @@ impl AgentMetrics {
     }
 
     /// Counts a credential a registry refused, by its source.
-    pub fn refused(&self, source: &str) {
+    pub fn refused(&self, source: AuthLabel) {
         self.credentials_refused
-            .get_or_create(&vec![("source", source.to_owned())])
+            .get_or_create(&vec![("source", source.as_str().to_owned())])
             .inc();
     }
 

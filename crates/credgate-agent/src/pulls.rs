@@ -82,9 +82,7 @@ impl PullAuth {
     pub fn label(&self) -> AuthLabel {
         match self {
             PullAuth::None => AuthLabel::None,
-            PullAuth::Given(Given::Provider(_)) => AuthLabel::Provider,
-            PullAuth::Given(Given::DockerConfig(_)) => AuthLabel::DockerConfig,
-            PullAuth::Given(Given::Captured(_)) => AuthLabel::Captured,
+            PullAuth::Given(g) => g.label(),
             PullAuth::Filled(_) => AuthLabel::Filled,
             PullAuth::Unknown => AuthLabel::Unknown,
         }

@@ -55,12 +55,13 @@ impl From<credgate_engine::Source> for Given {
 }
 
 impl Given {
-    /// The metric label: `provider`, `docker_config`, `captured`.
-    pub fn label(&self) -> &'static str {
+    /// Its kind, as metrics label it: `provider`, `docker_config`, `captured`.
+    pub fn label(&self) -> crate::pulls::AuthLabel {
+        use crate::pulls::AuthLabel;
         match self {
-            Given::Provider(_) => "provider",
-            Given::DockerConfig(_) => "docker_config",
-            Given::Captured(_) => "captured",
+            Given::Provider(_) => AuthLabel::Provider,
+            Given::DockerConfig(_) => AuthLabel::DockerConfig,
+            Given::Captured(_) => AuthLabel::Captured,
         }
     }
 }

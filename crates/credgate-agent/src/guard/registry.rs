@@ -74,16 +74,6 @@ pub enum VerifyReason {
 }
 
 impl VerifyReason {
-    pub const ALL: [VerifyReason; 7] = [
-        VerifyReason::Verified,
-        VerifyReason::Unauthorized,
-        VerifyReason::DigestMismatch,
-        VerifyReason::NotFound,
-        VerifyReason::Refused,
-        VerifyReason::Unreachable,
-        VerifyReason::NoCredentials,
-    ];
-
     /// As the API and `credgate_guard_verifications_total{result}` name it.
     pub fn as_str(self) -> &'static str {
         match self {
