@@ -32,33 +32,7 @@ async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcome> {
             image,
             min_valid_for,
             registry_host,
-        } => {
-            let r =
-                answer(
-                    creds.lookup(pb::LookupRequest {
-                        image,
-                        min_valid_for_ms: min_valid_for
-                            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
-                        registry_host,
-                        ..Default::default()
-                    }),
-                )
-                .await?;
-            if out == Output::Json {
-                json(&r)?;
-            } else {
-                let rows: Vec<Row> = r.credentials.iter().map(Row::from_wire).collect();
-                print_rows(&rows, out)?;
-                for f in &r.failures {
-                    eprintln!("warning: {}", f.message);
-                }
-            }
-            return Ok(if r.credentials.is_empty() {
-                Outcome::No
-            } else {
-                Outcome::Yes
-            });
-        }
+        } => return lookup(&mut creds, image, min_valid_for, registry_host, out).await,
         CtlCall::Track { consumer, refs } => {
             let r = answer(creds.track(pb::TrackRequest { consumer, refs })).await?;
             show(out, &r, |r| format!("tracked: {}", r.tracked))?;
@@ -84,26 +58,7 @@ async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcome> {
             show(out, &r, |r| format!("credgate {} ({})", r.version, r.api))?;
         }
         CtlCall::Status => return super::ctl_admin::status(&mut admin, out).await,
-        CtlCall::Reload => {
-            let r = answer(admin.reload(pb::ReloadRequest {})).await?;
-            if out == Output::Json {
-                json(&r)?;
-            } else {
-                let id = if r.config_identity.is_empty() {
-                    "none"
-                } else {
-                    &r.config_identity
-                };
-                println!(
-                    "reloaded: {id}{}",
-                    if r.changed {
-                        " (changed)"
-                    } else {
-                        " (unchanged)"
-                    }
-                );
-            }
-        }
+        CtlCall::Reload => reload(&mut admin, out).await?,
         guard_call @ (CtlCall::CheckAccess { .. }
         | CtlCall::RecordIntent { .. }
         | CtlCall::RecordResult { .. }
@@ -123,33 +78,94 @@ async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcome> {
             return super::ctl_admin::flush(&mut admin, provider, images, out).await
         }
         CtlCall::ReportRefused { image, username } => {
-            let password = read_password()?;
-            let r = answer(creds.report_refused(pb::ReportRefusedRequest {
-                image,
-                username,
-                password: password.to_string(),
-            }))
-            .await?;
-            show(out, &r, |r| format!("{}: {}", r.outcome, r.message))?;
+            report_refused(&mut creds, image, username, out).await?
         }
         CtlCall::Captured { action: None } => {
             return super::ctl_admin::captured(&mut admin, out).await
         }
         CtlCall::Captured {
             action: Some(crate::opts::CapturedAction::Forget { repository }),
-        } => {
-            let r = answer(admin.forget_captured(pb::ForgetCapturedRequest { repository })).await?;
-            show(out, &r, |r| {
-                if r.forgotten {
-                    "forgotten"
-                } else {
-                    "nothing captured for it"
-                }
-                .to_owned()
-            })?;
-        }
+        } => forget_captured(&mut admin, repository, out).await?,
     }
     Ok(Outcome::Yes)
+}
+
+async fn lookup(
+    creds: &mut CredentialsClient<Channel>,
+    image: String,
+    min_valid_for: Option<std::time::Duration>,
+    registry_host: bool,
+    out: Output,
+) -> Result<Outcome> {
+    let r = answer(creds.lookup(pb::LookupRequest {
+        image,
+        min_valid_for_ms:
+            min_valid_for.map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+        registry_host,
+        ..Default::default()
+    }))
+    .await?;
+    if out == Output::Json {
+        json(&r)?;
+    } else {
+        let rows: Vec<Row> = r.credentials.iter().map(Row::from_wire).collect();
+        print_rows(&rows, out)?;
+        for f in &r.failures {
+            eprintln!("warning: {}", f.message);
+        }
+    }
+    Ok(if r.credentials.is_empty() {
+        Outcome::No
+    } else {
+        Outcome::Yes
+    })
+}
+
+async fn reload(admin: &mut AdminClient<Channel>, out: Output) -> Result<()> {
+    let r = answer(admin.reload(pb::ReloadRequest {})).await?;
+    if out == Output::Json {
+        return json(&r);
+    }
+    let id = if r.config_identity.is_empty() {
+        "none"
+    } else {
+        &r.config_identity
+    };
+    let changed = if r.changed { "changed" } else { "unchanged" };
+    println!("reloaded: {id} ({changed})");
+    Ok(())
+}
+
+async fn report_refused(
+    creds: &mut CredentialsClient<Channel>,
+    image: String,
+    username: String,
+    out: Output,
+) -> Result<()> {
+    let password = read_password()?;
+    let r = answer(creds.report_refused(pb::ReportRefusedRequest {
+        image,
+        username,
+        password: password.to_string(),
+    }))
+    .await?;
+    show(out, &r, |r| format!("{}: {}", r.outcome, r.message))
+}
+
+async fn forget_captured(
+    admin: &mut AdminClient<Channel>,
+    repository: String,
+    out: Output,
+) -> Result<()> {
+    let r = answer(admin.forget_captured(pb::ForgetCapturedRequest { repository })).await?;
+    show(out, &r, |r| {
+        if r.forgotten {
+            "forgotten"
+        } else {
+            "nothing captured for it"
+        }
+        .to_owned()
+    })
 }
 
 /// One line of standard input, without its line ending: a password, never an argument that

@@ -27,31 +27,7 @@ pub(super) async fn status(admin: &mut AdminClient<Channel>, out: Output) -> Res
         println!("tracked refs:   {}", r.tracked_refs);
         println!("started:        {}", time_ms(r.started_unix_ms));
         println!("loaded:         {}", time_ms(r.loaded_unix_ms));
-        match &r.saved_cache {
-            Some(c) if c.enabled => {
-                let dropped: Vec<String> =
-                    c.dropped.iter().map(|(k, v)| format!("{v} {k}")).collect();
-                println!(
-                    "saved cache:    {} restored at start, {} dropped{}; {} consumers restored; {} saved {}",
-                    c.restored,
-                    c.dropped.values().sum::<u64>(),
-                    if dropped.is_empty() {
-                        String::new()
-                    } else {
-                        format!(" ({})", dropped.join(", "))
-                    },
-                    c.consumers_restored,
-                    c.saved_entries,
-                    time_ms(c.last_saved_unix_ms)
-                );
-                if c.restored > 0 {
-                    println!(
-                        "                (restored answers are served with no plugin run: a provider's ENTRIES count them before its first RUN)"
-                    );
-                }
-            }
-            _ => println!("saved cache:    off"),
-        }
+        print_saved_cache(r.saved_cache.as_ref());
         let rows: Vec<Vec<String>> = r
             .providers
             .iter()
@@ -96,6 +72,32 @@ pub(super) async fn status(admin: &mut AdminClient<Channel>, out: Output) -> Res
         );
     }
     Ok(Outcome::Yes)
+}
+
+fn print_saved_cache(cache: Option<&pb::SavedCacheStatus>) {
+    let Some(c) = cache.filter(|c| c.enabled) else {
+        println!("saved cache:    off");
+        return;
+    };
+    let dropped: Vec<String> = c.dropped.iter().map(|(k, v)| format!("{v} {k}")).collect();
+    println!(
+        "saved cache:    {} restored at start, {} dropped{}; {} consumers restored; {} saved {}",
+        c.restored,
+        c.dropped.values().sum::<u64>(),
+        if dropped.is_empty() {
+            String::new()
+        } else {
+            format!(" ({})", dropped.join(", "))
+        },
+        c.consumers_restored,
+        c.saved_entries,
+        time_ms(c.last_saved_unix_ms)
+    );
+    if c.restored > 0 {
+        println!(
+            "                (restored answers are served with no plugin run: a provider's ENTRIES count them before its first RUN)"
+        );
+    }
 }
 
 pub(super) async fn flush(

@@ -230,23 +230,7 @@ pub async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcom
             image_ref,
             expected_digest,
             credentials: creds,
-        } => {
-            let r = answer(guard.verify(pb::VerifyRequest {
-                image,
-                image_ref,
-                expected_digest: expected_digest.unwrap_or_default(),
-                credentials: credentials(&creds)?,
-            }))
-            .await?;
-            show(out, &r, |r| {
-                decision_line(r.decision, &r.reason, &r.message)
-            })?;
-            return Ok(if r.credential_index >= 0 {
-                Outcome::Yes
-            } else {
-                Outcome::No
-            });
-        }
+        } => return verify(&mut guard, image, image_ref, expected_digest, creds, out).await,
         CtlCall::Prune {
             present,
             older_than,
@@ -275,6 +259,31 @@ pub async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcom
         _ => unreachable!("only ImageAccess calls are routed here"),
     }
     Ok(Outcome::Yes)
+}
+
+async fn verify(
+    guard: &mut Client,
+    image: String,
+    image_ref: String,
+    expected_digest: Option<String>,
+    creds: CredentialArgs,
+    out: Output,
+) -> Result<Outcome> {
+    let r = answer(guard.verify(pb::VerifyRequest {
+        image,
+        image_ref,
+        expected_digest: expected_digest.unwrap_or_default(),
+        credentials: credentials(&creds)?,
+    }))
+    .await?;
+    show(out, &r, |r| {
+        decision_line(r.decision, &r.reason, &r.message)
+    })?;
+    Ok(if r.credential_index >= 0 {
+        Outcome::Yes
+    } else {
+        Outcome::No
+    })
 }
 
 async fn check_access(
