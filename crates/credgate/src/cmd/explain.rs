@@ -121,74 +121,7 @@ fn text(e: &pb::ExplainResponse) -> String {
         out.push_str("  none: no docker config and no provider config\n");
     }
     for s in &e.sources {
-        let head = format!("  {} {}", s.kind, s.name);
-        if !s.matched {
-            out.push_str(&format!(
-                "{head}: does not match{}\n",
-                if s.pattern.is_empty() {
-                    String::new()
-                } else {
-                    format!(" (closest: {}: {})", s.pattern, s.why_not)
-                }
-            ));
-            continue;
-        }
-        out.push_str(&format!("{head}: matches {}\n", s.pattern));
-        if s.dropped_unix_ms > 0 {
-            let what = if s.kind == "provider" {
-                "cached answers dropped"
-            } else {
-                "refused"
-            };
-            out.push_str(&format!(
-                "      {what} {}: {}\n",
-                at(s.dropped_unix_ms),
-                s.dropped_reason
-            ));
-        }
-        if s.kind != "provider" {
-            continue;
-        }
-        if s.skipped_without_service_account {
-            out.push_str(
-                "      needs a service account (--service-account): not run without one\n",
-            );
-        }
-        if s.cached {
-            out.push_str(&format!(
-                "      cache: {} credential(s), key {}, expires {}, fetched {} ago\n",
-                s.cached_credentials,
-                s.cache_key_type,
-                at(s.cache_expires_unix_ms),
-                credgate_core::duration::Rounded(Duration::from_millis(s.cache_age_ms))
-            ));
-        } else if s.backoff_until_unix_ms > 0 {
-            out.push_str(&format!(
-                "      cache: nothing for this image; a lookup is refused without a run until {}\n",
-                at(s.backoff_until_unix_ms)
-            ));
-        } else {
-            out.push_str("      cache: nothing for this image: a lookup runs the plugin\n");
-        }
-        out.push_str(&format!(
-            "      runs: {}, last run {}, last success {}\n",
-            s.runs,
-            at(s.last_run_unix_ms),
-            at(s.last_success_unix_ms)
-        ));
-        if s.backoff_until_unix_ms > 0 {
-            out.push_str(&format!(
-                "      backing off until {} after {} failures\n",
-                at(s.backoff_until_unix_ms),
-                s.consecutive_failures
-            ));
-        }
-        if !s.last_error.is_empty() {
-            out.push_str(&format!(
-                "      last error: {} (the plugin's stderr is in the agent's log at debug level: CREDGATE_LOG=debug)\n",
-                s.last_error
-            ));
-        }
+        source(&mut out, s);
     }
     if !e.guard_records.is_empty() {
         out.push_str("\nimage access guard:\n");
@@ -203,21 +136,177 @@ fn text(e: &pb::ExplainResponse) -> String {
         }
     }
     if !e.cri_fill.is_empty() || !e.cri_mirror_trust.is_empty() {
-        out.push_str(
-            "
-CRI proxy:
-",
-        );
         out.push_str(&format!(
-            "  fill: {}
-",
-            e.cri_fill
-        ));
-        out.push_str(&format!(
-            "  mirrors: {}
-",
-            e.cri_mirror_trust
+            "\nCRI proxy:\n  fill: {}\n  mirrors: {}\n",
+            e.cri_fill, e.cri_mirror_trust
         ));
     }
     out
+}
+
+/// One source's lines: whether it matches and, for a provider, its cache, runs and last error.
+fn source(out: &mut String, s: &pb::ExplainedSource) {
+    let head = format!("  {} {}", s.kind, s.name);
+    if !s.matched {
+        out.push_str(&format!(
+            "{head}: does not match{}\n",
+            if s.pattern.is_empty() {
+                String::new()
+            } else {
+                format!(" (closest: {}: {})", s.pattern, s.why_not)
+            }
+        ));
+        return;
+    }
+    out.push_str(&format!("{head}: matches {}\n", s.pattern));
+    if s.dropped_unix_ms > 0 {
+        let what = if s.kind == "provider" {
+            "cached answers dropped"
+        } else {
+            "refused"
+        };
+        out.push_str(&format!(
+            "      {what} {}: {}\n",
+            at(s.dropped_unix_ms),
+            s.dropped_reason
+        ));
+    }
+    if s.kind != "provider" {
+        return;
+    }
+    if s.skipped_without_service_account {
+        out.push_str("      needs a service account (--service-account): not run without one\n");
+    }
+    if s.cached {
+        out.push_str(&format!(
+            "      cache: {} credential(s), key {}, expires {}, fetched {} ago\n",
+            s.cached_credentials,
+            s.cache_key_type,
+            at(s.cache_expires_unix_ms),
+            credgate_core::duration::Rounded(Duration::from_millis(s.cache_age_ms))
+        ));
+    } else if s.backoff_until_unix_ms > 0 {
+        out.push_str(&format!(
+            "      cache: nothing for this image; a lookup is refused without a run until {}\n",
+            at(s.backoff_until_unix_ms)
+        ));
+    } else {
+        out.push_str("      cache: nothing for this image: a lookup runs the plugin\n");
+    }
+    out.push_str(&format!(
+        "      runs: {}, last run {}, last success {}\n",
+        s.runs,
+        at(s.last_run_unix_ms),
+        at(s.last_success_unix_ms)
+    ));
+    if s.backoff_until_unix_ms > 0 {
+        out.push_str(&format!(
+            "      backing off until {} after {} failures\n",
+            at(s.backoff_until_unix_ms),
+            s.consecutive_failures
+        ));
+    }
+    if !s.last_error.is_empty() {
+        out.push_str(&format!(
+            "      last error: {} (the plugin's stderr is in the agent's log at debug level: CREDGATE_LOG=debug)\n",
+            s.last_error
+        ));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every section of the text, in its order: the CLI's explain tests read parts of it
+    /// through a real agent, this pins all of it.
+    #[test]
+    fn the_text_names_each_source_guard_record_and_proxy_rule() {
+        let day = 1_764_115_200_000; // 2025-11-26T00:00:00Z
+        let e = pb::ExplainResponse {
+            image: "registry.example/team/app".into(),
+            verdict: "from provider p1".into(),
+            captured: true,
+            captured_namespace: String::new(),
+            captured_unix_ms: day,
+            sources: vec![
+                pb::ExplainedSource {
+                    kind: "docker-config".into(),
+                    name: "/etc/d.json".into(),
+                    matched: false,
+                    pattern: "other.example".into(),
+                    why_not: "host differs".into(),
+                    ..Default::default()
+                },
+                pb::ExplainedSource {
+                    kind: "docker-config".into(),
+                    name: "/etc/e.json".into(),
+                    matched: true,
+                    pattern: "registry.example".into(),
+                    dropped_unix_ms: day,
+                    dropped_reason: "refused for team/app".into(),
+                    ..Default::default()
+                },
+                pb::ExplainedSource {
+                    kind: "provider".into(),
+                    name: "p1".into(),
+                    matched: true,
+                    pattern: "*.example".into(),
+                    cached: true,
+                    cache_key_type: "Registry".into(),
+                    cache_expires_unix_ms: day + 3_600_000,
+                    cache_age_ms: 90_000,
+                    cached_credentials: 1,
+                    runs: 2,
+                    last_run_unix_ms: day,
+                    last_success_unix_ms: day,
+                    ..Default::default()
+                },
+                pb::ExplainedSource {
+                    kind: "provider".into(),
+                    name: "p2".into(),
+                    matched: true,
+                    pattern: "registry.example".into(),
+                    skipped_without_service_account: true,
+                    backoff_until_unix_ms: day + 60_000,
+                    consecutive_failures: 3,
+                    last_error: "exit status 1".into(),
+                    ..Default::default()
+                },
+            ],
+            guard_records: vec!["sha256:ab… node-wide".into()],
+            guard_node_wide_decision: "allowed".into(),
+            cri_fill: "filled by registry.example".into(),
+            cri_mirror_trust: "none".into(),
+            ..Default::default()
+        };
+        let expected = "\
+image:   registry.example/team/app
+verdict: from provider p1
+
+sources, in try-order:
+  captured pod credential: namespace -, captured 2025-11-26T00:00:00Z
+  docker-config /etc/d.json: does not match (closest: other.example: host differs)
+  docker-config /etc/e.json: matches registry.example
+      refused 2025-11-26T00:00:00Z: refused for team/app
+  provider p1: matches *.example
+      cache: 1 credential(s), key Registry, expires 2025-11-26T01:00:00Z, fetched 1m30s ago
+      runs: 2, last run 2025-11-26T00:00:00Z, last success 2025-11-26T00:00:00Z
+  provider p2: matches registry.example
+      needs a service account (--service-account): not run without one
+      cache: nothing for this image; a lookup is refused without a run until 2025-11-26T00:01:00Z
+      runs: 0, last run -, last success -
+      backing off until 2025-11-26T00:01:00Z after 3 failures
+      last error: exit status 1 (the plugin's stderr is in the agent's log at debug level: CREDGATE_LOG=debug)
+
+image access guard:
+  sha256:ab… node-wide
+  a workload with node-wide credentials only: allowed
+
+CRI proxy:
+  fill: filled by registry.example
+  mirrors: none
+";
+        assert_eq!(text(&e), expected);
+    }
 }
