@@ -831,50 +831,63 @@ fn apply(
             Done::Deleted(existed)
         }
         Op::Prune { present, before_ms } => {
-            let mut pruned = Pruned::default();
-            let present_refs: HashMap<&str, &PresentImage> =
-                present.iter().map(|p| (p.image_ref.as_str(), p)).collect();
-            let by_reference: HashMap<&str, &str> = present
-                .iter()
-                .flat_map(|p| {
-                    p.references
-                        .iter()
-                        .map(move |r| (r.as_str(), p.image_ref.as_str()))
-                })
-                .collect();
-            // Leftover intents: present images become records with no credentials; absent
-            // ones older than the horizon are dropped.
-            let mut recovered: HashMap<String, Record> = HashMap::new();
-            for (image, intent) in ctx.all_intents() {
-                if let Some(image_ref) = by_reference.get(image.as_str()) {
-                    let current = recovered
-                        .get(*image_ref)
-                        .cloned()
-                        .or_else(|| ctx.record(image_ref).map(|r| (*r).clone()));
-                    let r = guard::recovered(current.as_ref(), image_ref, &intent.name, now_ms);
-                    recovered.insert((*image_ref).to_owned(), r);
-                    delete_intent(db, &image)?;
-                    effects.push(Effect::DeleteIntent(image));
-                    pruned.intents_recovered += 1;
-                } else if intent.created_ms < *before_ms {
-                    delete_intent(db, &image)?;
-                    effects.push(Effect::DeleteIntent(image));
-                    pruned.intents_dropped += 1;
-                }
-            }
-            for r in recovered.into_values() {
-                let weight = put_record(db, &r)?;
-                effects.push(Effect::PutRecord(Arc::new(r), weight));
-            }
-            for r in ctx.all_records() {
-                if !present_refs.contains_key(r.image_ref.as_str()) && r.changed_ms < *before_ms {
-                    delete_record(db, &r.image_ref)?;
-                    effects.push(Effect::DeleteRecord(r.image_ref.clone()));
-                    pruned.records_deleted += 1;
-                }
-            }
-            Done::Pruned(pruned)
+            Done::Pruned(prune(db, ctx, present, *before_ms, now_ms, &mut effects)?)
         }
     };
     Ok((done, effects))
+}
+
+/// Prune: leftover intents of present images become records with no credentials, and those of
+/// absent images older than the horizon go; records of absent images older than it go.
+fn prune(
+    db: &Connection,
+    ctx: &Ctx<'_>,
+    present: &[PresentImage],
+    before_ms: i64,
+    now_ms: i64,
+    effects: &mut Vec<Effect>,
+) -> Result<Pruned, StoreError> {
+    let mut pruned = Pruned::default();
+    let present_refs: HashMap<&str, &PresentImage> =
+        present.iter().map(|p| (p.image_ref.as_str(), p)).collect();
+    let by_reference: HashMap<&str, &str> = present
+        .iter()
+        .flat_map(|p| {
+            p.references
+                .iter()
+                .map(move |r| (r.as_str(), p.image_ref.as_str()))
+        })
+        .collect();
+    // Leftover intents: present images become records with no credentials; absent
+    // ones older than the horizon are dropped.
+    let mut recovered: HashMap<String, Record> = HashMap::new();
+    for (image, intent) in ctx.all_intents() {
+        if let Some(image_ref) = by_reference.get(image.as_str()) {
+            let current = recovered
+                .get(*image_ref)
+                .cloned()
+                .or_else(|| ctx.record(image_ref).map(|r| (*r).clone()));
+            let r = guard::recovered(current.as_ref(), image_ref, &intent.name, now_ms);
+            recovered.insert((*image_ref).to_owned(), r);
+            delete_intent(db, &image)?;
+            effects.push(Effect::DeleteIntent(image));
+            pruned.intents_recovered += 1;
+        } else if intent.created_ms < before_ms {
+            delete_intent(db, &image)?;
+            effects.push(Effect::DeleteIntent(image));
+            pruned.intents_dropped += 1;
+        }
+    }
+    for r in recovered.into_values() {
+        let weight = put_record(db, &r)?;
+        effects.push(Effect::PutRecord(Arc::new(r), weight));
+    }
+    for r in ctx.all_records() {
+        if !present_refs.contains_key(r.image_ref.as_str()) && r.changed_ms < before_ms {
+            delete_record(db, &r.image_ref)?;
+            effects.push(Effect::DeleteRecord(r.image_ref.clone()));
+            pruned.records_deleted += 1;
+        }
+    }
+    Ok(pruned)
 }
