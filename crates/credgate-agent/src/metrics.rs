@@ -277,6 +277,15 @@ impl AgentMetrics {
     /// Registers every family under the `credgate_` prefix.
     pub fn register(&self, registry: &mut Registry) {
         let r = registry.sub_registry_with_prefix("credgate");
+        self.register_pull_credentials(r);
+        self.register_cache(r);
+        self.register_renewal(r);
+        self.register_guard(r);
+        self.register_api(r);
+    }
+
+    /// The CRI proxy's pulls and captures, and refused credentials.
+    fn register_pull_credentials(&self, r: &mut Registry) {
         r.register(
             "cri_captures",
             "Pull credentials the CRI proxy offered for capture, by result (captured, unchanged, other_registry, own_source, unconfirmed, unreachable, too_large, busy, failed)",
@@ -293,6 +302,16 @@ impl AgentMetrics {
             self.cri_pulls_missed.clone(),
         );
         r.register(
+            "cri_captures_late",
+            "PullImage answers released before their capture was confirmed and fsynced (the capture went on)",
+            self.cri_captures_late.clone(),
+        );
+        r.register(
+            "captured_dropped",
+            "Captured pull credentials dropped, oldest first, to stay within the limit of repositories",
+            self.captured_dropped.clone(),
+        );
+        r.register(
             "credentials_refused",
             "Credentials a registry refused, by the source that gave them: a provider's answer dropped (its plugin runs again), a captured credential forgotten, a docker config entry reported",
             self.credentials_refused.clone(),
@@ -302,15 +321,14 @@ impl AgentMetrics {
             "Consumers' reports of a refused credential (ReportRefused) by outcome (refused, accepted, not_given, already_refused, unreachable)",
             self.refusal_reports.clone(),
         );
+    }
+
+    /// The provider cache: flushes, and the sealed copy saved and restored.
+    fn register_cache(&self, r: &mut Registry) {
         r.register(
             "cache_flushed",
             "Provider answers dropped by an operator (ctl flush)",
             self.cache_flushed.clone(),
-        );
-        r.register(
-            "cri_captures_late",
-            "PullImage answers released before their capture was confirmed and fsynced (the capture went on)",
-            self.cri_captures_late.clone(),
         );
         r.register(
             "cache_restored",
@@ -327,11 +345,10 @@ impl AgentMetrics {
             "Provider answers written to the sealed cache, summed over saves",
             self.cache_persisted.clone(),
         );
-        r.register(
-            "captured_dropped",
-            "Captured pull credentials dropped, oldest first, to stay within the limit of repositories",
-            self.captured_dropped.clone(),
-        );
+    }
+
+    /// Renewal of tracked refs and the Watch streams that carry it.
+    fn register_renewal(&self, r: &mut Registry) {
         r.register(
             "renewals",
             "Renewals of tracked refs by result (success, failure)",
@@ -347,26 +364,20 @@ impl AgentMetrics {
             "Tracked refs whose credentials are within their renewal lead of expiry (renewal is late)",
             self.tracked_refs_due.clone(),
         );
-        r.register(
-            "guard_store_available",
-            "1 when the image access guard's store is readable (or the guard is off), else 0",
-            self.guard_store_available.clone(),
-        );
         r.register("watch_streams", "Open Watch streams", self.watchers.clone());
         r.register(
             "watch_streams_dropped",
             "Watch streams ended because their client did not read them",
             self.watchers_dropped.clone(),
         );
+    }
+
+    /// The image access guard.
+    fn register_guard(&self, r: &mut Registry) {
         r.register(
-            "rpc_requests",
-            "API calls by method and gRPC status code",
-            self.rpcs.clone(),
-        );
-        r.register(
-            "rpc_duration_seconds",
-            "API call handling time by method",
-            self.rpc_seconds.clone(),
+            "guard_store_available",
+            "1 when the image access guard's store is readable (or the guard is off), else 0",
+            self.guard_store_available.clone(),
         );
         r.register(
             "guard_decisions",
@@ -392,6 +403,20 @@ impl AgentMetrics {
             "guard_verifications",
             "Verifications against registries by result",
             self.verifications.clone(),
+        );
+    }
+
+    /// Calls, connections and reloads.
+    fn register_api(&self, r: &mut Registry) {
+        r.register(
+            "rpc_requests",
+            "API calls by method and gRPC status code",
+            self.rpcs.clone(),
+        );
+        r.register(
+            "rpc_duration_seconds",
+            "API call handling time by method",
+            self.rpc_seconds.clone(),
         );
         r.register(
             "lookups",
