@@ -115,7 +115,9 @@ pub const PLUGIN_NICENESS: i32 = 10;
 
 /// Makes the plugin's process group (it leads its own, so every process it has forked yet
 /// and every later one, which inherits it) [`PLUGIN_NICENESS`] nicer than the agent. Best
-/// effort: a failure leaves the plugin at the agent's priority.
+/// effort: a failure leaves the plugin at the agent's priority. `posix_spawn` has no attribute
+/// for niceness, so this runs after the exec: what a plugin does before it reads its request
+/// (written after this returns) may run at the agent's priority.
 fn lower_priority(pid: i32) {
     let Some(group) = rustix::process::Pid::from_raw(pid) else {
         return;
@@ -266,19 +268,25 @@ mod tests {
         }
     }
 
-    /// A plugin and what it forks run nicer than the agent.
+    /// A plugin and what it forks after it has read its request run nicer than the agent.
     #[test]
     fn plugins_and_their_children_run_nicer_than_the_agent() {
-        use std::io::Read as _;
-        // The shell forks `cut`, which reads its own niceness (field 19 of its stat).
+        use std::io::{Read as _, Write as _};
+        // Once it has read its request, the shell forks `cut`, which reads its own niceness
+        // (field 19 of its stat). Without the read, the shell could fork and `cut` read its
+        // stat before `spawn` renices the group (seen once in 300 runs).
         let program = Program::new(
             Path::new("/bin/sh"),
-            &["-c".into(), "cut -d' ' -f19 /proc/self/stat; exit 0".into()],
+            &[
+                "-c".into(),
+                "read request; cut -d' ' -f19 /proc/self/stat; exit 0".into(),
+            ],
             &[],
             "",
         )
         .unwrap();
         let child = spawn(&program, c"CREDGATE_TEST=1").unwrap();
+        std::fs::File::from(child.stdin).write_all(b"{}\n").unwrap();
         let mut out = String::new();
         std::fs::File::from(child.stdout)
             .read_to_string(&mut out)
