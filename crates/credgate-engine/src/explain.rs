@@ -2,14 +2,14 @@
 //! and why not (the pattern that matched, or the closest one and how it missed), and for each
 //! provider that applies what its cache holds, its last run and its backoff. Runs no plugin.
 
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use credgate_core::keyring;
 use credgate_core::pattern::{Mismatch, Pattern, Target};
 use credgate_core::wire::CacheKeyType;
 
-use crate::engine::{Engine, LookupError, LookupRequest, SourceKind};
-use crate::provider::{Mode, ProviderStatus};
+use crate::engine::{Engine, LookupError, LookupRequest, SourceKind, StaticSource};
+use crate::provider::{Mode, Provider, ProviderStatus, ServiceAccount};
 
 /// A provider's cached answer for the image.
 #[derive(Debug, Clone)]
@@ -107,62 +107,92 @@ impl Engine {
         let (now, wall) = (self.clock().now(), self.clock().wall());
         let mut sources = Vec::new();
         for s in self.statics() {
-            let picked = keyring::select_target(&target, default_registry, &[(0usize, &s.auth)]);
-            let (matched, pattern, why) = match picked.first() {
-                Some((_, auth)) => (true, Some(auth.key().to_owned()), None),
-                None => {
-                    let keys: Vec<Pattern> = (0..s.auth.len())
-                        .filter_map(|i| s.auth.get(i))
-                        .filter_map(|a| Pattern::parse(a.key()).ok())
-                        .collect();
-                    closest(&keys, &target)
-                }
-            };
-            sources.push(ExplainedSource {
-                kind: SourceKind::DockerConfig,
-                name: s.name.clone(),
-                matched,
-                pattern,
-                closeness: why.as_ref().map_or(0, Mismatch::closeness),
-                why_not: why.map(|m| m.to_string()),
-                provider: None,
-            });
+            sources.push(docker_config_source(s, &target, default_registry));
         }
         for p in self.providers() {
-            let (matched, pattern, why) = closest(&p.spec.match_images, &target);
-            let provider = matched.then(|| {
-                let mode = p.mode(req.service_account);
-                let skipped = matches!(mode, Ok(Mode::Skip));
-                let scope = mode.ok().and_then(|m| m.scope().cloned());
-                let cached = p
-                    .cached(name, registry, scope.as_deref(), now)
-                    .map(|e| CachedView {
-                        key_type: e.key_type,
-                        expires: e.expires.map(|x| wall + (x - now)),
-                        age: now.saturating_duration_since(e.fetched),
-                        credentials: e.auth.len(),
-                    });
-                ProviderView {
-                    cached,
-                    status: p.status(),
-                    backoff_until: p.backoff_until(),
-                    skipped_without_service_account: skipped,
-                }
-            });
-            sources.push(ExplainedSource {
-                kind: SourceKind::Provider,
-                name: p.spec.name.clone(),
-                matched,
-                pattern,
-                closeness: why.as_ref().map_or(0, Mismatch::closeness),
-                why_not: why.map(|m| m.to_string()),
-                provider,
-            });
+            let cached_for = (name, registry);
+            sources.push(provider_source(
+                p,
+                req.service_account,
+                &target,
+                cached_for,
+                now,
+                wall,
+            ));
         }
         Ok(Explanation {
             image: name.to_owned(),
             sources,
         })
+    }
+}
+
+/// A docker config: the key that matches the target, or the closest that does not.
+fn docker_config_source(
+    s: &StaticSource,
+    target: &Target,
+    default_registry: bool,
+) -> ExplainedSource {
+    let picked = keyring::select_target(target, default_registry, &[(0usize, &s.auth)]);
+    let (matched, pattern, why) = match picked.first() {
+        Some((_, auth)) => (true, Some(auth.key().to_owned()), None),
+        None => {
+            let keys: Vec<Pattern> = (0..s.auth.len())
+                .filter_map(|i| s.auth.get(i))
+                .filter_map(|a| Pattern::parse(a.key()).ok())
+                .collect();
+            closest(&keys, target)
+        }
+    };
+    ExplainedSource {
+        kind: SourceKind::DockerConfig,
+        name: s.name.clone(),
+        matched,
+        pattern,
+        closeness: why.as_ref().map_or(0, Mismatch::closeness),
+        why_not: why.map(|m| m.to_string()),
+        provider: None,
+    }
+}
+
+/// A provider: its pattern that matches (or the closest), and if one matches, its cached
+/// answer for `(name, registry)` and its state.
+fn provider_source(
+    p: &Provider,
+    service_account: Option<&ServiceAccount>,
+    target: &Target,
+    (name, registry): (&str, &str),
+    now: Instant,
+    wall: SystemTime,
+) -> ExplainedSource {
+    let (matched, pattern, why) = closest(&p.spec.match_images, target);
+    let provider = matched.then(|| {
+        let mode = p.mode(service_account);
+        let skipped = matches!(mode, Ok(Mode::Skip));
+        let scope = mode.ok().and_then(|m| m.scope().cloned());
+        let cached = p
+            .cached(name, registry, scope.as_deref(), now)
+            .map(|e| CachedView {
+                key_type: e.key_type,
+                expires: e.expires.map(|x| wall + (x - now)),
+                age: now.saturating_duration_since(e.fetched),
+                credentials: e.auth.len(),
+            });
+        ProviderView {
+            cached,
+            status: p.status(),
+            backoff_until: p.backoff_until(),
+            skipped_without_service_account: skipped,
+        }
+    });
+    ExplainedSource {
+        kind: SourceKind::Provider,
+        name: p.spec.name.clone(),
+        matched,
+        pattern,
+        closeness: why.as_ref().map_or(0, Mismatch::closeness),
+        why_not: why.map(|m| m.to_string()),
+        provider,
     }
 }
 
@@ -229,56 +259,7 @@ impl Explanation {
             .filter(|s| s.kind == SourceKind::Provider && s.matched)
         {
             let Some(v) = &s.provider else { continue };
-            let line = if v.skipped_without_service_account {
-                format!(
-                    "provider {} needs a service account and none was given",
-                    s.name
-                )
-            } else if v.cached.as_ref().is_some_and(|c| c.credentials == 0) {
-                format!(
-                    "provider {} answered no credential: the pull goes anonymous",
-                    s.name
-                )
-            } else if let Some(c) = &v.cached {
-                let left = c
-                    .expires
-                    .and_then(|e| e.duration_since(now).ok())
-                    .map(|d| format!(", valid {}", rounded(d)))
-                    .unwrap_or_default();
-                format!(
-                    "{} credential(s) from provider {} (cached{left})",
-                    c.credentials, s.name
-                )
-            } else if let Some(until) = v.backoff_until {
-                let left = until.duration_since(now).unwrap_or_default();
-                format!(
-                    "provider {} is backing off for {} after {} failures: {}",
-                    s.name,
-                    rounded(left),
-                    v.status.consecutive_failures,
-                    v.status.last_error.as_deref().unwrap_or("-")
-                )
-            } else if let Some(e) = v
-                .status
-                .last_error
-                .as_deref()
-                .filter(|_| v.status.consecutive_failures > 0)
-            {
-                format!(
-                    "provider {} would run its plugin again; its last run failed: {e} (the plugin's stderr is in the agent's log at debug level)",
-                    s.name
-                )
-            } else if let Some((at, why)) = &v.status.last_dropped {
-                let ago = now.duration_since(*at).unwrap_or_default();
-                format!(
-                    "provider {} would run its plugin: its cached answer was dropped {} ago, {why}",
-                    s.name,
-                    rounded(ago)
-                )
-            } else {
-                format!("provider {} would run its plugin (nothing cached)", s.name)
-            };
-            parts.push(line);
+            parts.push(provider_verdict(&s.name, v, now));
         }
         if !parts.is_empty() {
             return format!("{}: {}", self.image, parts.join("; "));
@@ -305,5 +286,58 @@ impl Explanation {
                 "no credential source matches {registry}: it is pulled anonymously"
             ),
         }
+    }
+}
+
+/// What a provider that matches would give: its cached credentials, or why nothing.
+fn provider_verdict(name: &str, v: &ProviderView, now: SystemTime) -> String {
+    if v.skipped_without_service_account {
+        format!(
+            "provider {} needs a service account and none was given",
+            name
+        )
+    } else if v.cached.as_ref().is_some_and(|c| c.credentials == 0) {
+        format!(
+            "provider {} answered no credential: the pull goes anonymous",
+            name
+        )
+    } else if let Some(c) = &v.cached {
+        let left = c
+            .expires
+            .and_then(|e| e.duration_since(now).ok())
+            .map(|d| format!(", valid {}", rounded(d)))
+            .unwrap_or_default();
+        format!(
+            "{} credential(s) from provider {} (cached{left})",
+            c.credentials, name
+        )
+    } else if let Some(until) = v.backoff_until {
+        let left = until.duration_since(now).unwrap_or_default();
+        format!(
+            "provider {} is backing off for {} after {} failures: {}",
+            name,
+            rounded(left),
+            v.status.consecutive_failures,
+            v.status.last_error.as_deref().unwrap_or("-")
+        )
+    } else if let Some(e) = v
+        .status
+        .last_error
+        .as_deref()
+        .filter(|_| v.status.consecutive_failures > 0)
+    {
+        format!(
+            "provider {} would run its plugin again; its last run failed: {e} (the plugin's stderr is in the agent's log at debug level)",
+            name
+        )
+    } else if let Some((at, why)) = &v.status.last_dropped {
+        let ago = now.duration_since(*at).unwrap_or_default();
+        format!(
+            "provider {} would run its plugin: its cached answer was dropped {} ago, {why}",
+            name,
+            rounded(ago)
+        )
+    } else {
+        format!("provider {} would run its plugin (nothing cached)", name)
     }
 }
