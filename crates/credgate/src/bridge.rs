@@ -121,29 +121,7 @@ fn run(args: &Args) -> Result<Zeroizing<Vec<u8>>, String> {
         .read_to_end(&mut input)
         .map_err(|e| format!("cannot read the request: {e}"))?;
     let request = bridge::decode_request(&input).map_err(|e| e.to_string())?;
-    // The kubelet sends no other identity than the token: its claims name the account.
-    let who = request
-        .service_account_token
-        .as_ref()
-        .map(|token| {
-            bridge::token_subject(token)
-                .ok_or("the service account token names no namespace and name in its claims")
-        })
-        .transpose()?;
-    let service_account =
-        who.clone()
-            .zip(request.service_account_token.as_ref())
-            .map(|(who, token)| pb::ServiceAccount {
-                namespace: who.namespace,
-                name: who.name,
-                uid: who.uid,
-                token: token.expose_secret().to_owned(),
-                annotations: request
-                    .service_account_annotations
-                    .iter()
-                    .map(|(k, v)| (k.clone(), v.clone()))
-                    .collect(),
-            });
+    let (who, service_account) = service_account(&request)?;
     let lookup = pb::LookupRequest {
         image: request.image.clone(),
         service_account,
@@ -163,35 +141,7 @@ fn run(args: &Args) -> Result<Zeroizing<Vec<u8>>, String> {
             | CallError::Io(_)
             | CallError::Protocol(_)
             | CallError::Status { code: 8 | 14, .. }),
-        ) => {
-            match (
-                &args.fallback_in_process,
-                &args.image_credential_provider_bin_dir,
-            ) {
-                (Some(config), Some(dir)) => {
-                    return fallback::answer(
-                        config,
-                        dir,
-                        &provider,
-                        &request,
-                        who,
-                        args.max_cache_duration,
-                    )
-                }
-                _ if matches!(e, CallError::Connect(_) | CallError::Untrusted(_)) => {
-                    return Err(format!(
-                        "cannot reach the agent at {}: {e}",
-                        socket.display()
-                    ))
-                }
-                _ => {
-                    return Err(format!(
-                        "the agent at {} refused the call: {e}",
-                        socket.display()
-                    ))
-                }
-            }
-        }
+        ) => return fall_back(args, &provider, &request, who, &socket, e),
         Err(CallError::Deadline(limit)) => {
             return Err(format!(
                 "the agent at {} did not answer within {limit:?}",
@@ -201,6 +151,59 @@ fn run(args: &Args) -> Result<Zeroizing<Vec<u8>>, String> {
         Err(CallError::Status { message, .. }) => return Err(format!("lookup failed: {message}")),
     };
     respond(&request, &answer, args.max_cache_duration)
+}
+
+/// The account a request's token names, as the identity the fallback keys its cache by and as
+/// the API's `ServiceAccount`. The kubelet sends no other identity than the token: its claims
+/// name the account.
+fn service_account(
+    request: &KubeletRequest,
+) -> Result<(Option<bridge::TokenSubject>, Option<pb::ServiceAccount>), String> {
+    let Some(token) = request.service_account_token.as_ref() else {
+        return Ok((None, None));
+    };
+    let who = bridge::token_subject(token)
+        .ok_or("the service account token names no namespace and name in its claims")?;
+    let account = pb::ServiceAccount {
+        namespace: who.namespace.clone(),
+        name: who.name.clone(),
+        uid: who.uid.clone(),
+        token: token.expose_secret().to_owned(),
+        annotations: request
+            .service_account_annotations
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect(),
+    };
+    Ok((Some(who), Some(account)))
+}
+
+/// The agent could not take the call: the in-process fallback answers when it is configured,
+/// else the error says whether the agent was unreachable or refused.
+fn fall_back(
+    args: &Args,
+    provider: &str,
+    request: &KubeletRequest,
+    who: Option<bridge::TokenSubject>,
+    socket: &Path,
+    e: CallError,
+) -> Result<Zeroizing<Vec<u8>>, String> {
+    match (
+        &args.fallback_in_process,
+        &args.image_credential_provider_bin_dir,
+    ) {
+        (Some(config), Some(dir)) => {
+            fallback::answer(config, dir, provider, request, who, args.max_cache_duration)
+        }
+        _ if matches!(e, CallError::Connect(_) | CallError::Untrusted(_)) => Err(format!(
+            "cannot reach the agent at {}: {e}",
+            socket.display()
+        )),
+        _ => Err(format!(
+            "the agent at {} refused the call: {e}",
+            socket.display()
+        )),
+    }
 }
 
 /// The agent's answer as the kubelet's response; a provider failure with nothing to serve is
