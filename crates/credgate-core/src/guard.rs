@@ -529,44 +529,11 @@ pub fn decide(
     let mut too_old = false;
     for presented in credentials() {
         match presented {
-            Presented::Secret { coords, hash } => {
-                if let Some(known) = entry.secrets.iter().find(|s| s.hash == hash) {
-                    if !fresh(known) {
-                        too_old = true;
-                        continue;
-                    }
-                    let new_coords = !entry.secrets.iter().any(|s| s.coords == coords);
-                    let room = entry.secrets.len() < MAX_SECRETS_PER_NAME;
-                    let update = (new_coords && room).then_some(Learned::NewCoordinates {
-                        coords,
-                        hash,
-                        recorded_ms: known.recorded_ms,
-                    });
-                    return Decision {
-                        verdict: Allow(AllowReason::SecretMatch),
-                        update,
-                    };
-                }
-                if let Some(i) = entry.secrets.iter().position(|s| s.coords == coords) {
-                    // The same secret object with new content: rotated in place. A record
-                    // hashed under another node key cannot tell a rotation from a guess.
-                    if entry.secrets[i].hash.key != hash.key {
-                        continue;
-                    }
-                    if !fresh(&entry.secrets[i]) {
-                        too_old = true;
-                        continue;
-                    }
-                    // As a new secret would, a rotation counts against the name's limit.
-                    if entry.secrets.len() >= MAX_SECRETS_PER_NAME {
-                        continue;
-                    }
-                    return Decision {
-                        verdict: Allow(AllowReason::SecretRotated),
-                        update: Some(Learned::Rotated { coords, hash }),
-                    };
-                }
-            }
+            Presented::Secret { coords, hash } => match secret_step(entry, coords, hash, &fresh) {
+                SecretStep::Decided(decision) => return decision,
+                SecretStep::TooOld => too_old = true,
+                SecretStep::NoMatch => {}
+            },
             Presented::ServiceAccount(sa) => {
                 if entry.service_accounts.contains(&sa) {
                     return Decision::just(Allow(AllowReason::ServiceAccountMatch));
@@ -580,6 +547,60 @@ pub fn decide(
     } else {
         AuthReason::NoMatchingCredential
     }))
+}
+
+/// What one presented secret says of a name's entry.
+enum SecretStep {
+    Decided(Decision),
+    /// It matches a recorded secret older than the policy's horizon.
+    TooOld,
+    NoMatch,
+}
+
+/// A presented secret against the secrets recorded for the name: the same content (under new
+/// coordinates, learned when there is room), or the same secret object rotated in place.
+fn secret_step(
+    entry: &NameEntry,
+    coords: Coords,
+    hash: CredentialHash,
+    fresh: &impl Fn(&SecretRecord) -> bool,
+) -> SecretStep {
+    use Verdict::Allow;
+    if let Some(known) = entry.secrets.iter().find(|s| s.hash == hash) {
+        if !fresh(known) {
+            return SecretStep::TooOld;
+        }
+        let new_coords = !entry.secrets.iter().any(|s| s.coords == coords);
+        let room = entry.secrets.len() < MAX_SECRETS_PER_NAME;
+        let update = (new_coords && room).then_some(Learned::NewCoordinates {
+            coords,
+            hash,
+            recorded_ms: known.recorded_ms,
+        });
+        return SecretStep::Decided(Decision {
+            verdict: Allow(AllowReason::SecretMatch),
+            update,
+        });
+    }
+    let Some(i) = entry.secrets.iter().position(|s| s.coords == coords) else {
+        return SecretStep::NoMatch;
+    };
+    // The same secret object with new content: rotated in place. A record hashed under
+    // another node key cannot tell a rotation from a guess.
+    if entry.secrets[i].hash.key != hash.key {
+        return SecretStep::NoMatch;
+    }
+    if !fresh(&entry.secrets[i]) {
+        return SecretStep::TooOld;
+    }
+    // As a new secret would, a rotation counts against the name's limit.
+    if entry.secrets.len() >= MAX_SECRETS_PER_NAME {
+        return SecretStep::NoMatch;
+    }
+    SecretStep::Decided(Decision {
+        verdict: Allow(AllowReason::SecretRotated),
+        update: Some(Learned::Rotated { coords, hash }),
+    })
 }
 
 /// Merges a successful pull of `name` with `used` into `record` (created when `None`).
