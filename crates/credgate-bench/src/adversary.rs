@@ -115,29 +115,9 @@ pub fn start(socket: &Path, plan: &Plan) -> std::io::Result<Attack> {
             counts.clone(),
             running.clone(),
         );
-        spawn(
-            &mut threads,
-            "idle",
-            Box::new(move || {
-                let mut held: Vec<UnixStream> = Vec::new();
-                while running() {
-                    held.retain(|c| !closed_by_peer(c));
-                    while held.len() < n {
-                        match UnixStream::connect(&socket) {
-                            Ok(c) => {
-                                let _ = c.set_nonblocking(true);
-                                counts.idle_opened.fetch_add(1, Ordering::Relaxed);
-                                held.push(c);
-                            }
-                            Err(_) => break,
-                        }
-                    }
-                    std::thread::sleep(Duration::from_millis(200));
-                }
-            }),
-        );
+        let idle = move || idle_loop(&socket, n, &counts, &running);
+        spawn(&mut threads, "idle", Box::new(idle));
     }
-
     // Non-reading Watch streams.
     {
         let (socket, counts, running) = (socket.to_owned(), counts.clone(), running.clone());
@@ -145,57 +125,14 @@ pub fn start(socket: &Path, plan: &Plan) -> std::io::Result<Attack> {
         let watch = pb::WatchRequest {
             refs: plan.refs.clone(),
         };
-        spawn(
-            &mut threads,
-            "watchers",
-            Box::new(move || {
-                let mut held: Vec<UnixStream> = Vec::new();
-                while running() {
-                    held.retain(|c| !closed_by_peer_without_reading(c));
-                    while held.len() < conns {
-                        let Ok(mut c) = UnixStream::connect(&socket) else {
-                            break;
-                        };
-                        let bytes = watch_streams(&watch, streams);
-                        if c.write_all(&bytes).is_err() {
-                            break;
-                        }
-                        let _ = c.set_nonblocking(true);
-                        counts
-                            .watch_connections_opened
-                            .fetch_add(1, Ordering::Relaxed);
-                        held.push(c);
-                    }
-                    std::thread::sleep(Duration::from_millis(200));
-                }
-            }),
-        );
+        let watchers = move || watch_loop(&socket, &watch, (conns, streams), &counts, &running);
+        spawn(&mut threads, "watchers", Box::new(watchers));
     }
-
     // Oversized requests.
     for i in 0..plan.oversized {
         let (socket, counts, running) = (socket.to_owned(), counts.clone(), running.clone());
-        spawn(
-            &mut threads,
-            &format!("oversized-{i}"),
-            Box::new(move || {
-                let request = pb::LookupRequest {
-                    image: format!("soak.test/{}", "a".repeat(1 << 20)),
-                    ..Default::default()
-                };
-                let bytes = one_call(credgate_api::methods::LOOKUP, &request);
-                while running() {
-                    if let Ok(mut c) = UnixStream::connect(&socket) {
-                        let _ = c.set_write_timeout(Some(Duration::from_secs(2)));
-                        let _ = c.set_read_timeout(Some(Duration::from_secs(2)));
-                        let _ = c.write_all(&bytes);
-                        let _ = c.read(&mut [0u8; 4096]);
-                        counts.oversized_sent.fetch_add(1, Ordering::Relaxed);
-                    }
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-            }),
-        );
+        let oversized = move || oversized_loop(&socket, &counts, &running);
+        spawn(&mut threads, &format!("oversized-{i}"), Box::new(oversized));
     }
 
     // A token endpoint that streams without end, and Verify calls pointed at it.
@@ -226,6 +163,73 @@ pub fn start(socket: &Path, plan: &Plan) -> std::io::Result<Attack> {
         threads,
         counts,
     })
+}
+
+/// Holds `n` silent connections, opening new ones as the agent closes them.
+fn idle_loop(socket: &Path, n: usize, counts: &Counts, running: &dyn Fn() -> bool) {
+    let mut held: Vec<UnixStream> = Vec::new();
+    while running() {
+        held.retain(|c| !closed_by_peer(c));
+        while held.len() < n {
+            match UnixStream::connect(socket) {
+                Ok(c) => {
+                    let _ = c.set_nonblocking(true);
+                    counts.idle_opened.fetch_add(1, Ordering::Relaxed);
+                    held.push(c);
+                }
+                Err(_) => break,
+            }
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Holds `conns` connections of `streams` Watch streams each that never read, opening new
+/// ones as the agent closes them.
+fn watch_loop(
+    socket: &Path,
+    watch: &pb::WatchRequest,
+    (conns, streams): (usize, u32),
+    counts: &Counts,
+    running: &dyn Fn() -> bool,
+) {
+    let mut held: Vec<UnixStream> = Vec::new();
+    while running() {
+        held.retain(|c| !closed_by_peer_without_reading(c));
+        while held.len() < conns {
+            let Ok(mut c) = UnixStream::connect(socket) else {
+                break;
+            };
+            if c.write_all(&watch_streams(watch, streams)).is_err() {
+                break;
+            }
+            let _ = c.set_nonblocking(true);
+            counts
+                .watch_connections_opened
+                .fetch_add(1, Ordering::Relaxed);
+            held.push(c);
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Sends a Lookup of over 1 MiB on a new connection every 20 ms.
+fn oversized_loop(socket: &Path, counts: &Counts, running: &dyn Fn() -> bool) {
+    let request = pb::LookupRequest {
+        image: format!("soak.test/{}", "a".repeat(1 << 20)),
+        ..Default::default()
+    };
+    let bytes = one_call(credgate_api::methods::LOOKUP, &request);
+    while running() {
+        if let Ok(mut c) = UnixStream::connect(socket) {
+            let _ = c.set_write_timeout(Some(Duration::from_secs(2)));
+            let _ = c.set_read_timeout(Some(Duration::from_secs(2)));
+            let _ = c.write_all(&bytes);
+            let _ = c.read(&mut [0u8; 4096]);
+            counts.oversized_sent.fetch_add(1, Ordering::Relaxed);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 /// Whether the agent closed `c` (reads reach the end); what it sent is read and dropped.

@@ -16,7 +16,7 @@ use credgate_api::v1::credentials_client::CredentialsClient;
 use credgate_api::v1::{LookupRequest, PingRequest};
 use serde_json::json;
 
-use crate::{bin_dir, emit, percentile, Args};
+use crate::{bin_dir, emit, ms, percentile, Args, TempDir};
 
 /// An agent served in this process, on its own runtime, on a socket in a temporary directory.
 pub struct Served {
@@ -26,19 +26,8 @@ pub struct Served {
     _dir: TempDir,
 }
 
-/// A directory removed on drop.
-struct TempDir(PathBuf);
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 pub fn serve(args: &Args) -> Result<Served> {
-    let dir = std::env::temp_dir().join(format!("credgate-bench-{}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
-    let dir = TempDir(dir);
+    let dir = TempDir::new("serve")?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -175,11 +164,11 @@ fn timed(cmd: &mut Command, stdin: &[u8]) -> Result<(Duration, Vec<u8>)> {
     Ok((took, out.stdout))
 }
 
-/// A static C plugin, built with gcc in a temporary directory; `None` without gcc.
-fn c_plugin() -> Result<Option<PathBuf>> {
-    let dir = std::env::temp_dir().join(format!("credgate-bench-c-{}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
-    let src = dir.join("plugin.c");
+/// A static C plugin, built with gcc in a temporary directory (removed when the first is
+/// dropped); `None` without gcc.
+fn c_plugin() -> Result<Option<(TempDir, PathBuf)>> {
+    let dir = TempDir::new("c")?;
+    let src = dir.0.join("plugin.c");
     std::fs::write(
         &src,
         r#"#include <stdio.h>
@@ -192,14 +181,14 @@ int main(void) {
 }
 "#,
     )?;
-    let bin = dir.join("plugin");
+    let bin = dir.0.join("plugin");
     match Command::new("gcc")
         .args(["-O2", "-static", "-o"])
         .arg(&bin)
         .arg(&src)
         .status()
     {
-        Ok(s) if s.success() => Ok(Some(bin)),
+        Ok(s) if s.success() => Ok(Some((dir, bin))),
         _ => Ok(None),
     }
 }
@@ -219,16 +208,25 @@ pub fn bridge(args: &Args) -> Result<()> {
         }
         None => crate::sibling("credgate-credential-provider")?,
     };
-    let provider = "credgate-static-plugin";
+    let e50 = bridge_exec(args, &bridge)?;
+    bridge_burst(args, &bridge, e50)
+}
+
+/// The provider the bridge asks for: the agent's static test plugin.
+const BRIDGE_PROVIDER: &str = "credgate-static-plugin";
+
+/// One exec of the bridge against a warm agent, beside a do-nothing run of the same binary and
+/// a minimal C plugin; returns the bridge's median.
+fn bridge_exec(args: &Args, bridge: &Path) -> Result<Duration> {
     let run = |socket: &Path, image: &str| {
         timed(
-            Command::new(&bridge)
-                .args(["--provider", provider])
+            Command::new(bridge)
+                .args(["--provider", BRIDGE_PROVIDER])
                 .env("CREDGATE_SOCKET", socket),
             &kubelet_request(image),
         )
     };
-    let nothing = || timed(Command::new(&bridge).arg("--version"), b"");
+    let nothing = || timed(Command::new(bridge).arg("--version"), b"");
     // A plugin as small as one gets: C, statically linked, reading the request and printing a
     // fixed answer (compiled here with gcc; without gcc the comparison is left out).
     let c_plugin = c_plugin()?;
@@ -245,7 +243,9 @@ pub fn bridge(args: &Args) -> Result<()> {
         );
         let (n, _) = nothing()?;
         let c = match &c_plugin {
-            Some(path) => Some(timed(&mut Command::new(path), &kubelet_request(&args.image))?.0),
+            Some((_, path)) => {
+                Some(timed(&mut Command::new(path), &kubelet_request(&args.image))?.0)
+            }
             None => None,
         };
         if i >= 10 {
@@ -254,10 +254,9 @@ pub fn bridge(args: &Args) -> Result<()> {
             c_runs.extend(c);
         }
     }
-    let ms = |d: Duration| (d.as_secs_f64() * 1e6).round() / 1e3;
     let (e50, n50) = (percentile(&mut exec, 0.5), percentile(&mut idle, 0.5));
     let c50 = (!c_runs.is_empty()).then(|| percentile(&mut c_runs, 0.5));
-    let size = std::fs::metadata(&bridge).map_or(0, |m| m.len());
+    let size = std::fs::metadata(bridge).map_or(0, |m| m.len());
     emit(
         args,
         json!({
@@ -270,7 +269,12 @@ pub fn bridge(args: &Args) -> Result<()> {
             "bridge_bytes": size,
         }),
     );
-    drop(served);
+    Ok(e50)
+}
+
+/// On a cold agent each time, 100 bridge processes at once for 100 images of one registry,
+/// beside 100 do-nothing processes at once.
+fn bridge_burst(args: &Args, bridge: &Path, e50: Duration) -> Result<()> {
     for rep in 0..args.reps {
         let cold = serve(args)?;
         let burst = |spawn: &dyn Fn(usize) -> Result<std::process::Child>| -> Result<Duration> {
@@ -287,8 +291,8 @@ pub fn bridge(args: &Args) -> Result<()> {
             Ok(started.elapsed())
         };
         let spawn_bridge = |i: usize| -> Result<std::process::Child> {
-            let mut child = Command::new(&bridge)
-                .args(["--provider", provider])
+            let mut child = Command::new(bridge)
+                .args(["--provider", BRIDGE_PROVIDER])
                 .env("CREDGATE_SOCKET", &cold.socket)
                 .stdin(Stdio::piped())
                 .stdout(Stdio::piped())
@@ -303,7 +307,7 @@ pub fn bridge(args: &Args) -> Result<()> {
             Ok(child)
         };
         let spawn_nothing = |_: usize| -> Result<std::process::Child> {
-            Ok(Command::new(&bridge)
+            Ok(Command::new(bridge)
                 .arg("--version")
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
@@ -380,7 +384,6 @@ pub fn helper(args: &Args) -> Result<()> {
             nothing.push(v);
         }
     }
-    let ms = |d: Duration| (d.as_secs_f64() * 1e6).round() / 1e3;
     let mean = |s: &[Duration]| s.iter().sum::<Duration>() / s.len() as u32;
     let (gm, nm) = (mean(&get), mean(&nothing));
     let (g50, n50) = (percentile(&mut get, 0.5), percentile(&mut nothing, 0.5));

@@ -20,19 +20,10 @@ use credgate_testbed::{oci_image, push, Containerd, Registry};
 use serde_json::json;
 use tonic::transport::Channel;
 
-use crate::{emit, percentile, Args};
+use crate::{emit, ms, percentile, Args, TempDir};
 
 pub(crate) const USER: &str = "bench";
 pub(crate) const PASSWORD: &str = "bench-password";
-
-/// A directory removed on drop.
-pub(crate) struct TempDir(pub(crate) PathBuf);
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// `credgate serve` with the CRI proxy, killed on drop.
 pub(crate) struct Proxy(pub(crate) Child);
@@ -80,10 +71,6 @@ fn us(d: Duration) -> f64 {
     (d.as_secs_f64() * 1e7).round() / 10.0
 }
 
-pub(crate) fn ms(d: Duration) -> f64 {
-    (d.as_secs_f64() * 1e6).round() / 1e3
-}
-
 fn ratio(a: Duration, b: Duration) -> f64 {
     ((a.as_secs_f64() / b.as_secs_f64()) * 1000.0).round() / 1000.0
 }
@@ -106,10 +93,7 @@ impl Node {
         if let Some(why) = Containerd::unavailable() {
             bail!("{scenario} cannot run here: {why}");
         }
-        let dir =
-            std::env::temp_dir().join(format!("credgate-bench-{scenario}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir)?;
-        let dir = TempDir(dir);
+        let dir = TempDir::new(scenario)?;
         let d = &dir.0;
         let registry = Registry::start(d, USER, PASSWORD);
         oci_image(d);
@@ -141,93 +125,105 @@ pub fn cri_proxy(args: &Args) -> Result<()> {
     rt.block_on(async {
         let direct = credgate_api::connect(&containerd.socket).await?;
         let proxied = credgate_api::connect(proxy_socket).await?;
-        let pull = |channel: &Channel| {
-            call_on::<_, PullImageResponse>(
-                channel.clone(),
-                PULL_IMAGE,
-                pull_request(&image, Some((USER, PASSWORD)), "bench"),
-            )
-        };
-        pull(&direct).await.context("the first pull")?;
+        pull(&direct, &image).await.context("the first pull")?;
+        image_status_part(args, &direct, &proxied, &image).await?;
+        // `--reps 0` leaves the pulls out.
+        if args.reps > 0 {
+            pull_part(args, &direct, &proxied, &image).await?;
+        }
+        anyhow::Ok(())
+    })
+}
 
-        // ImageStatus: 10 blocks of each, alternating, after a warm-up of each.
-        let status = |channel: &Channel| {
-            call_on::<_, ImageStatusResponse>(
-                channel.clone(),
-                IMAGE_STATUS,
-                ImageStatusRequest {
-                    image: Some(ImageSpec {
-                        image: image.clone(),
-                    }),
-                },
-            )
-        };
-        let block = args.n.div_ceil(10);
-        let mut samples = [Vec::new(), Vec::new()];
-        for round in 0..11 {
-            for (side, channel) in [&direct, &proxied].into_iter().enumerate() {
-                for _ in 0..block {
-                    let started = Instant::now();
-                    let answer = status(channel).await?;
-                    let took = started.elapsed();
-                    ensure!(answer.image.is_some(), "ImageStatus found no image");
-                    if round > 0 {
-                        samples[side].push(took);
-                    }
+fn pull(
+    channel: &Channel,
+    image: &str,
+) -> impl std::future::Future<Output = Result<PullImageResponse, tonic::Status>> {
+    call_on::<_, PullImageResponse>(
+        channel.clone(),
+        PULL_IMAGE,
+        pull_request(image, Some((USER, PASSWORD)), "bench"),
+    )
+}
+
+fn spec(image: &str) -> Option<ImageSpec> {
+    Some(ImageSpec {
+        image: image.to_owned(),
+    })
+}
+
+/// ImageStatus: 10 blocks of each side, alternating, after a warm-up block of each.
+async fn image_status_part(
+    args: &Args,
+    direct: &Channel,
+    proxied: &Channel,
+    image: &str,
+) -> Result<()> {
+    let block = args.n.div_ceil(10);
+    let mut samples = [Vec::new(), Vec::new()];
+    for round in 0..11 {
+        for (side, channel) in [direct, proxied].into_iter().enumerate() {
+            for _ in 0..block {
+                let started = Instant::now();
+                let answer = call_on::<_, ImageStatusResponse>(
+                    channel.clone(),
+                    IMAGE_STATUS,
+                    ImageStatusRequest { image: spec(image) },
+                )
+                .await?;
+                let took = started.elapsed();
+                ensure!(answer.image.is_some(), "ImageStatus found no image");
+                if round > 0 {
+                    samples[side].push(took);
                 }
             }
         }
-        let [mut d, mut p] = samples;
-        let (d50, d99) = (percentile(&mut d, 0.5), percentile(&mut d, 0.99));
-        let (p50, p99) = (percentile(&mut p, 0.5), percentile(&mut p, 0.99));
-        emit(
-            args,
-            json!({
-                "scenario": "cri-proxy", "part": "image-status", "n": d.len(),
-                "direct_p50_us": us(d50), "direct_p99_us": us(d99),
-                "proxy_p50_us": us(p50), "proxy_p99_us": us(p99),
-                "p50_ratio": ratio(p50, d50), "p99_ratio": ratio(p99, d99),
-                "p50_added_us": us(p50.saturating_sub(d50)),
-            }),
-        );
+    }
+    let [mut d, mut p] = samples;
+    let (d50, d99) = (percentile(&mut d, 0.5), percentile(&mut d, 0.99));
+    let (p50, p99) = (percentile(&mut p, 0.5), percentile(&mut p, 0.99));
+    emit(
+        args,
+        json!({
+            "scenario": "cri-proxy", "part": "image-status", "n": d.len(),
+            "direct_p50_us": us(d50), "direct_p99_us": us(d99),
+            "proxy_p50_us": us(p50), "proxy_p99_us": us(p99),
+            "p50_ratio": ratio(p50, d50), "p99_ratio": ratio(p99, d99),
+            "p50_added_us": us(p50.saturating_sub(d50)),
+        }),
+    );
+    Ok(())
+}
 
-        // PullImage: the image removed before each pull, direct and proxied alternating
-        // (`--reps 0` leaves it out).
-        if args.reps == 0 {
-            return anyhow::Ok(());
+/// PullImage: the image removed before each pull, direct and proxied alternating.
+async fn pull_part(args: &Args, direct: &Channel, proxied: &Channel, image: &str) -> Result<()> {
+    let mut pulls = [Vec::new(), Vec::new()];
+    for _ in 0..args.reps {
+        for (side, channel) in [direct, proxied].into_iter().enumerate() {
+            call_on::<_, Empty>(
+                direct.clone(),
+                REMOVE_IMAGE,
+                RemoveImageRequest { image: spec(image) },
+            )
+            .await?;
+            let started = Instant::now();
+            let pulled = pull(channel, image).await?;
+            pulls[side].push(started.elapsed());
+            ensure!(pulled.image_ref.starts_with("sha256:"), "no image ref");
         }
-        let mut pulls = [Vec::new(), Vec::new()];
-        for _ in 0..args.reps {
-            for (side, channel) in [&direct, &proxied].into_iter().enumerate() {
-                call_on::<_, Empty>(
-                    direct.clone(),
-                    REMOVE_IMAGE,
-                    RemoveImageRequest {
-                        image: Some(ImageSpec {
-                            image: image.clone(),
-                        }),
-                    },
-                )
-                .await?;
-                let started = Instant::now();
-                let pulled = pull(channel).await?;
-                pulls[side].push(started.elapsed());
-                ensure!(pulled.image_ref.starts_with("sha256:"), "no image ref");
-            }
-        }
-        let [mut d, mut p] = pulls;
-        let (d50, p50) = (percentile(&mut d, 0.5), percentile(&mut p, 0.5));
-        emit(
-            args,
-            json!({
-                "scenario": "cri-proxy", "part": "pull", "n": d.len(),
-                "direct_p50_ms": ms(d50), "proxy_p50_ms": ms(p50),
-                "direct_max_ms": ms(*d.iter().max().unwrap_or(&Duration::ZERO)),
-                "proxy_max_ms": ms(*p.iter().max().unwrap_or(&Duration::ZERO)),
-                "p50_added_ms": ms(p50.saturating_sub(d50)),
-                "p50_ratio": ratio(p50, d50),
-            }),
-        );
-        anyhow::Ok(())
-    })
+    }
+    let [mut d, mut p] = pulls;
+    let (d50, p50) = (percentile(&mut d, 0.5), percentile(&mut p, 0.5));
+    emit(
+        args,
+        json!({
+            "scenario": "cri-proxy", "part": "pull", "n": d.len(),
+            "direct_p50_ms": ms(d50), "proxy_p50_ms": ms(p50),
+            "direct_max_ms": ms(*d.iter().max().unwrap_or(&Duration::ZERO)),
+            "proxy_max_ms": ms(*p.iter().max().unwrap_or(&Duration::ZERO)),
+            "p50_added_ms": ms(p50.saturating_sub(d50)),
+            "p50_ratio": ratio(p50, d50),
+        }),
+    );
+    Ok(())
 }

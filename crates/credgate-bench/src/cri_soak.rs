@@ -31,8 +31,8 @@ use hyper::body::{Bytes, Frame};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde_json::json;
 
-use crate::cri::{ms, Node, PASSWORD, USER};
-use crate::{emit, percentile, Args};
+use crate::cri::{Node, PASSWORD, USER};
+use crate::{emit, ms, percentile, Args};
 
 type Body = UnsyncBoxBody<Bytes, std::io::Error>;
 
@@ -74,52 +74,13 @@ pub fn cri_soak(args: &Args) -> Result<()> {
         let phase = |attacking: &AtomicBool| usize::from(attacking.load(Ordering::Relaxed));
 
         // The kubelet: remove, pull through the proxy, status.
-        let kubelet = {
-            let (attacking, stop) = (attacking.clone(), stop.clone());
-            let (direct, proxied) = (
-                credgate_api::connect(&containerd.socket).await?,
-                credgate_api::connect(proxy_socket).await?,
-            );
-            let image = image.clone();
-            tokio::spawn(async move {
-                let mut phases = [Phase::default(), Phase::default()];
-                while !stop.load(Ordering::Relaxed) {
-                    let spec = || {
-                        Some(ImageSpec {
-                            image: image.clone(),
-                        })
-                    };
-                    let _ = call_on::<_, Empty>(
-                        direct.clone(),
-                        REMOVE_IMAGE,
-                        RemoveImageRequest { image: spec() },
-                    )
-                    .await;
-                    let at = phase(&attacking);
-                    let t = Instant::now();
-                    let pulled = tokio::time::timeout(
-                        Duration::from_secs(30),
-                        call_on::<_, PullImageResponse>(
-                            proxied.clone(),
-                            PULL_IMAGE,
-                            pull_request(&image, Some((USER, PASSWORD)), "soak"),
-                        ),
-                    )
-                    .await;
-                    let status = call_on::<_, ImageStatusResponse>(
-                        proxied.clone(),
-                        IMAGE_STATUS,
-                        ImageStatusRequest { image: spec() },
-                    )
-                    .await;
-                    match (pulled, status) {
-                        (Ok(Ok(_)), Ok(s)) if s.image.is_some() => phases[at].ok.push(t.elapsed()),
-                        _ => phases[at].failed += 1,
-                    }
-                }
-                phases
-            })
-        };
+        let kubelet = tokio::spawn(kubelet(
+            credgate_api::connect(&containerd.socket).await?,
+            credgate_api::connect(proxy_socket).await?,
+            image.clone(),
+            attacking.clone(),
+            stop.clone(),
+        ));
 
         // A bridge-like caller of the API: Health on a new connection every 100 ms.
         let api = {
@@ -132,37 +93,19 @@ pub fn cri_soak(args: &Args) -> Result<()> {
             ))
         };
 
-        // RSS, by phase (2: after the attack).
+        // RSS, by phase.
         let rss = Arc::new(Mutex::new([0u64; 3]));
-        let sampler = {
-            let (attacking, stop, rss) = (attacking.clone(), stop.clone(), rss.clone());
-            tokio::spawn(async move {
-                while !stop.load(Ordering::Relaxed) {
-                    let at = phase(&attacking);
-                    let kb = crate::rss_kib(&pid.to_string());
-                    {
-                        let mut r = rss.lock().unwrap();
-                        r[at] = r[at].max(kb);
-                    }
-                    tokio::time::sleep(Duration::from_millis(250)).await;
-                }
-            })
-        };
+        let sampler = tokio::spawn(sample_rss(
+            pid,
+            rss.clone(),
+            attacking.clone(),
+            stop.clone(),
+        ));
 
         tokio::time::sleep(half).await;
         attacking.store(true, Ordering::Relaxed);
-        let attack_stop = Arc::new(AtomicBool::new(false));
-        let attack = tokio::spawn(attack(proxy_socket.to_owned(), attack_stop.clone()));
-        let tenants = tokio::spawn(tenant_pulls(
-            proxy_socket.to_owned(),
-            node.containerd.certs.clone(),
-            node.registry.host(),
-            attack_stop.clone(),
-        ));
-        tokio::time::sleep(args.duration.saturating_sub(started.elapsed())).await;
-        attack_stop.store(true, Ordering::Relaxed);
-        let counts = attack.await.context("the attack")?;
-        let tenant_counts = tenants.await.context("the tenants' pulls")?;
+        let remaining = args.duration.saturating_sub(started.elapsed());
+        let (counts, tenant_counts) = attacked_half(&node, remaining).await?;
         stop.store(true, Ordering::Relaxed);
         let mut pulls = kubelet.await?;
         let mut health = api.await?;
@@ -172,44 +115,13 @@ pub fn cri_soak(args: &Args) -> Result<()> {
         let after = crate::rss_kib(&pid.to_string());
         let rss = *rss.lock().unwrap();
         let kept = kubelet_capture_kept(&api_socket).await;
-        let log = std::fs::read_to_string(node.dir.0.join("agent.log")).unwrap_or_default();
-        let forged_lines = log
-            .lines()
-            .filter(|l| l.trim_start().starts_with("FORGED-LINE"))
-            .count();
-        let forged_text = log.matches("FORGED-LINE").count();
-        let captured_size =
-            std::fs::metadata(node.dir.0.join("state/captured.sealed")).map_or(0, |m| m.len());
-        let (health_during, pulls_during) = (health[1].summary(), pulls[1].summary());
-        let holds = json!({
-            "health_within_1s": health_during["failed"] == 0
-                && health_during["max_ms"].as_f64().unwrap_or(f64::MAX) < 1000.0,
-            "kubelet_pulls_work": pulls_during["failed"] == 0
-                && pulls_during["ok"].as_u64().unwrap_or(0) > 0,
-            "kubelet_capture_kept": kept,
-            "no_forged_line": forged_lines == 0,
-            "captured_sealed_under_cap": captured_size <= credgate_agent::captured::MAX_FILE,
-            "rss_under_256_mib": rss[1].max(after) < 256 << 10,
-        });
-        let held = holds
-            .as_object()
-            .is_some_and(|h| h.values().all(|v| v == true));
-        emit(
+        let held = report(
             args,
-            json!({
-                "scenario": "cri-soak",
-                "holds": holds, "seconds": args.duration.as_secs(),
-                "pulls_before": pulls[0].summary(), "pulls_during": pulls_during,
-                "health_before": health[0].summary(), "health_during": health_during,
-                "rss_kb_before": rss[0], "rss_kb_during": rss[1], "rss_kb_after": after,
-                "attack": counts,
-                "tenants": tenant_counts,
-                "kubelet_capture_kept": kept,
-                "log_lines_forged": forged_lines,
-                "log_forged_text_escaped": forged_text,
-                "captured_sealed_bytes": captured_size,
-                "captured_sealed_cap": credgate_agent::captured::MAX_FILE,
-            }),
+            &node,
+            (&mut pulls, &mut health),
+            (rss, after),
+            kept,
+            (counts, tenant_counts),
         );
         anyhow::ensure!(
             held,
@@ -219,6 +131,144 @@ pub fn cri_soak(args: &Args) -> Result<()> {
     })?;
     drop(node);
     Ok(())
+}
+
+/// The second half: the hostile caller and a pod author's pulls for `remaining`, then what
+/// each did.
+async fn attacked_half(
+    node: &Node,
+    remaining: Duration,
+) -> Result<(serde_json::Value, serde_json::Value)> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let attack = tokio::spawn(attack(node.proxy_socket.clone(), stop.clone()));
+    let tenants = tokio::spawn(tenant_pulls(
+        node.proxy_socket.clone(),
+        node.containerd.certs.clone(),
+        node.registry.host(),
+        stop.clone(),
+    ));
+    tokio::time::sleep(remaining).await;
+    stop.store(true, Ordering::Relaxed);
+    let counts = attack.await.context("the attack")?;
+    let tenant_counts = tenants.await.context("the tenants' pulls")?;
+    Ok((counts, tenant_counts))
+}
+
+/// The kubelet's loop until `stop`: remove the image, pull it through the proxy with
+/// credentials, ImageStatus; each round counted in the phase it began in.
+async fn kubelet(
+    direct: tonic::transport::Channel,
+    proxied: tonic::transport::Channel,
+    image: String,
+    attacking: Arc<AtomicBool>,
+    stop: Arc<AtomicBool>,
+) -> [Phase; 2] {
+    let mut phases = [Phase::default(), Phase::default()];
+    let spec = || {
+        Some(ImageSpec {
+            image: image.clone(),
+        })
+    };
+    while !stop.load(Ordering::Relaxed) {
+        let _ = call_on::<_, Empty>(
+            direct.clone(),
+            REMOVE_IMAGE,
+            RemoveImageRequest { image: spec() },
+        )
+        .await;
+        let at = usize::from(attacking.load(Ordering::Relaxed));
+        let t = Instant::now();
+        let pulled = tokio::time::timeout(
+            Duration::from_secs(30),
+            call_on::<_, PullImageResponse>(
+                proxied.clone(),
+                PULL_IMAGE,
+                pull_request(&image, Some((USER, PASSWORD)), "soak"),
+            ),
+        )
+        .await;
+        let status = call_on::<_, ImageStatusResponse>(
+            proxied.clone(),
+            IMAGE_STATUS,
+            ImageStatusRequest { image: spec() },
+        )
+        .await;
+        match (pulled, status) {
+            (Ok(Ok(_)), Ok(s)) if s.image.is_some() => phases[at].ok.push(t.elapsed()),
+            _ => phases[at].failed += 1,
+        }
+    }
+    phases
+}
+
+/// The agent's peak RSS in each phase (0: before the attack, 1: during), every 250 ms until
+/// `stop`.
+async fn sample_rss(
+    pid: u32,
+    rss: Arc<Mutex<[u64; 3]>>,
+    attacking: Arc<AtomicBool>,
+    stop: Arc<AtomicBool>,
+) {
+    while !stop.load(Ordering::Relaxed) {
+        let at = usize::from(attacking.load(Ordering::Relaxed));
+        let kb = crate::rss_kib(&pid.to_string());
+        {
+            let mut r = rss.lock().unwrap();
+            r[at] = r[at].max(kb);
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// Emits the run's figures and the bounds they held; true when every bound held.
+fn report(
+    args: &Args,
+    node: &Node,
+    (pulls, health): (&mut [Phase; 2], &mut [Phase; 2]),
+    (rss, after): ([u64; 3], u64),
+    kept: bool,
+    (counts, tenant_counts): (serde_json::Value, serde_json::Value),
+) -> bool {
+    let log = std::fs::read_to_string(node.dir.0.join("agent.log")).unwrap_or_default();
+    let forged_lines = log
+        .lines()
+        .filter(|l| l.trim_start().starts_with("FORGED-LINE"))
+        .count();
+    let forged_text = log.matches("FORGED-LINE").count();
+    let captured_size =
+        std::fs::metadata(node.dir.0.join("state/captured.sealed")).map_or(0, |m| m.len());
+    let (health_during, pulls_during) = (health[1].summary(), pulls[1].summary());
+    let holds = json!({
+        "health_within_1s": health_during["failed"] == 0
+            && health_during["max_ms"].as_f64().unwrap_or(f64::MAX) < 1000.0,
+        "kubelet_pulls_work": pulls_during["failed"] == 0
+            && pulls_during["ok"].as_u64().unwrap_or(0) > 0,
+        "kubelet_capture_kept": kept,
+        "no_forged_line": forged_lines == 0,
+        "captured_sealed_under_cap": captured_size <= credgate_agent::captured::MAX_FILE,
+        "rss_under_256_mib": rss[1].max(after) < 256 << 10,
+    });
+    let held = holds
+        .as_object()
+        .is_some_and(|h| h.values().all(|v| v == true));
+    emit(
+        args,
+        json!({
+            "scenario": "cri-soak",
+            "holds": holds, "seconds": args.duration.as_secs(),
+            "pulls_before": pulls[0].summary(), "pulls_during": pulls_during,
+            "health_before": health[0].summary(), "health_during": health_during,
+            "rss_kb_before": rss[0], "rss_kb_during": rss[1], "rss_kb_after": after,
+            "attack": counts,
+            "tenants": tenant_counts,
+            "kubelet_capture_kept": kept,
+            "log_lines_forged": forged_lines,
+            "log_forged_text_escaped": forged_text,
+            "captured_sealed_bytes": captured_size,
+            "captured_sealed_cap": credgate_agent::captured::MAX_FILE,
+        }),
+    );
+    held
 }
 
 /// Whether the kubelet's pulls' credential (namespace `soak`, `team/app`) is still captured.
@@ -261,98 +311,50 @@ async fn tenant_pulls(
         return json!({"error": "cannot start the hostile registries"});
     };
     // containerd speaks plain HTTP to these two (read at each pull).
-    for host in [&forging.host, &accepting.host] {
-        let dir = certs.join(host);
-        let _ = std::fs::create_dir_all(&dir);
-        let _ = std::fs::write(
-            dir.join("hosts.toml"),
-            format!("server = \"http://{host}\"\n[host.\"http://{host}\"]\n  capabilities = [\"pull\", \"resolve\"]\n"),
-        );
-    }
+    plain_http(&certs, &[&forging.host, &accepting.host]);
     let Ok(channel) = credgate_api::connect(&socket).await else {
         return json!({"error": "cannot connect"});
-    };
-    let outcome = |r: &Result<Result<PullImageResponse, tonic::Status>, _>| match r {
-        Ok(Ok(_)) => "ok",
-        Ok(Err(s)) if s.code() == tonic::Code::ResourceExhausted => "refused",
-        Ok(Err(_)) => "failed",
-        Err(_) => "timed_out",
     };
     let mut tasks = tokio::task::JoinSet::new();
     let pulls = |label: &'static str,
                  image: String,
-                 user: String,
-                 password: String,
-                 every: Duration,
-                 limit: Duration| {
-        let (channel, stop) = (channel.clone(), stop.clone());
-        async move {
-            let mut seen: std::collections::BTreeMap<&'static str, u64> = Default::default();
-            while !stop.load(Ordering::Relaxed) {
-                let r = tokio::time::timeout(
-                    limit,
-                    call_on::<_, PullImageResponse>(
-                        channel.clone(),
-                        PULL_IMAGE,
-                        pull_request(
-                            &image.replace("{i}", &seen.values().sum::<u64>().to_string()),
-                            Some((&user, &password)),
-                            "attacker",
-                        ),
-                    ),
-                )
-                .await;
-                *seen.entry(outcome(&r)).or_default() += 1;
-                tokio::time::sleep(every).await;
-            }
-            (label, seen)
-        }
+                 (user, password): (String, String),
+                 every: Duration| {
+        let plan = TenantPulls {
+            label,
+            image,
+            user,
+            password,
+            every,
+            limit: Duration::from_secs(20),
+        };
+        tenant_pull_loop(channel.clone(), stop.clone(), plan)
     };
     let stalled = format!("{}/tenant/app:v1", stalling.host);
     for _ in 0..4 {
+        let secret = ("t".into(), "s".repeat(400 << 10));
         tasks.spawn(pulls(
             "stalled_400KiB_secret",
             stalled.clone(),
-            "t".into(),
-            "s".repeat(400 << 10),
+            secret,
             Duration::ZERO,
-            Duration::from_secs(20),
         ));
     }
-    tasks.spawn(pulls(
-        "stalled_1MiB_secret",
-        stalled,
-        "t".into(),
-        "s".repeat(1 << 20),
-        Duration::from_secs(1),
-        Duration::from_secs(20),
-    ));
-    tasks.spawn(pulls(
-        "forging",
-        format!("{}/tenant/app:v1", forging.host),
-        "t".into(),
-        "p".into(),
-        Duration::from_secs(2),
-        Duration::from_secs(20),
-    ));
+    let secret = ("t".into(), "s".repeat(1 << 20));
+    let every = Duration::from_secs(1);
+    tasks.spawn(pulls("stalled_1MiB_secret", stalled, secret, every));
+    let forged = format!("{}/tenant/app:v1", forging.host);
+    let secret = ("t".into(), "p".into());
+    tasks.spawn(pulls("forging", forged, secret, Duration::from_secs(2)));
+    let captured = format!("{}/attacker-{{i}}/app:v1", accepting.host);
+    let secret = ("\u{1}".repeat(100), "\u{1}".repeat(1200));
     tasks.spawn(pulls(
         "accept_any_captures",
-        format!("{}/attacker-{{i}}/app:v1", accepting.host),
-        "\u{1}".repeat(100),
-        "\u{1}".repeat(1200),
+        captured,
+        secret,
         Duration::ZERO,
-        Duration::from_secs(20),
     ));
-    let mut out = serde_json::Map::new();
-    while let Some(done) = tasks.join_next().await {
-        if let Ok((label, seen)) = done {
-            let entry = out.entry(label).or_insert_with(|| json!({}));
-            for (k, v) in seen {
-                let now = entry[k].as_u64().unwrap_or(0);
-                entry[k] = json!(now + v);
-            }
-        }
-    }
+    let mut out = tally(tasks).await;
     out.insert(
         "stalling_requests".into(),
         json!(stalling.requests.load(Ordering::Relaxed)),
@@ -366,6 +368,79 @@ async fn tenant_pulls(
         json!(accepting.requests.load(Ordering::Relaxed)),
     );
     serde_json::Value::Object(out)
+}
+
+/// Tells containerd to speak plain HTTP to `hosts` (it reads `hosts.toml` at each pull).
+fn plain_http(certs: &Path, hosts: &[&String]) {
+    for host in hosts {
+        let dir = certs.join(host);
+        let _ = std::fs::create_dir_all(&dir);
+        let _ = std::fs::write(
+            dir.join("hosts.toml"),
+            format!("server = \"http://{host}\"\n[host.\"http://{host}\"]\n  capabilities = [\"pull\", \"resolve\"]\n"),
+        );
+    }
+}
+
+/// The pull loops' counts, summed by label.
+async fn tally(
+    mut tasks: tokio::task::JoinSet<(&'static str, std::collections::BTreeMap<&'static str, u64>)>,
+) -> serde_json::Map<String, serde_json::Value> {
+    let mut out = serde_json::Map::new();
+    while let Some(done) = tasks.join_next().await {
+        if let Ok((label, seen)) = done {
+            let entry = out.entry(label).or_insert_with(|| json!({}));
+            for (k, v) in seen {
+                let now = entry[k].as_u64().unwrap_or(0);
+                entry[k] = json!(now + v);
+            }
+        }
+    }
+    out
+}
+
+/// One kind of a pod author's pulls: `image` (`{i}` is replaced by the pull's number) with
+/// a secret, one every `every`, each given up after `limit`.
+struct TenantPulls {
+    label: &'static str,
+    image: String,
+    user: String,
+    password: String,
+    every: Duration,
+    limit: Duration,
+}
+
+/// Pulls as `plan` says until `stop`: how many ended each way (ok, refused, failed,
+/// timed_out).
+async fn tenant_pull_loop(
+    channel: tonic::transport::Channel,
+    stop: Arc<AtomicBool>,
+    plan: TenantPulls,
+) -> (&'static str, std::collections::BTreeMap<&'static str, u64>) {
+    let mut seen: std::collections::BTreeMap<&'static str, u64> = Default::default();
+    while !stop.load(Ordering::Relaxed) {
+        let image = plan
+            .image
+            .replace("{i}", &seen.values().sum::<u64>().to_string());
+        let r = tokio::time::timeout(
+            plan.limit,
+            call_on::<_, PullImageResponse>(
+                channel.clone(),
+                PULL_IMAGE,
+                pull_request(&image, Some((&plan.user, &plan.password)), "attacker"),
+            ),
+        )
+        .await;
+        let outcome = match r {
+            Ok(Ok(_)) => "ok",
+            Ok(Err(s)) if s.code() == tonic::Code::ResourceExhausted => "refused",
+            Ok(Err(_)) => "failed",
+            Err(_) => "timed_out",
+        };
+        *seen.entry(outcome).or_default() += 1;
+        tokio::time::sleep(plan.every).await;
+    }
+    (plan.label, seen)
 }
 
 /// The hostile caller, until `stop`: what it did.

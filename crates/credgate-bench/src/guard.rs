@@ -3,7 +3,7 @@
 //! `--clients` concurrent callers), `guard-open` (time from start to serving and resident
 //! memory with `--records` records, measured in a fresh process).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -15,22 +15,7 @@ use credgate_core::guard::{Coords, Policy};
 use secrecy::SecretString;
 use serde_json::json;
 
-use crate::{emit, Args};
-
-struct TempDir(PathBuf);
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn temp(tag: &str) -> Result<TempDir> {
-    let dir = std::env::temp_dir().join(format!("credgate-bench-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir)?;
-    Ok(TempDir(dir))
-}
+use crate::{emit, Args, TempDir};
 
 fn coords(i: usize) -> Coords {
     Coords {
@@ -100,7 +85,7 @@ pub fn populate(dir: &Path, n: usize) -> Result<()> {
 }
 
 pub fn check(args: &Args) -> Result<()> {
-    let dir = temp("check")?;
+    let dir = TempDir::new("check")?;
     populate(&dir.0, args.records)?;
     let g = guard(&dir.0);
     let (records, _) = g.store()?.counts();
@@ -171,7 +156,7 @@ pub fn check(args: &Args) -> Result<()> {
 pub fn record(args: &Args) -> Result<()> {
     let rt = runtime(2)?;
     for &callers in &[1usize, args.clients] {
-        let dir = temp(&format!("record-{callers}"))?;
+        let dir = TempDir::new(&format!("record-{callers}"))?;
         let g = guard(&dir.0);
         let per_caller = (args.n / callers).max(1);
         let started = Instant::now();
@@ -218,7 +203,7 @@ pub fn record(args: &Args) -> Result<()> {
 }
 
 pub fn open(args: &Args) -> Result<()> {
-    let dir = temp("open")?;
+    let dir = TempDir::new("open")?;
     // Filled by another process, so this one starts cold.
     let status = std::process::Command::new(std::env::current_exe()?)
         .args([

@@ -202,6 +202,25 @@ fn main() -> Result<()> {
     }
 }
 
+/// A scenario's directory under the temp dir (`credgate-bench-TAG-PID`), made empty and
+/// removed on drop.
+pub(crate) struct TempDir(pub(crate) PathBuf);
+
+impl TempDir {
+    pub(crate) fn new(tag: &str) -> Result<TempDir> {
+        let dir = std::env::temp_dir().join(format!("credgate-bench-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir)?;
+        Ok(TempDir(dir))
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// A program built beside this one (`credgate`, the bridge), which must exist.
 pub fn sibling(name: &str) -> Result<PathBuf> {
     let path = std::env::current_exe()?
@@ -416,6 +435,11 @@ pub fn rss_kib(pid: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// Milliseconds, to the microsecond.
+pub(crate) fn ms(d: Duration) -> f64 {
+    (d.as_secs_f64() * 1e6).round() / 1e3
+}
+
 pub fn percentile(samples: &mut [Duration], p: f64) -> Duration {
     samples.sort_unstable();
     samples[((samples.len() as f64 * p).ceil() as usize)
@@ -424,7 +448,6 @@ pub fn percentile(samples: &mut [Duration], p: f64) -> Duration {
 }
 
 fn stats(args: &Args, scenario: &str, mut samples: Vec<Duration>, runs: u64) {
-    let ms = |d: Duration| (d.as_secs_f64() * 1e6).round() / 1e3;
     let mean = samples.iter().sum::<Duration>() / samples.len() as u32;
     let n = samples.len();
     let mut pct = |p: f64| percentile(&mut samples, p);

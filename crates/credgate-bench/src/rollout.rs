@@ -15,8 +15,8 @@ use credgate_api::unary;
 use credgate_api::v1::{LookupRequest, LookupResponse};
 use serde_json::json;
 
-use crate::cri::{ms, TempDir};
-use crate::{emit, percentile, Args};
+use crate::TempDir;
+use crate::{emit, ms, percentile, Args};
 
 use credgate_api::methods::LOOKUP;
 const IMAGE: &str = "rollout.example.com/team/app:v1";
@@ -112,12 +112,7 @@ pub fn rollout(args: &Args) -> Result<()> {
     let agents = args.n.max(1);
     let waves = args.reps.clamp(1, agents);
     for persist in [true, false] {
-        let dir = std::env::temp_dir().join(format!(
-            "credgate-bench-rollout-{}-{persist}",
-            std::process::id()
-        ));
-        std::fs::create_dir_all(&dir)?;
-        let dir = TempDir(dir);
+        let dir = TempDir::new(&format!("rollout-{persist}"))?;
         let d = &dir.0;
         let bin = d.join("plugins");
         std::fs::create_dir_all(&bin)?;

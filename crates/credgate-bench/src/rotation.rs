@@ -23,8 +23,9 @@ use credgate_testbed::cri::{call_on, pull_request, PullImageResponse, PULL_IMAGE
 use credgate_testbed::{oci_image, push, Containerd, Registry};
 use serde_json::json;
 
-use crate::cri::{ms, start_proxy, TempDir};
-use crate::{emit, percentile, Args};
+use crate::cri::start_proxy;
+use crate::TempDir;
+use crate::{emit, ms, percentile, Args};
 
 const USER: &str = "rotated";
 /// The wait before a kubelet-like retry.
@@ -82,35 +83,15 @@ pub fn rotation(args: &Args) -> Result<()> {
     if let Some(why) = Containerd::unavailable() {
         bail!("rotation cannot run here: {why}");
     }
-    let dir = std::env::temp_dir().join(format!("credgate-bench-rotation-{}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
-    let dir = TempDir(dir);
+    let dir = TempDir::new("rotation")?;
     let d = &dir.0;
     let mut password = "rotation-0".to_owned();
     let mut registry = Registry::start(d, USER, &password);
     oci_image(d);
     push(d, &registry, "team/app", USER, &password);
     let containerd = Containerd::start(d, &[registry.host()]);
-    let bin = d.join("plugins");
-    std::fs::create_dir_all(&bin)?;
-    let plugin = bin.join("rotating");
     std::fs::write(d.join("backend"), &password)?;
-    std::fs::write(
-        &plugin,
-        format!(
-            "#!/bin/sh\ncat >/dev/null\necho run >> {runs}\nprintf '{{\"kind\":\"CredentialProviderResponse\",\"apiVersion\":\"credentialprovider.kubelet.k8s.io/v1\",\"cacheKeyType\":\"Registry\",\"cacheDuration\":\"12h\",\"auth\":{{\"{host}\":{{\"username\":\"{USER}\",\"password\":\"%s\"}}}}}}' \"$(cat {backend})\"\n",
-            runs = d.join("runs").display(),
-            backend = d.join("backend").display(),
-            host = registry.host(),
-        ),
-    )?;
-    use std::os::unix::fs::PermissionsExt as _;
-    std::fs::set_permissions(&plugin, std::fs::Permissions::from_mode(0o755))?;
-    let config = d.join("providers.yaml");
-    std::fs::write(
-        &config,
-        format!("apiVersion: kubelet.config.k8s.io/v1\nkind: CredentialProviderConfig\nproviders:\n- name: rotating\n  matchImages: [\"{}\"]\n  defaultCacheDuration: 12h\n  apiVersion: credentialprovider.kubelet.k8s.io/v1\n", registry.host()),
-    )?;
+    let (bin, config) = provider_files(d, &registry.host())?;
     let (_proxy, proxy_socket) = start_proxy(
         d,
         &containerd.socket,
@@ -174,11 +155,47 @@ pub fn rotation(args: &Args) -> Result<()> {
         }
         anyhow::Ok(())
     })?;
+    report(args, &failed, &extra_runs, &mut recovery, &mut plain);
+    Ok(())
+}
+
+/// The rotating plugin (it answers the backend file's password and notes each run) and the
+/// provider config that names it: (the plugin directory, the config).
+fn provider_files(d: &Path, host: &str) -> Result<(std::path::PathBuf, std::path::PathBuf)> {
+    let bin = d.join("plugins");
+    std::fs::create_dir_all(&bin)?;
+    let plugin = bin.join("rotating");
+    std::fs::write(
+        &plugin,
+        format!(
+            "#!/bin/sh\ncat >/dev/null\necho run >> {runs}\nprintf '{{\"kind\":\"CredentialProviderResponse\",\"apiVersion\":\"credentialprovider.kubelet.k8s.io/v1\",\"cacheKeyType\":\"Registry\",\"cacheDuration\":\"12h\",\"auth\":{{\"{host}\":{{\"username\":\"{USER}\",\"password\":\"%s\"}}}}}}' \"$(cat {backend})\"\n",
+            runs = d.join("runs").display(),
+            backend = d.join("backend").display(),
+        ),
+    )?;
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(&plugin, std::fs::Permissions::from_mode(0o755))?;
+    let config = d.join("providers.yaml");
+    std::fs::write(
+        &config,
+        format!("apiVersion: kubelet.config.k8s.io/v1\nkind: CredentialProviderConfig\nproviders:\n- name: rotating\n  matchImages: [\"{host}\"]\n  defaultCacheDuration: 12h\n  apiVersion: credentialprovider.kubelet.k8s.io/v1\n"),
+    )?;
+    Ok((bin, config))
+}
+
+/// Failed pulls and extra plugin runs per rotation, and the time to the first good pull.
+fn report(
+    args: &Args,
+    failed: &[usize],
+    extra_runs: &[usize],
+    recovery: &mut [Duration],
+    plain: &mut [Duration],
+) {
     let n = failed.len();
     let max_failed = failed.iter().copied().max().unwrap_or(0);
     let max_runs = extra_runs.iter().copied().max().unwrap_or(0);
-    let p50 = percentile(&mut recovery, 0.5);
-    let plain_p50 = percentile(&mut plain, 0.5);
+    let p50 = percentile(recovery, 0.5);
+    let plain_p50 = percentile(plain, 0.5);
     let max = recovery.iter().copied().max().unwrap_or_default();
     emit(
         args,
@@ -193,5 +210,4 @@ pub fn rotation(args: &Args) -> Result<()> {
             "retry_wait_ms": ms(RETRY),
         }),
     );
-    Ok(())
 }
