@@ -16,6 +16,7 @@ use tokio::task::JoinHandle;
 use crate::guard::{Guard, GuardOptions};
 use crate::metrics::AgentMetrics;
 use crate::renewal::Renewer;
+use crate::saved_cache::DropReason;
 use credgate_engine::sources::{SourceError, Sources};
 
 /// How to run an agent.
@@ -49,7 +50,7 @@ pub const WATCH_SEND_TIMEOUT: std::time::Duration = std::time::Duration::from_se
 pub struct SavedCacheReport {
     pub enabled: bool,
     pub restored: u64,
-    pub dropped: std::collections::BTreeMap<&'static str, u64>,
+    pub dropped: std::collections::BTreeMap<DropReason, u64>,
     pub consumers_restored: u64,
     /// Entries in the last save, and when it was fsynced.
     pub saved_entries: u64,
@@ -82,20 +83,23 @@ fn restore_saved(
     let restored = engine.restore(loaded.entries);
     report.restored = restored.restored;
     for (why, n) in restored.dropped {
-        *report.dropped.entry(why).or_default() += n;
+        *report.dropped.entry(why.into()).or_default() += n;
     }
     for (consumer, refs) in loaded.consumers {
         match renewer.restore(&consumer, &refs) {
             Ok(_) => report.consumers_restored += 1,
             Err(e) => {
                 tracing::warn!(consumer = %consumer, error = %e, "a saved consumer's refs not restored");
-                *report.dropped.entry("consumer_invalid").or_default() += 1;
+                *report
+                    .dropped
+                    .entry(DropReason::ConsumerInvalid)
+                    .or_default() += 1;
             }
         }
     }
     metrics.cache_restored.inc_by(report.restored);
     for (why, n) in &report.dropped {
-        metrics.cache_dropped(why, *n);
+        metrics.cache_dropped(*why, *n);
     }
     if report.restored > 0 || !report.dropped.is_empty() {
         tracing::info!(

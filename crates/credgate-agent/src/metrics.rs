@@ -9,6 +9,7 @@ use prometheus_client::encoding::text::encode;
 use prometheus_client::encoding::EncodeLabelSet;
 
 use crate::pulls::{AuthLabel, PullResult};
+use crate::saved_cache::DropReason;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -337,7 +338,7 @@ impl AgentMetrics {
         );
         r.register(
             "cache_dropped",
-            "Saved provider answers not restored, by reason (provider_gone, config_changed, expired, invalid, node_key, refused)",
+            "Saved provider answers not restored, by reason (provider_gone, config_changed, expired, invalid, node_key, refused, consumer_invalid)",
             self.cache_dropped_total.clone(),
         );
         r.register(
@@ -479,9 +480,9 @@ impl AgentMetrics {
     }
 
     /// Counts saved provider answers not restored.
-    pub fn cache_dropped(&self, reason: &str, n: u64) {
+    pub fn cache_dropped(&self, reason: DropReason, n: u64) {
         self.cache_dropped_total
-            .get_or_create(&vec![("reason", reason.to_owned())])
+            .get_or_create(&vec![("reason", reason.as_str().to_owned())])
             .inc_by(n);
     }
 

@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use credgate_engine::saved::{SavedAuth, SavedEntry, SavedScope};
+use credgate_engine::saved::{SavedAuth, SavedEntry, SavedScope, Unrestored};
 use secrecy::{ExposeSecret, SecretString};
 use serde::{Deserialize, Serialize};
 use zeroize::Zeroizing;
@@ -92,10 +92,50 @@ pub struct Loaded {
     pub entries: Vec<SavedEntry>,
     /// Named consumers and their refs.
     pub consumers: Vec<(String, Vec<String>)>,
-    /// Why nothing (or not everything) could be read: `refused` (a link, another uid's, too
-    /// large), `node_key` (sealed under another key, or damaged), `invalid` (an entry that does
-    /// not decode).
-    pub dropped: BTreeMap<&'static str, u64>,
+    /// Why nothing (or not everything) could be read.
+    pub dropped: BTreeMap<DropReason, u64>,
+}
+
+/// Why a saved provider answer, or the whole file, was not restored at start: the file's and
+/// the consumers' reasons here, the engine's ([`Unrestored`]) for the entries it was given.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum DropReason {
+    /// The file was refused unread (a link, another uid's, too large).
+    Refused,
+    /// Sealed under another node key, of another version, or damaged.
+    NodeKey,
+    /// An entry that does not decode, or whose credential is not valid.
+    Invalid,
+    /// A named consumer's refs the renewer would not take back.
+    ConsumerInvalid,
+    ProviderGone,
+    ConfigChanged,
+    Expired,
+}
+
+impl DropReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DropReason::Refused => "refused",
+            DropReason::NodeKey => "node_key",
+            DropReason::Invalid => "invalid",
+            DropReason::ConsumerInvalid => "consumer_invalid",
+            DropReason::ProviderGone => "provider_gone",
+            DropReason::ConfigChanged => "config_changed",
+            DropReason::Expired => "expired",
+        }
+    }
+}
+
+impl From<Unrestored> for DropReason {
+    fn from(why: Unrestored) -> Self {
+        match why {
+            Unrestored::ProviderGone => DropReason::ProviderGone,
+            Unrestored::ConfigChanged => DropReason::ConfigChanged,
+            Unrestored::Expired => DropReason::Expired,
+            Unrestored::Invalid => DropReason::Invalid,
+        }
+    }
 }
 
 /// The sealed file of one state directory.
@@ -141,7 +181,7 @@ impl SavedCache {
             sealed::Read::Absent => return loaded,
             sealed::Read::Refused(why) => {
                 tracing::warn!(path = %path.display(), error = %why, "saved provider answers refused: nothing is restored from the file");
-                loaded.dropped.insert("refused", 1);
+                loaded.dropped.insert(DropReason::Refused, 1);
                 return loaded;
             }
             sealed::Read::Body(body) => serde_json::from_slice::<Stored>(&body).ok(),
@@ -150,13 +190,13 @@ impl SavedCache {
         let Some(stored) = stored else {
             tracing::warn!(path = %path.display(), "saved provider answers sealed under another node key, of another version, or damaged: discarded");
             let _ = self.sealed.remove();
-            loaded.dropped.insert("node_key", 1);
+            loaded.dropped.insert(DropReason::NodeKey, 1);
             return loaded;
         };
         for e in stored.entries {
             match entry(e) {
                 Some(e) => loaded.entries.push(e),
-                None => *loaded.dropped.entry("invalid").or_default() += 1,
+                None => *loaded.dropped.entry(DropReason::Invalid).or_default() += 1,
             }
         }
         loaded.consumers = stored
@@ -379,13 +419,13 @@ mod tests {
         tampered[11] ^= 1;
         std::fs::write(dir.path().join(KIND.file), &tampered).unwrap();
         let loaded = SavedCache::open(dir.path()).unwrap().load();
-        assert_eq!(loaded.dropped.get("node_key"), Some(&1));
+        assert_eq!(loaded.dropped.get(&DropReason::NodeKey), Some(&1));
         assert!(loaded.entries.is_empty());
         // A replaced node key: discarded.
         cache.save(vec![saved("x")], vec![]).unwrap();
         std::fs::write(dir.path().join("node.key"), [3u8; 32]).unwrap();
         let loaded = SavedCache::open(dir.path()).unwrap().load();
-        assert_eq!(loaded.dropped.get("node_key"), Some(&1));
+        assert_eq!(loaded.dropped.get(&DropReason::NodeKey), Some(&1));
         assert!(!dir.path().join(KIND.file).exists());
     }
 
@@ -423,7 +463,7 @@ mod tests {
         let dir = private_dir();
         let cache = SavedCache::open(dir.path()).unwrap();
         std::os::unix::fs::symlink("/dev/zero", dir.path().join(KIND.file)).unwrap();
-        assert_eq!(cache.load().dropped.get("refused"), Some(&1));
+        assert_eq!(cache.load().dropped.get(&DropReason::Refused), Some(&1));
         std::fs::remove_file(dir.path().join(KIND.file)).unwrap();
         let f = std::fs::File::create(dir.path().join(KIND.file)).unwrap();
         f.set_len(MAX_FILE + 1).unwrap();
@@ -432,6 +472,6 @@ mod tests {
             std::fs::Permissions::from_mode(0o600),
         )
         .unwrap();
-        assert_eq!(cache.load().dropped.get("refused"), Some(&1));
+        assert_eq!(cache.load().dropped.get(&DropReason::Refused), Some(&1));
     }
 }

@@ -64,8 +64,31 @@ pub struct SavedEntry {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Restored {
     pub restored: u64,
-    /// Dropped entries by reason: `provider_gone`, `config_changed`, `expired`, `invalid`.
-    pub dropped: BTreeMap<&'static str, u64>,
+    /// Dropped entries by reason.
+    pub dropped: BTreeMap<Unrestored, u64>,
+}
+
+/// Why [`Engine::restore`] dropped a saved answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Unrestored {
+    /// No provider of that name any more.
+    ProviderGone,
+    /// The provider's identity (its config entry or plugin) changed.
+    ConfigChanged,
+    Expired,
+    /// No credential, or one that does not make a valid auth entry.
+    Invalid,
+}
+
+impl Unrestored {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Unrestored::ProviderGone => "provider_gone",
+            Unrestored::ConfigChanged => "config_changed",
+            Unrestored::Expired => "expired",
+            Unrestored::Invalid => "invalid",
+        }
+    }
 }
 
 impl Engine {
@@ -129,23 +152,27 @@ impl Engine {
     pub fn restore(&self, entries: Vec<SavedEntry>) -> Restored {
         let (now, wall) = (self.clock().now(), self.clock().wall());
         let mut report = Restored::default();
-        let mut drop = |why: &'static str| *report.dropped.entry(why).or_default() += 1;
+        let mut drop = |why: Unrestored| *report.dropped.entry(why).or_default() += 1;
         let mut restored = 0;
         for s in entries {
             let Some(p) = self.providers().iter().find(|p| p.spec.name == s.provider) else {
-                drop("provider_gone");
+                drop(Unrestored::ProviderGone);
                 continue;
             };
             if p.identity != s.provider_identity {
-                drop("config_changed");
+                drop(Unrestored::ConfigChanged);
                 continue;
             }
             let Ok(left) = s.expires.duration_since(wall) else {
-                drop("expired");
+                drop(Unrestored::Expired);
                 continue;
             };
             if left.is_zero() || s.auth.is_empty() {
-                drop(if left.is_zero() { "expired" } else { "invalid" });
+                drop(if left.is_zero() {
+                    Unrestored::Expired
+                } else {
+                    Unrestored::Invalid
+                });
                 continue;
             }
             let age = wall.duration_since(s.fetched).unwrap_or(Duration::ZERO);
@@ -159,7 +186,7 @@ impl Engine {
                 )
             }));
             if !invalid.is_empty() || auth.is_empty() {
-                drop("invalid");
+                drop(Unrestored::Invalid);
                 continue;
             }
             let entry = Entry {

@@ -456,7 +456,7 @@ impl Api {
                     dropped: r
                         .dropped
                         .iter()
-                        .map(|(k, v)| ((*k).to_owned(), *v))
+                        .map(|(why, n)| (why.as_str().to_owned(), *n))
                         .collect(),
                     consumers_restored: r.consumers_restored,
                     saved_entries: r.saved_entries,

@@ -3,6 +3,7 @@
 
 use std::time::{Duration, SystemTime};
 
+use credgate_engine::saved::Unrestored;
 use credgate_engine::LookupRequest;
 
 use crate::common::*;
@@ -59,7 +60,7 @@ async fn saved_answers_are_served_after_a_restart_without_a_run() {
     );
     let report = changed.restore(saved.clone());
     assert_eq!(report.restored, 0);
-    assert_eq!(report.dropped.get("config_changed"), Some(&1));
+    assert_eq!(report.dropped.get(&Unrestored::ConfigChanged), Some(&1));
     changed.lookup(&req(IMG)).await.unwrap();
     assert_eq!(runs_of(dir.path(), "p"), 2);
 
@@ -67,13 +68,19 @@ async fn saved_answers_are_served_after_a_restart_without_a_run() {
     let mut expired = saved.clone();
     expired[0].expires = SystemTime::now() - Duration::from_secs(1);
     let third = engine(cfg(), dir.path());
-    assert_eq!(third.restore(expired).dropped.get("expired"), Some(&1));
+    assert_eq!(
+        third.restore(expired).dropped.get(&Unrestored::Expired),
+        Some(&1)
+    );
     counting_plugin(dir.path(), "q", &body());
     let other = engine(
         config(&[("q", &["registry.example.com"], "1h", WIRE_V1)]),
         dir.path(),
     );
-    assert_eq!(other.restore(saved).dropped.get("provider_gone"), Some(&1));
+    assert_eq!(
+        other.restore(saved).dropped.get(&Unrestored::ProviderGone),
+        Some(&1)
+    );
 }
 
 /// A replaced plugin binary is a changed provider.
@@ -91,7 +98,10 @@ async fn a_replaced_plugin_binary_drops_its_answers() {
     counting_plugin(dir.path(), "p", &body());
     let second = engine(cfg(), dir.path());
     assert_eq!(
-        second.restore(saved).dropped.get("config_changed"),
+        second
+            .restore(saved)
+            .dropped
+            .get(&Unrestored::ConfigChanged),
         Some(&1)
     );
 }
@@ -121,7 +131,10 @@ async fn a_plugin_rewritten_in_place_with_its_times_set_back_drops_its_answers()
     );
     let second = engine(cfg(), dir.path());
     assert_eq!(
-        second.restore(saved).dropped.get("config_changed"),
+        second
+            .restore(saved)
+            .dropped
+            .get(&Unrestored::ConfigChanged),
         Some(&1)
     );
 }
