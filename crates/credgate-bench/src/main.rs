@@ -202,6 +202,30 @@ fn main() -> Result<()> {
     }
 }
 
+/// One provider whose plugin is a shell script: `script` (after `#!/bin/sh`) as
+/// `dir/plugins/NAME`, and `dir/providers.yaml` matching `pattern` with `default_cache`.
+/// Returns (the plugin directory, the config).
+pub(crate) fn shell_provider(
+    dir: &std::path::Path,
+    name: &str,
+    script: &str,
+    pattern: &str,
+    default_cache: &str,
+) -> Result<(PathBuf, PathBuf)> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let bin = dir.join("plugins");
+    std::fs::create_dir_all(&bin)?;
+    let plugin = bin.join(name);
+    std::fs::write(&plugin, format!("#!/bin/sh\n{script}"))?;
+    std::fs::set_permissions(&plugin, std::fs::Permissions::from_mode(0o755))?;
+    let config = dir.join("providers.yaml");
+    std::fs::write(
+        &config,
+        format!("apiVersion: kubelet.config.k8s.io/v1\nkind: CredentialProviderConfig\nproviders:\n- name: {name}\n  matchImages: [\"{pattern}\"]\n  defaultCacheDuration: {default_cache}\n  apiVersion: credentialprovider.kubelet.k8s.io/v1\n"),
+    )?;
+    Ok((bin, config))
+}
+
 /// A scenario's directory under the temp dir (`credgate-bench-TAG-PID`), made empty and
 /// removed on drop.
 pub(crate) struct TempDir(pub(crate) PathBuf);

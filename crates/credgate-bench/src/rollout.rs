@@ -114,23 +114,13 @@ pub fn rollout(args: &Args) -> Result<()> {
     for persist in [true, false] {
         let dir = TempDir::new(&format!("rollout-{persist}"))?;
         let d = &dir.0;
-        let bin = d.join("plugins");
-        std::fs::create_dir_all(&bin)?;
-        let plugin = bin.join("counted");
-        std::fs::write(
-            &plugin,
-            format!(
-                "#!/bin/sh\ncat >/dev/null\necho run >> '{}'\necho '{{\"kind\":\"CredentialProviderResponse\",\"apiVersion\":\"credentialprovider.kubelet.k8s.io/v1\",\"cacheKeyType\":\"Registry\",\"cacheDuration\":\"12h\",\"auth\":{{\"rollout.example.com\":{{\"username\":\"u\",\"password\":\"rollout-secret\"}}}}}}'\n",
-                d.join("runs").display()
-            ),
-        )?;
+        let script = format!(
+            "cat >/dev/null\necho run >> '{}'\necho '{{\"kind\":\"CredentialProviderResponse\",\"apiVersion\":\"credentialprovider.kubelet.k8s.io/v1\",\"cacheKeyType\":\"Registry\",\"cacheDuration\":\"12h\",\"auth\":{{\"rollout.example.com\":{{\"username\":\"u\",\"password\":\"rollout-secret\"}}}}}}'\n",
+            d.join("runs").display()
+        );
+        let (bin, config) =
+            crate::shell_provider(d, "counted", &script, "rollout.example.com", "1h")?;
         use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(&plugin, std::fs::Permissions::from_mode(0o755))?;
-        let config = d.join("providers.yaml");
-        std::fs::write(
-            &config,
-            "apiVersion: kubelet.config.k8s.io/v1\nkind: CredentialProviderConfig\nproviders:\n- name: counted\n  matchImages: [rollout.example.com]\n  defaultCacheDuration: 1h\n  apiVersion: credentialprovider.kubelet.k8s.io/v1\n",
-        )?;
         let mut nodes: Vec<Node> = (0..agents)
             .map(|i| {
                 let dir = d.join(format!("a{i}"));

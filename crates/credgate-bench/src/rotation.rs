@@ -162,25 +162,12 @@ pub fn rotation(args: &Args) -> Result<()> {
 /// The rotating plugin (it answers the backend file's password and notes each run) and the
 /// provider config that names it: (the plugin directory, the config).
 fn provider_files(d: &Path, host: &str) -> Result<(std::path::PathBuf, std::path::PathBuf)> {
-    let bin = d.join("plugins");
-    std::fs::create_dir_all(&bin)?;
-    let plugin = bin.join("rotating");
-    std::fs::write(
-        &plugin,
-        format!(
-            "#!/bin/sh\ncat >/dev/null\necho run >> {runs}\nprintf '{{\"kind\":\"CredentialProviderResponse\",\"apiVersion\":\"credentialprovider.kubelet.k8s.io/v1\",\"cacheKeyType\":\"Registry\",\"cacheDuration\":\"12h\",\"auth\":{{\"{host}\":{{\"username\":\"{USER}\",\"password\":\"%s\"}}}}}}' \"$(cat {backend})\"\n",
-            runs = d.join("runs").display(),
-            backend = d.join("backend").display(),
-        ),
-    )?;
-    use std::os::unix::fs::PermissionsExt as _;
-    std::fs::set_permissions(&plugin, std::fs::Permissions::from_mode(0o755))?;
-    let config = d.join("providers.yaml");
-    std::fs::write(
-        &config,
-        format!("apiVersion: kubelet.config.k8s.io/v1\nkind: CredentialProviderConfig\nproviders:\n- name: rotating\n  matchImages: [\"{host}\"]\n  defaultCacheDuration: 12h\n  apiVersion: credentialprovider.kubelet.k8s.io/v1\n"),
-    )?;
-    Ok((bin, config))
+    let script = format!(
+        "cat >/dev/null\necho run >> {runs}\nprintf '{{\"kind\":\"CredentialProviderResponse\",\"apiVersion\":\"credentialprovider.kubelet.k8s.io/v1\",\"cacheKeyType\":\"Registry\",\"cacheDuration\":\"12h\",\"auth\":{{\"{host}\":{{\"username\":\"{USER}\",\"password\":\"%s\"}}}}}}' \"$(cat {backend})\"\n",
+        runs = d.join("runs").display(),
+        backend = d.join("backend").display(),
+    );
+    crate::shell_provider(d, "rotating", &script, host, "12h")
 }
 
 /// Failed pulls and extra plugin runs per rotation, and the time to the first good pull.

@@ -318,16 +318,10 @@ async fn one_call(
     n: u64,
 ) -> (usize, bool) {
     match roll {
-        0..=59 => {
-            let image = format!("soak.test/app-{}:v1", n % 500);
-            let r = creds
-                .lookup(pb::LookupRequest {
-                    image,
-                    ..Default::default()
-                })
-                .await;
-            (0, r.is_ok())
-        }
+        0..=59 => (
+            0,
+            lookup(creds, format!("soak.test/app-{}:v1", n % 500)).await,
+        ),
         60..=74 => {
             let i = n % 200;
             let r = guard
@@ -359,17 +353,22 @@ async fn one_call(
                 .await;
             (2, a.is_ok() && b.is_ok())
         }
-        _ => {
-            let image = format!("flaky.soak.test/app-{}:v1", n % 50);
-            let r = creds
-                .lookup(pb::LookupRequest {
-                    image,
-                    ..Default::default()
-                })
-                .await;
-            (3, r.is_ok())
-        }
+        _ => (
+            3,
+            lookup(creds, format!("flaky.soak.test/app-{}:v1", n % 50)).await,
+        ),
     }
+}
+
+/// A Lookup of `image`: whether it succeeded.
+async fn lookup(creds: &mut CredentialsClient<tonic::transport::Channel>, image: String) -> bool {
+    creds
+        .lookup(pb::LookupRequest {
+            image,
+            ..Default::default()
+        })
+        .await
+        .is_ok()
 }
 
 /// The clients' tallies, summed.
