@@ -364,6 +364,8 @@ impl Node {
             .tasks()
             .spawn(server::serve_with(agent.clone(), listener, limits, stop))
             .await;
+        // The API ends on the stop, or on a panic: either way everything else stops too.
+        agent.tasks().stop();
         socket::remove_if_ours(&socket_path, bound);
         // The saver's last write runs after the API drained; the deadline bounds the rest.
         if !agent.tasks().wait(deadline + Duration::from_secs(1)).await {
