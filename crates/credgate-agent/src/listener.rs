@@ -36,9 +36,9 @@ pub struct Peer {
     pub pid: Option<i32>,
 }
 
-/// The HTTP/2 client preface (`PRI * HTTP/2.0...`) is this long; a client that has not sent
-/// it within the handshake deadline is not speaking HTTP/2 to us.
-const PREFACE_LEN: u64 = 24;
+/// The HTTP/2 client preface's length; a client that has not sent it within the handshake
+/// deadline is not speaking HTTP/2 to us.
+const PREFACE_LEN: u64 = credgate_api::frame::PREFACE.len() as u64;
 
 /// A listening socket of some kind.
 pub trait Accept: Send {

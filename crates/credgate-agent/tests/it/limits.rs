@@ -17,7 +17,12 @@ use credgate_api::v1::{self as pb};
 use tokio::task::JoinHandle;
 
 /// The HTTP/2 client preface and an empty SETTINGS frame.
-const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00";
+fn preface() -> Vec<u8> {
+    use credgate_api::frame;
+    let mut out = frame::PREFACE.to_vec();
+    frame::put(&mut out, frame::SETTINGS, 0, 0, &[]);
+    out
+}
 
 struct Server {
     dir: tempfile::TempDir,
@@ -178,7 +183,7 @@ async fn connections_beyond_the_limit_are_closed_at_once_and_slots_come_back() {
     .await;
     let mut held: Vec<StdStream> = (0..4).map(|_| s.raw()).collect();
     for c in &mut held {
-        c.write_all(PREFACE).unwrap();
+        c.write_all(&preface()).unwrap();
     }
     // The agent answers each with its SETTINGS: all four are accepted and counted.
     for c in &mut held {
@@ -214,7 +219,7 @@ async fn a_connection_that_sends_no_preface_is_closed_at_the_handshake_deadline(
     .await;
     let mut silent = s.raw();
     let mut talking = s.raw();
-    talking.write_all(PREFACE).unwrap();
+    talking.write_all(&preface()).unwrap();
     let closed = tokio::task::spawn_blocking(move || {
         let closed = closed_by_agent(&mut silent);
         let open = still_open(&mut talking, Duration::from_millis(600));
@@ -240,7 +245,7 @@ async fn a_connection_with_no_stream_that_stays_quiet_is_closed_at_the_idle_dead
     )
     .await;
     let mut idle = s.raw();
-    idle.write_all(PREFACE).unwrap();
+    idle.write_all(&preface()).unwrap();
     let closed = tokio::task::spawn_blocking(move || closed_by_agent(&mut idle))
         .await
         .unwrap();
