@@ -94,7 +94,7 @@ pub fn cri_soak(args: &Args) -> Result<()> {
         };
 
         // RSS, by phase.
-        let rss = Arc::new(Mutex::new([0u64; 3]));
+        let rss = Arc::new(Mutex::new([0u64; 2]));
         let sampler = tokio::spawn(sample_rss(
             pid,
             rss.clone(),
@@ -205,7 +205,7 @@ async fn kubelet(
 /// `stop`.
 async fn sample_rss(
     pid: u32,
-    rss: Arc<Mutex<[u64; 3]>>,
+    rss: Arc<Mutex<[u64; 2]>>,
     attacking: Arc<AtomicBool>,
     stop: Arc<AtomicBool>,
 ) {
@@ -225,7 +225,7 @@ fn report(
     args: &Args,
     node: &Node,
     (pulls, health): (&mut [Phase; 2], &mut [Phase; 2]),
-    (rss, after): ([u64; 3], u64),
+    (rss, after): ([u64; 2], u64),
     kept: bool,
     (counts, tenant_counts): (serde_json::Value, serde_json::Value),
 ) -> bool {
