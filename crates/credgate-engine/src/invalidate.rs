@@ -113,7 +113,18 @@ impl Engine {
             |e| e.covers_image(name, registry) && e.holds(username, password),
             why,
         );
+        p.remember_refused(username, password);
         Ok(removed.iter().map(|e| Dropped::of(provider, e)).collect())
+    }
+
+    /// Since when provider `provider`, asked again after a registry refused its credential,
+    /// still answers that credential (its answers are then kept seconds, not their
+    /// cacheDuration); `None` when it does not.
+    pub fn answers_refused_since(&self, provider: &str) -> Option<SystemTime> {
+        self.providers()
+            .iter()
+            .find(|p| p.spec.name == provider)
+            .and_then(|p| p.answers_refused_since())
     }
 
     /// Drops cached answers: of provider `provider` (every provider when `None`), those that

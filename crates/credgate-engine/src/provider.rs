@@ -132,7 +132,22 @@ pub struct ProviderStatus {
     /// When cached answers were last dropped before their expiry, and why (the registry
     /// refused a credential of them, or an operator flushed them).
     pub last_dropped: Option<(SystemTime, String)>,
+    /// Since when the plugin, asked again after a registry refused its credential, still
+    /// answers that credential.
+    pub answers_refused_since: Option<SystemTime>,
 }
+
+/// Credentials of a provider's answers a registry refused, remembered so that the plugin's
+/// next answers can be told apart (at most this many).
+const REFUSED_REMEMBERED: usize = 8;
+/// How long a refused credential is remembered by its provider.
+const REFUSED_MEMORY: Duration = Duration::from_secs(3600);
+/// An answer that holds a refused credential is kept this long at first, doubling with each
+/// such answer in a row up to [`FOLLOW_MAX`]: the plugin is asked again in seconds, so a
+/// backend that learns the new credential after the registry is followed within a few
+/// seconds, without a run per lookup.
+pub const FOLLOW_FIRST: Duration = Duration::from_secs(1);
+pub const FOLLOW_MAX: Duration = Duration::from_secs(4);
 
 #[derive(Default)]
 struct RunState {
@@ -142,6 +157,10 @@ struct RunState {
     last_success: Option<SystemTime>,
     last_error: Option<String>,
     last_dropped: Option<(SystemTime, String)>,
+    /// Refused credentials: user name, password, remembered until.
+    refused: Vec<(String, SecretString, Instant)>,
+    /// Answers holding a refused credential in a row, and since when.
+    answering_refused: Option<(u32, SystemTime)>,
 }
 
 /// A run driven by the request that started it, so that a miss costs no hand-off to another
@@ -610,6 +629,9 @@ impl Provider {
             .cache_duration
             .unwrap_or(self.spec.default_cache_duration)
             .max(self.min_cache);
+        let ttl = self
+            .follow_refused(&auth)
+            .map_or(ttl, |short| short.min(ttl));
         let (now, wall) = (self.clock.now(), self.clock.wall());
         let cached = !ttl.is_zero();
         Ok(Arc::new(Entry {
@@ -673,6 +695,67 @@ impl Provider {
         removed
     }
 
+    /// A registry refused `username`:`password`, which an answer of this provider held: its
+    /// next answers that hold it are kept seconds only ([`FOLLOW_FIRST`]).
+    pub fn remember_refused(&self, username: &str, password: &str) {
+        let now = self.clock.now();
+        let mut state = self.state.lock();
+        state.refused.retain(|(_, _, until)| now < *until);
+        if state
+            .refused
+            .iter()
+            .any(|(u, p, _)| u == username && p.expose_secret() == password)
+        {
+            return;
+        }
+        if state.refused.len() >= REFUSED_REMEMBERED {
+            state.refused.remove(0);
+        }
+        state.refused.push((
+            username.to_owned(),
+            SecretString::from(password.to_owned()),
+            now + REFUSED_MEMORY,
+        ));
+    }
+
+    /// How long to keep an answer of `auth`: `Some` (seconds, doubling per such answer in a row,
+    /// up to [`FOLLOW_MAX`]) when it holds a credential a registry refused; `None`, and the
+    /// provider no longer counts as answering a refused credential, otherwise.
+    fn follow_refused(&self, auth: &AuthSet) -> Option<Duration> {
+        let now = self.clock.now();
+        let mut state = self.state.lock();
+        state.refused.retain(|(_, _, until)| now < *until);
+        let holds = (0..auth.len()).filter_map(|i| auth.get(i)).any(|a| {
+            state.refused.iter().any(|(u, p, _)| {
+                a.auth.username == *u && a.auth.password.expose_secret() == p.expose_secret()
+            })
+        });
+        if !holds {
+            if state.answering_refused.take().is_some() {
+                tracing::info!(plugin = %self.spec.name, "the plugin answers a new credential again");
+            }
+            return None;
+        }
+        let wall = self.clock.wall();
+        let (streak, _) = state.answering_refused.get_or_insert((0, wall));
+        *streak += 1;
+        let keep = FOLLOW_FIRST
+            .saturating_mul(1 << (*streak - 1).min(8))
+            .min(FOLLOW_MAX);
+        tracing::warn!(
+            plugin = %self.spec.name,
+            answers_in_a_row = *streak,
+            keep_seconds = keep.as_secs(),
+            "the plugin still answers the credential the registry refused: its answer is kept only seconds and the plugin is asked again"
+        );
+        Some(keep)
+    }
+
+    /// Since when the plugin, asked again after a refusal, still answers a refused credential.
+    pub fn answers_refused_since(&self) -> Option<SystemTime> {
+        self.state.lock().answering_refused.map(|(_, since)| since)
+    }
+
     /// Until when the provider is backing off (a lookup now is refused without a run).
     pub fn backoff_until(&self) -> Option<SystemTime> {
         let state = self.state.lock();
@@ -698,6 +781,7 @@ impl Provider {
             last_error: state.last_error.clone(),
             consecutive_failures: state.consecutive_failures,
             last_dropped: state.last_dropped.clone(),
+            answers_refused_since: state.answering_refused.map(|(_, since)| since),
         }
     }
 }
