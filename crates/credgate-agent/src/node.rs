@@ -50,6 +50,8 @@ pub struct NodeOptions {
 pub enum NodeError {
     #[error("refusing the state directory")]
     StateDir(#[source] credgate_api::trust::TrustError),
+    #[error("the state directory is in use")]
+    Locked(#[source] crate::state::LockError),
     #[error("cannot build the agent")]
     Agent(#[from] SourceError),
     #[error("cannot serve the API")]
@@ -76,6 +78,9 @@ pub struct Node {
     api: (tokio::net::UnixListener, PathBuf, Option<SocketId>),
     limits: server::Limits,
     proxy: Option<(PathBuf, Option<SocketId>)>,
+    /// Held until the node has stopped (the guard's store closed last): no second agent
+    /// uses the state directory meanwhile.
+    lock: Option<crate::state::StateLock>,
 }
 
 /// Descriptors the agent keeps for itself beyond its connections: plugin pipes, the store,
@@ -116,14 +121,24 @@ fn fit_open_files(mut limits: server::Limits, proxy: bool) -> server::Limits {
 /// link to one) could hold a planted key and forged records: the node does not start on it.
 /// One that merely cannot be created yet (a read-only or full disk) does not stop it: the
 /// guard reports it, fails safe and tries again, and credentials keep being served meanwhile.
-fn check_state_dir(dir: &Path) -> Result<(), NodeError> {
+/// The directory is then locked for this agent before anything in it is read or written: a
+/// second agent on it (a forgotten unit beside a DaemonSet) stops here, writing nothing.
+fn check_state_dir(dir: &Path) -> Result<Option<crate::state::StateLock>, NodeError> {
     match crate::state::state_dir(dir) {
-        Ok(()) => Ok(()),
+        Ok(()) => {}
         Err(e @ credgate_api::trust::TrustError::Io { .. }) => {
             tracing::error!(dir = %dir.display(), error = %e, "cannot set up the state directory");
-            Ok(())
+            return Ok(None);
         }
-        Err(e) => Err(NodeError::StateDir(e)),
+        Err(e) => return Err(NodeError::StateDir(e)),
+    }
+    match crate::state::lock(dir) {
+        Ok(lock) => Ok(Some(lock)),
+        Err(e @ crate::state::LockError::Io { .. }) => {
+            tracing::error!(dir = %dir.display(), error = %crate::error_chain(&e), "cannot lock the state directory");
+            Ok(None)
+        }
+        Err(e) => Err(NodeError::Locked(e)),
     }
 }
 
@@ -161,7 +176,7 @@ impl Node {
     /// Builds the agent (never running a plugin), binds every socket and starts every task;
     /// returns once the CRI proxy, when configured, serves.
     pub async fn start(mut options: NodeOptions) -> Result<Node, NodeError> {
-        check_state_dir(&options.state_dir)?;
+        let lock = check_state_dir(&options.state_dir)?;
         if options.agent.saved_cache.is_none() {
             match crate::saved_cache::SavedCache::discard(&options.state_dir) {
                 Ok(true) => tracing::info!("the provider cache is not kept (--persist-cache=false): the sealed cache of an earlier run was removed"),
@@ -210,6 +225,7 @@ impl Node {
             api: (listener, options.socket, bound),
             limits,
             proxy,
+            lock,
         })
     }
 
@@ -355,6 +371,7 @@ impl Node {
             api: (listener, socket_path, bound),
             limits,
             proxy,
+            lock,
         } = self;
         let deadline = limits.shutdown_timeout;
         // On a worker, not in the caller's `block_on`: a connection is then accepted by the
@@ -380,5 +397,6 @@ impl Node {
         if let Some(store) = agent.guard().and_then(|g| g.store().ok()) {
             store.close().await;
         }
+        drop(lock);
     }
 }

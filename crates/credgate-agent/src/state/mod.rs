@@ -127,6 +127,71 @@ pub fn state_dir(dir: &std::path::Path) -> Result<(), credgate_api::trust::Trust
     credgate_api::trust::check_dir(dir, credgate_api::trust::Owner::Me)
 }
 
+/// The file in the state directory whose lock the one agent that uses the directory holds;
+/// it holds that agent's PID.
+pub const LOCK_FILE: &str = "agent.lock";
+
+/// A state directory's lock (`flock` on [`LOCK_FILE`]), held while the agent runs. The kernel
+/// releases it when the holder exits, however it exits, so a SIGKILLed agent's successor
+/// takes it at once.
+#[derive(Debug)]
+pub struct StateLock {
+    _file: std::fs::File,
+}
+
+/// Why a state directory could not be locked.
+#[derive(Debug, thiserror::Error)]
+pub enum LockError {
+    #[error("another credgate agent (PID {pid}) uses the state directory {}: stop it, or give this one a --state-dir of its own", .dir.display())]
+    Held {
+        dir: std::path::PathBuf,
+        pid: String,
+    },
+    #[error("cannot lock {}", .path.display())]
+    Io {
+        path: std::path::PathBuf,
+        #[source]
+        error: std::io::Error,
+    },
+    #[error("refusing the lock file")]
+    Untrusted(#[source] credgate_api::trust::TrustError),
+}
+
+/// Locks the state directory `dir` for this process before anything in it is read or written;
+/// [`LockError::Held`] at once, naming the holder's PID, when another agent holds it.
+pub fn lock(dir: &std::path::Path) -> Result<StateLock, LockError> {
+    use std::io::{Read as _, Write as _};
+    let path = dir.join(LOCK_FILE);
+    let io = |error| LockError::Io {
+        path: path.clone(),
+        error,
+    };
+    let mut file = match create_trusted(&path) {
+        Ok(f) => f,
+        Err(FileError::Io(e)) => return Err(io(e)),
+        Err(FileError::Untrusted(e)) => return Err(LockError::Untrusted(e)),
+    };
+    match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+        Ok(()) => {}
+        Err(rustix::io::Errno::WOULDBLOCK) => {
+            let mut held = String::new();
+            let _ = (&mut file).take(32).read_to_string(&mut held);
+            let pid = held
+                .trim()
+                .parse::<u32>()
+                .map_or_else(|_| "unknown".to_owned(), |p| p.to_string());
+            return Err(LockError::Held {
+                dir: dir.to_owned(),
+                pid,
+            });
+        }
+        Err(e) => return Err(io(e.into())),
+    }
+    file.set_len(0).map_err(io)?;
+    writeln!(file, "{}", std::process::id()).map_err(io)?;
+    Ok(StateLock { _file: file })
+}
+
 /// Why a state file could not be opened.
 pub(crate) enum FileError {
     Io(std::io::Error),

@@ -3,6 +3,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::{Duration, Instant};
 
 use crate::support::{text, Agent};
 
@@ -123,7 +124,7 @@ fn a_second_agent_on_the_same_socket_is_refused() {
         .args(["serve", "--no-docker-config", "--socket"])
         .arg(&agent.socket)
         .arg("--state-dir")
-        .arg(dir.path().join("state"))
+        .arg(dir.path().join("state-of-its-own"))
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
@@ -135,6 +136,103 @@ fn a_second_agent_on_the_same_socket_is_refused() {
     // The first agent still serves.
     let out = agent.credgate(&["ctl", "health"]);
     assert_eq!(text(&out.stdout).trim(), "SERVING");
+}
+
+/// Every file of `dir`, with its size and modification time.
+fn listing(dir: &std::path::Path) -> Vec<(String, u64, std::time::SystemTime)> {
+    let mut out: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            let m = e.metadata().unwrap();
+            (
+                e.file_name().to_string_lossy().into_owned(),
+                m.len(),
+                m.modified().unwrap(),
+            )
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// One agent per state directory: a second `credgate serve` on the state directory of a
+/// running agent (another socket: a forgotten unit beside a DaemonSet) exits at once with an
+/// error naming the directory and the holder's PID, and writes nothing there; once the holder
+/// is SIGKILLed, the kernel has released the lock and the next agent starts at once.
+#[test]
+fn a_second_agent_on_the_same_state_directory_exits_and_writes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let provider = dir.path().join("providers.yaml");
+    let bin = dir.path().join("plugins");
+    std::fs::create_dir_all(&bin).unwrap();
+    crate::support::write_script(
+        &bin.join("p"),
+        r#"cat >/dev/null; printf '{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.kubelet.k8s.io/v1","cacheKeyType":"Registry","cacheDuration":"1h","auth":{"r.example":{"username":"u","password":"p-Pa55word"}}}'"#,
+    );
+    std::fs::write(
+        &provider,
+        "apiVersion: kubelet.config.k8s.io/v1\nkind: CredentialProviderConfig\nproviders:\n- name: p\n  matchImages: [\"r.example\"]\n  defaultCacheDuration: 1h\n  apiVersion: credentialprovider.kubelet.k8s.io/v1\n",
+    )
+    .unwrap();
+    let args = [
+        "--image-credential-provider-config",
+        provider.to_str().unwrap(),
+        "--image-credential-provider-bin-dir",
+        bin.to_str().unwrap(),
+    ];
+    let mut agent = Agent::start(dir.path(), &args);
+    let out = agent.credgate(&["get", "r.example/app:v1"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let state = dir.path().join("state");
+    // The saver writes the answer within a second or two.
+    credgate_testbed::eventually("the answer is saved", Duration::from_secs(20), || {
+        state.join("cache.sealed").exists()
+    });
+    let held = std::fs::read_to_string(state.join("agent.lock")).unwrap();
+    assert_eq!(held.trim(), agent.child.id().to_string());
+    let before = listing(&state);
+    let started = Instant::now();
+    let out = Command::new(env!("CARGO_BIN_EXE_credgate"))
+        .args(["serve", "--no-docker-config", "--socket"])
+        .arg(dir.path().join("second.sock"))
+        .arg("--state-dir")
+        .arg(&state)
+        .args(args)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains(&format!(
+            "another credgate agent (PID {})",
+            agent.child.id()
+        )) && err.contains(state.to_str().unwrap()),
+        "{err}"
+    );
+    // At once: not after the 5 s its socket's or its store's waits would take.
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(!dir.path().join("second.sock").exists());
+    assert_eq!(listing(&state), before, "the second agent wrote nothing");
+    let out = agent.credgate(&["ctl", "health"]);
+    assert_eq!(text(&out.stdout).trim(), "SERVING");
+
+    // SIGKILLed: its successor takes the directory at once, and serves the saved answer.
+    agent.signal(libc::SIGKILL);
+    let _ = agent.child.wait();
+    drop(agent);
+    let agent = Agent::start(dir.path(), &args);
+    let out = agent.credgate(&["ctl", "status"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        !agent.log_text().contains("provider_gone"),
+        "{}",
+        agent.log_text()
+    );
 }
 
 /// Every flag the deployment files pass to `credgate serve` exists.
