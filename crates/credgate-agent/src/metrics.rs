@@ -159,6 +159,8 @@ pub struct AgentMetrics {
     /// Pull answers released before their capture was confirmed and on disk (the registry
     /// did not confirm within the wait); the capture went on.
     pub cri_captures_late: Counter,
+    /// Bytes of callers' messages the CRI proxy holds now (read whole, not yet answered).
+    pub cri_held_bytes: Gauge,
     /// Provider answers restored from the sealed cache at start.
     pub cache_restored: Counter,
     /// Saved provider answers not restored, by reason.
@@ -263,6 +265,7 @@ impl Default for AgentMetrics {
             refusal_reports: Family::default(),
             cache_flushed: Counter::default(),
             cri_captures_late: Counter::default(),
+            cri_held_bytes: Gauge::default(),
             cache_restored: Counter::default(),
             cache_dropped_total: Family::default(),
             cache_persisted: Counter::default(),
@@ -301,6 +304,11 @@ impl AgentMetrics {
             "cri_pulls_missed",
             "Pulls through the CRI proxy without credentials that failed as unauthorized while a provider of the agent that matches the image had a credential for it (cached, or its last run succeeded)",
             self.cri_pulls_missed.clone(),
+        );
+        r.register(
+            "cri_held_bytes",
+            "Bytes of callers' messages the CRI proxy holds now (PullImage and RemoveImage requests and answers read whole); at most 64 MiB in all, 4 MiB a connection",
+            self.cri_held_bytes.clone(),
         );
         r.register(
             "cri_captures_late",

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use http_body::Body;
 use http_body_util::BodyExt;
 use hyper::body::Bytes;
+use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// All that every caller's calls may hold at once.
@@ -17,10 +18,18 @@ pub const PROXY_BYTES: usize = 64 << 20;
 /// All that one connection's calls may hold at once: a kubelet's pulls are a few KiB each.
 pub const CONNECTION_BYTES: usize = 4 << 20;
 
+/// The proxy's budget, shared by every connection, and the gauge of what is taken from it
+/// (`credgate_cri_held_bytes`: the agent's own account of what the proxy holds).
+#[derive(Clone)]
+pub struct Proxy {
+    budget: Arc<Semaphore>,
+    held: Gauge,
+}
+
 /// The two budgets a connection's calls draw from.
 #[derive(Clone)]
 pub struct Budgets {
-    proxy: Arc<Semaphore>,
+    proxy: Proxy,
     connection: Arc<Semaphore>,
 }
 
@@ -29,6 +38,16 @@ pub struct Budgets {
 pub struct Taken {
     proxy: Option<OwnedSemaphorePermit>,
     connection: Option<OwnedSemaphorePermit>,
+    /// What is counted in the proxy's gauge, given back with the permits.
+    held: Option<(Gauge, i64)>,
+}
+
+impl Drop for Taken {
+    fn drop(&mut self) {
+        if let Some((gauge, n)) = &self.held {
+            gauge.dec_by(*n);
+        }
+    }
 }
 
 /// Why a body was not read whole.
@@ -42,13 +61,16 @@ pub enum Refused {
 }
 
 impl Budgets {
-    /// The proxy's budget, shared by every connection.
-    pub fn proxy() -> Arc<Semaphore> {
-        Arc::new(Semaphore::new(PROXY_BYTES))
+    /// The proxy's budget, shared by every connection; what is taken is counted in `held`.
+    pub fn proxy(held: Gauge) -> Proxy {
+        Proxy {
+            budget: Arc::new(Semaphore::new(PROXY_BYTES)),
+            held,
+        }
     }
 
     /// A new connection's budgets, drawing from `proxy` as well.
-    pub fn connection(proxy: &Arc<Semaphore>, bytes: usize) -> Budgets {
+    pub fn connection(proxy: &Proxy, bytes: usize) -> Budgets {
         Budgets {
             proxy: proxy.clone(),
             connection: Arc::new(Semaphore::new(bytes)),
@@ -64,11 +86,18 @@ impl Budgets {
             .map_err(|_| Refused::Exhausted)?;
         let proxy = self
             .proxy
+            .budget
             .clone()
             .try_acquire_many_owned(n)
             .map_err(|_| Refused::Exhausted)?;
         merge(&mut taken.connection, connection);
         merge(&mut taken.proxy, proxy);
+        let n = i64::from(n);
+        self.proxy.held.inc_by(n);
+        match &mut taken.held {
+            Some((_, held)) => *held += n,
+            None => taken.held = Some((self.proxy.held.clone(), n)),
+        }
         Ok(())
     }
 }
@@ -127,7 +156,11 @@ mod tests {
 
     #[tokio::test]
     async fn bodies_take_from_both_budgets_and_give_back_on_drop() {
-        let proxy = Arc::new(Semaphore::new(100));
+        let held = Gauge::default();
+        let proxy = Proxy {
+            budget: Arc::new(Semaphore::new(100)),
+            held: held.clone(),
+        };
         let a = Budgets::connection(&proxy, 60);
         let b = Budgets::connection(&proxy, 60);
         let first = collect(Full::new(Bytes::from(vec![1u8; 50])), 1000, &a)
@@ -145,6 +178,7 @@ mod tests {
             .await
             .ok()
             .unwrap();
+        assert_eq!(held.get(), 100, "the gauge counts what is held");
         assert!(matches!(
             collect(Full::new(Bytes::from(vec![1u8; 5])), 1000, &b).await,
             Err(Refused::Exhausted)
@@ -154,6 +188,7 @@ mod tests {
             Err(Refused::TooLarge)
         ));
         drop((first, second));
-        assert_eq!(proxy.available_permits(), 100);
+        assert_eq!(proxy.budget.available_permits(), 100);
+        assert_eq!(held.get(), 0, "and what is given back");
     }
 }

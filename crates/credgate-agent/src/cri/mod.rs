@@ -198,7 +198,7 @@ pub async fn serve(listener: UnixListener, options: ProxyOptions, shutdown: Canc
         agent,
     } = options;
     let metrics = agent.metrics().clone();
-    let proxy_budget = Budgets::proxy();
+    let proxy_budget = Budgets::proxy(metrics.cri_held_bytes.clone());
     // The proxy's own calls (the sweeper's) use a runtime connection of their own.
     let own = std::sync::Arc::new(Caller {
         runtime: std::sync::Arc::new(Runtime::new(runtime.clone())),

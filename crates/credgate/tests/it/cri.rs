@@ -583,11 +583,25 @@ async fn the_proxy_bounds_connections_and_closes_silent_ones() {
 
 /// PullImage bodies sent up to just under their limit and never finished: what the proxy
 /// holds is bounded per connection and in all (the rest are refused with RESOURCE_EXHAUSTED),
-/// and the memory comes back when the caller leaves.
+/// by the agent's own account (`credgate_cri_held_bytes`) and in its RSS, and the budget is
+/// given back when the callers leave. How fast the allocator then returns pages to the kernel
+/// is not the agent's property: `scripts/soak --cri` reports the RSS after (BENCHMARKS.md).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn half_sent_pulls_hold_a_bounded_amount_and_let_go() {
     let dir = tempfile::tempdir().unwrap();
-    let (agent, proxy) = proxy_agent(dir.path(), &dir.path().join("no-runtime.sock"));
+    let (agent, proxy) = crate::support::proxy_agent_with(
+        dir.path(),
+        &dir.path().join("no-runtime.sock"),
+        &["--metrics-addr", "127.0.0.1:0"],
+    );
+    let held = || {
+        metrics_text(&agent)
+            .lines()
+            .find_map(|l| l.strip_prefix("credgate_cri_held_bytes "))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .expect("credgate_cri_held_bytes is exported")
+    };
+    assert_eq!(held(), 0);
     let pid = agent.child.id();
     let before = crate::support::h2::rss(pid);
     let mut bodies = Vec::new();
@@ -629,6 +643,11 @@ async fn half_sent_pulls_hold_a_bounded_amount_and_let_go() {
     let exhausted = count();
     // 4 MiB a connection: at most 8 of each connection's 60 are held, the rest refused.
     assert!(exhausted >= 4 * 51, "{exhausted} refused");
+    let holding = held();
+    assert!(
+        holding > 0 && holding <= 4 * (4 << 20),
+        "the proxy holds {holding} bytes for 4 connections of at most 4 MiB each"
+    );
     let during = crate::support::h2::rss(pid);
     assert!(
         during < before + (48 << 20),
@@ -636,17 +655,10 @@ async fn half_sent_pulls_hold_a_bounded_amount_and_let_go() {
     );
     drop(bodies);
     waiting.abort_all();
-    // Twice as many streams are held as when requests could be 1 MiB (each is at most
-    // 512 KiB now), and their buffers grow through sizes the heap keeps: 12 MB of slack.
-    let settled = credgate_testbed::eventually_some(Duration::from_secs(20), || {
-        let now = crate::support::h2::rss(pid);
-        (now < before + (12 << 20)).then_some(now)
-    })
-    .await;
-    assert!(
-        settled.is_some(),
-        "RSS stayed at {} after the callers left (from {before})",
-        crate::support::h2::rss(pid)
+    credgate_testbed::eventually(
+        "the proxy gives back what the callers held once they leave",
+        Duration::from_secs(20),
+        || held() == 0,
     );
     let health = agent.credgate(&["ctl", "health"]);
     assert_eq!(crate::support::text(&health.stdout).trim(), "SERVING");
