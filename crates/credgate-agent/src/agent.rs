@@ -250,8 +250,8 @@ struct Inner {
     refusals: crate::refusal::Refusals,
     /// Whether the CRI proxy runs (set when it starts).
     proxy_running: std::sync::atomic::AtomicBool,
-    /// How registries are asked to confirm a consumer's report of a refused credential.
-    verifier: crate::guard::registry::Verifier,
+    /// How registries are asked whether they refuse a credential before a refusal acts.
+    confirmations: crate::confirm::Confirmations,
     /// What the CRI proxy may change in a pull.
     pull_policy: crate::cri::policy::PullPolicy,
 }
@@ -314,7 +314,7 @@ impl Agent {
                 pulls: Arc::default(),
                 refusals: crate::refusal::Refusals::default(),
                 proxy_running: std::sync::atomic::AtomicBool::new(false),
-                verifier,
+                confirmations: crate::confirm::Confirmations::new(verifier),
                 pull_policy: options.pull_policy,
                 sources: options.sources,
                 engine,
@@ -371,7 +371,12 @@ impl Agent {
         username: &str,
         password: &secrecy::SecretString,
     ) -> Result<crate::refusal::Report, credgate_core::reference::ReferenceError> {
-        crate::refusal::report(self, &self.inner.verifier, image, username, password).await
+        crate::refusal::report(self, image, username, password).await
+    }
+
+    /// The registry confirmations of refusals.
+    pub fn confirmations(&self) -> &crate::confirm::Confirmations {
+        &self.inner.confirmations
     }
 
     /// Drops cached provider answers (of `provider`, or all; for `images`, or all) in memory
@@ -477,6 +482,21 @@ impl Agent {
             .map(|r| r.registry().to_owned())
             .unwrap_or_default();
         answer.cri_mirror_trust = policy.scope(&registry).describe();
+        if let Some(last) = self
+            .pulls()
+            .list(Some(image))
+            .into_iter()
+            .find(|p| !p.refusal.is_empty())
+        {
+            let ago = self
+                .inner
+                .clock
+                .wall()
+                .duration_since(last.at)
+                .unwrap_or_default();
+            answer.cri_last_unauthorized =
+                format!("{} ({}s ago): {}", last.image, ago.as_secs(), last.refusal);
+        }
     }
 
     /// The guard's records of `image` and its decision for node-wide credentials.

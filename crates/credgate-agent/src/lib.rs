@@ -9,6 +9,7 @@
 
 mod agent;
 pub mod captured;
+mod confirm;
 mod conn;
 pub mod cri;
 pub mod explain;

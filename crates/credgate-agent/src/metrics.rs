@@ -154,6 +154,8 @@ pub struct AgentMetrics {
     pub credentials_refused: Family<Labels, Counter>,
     /// Consumers' reports of a refused credential, by outcome.
     pub refusal_reports: Family<Labels, Counter>,
+    /// Registry confirmations of a refusal (a pull's or a report's), by what the registry said.
+    pub refusal_confirmations: Family<Labels, Counter>,
     /// Provider answers dropped by `ctl flush`.
     pub cache_flushed: Counter,
     /// Pull answers released before their capture was confirmed and on disk (the registry
@@ -263,6 +265,7 @@ impl Default for AgentMetrics {
                 f
             },
             refusal_reports: Family::default(),
+            refusal_confirmations: Family::default(),
             cache_flushed: Counter::default(),
             cri_captures_late: Counter::default(),
             cri_held_bytes: Gauge::default(),
@@ -327,8 +330,13 @@ impl AgentMetrics {
         );
         r.register(
             "refusal_reports",
-            "Consumers' reports of a refused credential (ReportRefused) by outcome (refused, accepted, not_given, already_refused, unreachable)",
+            "Consumers' reports of a refused credential (ReportRefused) by outcome (refused, accepted, unchecked, not_given, already_refused, unreachable)",
             self.refusal_reports.clone(),
+        );
+        r.register(
+            "refusal_confirmations",
+            "What registries said, asked whether they refuse a credential itself before a refusal acts (refused, accepted, unchecked, unreachable)",
+            self.refusal_confirmations.clone(),
         );
     }
 
@@ -460,6 +468,13 @@ impl AgentMetrics {
     pub fn refusal_report(&self, outcome: &str) {
         self.refusal_reports
             .get_or_create(&vec![("outcome", outcome.to_owned())])
+            .inc();
+    }
+
+    /// Counts a registry's answer to a confirmation of a refusal.
+    pub fn refusal_confirmation(&self, said: &str) {
+        self.refusal_confirmations
+            .get_or_create(&vec![("said", said.to_owned())])
             .inc();
     }
 

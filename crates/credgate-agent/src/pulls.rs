@@ -50,6 +50,9 @@ pub struct PullRecord {
     pub code: i32,
     pub message: String,
     pub duration: Duration,
+    /// For a pull that ended unauthorized with a credential one of the agent's sources gave:
+    /// what became of it ([`crate::refusal::Report::describe`], or why it was not sent).
+    pub refusal: String,
 }
 
 /// The credential a pull through the proxy went with.
@@ -123,24 +126,34 @@ pub enum PullResult {
 }
 
 impl PullResult {
-    /// Read from the runtime's gRPC code and message (runtimes put the registry's refusal in
-    /// the message, under codes that vary).
+    /// Read from the runtime's gRPC code and, when the code does not say, the registry's
+    /// status in the message's structure (`...: 401 Unauthorized`, as Go prints a response's
+    /// status after the request it answers); never from words the caller chose: the image
+    /// name, which runtimes quote in the message, is left out.
     pub fn of(code: i32, message: &str) -> PullResult {
-        let m = message.to_ascii_lowercase();
         match code {
             0 => PullResult::Ok,
-            _ if m.contains("401")
-                || m.contains("403")
-                || m.contains("unauthorized")
-                || m.contains("authorization failed")
-                || m.contains("access denied")
-                || m.contains("denied") =>
-            {
-                PullResult::Unauthorized
-            }
+            // NOT_FOUND
             5 => PullResult::NotFound,
-            _ if m.contains("not found") => PullResult::NotFound,
-            _ => PullResult::Error,
+            // PERMISSION_DENIED, UNAUTHENTICATED
+            7 | 16 => PullResult::Unauthorized,
+            _ => {
+                let m = unquoted(message).to_ascii_lowercase();
+                if [
+                    ": 401 unauthorized",
+                    ": 403 forbidden",
+                    "pull access denied",
+                ]
+                .iter()
+                .any(|s| m.contains(s))
+                {
+                    PullResult::Unauthorized
+                } else if m.contains(": 404 not found") || m.contains(": not found") {
+                    PullResult::NotFound
+                } else {
+                    PullResult::Error
+                }
+            }
         }
     }
 
@@ -152,6 +165,23 @@ impl PullResult {
             PullResult::Error => "error",
         }
     }
+}
+
+/// `message` without what it quotes (`"..."`, with Go's `\"` escapes): runtimes quote the
+/// image name a caller chose.
+fn unquoted(message: &str) -> String {
+    let mut out = String::with_capacity(message.len());
+    let (mut quoted, mut escaped) = (false, false);
+    for c in message.chars() {
+        match (quoted, escaped, c) {
+            (true, true, _) => escaped = false,
+            (true, false, '\\') => escaped = true,
+            (_, false, '"') => quoted = !quoted,
+            (false, _, c) => out.push(c),
+            (true, false, _) => {}
+        }
+    }
+    out
 }
 
 /// A metric label's value: its `as_str`.
@@ -178,6 +208,7 @@ impl PullLog {
     pub fn push(&self, mut record: PullRecord) {
         // Every string is a caller's: each kept to what a real one needs.
         cut(&mut record.message, MESSAGE);
+        cut(&mut record.refusal, MESSAGE);
         cut(&mut record.image, IMAGE);
         cut(&mut record.repository, IMAGE);
         cut(&mut record.pod_namespace, NAMESPACE);
@@ -234,7 +265,62 @@ mod tests {
             code: 2,
             message: message.into(),
             duration: Duration::from_millis(3),
+            refusal: String::new(),
         }
+    }
+
+    /// The classes real runtimes' answers fall in, by code and by the registry's status in the
+    /// message; the image name a caller chose (quoted by the runtime, and in URLs) never
+    /// decides.
+    #[test]
+    fn answers_are_classified_by_code_and_the_registrys_status_only() {
+        for (code, message, class) in [
+            // containerd 1.6 and 2.x, a Basic registry refusing the credential.
+            (
+                2,
+                r#"failed to pull and unpack image "127.0.0.1:5000/team/app:v1": failed to resolve reference "127.0.0.1:5000/team/app:v1": pulling from host 127.0.0.1:5000 failed with status code [manifests v1]: 401 Unauthorized"#,
+                "unauthorized",
+            ),
+            (
+                2,
+                r#"failed to pull and unpack image "r.example/a:v1": failed to resolve image: unexpected status from HEAD request to http://r.example/v2/a/manifests/v1: 403 Forbidden"#,
+                "unauthorized",
+            ),
+            // A token realm refusing it.
+            (
+                2,
+                r#"failed to resolve reference "docker.io/x/y:v1": failed to authorize: failed to fetch oauth token: unexpected status from POST request to https://auth.docker.io/token: 401 Unauthorized"#,
+                "unauthorized",
+            ),
+            // Docker Hub's answer for a repository that does not exist or may not be read.
+            (
+                2,
+                r#"failed to resolve reference "docker.io/x/typo:v1": pull access denied, repository does not exist or may require authorization: server message: insufficient_scope: authorization failed"#,
+                "unauthorized",
+            ),
+            (16, "anything", "unauthorized"),
+            (7, "anything", "unauthorized"),
+            // A missing tag whose name holds words of a refusal.
+            (
+                5,
+                r#"failed to pull and unpack image "r.example/team-a/app:gone-403": failed to resolve reference "r.example/team-a/app:gone-403": r.example/team-a/app:gone-403: not found"#,
+                "not_found",
+            ),
+            (
+                2,
+                r#"failed to resolve reference "r.example/denied/unauthorized-401:x-403": unexpected status from HEAD request to http://r.example/v2/denied/unauthorized-401/manifests/x-403: 404 Not Found"#,
+                "not_found",
+            ),
+            (
+                2,
+                r#"failed to pull "r.example/a:401-unauthorized-denied": connection refused"#,
+                "error",
+            ),
+            (2, "invalid reference format", "error"),
+        ] {
+            assert_eq!(PullResult::of(code, message).as_str(), class, "{message}");
+        }
+        assert_eq!(unquoted(r#"a "b \" c" d"#), "a  d");
     }
 
     #[test]

@@ -2,7 +2,9 @@
 //!
 //! A refusal is seen at the CRI proxy (a `PullImage` that carried a credential one of the
 //! agent's sources gave, answered unauthorized by the runtime) or reported by a consumer
-//! (`ReportRefused`, confirmed with the registry first). What it does depends on the source
+//! (`ReportRefused`). Either way it acts only once the registry's auth endpoint has refused
+//! that very credential to the agent ([`crate::confirm`]): "unauthorized" for one image is
+//! also what a typo'd repository, or one the credential may not read, gets. What it does depends on the source
 //! that gave the credential ([`Given`]): a provider's cached answers holding it are dropped
 //! (memory and sealed file; the plugin runs again at the next lookup, coalesced and under its
 //! backoff and rate), tracked refs lose it and are renewed at once (Watch streams get the new
@@ -31,8 +33,6 @@ pub const HOLDOFF: Duration = Duration::from_secs(30);
 const REMEMBERED: usize = 1024;
 /// How long a refused credential is remembered when its answer's expiry is unknown.
 const DEFAULT_MEMORY: Duration = Duration::from_secs(3600);
-/// Registry confirmations of consumers' reports at once.
-pub const CONFIRMATIONS: usize = 4;
 
 /// The source that gave a credential.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -104,7 +104,8 @@ impl Refused {
     }
 }
 
-type Fingerprint = [u8; 32];
+/// A credential's keyed fingerprint (never the secret).
+pub type Fingerprint = [u8; 32];
 
 struct Remembered {
     given: Given,
@@ -122,8 +123,6 @@ pub struct DockerRefusal {
 #[derive(Default)]
 struct State {
     refused: HashMap<Fingerprint, Remembered>,
-    /// Credentials a registry accepted when a consumer reported them refused, and when.
-    accepted: HashMap<Fingerprint, Instant>,
     /// Docker config files by path: the last refusal of one of their entries.
     docker: BTreeMap<String, DockerRefusal>,
 }
@@ -132,8 +131,6 @@ struct State {
 pub struct Refusals {
     key: [u8; 32],
     state: Mutex<State>,
-    /// Bounds the registry confirmations of consumers' reports.
-    pub(crate) confirmations: tokio::sync::Semaphore,
 }
 
 impl Default for Refusals {
@@ -141,7 +138,6 @@ impl Default for Refusals {
         Refusals {
             key: random_key(),
             state: Mutex::default(),
-            confirmations: tokio::sync::Semaphore::new(CONFIRMATIONS),
         }
     }
 }
@@ -158,7 +154,7 @@ impl Refusals {
         self.state.lock()
     }
 
-    fn fingerprint(&self, username: &str, password: &str) -> Fingerprint {
+    pub(crate) fn fingerprint(&self, username: &str, password: &str) -> Fingerprint {
         let mut mac = Hmac::<Sha256>::new_from_slice(&self.key).expect("any key length");
         mac.update(&(username.len() as u64).to_be_bytes());
         mac.update(username.as_bytes());
@@ -197,7 +193,6 @@ impl Refusals {
                 st.refused.remove(&oldest);
             }
         }
-        st.accepted.remove(&fp);
         st.refused.insert(
             fp,
             Remembered {
@@ -207,22 +202,6 @@ impl Refusals {
             },
         );
         true
-    }
-
-    /// Whether a registry accepted it within [`HOLDOFF`] when a consumer reported it.
-    fn recently_accepted(&self, fp: &Fingerprint, now: Instant) -> bool {
-        self.lock()
-            .accepted
-            .get(fp)
-            .is_some_and(|t| now < *t + HOLDOFF)
-    }
-
-    fn note_accepted(&self, fp: Fingerprint, now: Instant) {
-        let mut st = self.lock();
-        st.accepted.retain(|_, t| now < *t + HOLDOFF);
-        if st.accepted.len() < REMEMBERED {
-            st.accepted.insert(fp, now);
-        }
     }
 
     /// The last refusal of an entry of docker config `file`.
@@ -439,18 +418,22 @@ async fn forget_captured(
     }
 }
 
-/// What became of a consumer's report.
+/// What became of a refusal someone saw: a consumer's report, or a pull through the proxy
+/// answered unauthorized.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Report {
-    /// The registry refused it: dropped, forgotten or reported as at the proxy.
+    /// The registry refused it: dropped, forgotten or reported.
     Refused(Refused),
-    /// The registry accepted it (or serves the image anonymously): nothing changes.
+    /// The registry's auth endpoint accepted the credential itself: what it refused was the
+    /// credential's access to the image (or the image does not exist). Nothing changes.
     Accepted,
+    /// The registry does not check credentials, or its answer says neither: nothing changes.
+    Unchecked,
     /// Not a credential the agent gives for the image: nothing changes.
     NotGiven,
     /// Refused already within [`HOLDOFF`].
     Recently,
-    /// The registry could not be asked: nothing changes.
+    /// The registry could not be asked, or did not answer in time: nothing changes.
     Unreachable(String),
 }
 
@@ -460,72 +443,115 @@ impl Report {
         match self {
             Report::Refused(_) => "refused",
             Report::Accepted => "accepted",
+            Report::Unchecked => "unchecked",
             Report::NotGiven => "not_given",
             Report::Recently => "already_refused",
             Report::Unreachable(_) => "unreachable",
         }
     }
+
+    /// One sentence for the pull log, `explain` and the API; never a secret.
+    pub fn describe(&self, image: &str) -> String {
+        match self {
+            Report::Refused(Refused::Dropped(n)) => format!(
+                "the registry refuses the credential itself: {n} cached provider answer(s) holding it dropped; the next lookup runs the plugin"
+            ),
+            Report::Refused(Refused::Forgotten) => {
+                "the registry refuses the credential itself: the captured pull credential is dropped".into()
+            }
+            Report::Refused(Refused::Reported) => {
+                "the registry refuses the credential itself: it comes from a docker config file, which credgate does not change; update that file".into()
+            }
+            Report::Refused(Refused::Recently) | Report::Recently => {
+                "refused already; Lookup gives the source's new answer".into()
+            }
+            Report::Refused(Refused::NotGiven) | Report::NotGiven => {
+                "not a credential the agent gives for this image: nothing changes".into()
+            }
+            Report::Accepted => format!(
+                "the registry answered unauthorized for {image}; the credential itself is accepted: check the image name and the credential's access"
+            ),
+            Report::Unchecked => {
+                "the registry does not check credentials at its auth endpoint: nothing changes".into()
+            }
+            Report::Unreachable(why) => {
+                format!("the registry could not confirm the refusal ({why}): nothing changes")
+            }
+        }
+    }
+}
+
+/// Someone saw the registry refuse `username`:`password` for `image` (of `repository`), which
+/// the sources `given` gave (empty: a pod's own secret, nothing is asked or done); `seen`
+/// says where. Acts ([`refuse`]) only once the registry's auth endpoint has refused that very
+/// credential to the agent ([`crate::confirm`]); within [`HOLDOFF`] of the last refusal of it,
+/// nothing is asked again.
+pub async fn confirm_and_refuse(
+    agent: &Agent,
+    image: &str,
+    parsed: &credgate_core::reference::ImageRef<'_>,
+    username: &str,
+    password: &SecretString,
+    given: &[Given],
+    seen: &str,
+) -> Report {
+    if given.is_empty() {
+        return Report::NotGiven;
+    }
+    let refusals = agent.refusals();
+    let fp = refusals.fingerprint(username, password.expose_secret());
+    if refusals.recently_refused(&fp, agent.clock().now()) {
+        return Report::Recently;
+    }
+    let confirmed = agent
+        .confirmations()
+        .confirm(
+            parsed.registry(),
+            parsed.path(),
+            fp,
+            username,
+            password.expose_secret(),
+            agent.clock().now(),
+        )
+        .await;
+    agent.metrics().refusal_confirmation(confirmed.as_str());
+    match confirmed {
+        crate::confirm::Confirmed::Refused => Report::Refused(
+            refuse(agent, image, parsed.name(), username, password, given, seen).await,
+        ),
+        crate::confirm::Confirmed::Accepted => Report::Accepted,
+        crate::confirm::Confirmed::Unchecked => Report::Unchecked,
+        crate::confirm::Confirmed::Unknown(why) => Report::Unreachable(why),
+    }
 }
 
 /// A consumer says the registry refused `username`:`password` for `image`. Acts only on a
 /// credential the agent gives for the image, and only once the registry has shown, to the
-/// agent itself, that it checks and refuses it.
+/// agent itself, that it refuses the credential ([`confirm_and_refuse`]).
 pub async fn report(
     agent: &Agent,
-    verifier: &crate::guard::registry::Verifier,
     image: &str,
     username: &str,
     password: &SecretString,
 ) -> Result<Report, credgate_core::reference::ReferenceError> {
     let parsed = credgate_core::reference::ImageRef::parse(image)?;
-    let repository = parsed.name().to_owned();
-    let refusals = agent.refusals();
-    let now = agent.clock().now();
-    let fp = refusals.fingerprint(username, password.expose_secret());
-    let outcome = 'outcome: {
-        let given = given_by(
-            agent,
-            image,
-            &repository,
-            username,
-            password.expose_secret(),
-        );
-        if given.is_empty() {
-            break 'outcome Report::NotGiven;
-        }
-        if refusals.recently_refused(&fp, now) {
-            break 'outcome Report::Recently;
-        }
-        if refusals.recently_accepted(&fp, now) {
-            break 'outcome Report::Accepted;
-        }
-        let Ok(_permit) = refusals.confirmations.acquire().await else {
-            break 'outcome Report::Unreachable("the agent is stopping".into());
-        };
-        let target = crate::guard::registry::Target::of(&parsed);
-        match verifier
-            .refuses(&target, username, password.expose_secret())
-            .await
-        {
-            Ok(true) => Report::Refused(
-                refuse(
-                    agent,
-                    image,
-                    &repository,
-                    username,
-                    password,
-                    &given,
-                    "a consumer's report",
-                )
-                .await,
-            ),
-            Ok(false) => {
-                refusals.note_accepted(fp, agent.clock().now());
-                Report::Accepted
-            }
-            Err(why) => Report::Unreachable(why),
-        }
-    };
+    let given = given_by(
+        agent,
+        image,
+        parsed.name(),
+        username,
+        password.expose_secret(),
+    );
+    let outcome = confirm_and_refuse(
+        agent,
+        image,
+        &parsed,
+        username,
+        password,
+        &given,
+        "a consumer's report",
+    )
+    .await;
     agent.metrics().refusal_report(outcome.as_str());
     Ok(outcome)
 }

@@ -11,7 +11,8 @@ use super::pulls::Pull;
 use crate::pulls::{PullAuth, PullRecord, PullResult};
 
 /// `given`: the sources that gave the pull's credential (`unknown` when it carried one none
-/// gave: a pod's own pull secret the proxy has not captured).
+/// gave: a pod's own pull secret the proxy has not captured); `refusal`: what became of that
+/// credential when the pull ended unauthorized (empty otherwise).
 pub(super) fn log(
     agent: &crate::Agent,
     pull: &Pull,
@@ -19,6 +20,7 @@ pub(super) fn log(
     code: i32,
     message: &str,
     took: Duration,
+    mut refusal: String,
 ) {
     let auth = match (&pull.filled, &pull.credential, given.first()) {
         (Some(source), _, _) => PullAuth::Filled(source.clone()),
@@ -28,6 +30,14 @@ pub(super) fn log(
     };
     let result = PullResult::of(code, message);
     agent.metrics().cri_pull(auth.label(), result);
+    if result == PullResult::Unauthorized {
+        if let Some(still) = still_answers_refused(agent, given) {
+            if !refusal.is_empty() {
+                refusal.push_str("; ");
+            }
+            refusal.push_str(&still);
+        }
+    }
     tracing::info!(
         image = %pull.image,
         pod_namespace = %pull.pod_namespace,
@@ -38,6 +48,7 @@ pub(super) fn log(
         code,
         result = result.as_str(),
         runtime_message = %message,
+        refusal = %refusal,
         millis = u64::try_from(took.as_millis()).unwrap_or(u64::MAX),
         "pull"
     );
@@ -54,7 +65,20 @@ pub(super) fn log(
         code,
         message: message.to_owned(),
         duration: took,
+        refusal,
     });
+}
+
+/// When a provider that gave the pull's credential still answers a credential a registry
+/// refused (its backend has not caught up): says so.
+fn still_answers_refused(agent: &crate::Agent, given: &[crate::refusal::Given]) -> Option<String> {
+    given.iter().find_map(|g| match g {
+        crate::refusal::Given::Provider(name) => agent
+            .engine()
+            .answers_refused_since(name)
+            .map(|_| format!("provider {name} still answers the credential the registry refused: it is asked again every few seconds until its backend answers another")),
+        _ => None,
+    })
 }
 
 /// What a source that matches a pull's image could have given it.

@@ -263,6 +263,88 @@ pub fn mirrors_in(text: &str, registry: &str) -> Result<Vec<String>, String> {
     Ok(out)
 }
 
+/// Whether containerd's CRI sends a pull's credential to the image's registry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Sent {
+    /// It does: no `server_address`, or one whose host is the registry's.
+    Yes,
+    /// It does not: why (for the pull log and `explain`).
+    No(String),
+}
+
+/// What containerd's CRI (1.6 through 2.4: `ParseAuth`) does with a credential whose
+/// `server_address` is `address` when it contacts `registry`'s own host: an empty address goes
+/// to every host; otherwise Go's `url.Parse(address).Host` must equal the host it contacts,
+/// exactly (no scheme added, no case folded), and an address that does not parse fails the
+/// pull. A bare `host:port` does not parse; a bare `host` parses with no host.
+pub fn sent_to_registry(address: &str, registry: &str) -> Sent {
+    if address.is_empty() {
+        return Sent::Yes;
+    }
+    let contacted = runtime_host(registry);
+    match go_url_host(address) {
+        Some(host) if host == contacted => Sent::Yes,
+        Some("") => Sent::No(format!(
+            "its server_address names no host as containerd parses it (a URL such as https://{contacted} does): containerd sent it to no registry host"
+        )),
+        Some(host) => Sent::No(format!(
+            "its server_address names {host}: containerd sends it only there, not to {contacted}"
+        )),
+        None => Sent::No(
+            "its server_address does not parse as a URL (Go's url.Parse): containerd sent it nowhere".into(),
+        ),
+    }
+}
+
+/// The `Host` Go's `url.Parse` gives `s` (empty when it has no authority); `None` where it
+/// fails. Follows `net/url`: control characters fail; a scheme is a letter and then letters,
+/// digits, `+`, `-`, `.` before the first `:`; without one, a first segment with `:` fails;
+/// the authority follows `//`, its host after the last `@`, and a port must be digits.
+fn go_url_host(s: &str) -> Option<&str> {
+    if s.bytes().any(|b| b < 0x20 || b == 0x7f) {
+        return None;
+    }
+    let s = s.split('#').next().unwrap_or(s);
+    let scheme_end = s.find(':').filter(|&i| {
+        let scheme = &s[..i];
+        scheme.starts_with(|c: char| c.is_ascii_alphabetic())
+            && scheme
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"+-.".contains(&b))
+    });
+    if s.starts_with(':') {
+        return None;
+    }
+    let rest = match scheme_end {
+        Some(i) => &s[i + 1..],
+        None => {
+            let first = s.split('/').next().unwrap_or(s);
+            if first.contains(':') {
+                return None;
+            }
+            s
+        }
+    };
+    let rest = rest.split('?').next().unwrap_or(rest);
+    let Some(after) = rest.strip_prefix("//") else {
+        return Some("");
+    };
+    let authority = after.split('/').next().unwrap_or(after);
+    let host = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+    let port = if let Some(v6) = host.strip_prefix('[') {
+        let (_, after) = v6.split_once(']')?;
+        after
+    } else {
+        host.rfind(':').map_or("", |i| &host[i..])
+    };
+    let port_ok =
+        port.is_empty() || (port.starts_with(':') && port[1..].bytes().all(|b| b.is_ascii_digit()));
+    let chars_ok = host
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b"-._~!$&'()*+,;=:[]".contains(&b));
+    (port_ok && chars_ok).then_some(host)
+}
+
 /// `host[:port]` of a URL (or of a bare host, as containerd also accepts).
 fn host_of(url: &str) -> &str {
     let rest = url.split_once("://").map_or(url, |(_, r)| r);
@@ -272,6 +354,38 @@ fn host_of(url: &str) -> &str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// containerd sends a credential to the registry only as `ParseAuth` reads its address.
+    #[test]
+    fn a_credential_is_sent_where_containerds_parse_auth_sends_it() {
+        for (address, registry) in [
+            ("", "r.example:5000"),
+            ("https://r.example:5000", "r.example:5000"),
+            ("http://r.example:5000/v2/", "r.example:5000"),
+            ("https://user@r.example", "r.example"),
+            ("https://registry-1.docker.io", "docker.io"),
+            ("//r.example", "r.example"),
+        ] {
+            assert_eq!(sent_to_registry(address, registry), Sent::Yes, "{address}");
+        }
+        for (address, registry) in [
+            // No scheme: a first segment with a colon does not parse, a bare host has none.
+            ("r.example:5000", "r.example:5000"),
+            ("r.example", "r.example"),
+            ("https://index.docker.io/v1/", "docker.io"),
+            ("https://R.example", "r.example"),
+            ("https://other.example", "r.example"),
+            ("https://r.example:5000", "r.example"),
+            ("https://r.example:http", "r.example"),
+            ("https://r.example\n", "r.example"),
+            (":r.example", "r.example"),
+        ] {
+            assert!(
+                matches!(sent_to_registry(address, registry), Sent::No(_)),
+                "{address}"
+            );
+        }
+    }
 
     fn policy(trusted: &[&str], dir: Option<&Path>) -> PullPolicy {
         let trusted: Vec<String> = trusted.iter().map(|s| (*s).to_owned()).collect();

@@ -121,23 +121,50 @@ pub(super) fn sources_of(agent: &crate::Agent, pull: &Pull) -> (Vec<crate::refus
     )
 }
 
-/// The runtime says the registry refused the pull's credential: when one of the agent's
-/// sources gave it, it is refused ([`crate::refusal`]); a pod's own secret changes nothing.
-pub(super) async fn refused(agent: &crate::Agent, pull: &Pull, given: &[crate::refusal::Given]) {
-    let Some(c) = &pull.credential else { return };
+/// The runtime answered the pull unauthorized. When the credential it carried is one of the
+/// agent's sources' (`given`) and containerd sent it to the image's registry, the registry is
+/// asked whether it refuses that credential itself, and only then is it refused
+/// ([`crate::refusal::confirm_and_refuse`]); a pod's own secret changes nothing and asks
+/// nothing. What became of it, for the pull log (empty when nothing was asked).
+pub(super) async fn refused(
+    agent: &crate::Agent,
+    pull: &Pull,
+    given: &[crate::refusal::Given],
+) -> String {
+    use crate::refusal::Report;
+    let Some(c) = &pull.credential else {
+        return String::new();
+    };
     if given.is_empty() {
-        return;
+        return String::new();
     }
-    crate::refusal::refuse(
+    let Ok(parsed) = credgate_core::reference::ImageRef::parse(&pull.image) else {
+        return String::new();
+    };
+    if let policy::Sent::No(why) = policy::sent_to_registry(&pull.server_address, parsed.registry())
+    {
+        return format!("not refused by this pull: {why}");
+    }
+    let report = crate::refusal::confirm_and_refuse(
         agent,
         &pull.image,
-        &pull.repository,
+        &parsed,
         &c.username,
         &c.password,
         given,
         "a pull through the CRI proxy",
     )
     .await;
+    let said = report.describe(&pull.image);
+    if report == Report::Accepted && agent.pulls().may_warn(&pull.image) {
+        tracing::warn!(
+            image = %pull.image,
+            pod_namespace = %pull.pod_namespace,
+            pod = %pull.pod_name,
+            "{said}"
+        );
+    }
+    said
 }
 
 /// How the image access guard records a pull: a pull with a credential as a secret of the
@@ -219,18 +246,16 @@ pub(super) async fn pull(
     let code = whole.code().unwrap_or(2);
     let message = whole.message();
     let (given, own) = sources_of(&pulls.agent, &pull);
-    decision::log(
-        &pulls.agent,
-        &pull,
-        &given,
-        code,
-        &message,
-        started.elapsed(),
-    );
+    let took = started.elapsed();
+    let unauthorized =
+        crate::pulls::PullResult::of(code, &message) == crate::pulls::PullResult::Unauthorized;
+    let refusal = if pull.valid && unauthorized {
+        refused(&pulls.agent, &pull, &given).await
+    } else {
+        String::new()
+    };
+    decision::log(&pulls.agent, &pull, &given, code, &message, took, refusal);
     if pull.valid {
-        if crate::pulls::PullResult::of(code, &message) == crate::pulls::PullResult::Unauthorized {
-            refused(&pulls.agent, &pull, &given).await;
-        }
         settle(pulls, pull, own, &whole).await;
     }
     whole.into_response()

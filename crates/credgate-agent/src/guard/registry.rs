@@ -250,18 +250,109 @@ impl Verifier {
         Ok(self.check(target, username, password).await? == Checked::Accepted)
     }
 
-    /// Whether the registry checked `username` and `password` and refused them for the
-    /// target: it challenged an anonymous `HEAD` of the manifest and answered 401 or 403 to the
-    /// credential (as Basic, or at the challenge's token realm). A registry that serves the
-    /// manifest anonymously, or accepts the credential: `Ok(false)`. `Err` when it cannot be
-    /// reached.
-    pub async fn refuses(
+    /// What the registry's auth endpoint says of the credential itself, whatever it lets the
+    /// credential read (decision 0019): the challenge of an anonymous `GET /v2/` says where to
+    /// ask; `Basic`: `GET /v2/` with it; `Bearer`: the token realm with the credential, for the
+    /// repository's pull scope and, when that is refused, for no scope (as `docker login`
+    /// asks). [`CredentialCheck::Refused`] only when the endpoint refused it (401 or 403) both
+    /// ways. A registry that does not challenge, or answers anything else:
+    /// [`CredentialCheck::Unchecked`]. `Err` when it cannot be reached or answers malformed.
+    pub async fn check_credential(
         &self,
-        target: &Target,
+        registry: &str,
+        repository: &str,
         username: &str,
         password: &str,
-    ) -> Result<bool, String> {
-        Ok(self.check(target, username, password).await? == Checked::Refused)
+    ) -> Result<CredentialCheck, String> {
+        let v2 = format!("{}/v2/", self.base(registry));
+        let first = self
+            .client
+            .get(&v2)
+            .send()
+            .await
+            .map_err(|e| describe(&e))?;
+        if first.status() != StatusCode::UNAUTHORIZED {
+            return Ok(CredentialCheck::Unchecked);
+        }
+        let challenge = first
+            .headers()
+            .get(WWW_AUTHENTICATE)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_owned();
+        drop(first);
+        let (scheme, params) = parse_challenge(&challenge);
+        let status = match scheme.as_str() {
+            "basic" => {
+                let req = self.client.get(&v2).basic_auth(username, Some(password));
+                req.send().await.map_err(|e| describe(&e))?.status()
+            }
+            "bearer" => {
+                let scope = format!("repository:{repository}:pull");
+                let scoped = self
+                    .realm_status(&params, Some(&scope), username, password)
+                    .await?;
+                match scoped {
+                    Some(s) if refused_status(s) => self
+                        .realm_status(&params, None, username, password)
+                        .await?
+                        .unwrap_or(s),
+                    Some(s) => s,
+                    None => return Ok(CredentialCheck::Unchecked),
+                }
+            }
+            _ => return Ok(CredentialCheck::Unchecked),
+        };
+        Ok(if status.is_success() {
+            CredentialCheck::Accepted
+        } else if refused_status(status) {
+            CredentialCheck::Refused
+        } else {
+            CredentialCheck::Unchecked
+        })
+    }
+
+    /// The status of the challenge's token realm asked with the credential, for `scope` (or
+    /// none); `None` when the challenge names no realm.
+    async fn realm_status(
+        &self,
+        params: &[(String, String)],
+        scope: Option<&str>,
+        username: &str,
+        password: &str,
+    ) -> Result<Option<StatusCode>, String> {
+        let get = |k: &str| {
+            params
+                .iter()
+                .find(|(key, _)| key == k)
+                .map(|(_, v)| v.as_str())
+        };
+        let Some(realm) = get("realm") else {
+            return Ok(None);
+        };
+        let mut query: Vec<(&str, &str)> = Vec::new();
+        if let Some(scope) = scope {
+            query.push(("scope", scope));
+        } else {
+            query.push(("account", username));
+        }
+        if let Some(service) = get("service") {
+            query.push(("service", service));
+        }
+        let response = self
+            .client
+            .get(realm)
+            .query(&query)
+            .basic_auth(username, Some(password))
+            .send()
+            .await
+            .map_err(|e| describe(&e))?;
+        let status = response.status();
+        // Read (bounded) so that the connection can be reused; the token is not needed.
+        if status.is_success() {
+            capped_body(response, MAX_TOKEN_BODY).await?;
+        }
+        Ok(Some(status))
     }
 
     /// What the registry did with the credential, when it challenged an anonymous request.
@@ -397,6 +488,22 @@ impl Verifier {
             serde_json::from_slice(&bytes).map_err(|_| "malformed token response".to_owned())?;
         Ok(body.token.or(body.access_token))
     }
+}
+
+/// What a registry's auth endpoint said of a credential itself ([`Verifier::check_credential`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CredentialCheck {
+    /// It took the credential (whatever the credential may read).
+    Accepted,
+    /// It refused the credential (401 or 403, with the repository's scope and without).
+    Refused,
+    /// It does not check credentials, or answered something that says neither.
+    Unchecked,
+}
+
+/// 401 or 403.
+fn refused_status(s: StatusCode) -> bool {
+    s == StatusCode::UNAUTHORIZED || s == StatusCode::FORBIDDEN
 }
 
 /// What a registry did with a credential.

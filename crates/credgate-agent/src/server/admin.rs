@@ -224,6 +224,7 @@ impl Admin for Api {
                     code: p.code,
                     message: p.message,
                     duration_ms: u64::try_from(p.duration.as_millis()).unwrap_or(u64::MAX),
+                    refusal: p.refusal,
                 })
                 .collect();
             Ok(Response::new(pb::ListPullsResponse { pulls }))

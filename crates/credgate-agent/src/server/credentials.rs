@@ -11,7 +11,6 @@ impl Credentials for Api {
         &self,
         request: Request<pb::ReportRefusedRequest>,
     ) -> Result<Response<pb::ReportRefusedResponse>, Status> {
-        use crate::refusal::{Refused, Report};
         let peer = peer(&request);
         let req = request.into_inner();
         self.observed(peer, "ReportRefused", async {
@@ -21,29 +20,7 @@ impl Credentials for Api {
                 .report_refused(&req.image, &req.username, &password)
                 .await
                 .map_err(ApiError::from)?;
-            let message = match &report {
-                Report::Refused(Refused::Dropped(n)) => format!(
-                    "the registry refuses it: {n} cached provider answer(s) holding it dropped; the next lookup runs the plugin"
-                ),
-                Report::Refused(Refused::Forgotten) => {
-                    "the registry refuses it: the captured pull credential is dropped".into()
-                }
-                Report::Refused(Refused::Reported) => {
-                    "the registry refuses it: it comes from a docker config file, which credgate does not change; update that file".into()
-                }
-                Report::Refused(Refused::Recently) | Report::Recently => {
-                    "refused already; Lookup gives the source's new answer".into()
-                }
-                Report::Refused(Refused::NotGiven) | Report::NotGiven => {
-                    "not a credential the agent gives for this image: nothing changes".into()
-                }
-                Report::Accepted => {
-                    "the registry accepts it (or does not check it): nothing changes".into()
-                }
-                Report::Unreachable(why) => {
-                    format!("the registry could not be asked ({why}): nothing changes")
-                }
-            };
+            let message = report.describe(&req.image);
             Ok(Response::new(pb::ReportRefusedResponse {
                 outcome: report.as_str().to_owned(),
                 message,

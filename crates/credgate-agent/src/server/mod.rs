@@ -427,6 +427,7 @@ impl Api {
                 next_renewal_unix_ms: unix_ms(next),
                 last_dropped_unix_ms: unix_ms(s.last_dropped.as_ref().map(|d| d.0)),
                 last_dropped_reason: s.last_dropped.map(|d| d.1).unwrap_or_default(),
+                answers_refused_since_unix_ms: unix_ms(s.answers_refused_since),
             })
             .collect();
         let sources = self.agent.sources();

@@ -56,6 +56,17 @@ pub(super) async fn status(admin: &mut AdminClient<Channel>, out: Output) -> Res
                 p.last_dropped_reason
             );
         }
+        for p in r
+            .providers
+            .iter()
+            .filter(|p| p.answers_refused_since_unix_ms != 0)
+        {
+            println!(
+                "refused:        provider {} still answers the credential the registry refused (since {}): asked again every few seconds until its backend answers another",
+                p.name,
+                time_ms(p.answers_refused_since_unix_ms)
+            );
+        }
         println!();
         print_table(
             &[
@@ -192,6 +203,10 @@ pub(super) async fn pulls(
             })
             .collect();
         print_table(&["AT", "IMAGE", "POD", "AUTH", "RESULT", "MESSAGE"], &rows);
+        // What became of the credential of a pull that ended unauthorized, below the table.
+        for p in r.pulls.iter().filter(|p| !p.refusal.is_empty()) {
+            println!("{} {}: {}", time_ms(p.at_unix_ms), p.image, p.refusal);
+        }
     }
     Ok(Outcome::Yes)
 }

@@ -140,6 +140,12 @@ fn text(e: &pb::ExplainResponse) -> String {
             "\nCRI proxy:\n  fill: {}\n  mirrors: {}\n",
             e.cri_fill, e.cri_mirror_trust
         ));
+        if !e.cri_last_unauthorized.is_empty() {
+            out.push_str(&format!(
+                "  last unauthorized pull: {}\n",
+                e.cri_last_unauthorized
+            ));
+        }
     }
     out
 }

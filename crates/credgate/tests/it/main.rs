@@ -16,4 +16,5 @@ mod guard_agent;
 mod guard_e2e;
 mod hpack;
 mod policy;
+mod refusal;
 mod rotation;

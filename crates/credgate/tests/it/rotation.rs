@@ -12,7 +12,7 @@ use credgate_testbed::cri::*;
 
 use crate::support::{needs_containerd, proxy_agent_with, text, Agent};
 
-const USER: &str = "alice";
+pub(crate) const USER: &str = "alice";
 const OLD: &str = "old-Pa55word-not-for-logs";
 const NEW: &str = "new-Pa55word-not-for-logs";
 const NEWER: &str = "newer-Pa55word-not-for-logs";
@@ -20,14 +20,14 @@ const FOURTH: &str = "fourth-Pa55word-not-for-logs";
 
 /// A provider `rotating` for the registry whose plugin answers `USER` with the password in
 /// `dir/backend` (keyed by registry, for an hour) and counts its runs in `dir/runs`.
-struct Backend {
+pub(crate) struct Backend {
     dir: PathBuf,
-    config: PathBuf,
-    bin: PathBuf,
+    pub(crate) config: PathBuf,
+    pub(crate) bin: PathBuf,
 }
 
 impl Backend {
-    fn new(dir: &Path, host: &str, password: &str) -> Backend {
+    pub(crate) fn new(dir: &Path, host: &str, password: &str) -> Backend {
         let bin = dir.join("plugins");
         std::fs::create_dir_all(&bin).unwrap();
         let backend = Backend {
@@ -57,12 +57,12 @@ printf '{{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.k
     }
 
     /// The backend answers `password` from now on.
-    fn answer(&self, password: &str) {
+    pub(crate) fn answer(&self, password: &str) {
         std::fs::write(self.dir.join("backend"), password).unwrap();
     }
 
     /// The plugin fails (exit 3) while `failing`.
-    fn failing(&self, failing: bool) {
+    pub(crate) fn failing(&self, failing: bool) {
         let path = self.dir.join("fail");
         if failing {
             std::fs::write(path, "").unwrap();
@@ -72,14 +72,14 @@ printf '{{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.k
     }
 
     /// Plugin runs so far.
-    fn runs(&self) -> usize {
+    pub(crate) fn runs(&self) -> usize {
         std::fs::read_to_string(self.dir.join("runs"))
             .unwrap_or_default()
             .lines()
             .count()
     }
 
-    fn agent(&self, runtime: &Path) -> (Agent, PathBuf) {
+    pub(crate) fn agent(&self, runtime: &Path) -> (Agent, PathBuf) {
         proxy_agent_with(
             &self.dir,
             runtime,
@@ -97,7 +97,7 @@ printf '{{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.k
 
 /// The kubelet's exec of the bridge for `image`: the password it answers and the cacheDuration
 /// the kubelet would keep it for.
-fn kubelet_asks(agent: &Agent, image: &str) -> (String, String) {
+pub(crate) fn kubelet_asks(agent: &Agent, image: &str) -> (String, String) {
     let out = crate::support::output_with_stdin(
         Command::new(crate::support::bridge_bin())
             .args(["--provider", "rotating"])
@@ -119,7 +119,7 @@ fn kubelet_asks(agent: &Agent, image: &str) -> (String, String) {
 }
 
 /// `credgate ctl report-refused IMAGE --username USER` with `password` on stdin: its outcome.
-fn report(agent: &Agent, image: &str, password: &str) -> String {
+pub(crate) fn report(agent: &Agent, image: &str, password: &str) -> String {
     let out = crate::support::output_with_stdin(
         Command::new(env!("CARGO_BIN_EXE_credgate"))
             .args([
@@ -141,7 +141,7 @@ fn report(agent: &Agent, image: &str, password: &str) -> String {
 }
 
 /// What `ctl lookup` gives for `image`: the first password.
-fn looked_up(agent: &Agent, image: &str) -> String {
+pub(crate) fn looked_up(agent: &Agent, image: &str) -> String {
     let out = agent.credgate(&["ctl", "lookup", "-o", "json", image]);
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
     v["credentials"][0]["password"]
@@ -150,7 +150,7 @@ fn looked_up(agent: &Agent, image: &str) -> String {
         .to_owned()
 }
 
-fn metric(agent: &Agent, line: &str) -> Option<String> {
+pub(crate) fn metric(agent: &Agent, line: &str) -> Option<String> {
     crate::cri::metrics_text(agent)
         .lines()
         .find(|l| l.starts_with(line))
@@ -343,16 +343,19 @@ async fn a_captured_credential_is_durable_and_dropped_once_refused() {
     assert!(!log.contains(OLD) && !log.contains(NEW));
 }
 
-/// Against a fake runtime that answers every pull as containerd answers a 401: a refused
-/// credential of a docker config (which credgate does not own) is reported (log, metric,
-/// explain) and still served; a pod's own secret changes nothing and is not counted.
+/// Against a fake runtime that answers every pull as containerd answers a 401, and a registry
+/// (a stub) that refuses the entry's credential itself: a refused credential of a docker
+/// config (which credgate does not own) is reported (log, metric, explain) and still served; a
+/// pod's own secret changes nothing and is not counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_docker_config_entry_is_reported_not_changed() {
     use credgate_testbed::fake_runtime::Answers;
     const SECRET: &str = "dc-Pa55word-not-for-logs";
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let docker_config = crate::support::docker_config(d, "registry.example.com", "dc-user", SECRET);
+    let stub = crate::support::stub_registry::StubRegistry::start("someone-else", "x");
+    let host = stub.host();
+    let docker_config = crate::support::docker_config(d, &host, "dc-user", SECRET);
     let (_fake, agent, proxy) = crate::support::fake_runtime_agent(
         d,
         Answers {
@@ -367,7 +370,7 @@ async fn a_refused_docker_config_entry_is_reported_not_changed() {
         ],
     )
     .await;
-    let image = "registry.example.com/team/app:v1";
+    let image = &format!("{host}/team/app:v1");
     let refused = |user: &str, password: &str| {
         call::<_, PullImageResponse>(
             &proxy,
@@ -407,46 +410,4 @@ async fn a_refused_docker_config_entry_is_reported_not_changed() {
     );
     let log = agent.log_text();
     assert!(!log.contains(SECRET) && !log.contains("a-pods-own-secret"));
-}
-
-/// A plugin whose backend still answers the credential the registry refuses (not rotated
-/// there yet): the first refusal drops its answer and the plugin runs once more; pulls that
-/// keep carrying it within the hold-off drop nothing again, so the plugin is not run per pull.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_credential_refused_again_within_the_hold_off_runs_no_plugin() {
-    use credgate_testbed::fake_runtime::Answers;
-    let dir = tempfile::tempdir().unwrap();
-    let d = dir.path();
-    let backend = Backend::new(d, "registry.example.com", "stale-secret");
-    let (_fake, agent, proxy) = crate::support::fake_runtime_agent(
-        d,
-        Answers {
-            pull: Err((2, "failed to resolve reference: 401 Unauthorized".into())),
-            ..Default::default()
-        },
-        &[
-            "--image-credential-provider-config",
-            backend.config.to_str().unwrap(),
-            "--image-credential-provider-bin-dir",
-            backend.bin.to_str().unwrap(),
-        ],
-    )
-    .await;
-    let image = "registry.example.com/team/app:v1";
-    assert_eq!(looked_up(&agent, image), "stale-secret");
-    assert_eq!(backend.runs(), 1);
-    for _ in 0..4 {
-        call::<_, PullImageResponse>(
-            &proxy,
-            PULL_IMAGE,
-            pull_request(image, Some((USER, "stale-secret")), "ns"),
-        )
-        .await
-        .unwrap_err();
-    }
-    assert_eq!(
-        backend.runs(),
-        2,
-        "one run after the first refusal, none after"
-    );
 }

@@ -6,6 +6,7 @@
 
 pub mod foreign;
 pub mod h2;
+pub mod stub_registry;
 pub mod token;
 
 use std::os::unix::fs::PermissionsExt;

@@ -108,6 +108,31 @@ impl TokenServer {
     }
 }
 
+/// A form value: `+` is a space, `%XX` a byte.
+fn decode_form(v: &str) -> String {
+    let b = v.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'+' => out.push(b' '),
+            b'%' if i + 2 < b.len() => {
+                let hex = std::str::from_utf8(&b[i + 1..i + 3]).unwrap_or("");
+                match u8::from_str_radix(hex, 16) {
+                    Ok(x) => {
+                        out.push(x);
+                        i += 2;
+                    }
+                    Err(_) => out.push(b'%'),
+                }
+            }
+            c => out.push(c),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
 fn handle(
     stream: &mut std::net::TcpStream,
     users: &Users,
@@ -142,7 +167,26 @@ fn handle(
     let mut body = vec![0; length];
     let _ = reader.read_exact(&mut body);
     let path = request_line.split_whitespace().nth(1).unwrap_or("");
-    let query = path.split_once('?').map(|(_, q)| q).unwrap_or("");
+    // containerd asks with OAuth's POST when it has a credential (a form: grant_type=password,
+    // username, password, scope), as Docker Hub's endpoint takes it; other clients with GET.
+    let form = String::from_utf8_lossy(&body).into_owned();
+    let posted = request_line.starts_with("POST ");
+    let query = if posted {
+        form.as_str()
+    } else {
+        path.split_once('?').map(|(_, q)| q).unwrap_or("")
+    };
+    if posted {
+        let field = |k: &str| {
+            query
+                .split('&')
+                .find_map(|kv| kv.strip_prefix(k))
+                .map(decode_form)
+        };
+        if let (Some(u), Some(p)) = (field("username="), field("password=")) {
+            auth = Some(format!("{u}:{p}"));
+        }
+    }
     let scopes: Vec<String> = query
         .split('&')
         .filter_map(|kv| kv.strip_prefix("scope="))

@@ -1,0 +1,173 @@
+//! Whether a registry refuses a credential itself, asked before the agent acts on a refusal
+//! (decision 0019). A pull answered unauthorized, or a consumer's report, says only that the
+//! registry did not let a credential read one image: a typo'd or missing repository, or one the
+//! credential may not see, ends the same way on Docker Hub and most token registries. The
+//! registry's auth endpoint tells the two apart ([`Verifier::check_credential`]).
+//!
+//! Confirmations are bounded: at most one in flight per registry and credential (others wait
+//! for its answer), one per registry stripe and [`IN_FLIGHT`] in all, each within
+//! [`TIMEOUT`]; answers are remembered for [`REMEMBER`] (an unanswered one for
+//! [`REMEMBER_UNKNOWN`]), at most [`REMEMBERED`] of them. A registry that does not answer in
+//! time changes nothing.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use tokio::sync::{OnceCell, Semaphore};
+
+use crate::guard::registry::{CredentialCheck, Verifier};
+use crate::refusal::Fingerprint;
+
+/// The longest a confirmation may take, waiting for its turn included.
+pub const TIMEOUT: Duration = Duration::from_secs(5);
+/// How long an answer is remembered: a pod in ImagePullBackOff on a typo'd image costs the
+/// registry two requests per credential at most this often, and a credential rotated right
+/// after it was found accepted waits at most this long to be refused.
+pub const REMEMBER: Duration = Duration::from_secs(10);
+/// How long "the registry did not answer" is remembered.
+pub const REMEMBER_UNKNOWN: Duration = Duration::from_secs(5);
+/// Confirmations remembered or in flight.
+pub const REMEMBERED: usize = 1024;
+/// Confirmations in flight in all.
+pub const IN_FLIGHT: usize = 4;
+/// Registries are spread over this many stripes of one confirmation in flight each.
+const STRIPES: usize = 16;
+
+/// What the registry said of a credential.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Confirmed {
+    /// Its auth endpoint refused the credential itself.
+    Refused,
+    /// Its auth endpoint accepted the credential: what failed was the credential's access to
+    /// the image (or the image itself).
+    Accepted,
+    /// It does not check credentials, or its answer says neither.
+    Unchecked,
+    /// It was not asked, or did not answer in time: why.
+    Unknown(String),
+}
+
+impl Confirmed {
+    /// As metrics and the API name it.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Confirmed::Refused => "refused",
+            Confirmed::Accepted => "accepted",
+            Confirmed::Unchecked => "unchecked",
+            Confirmed::Unknown(_) => "unreachable",
+        }
+    }
+}
+
+type Key = (String, Fingerprint);
+
+struct Slot {
+    /// The answer and when it was given.
+    answer: OnceCell<(Confirmed, Instant)>,
+}
+
+impl Slot {
+    fn fresh(&self, now: Instant) -> bool {
+        match self.answer.get() {
+            None => true,
+            Some((c, at)) => {
+                let keep = match c {
+                    Confirmed::Unknown(_) => REMEMBER_UNKNOWN,
+                    _ => REMEMBER,
+                };
+                now < *at + keep
+            }
+        }
+    }
+}
+
+/// The agent's confirmations.
+pub struct Confirmations {
+    verifier: Verifier,
+    slots: Mutex<HashMap<Key, Arc<Slot>>>,
+    stripes: Vec<Semaphore>,
+    all: Semaphore,
+}
+
+impl Confirmations {
+    pub fn new(verifier: Verifier) -> Confirmations {
+        Confirmations {
+            verifier,
+            slots: Mutex::default(),
+            stripes: (0..STRIPES).map(|_| Semaphore::new(1)).collect(),
+            all: Semaphore::new(IN_FLIGHT),
+        }
+    }
+
+    /// The slot of `key`: a remembered answer, the one in flight, or a new one; `None` when
+    /// [`REMEMBERED`] are held and none can go.
+    fn slot(&self, key: Key, now: Instant) -> Option<Arc<Slot>> {
+        let mut slots = self.slots.lock();
+        if let Some(s) = slots.get(&key).filter(|s| s.fresh(now)) {
+            return Some(s.clone());
+        }
+        if slots.len() >= REMEMBERED {
+            slots.retain(|_, s| s.fresh(now));
+        }
+        if slots.len() >= REMEMBERED {
+            return None;
+        }
+        let slot = Arc::new(Slot {
+            answer: OnceCell::new(),
+        });
+        slots.insert(key, slot.clone());
+        Some(slot)
+    }
+
+    fn stripe(&self, registry: &str) -> &Semaphore {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        registry.hash(&mut h);
+        &self.stripes[(h.finish() as usize) % STRIPES]
+    }
+
+    /// Asks `registry` (as image references name it) what it says of `username`:`password`
+    /// (whose fingerprint is `fp`), for `repository`'s scope; or gives the answer remembered or
+    /// in flight. `now`: the agent's clock.
+    pub async fn confirm(
+        &self,
+        registry: &str,
+        repository: &str,
+        fp: Fingerprint,
+        username: &str,
+        password: &str,
+        now: Instant,
+    ) -> Confirmed {
+        let Some(slot) = self.slot((registry.to_owned(), fp), now) else {
+            return Confirmed::Unknown("too many confirmations at once".into());
+        };
+        let ask = async {
+            let asked = tokio::time::timeout(TIMEOUT, async {
+                let Ok(_one) = self.stripe(registry).acquire().await else {
+                    return Confirmed::Unknown("the agent is stopping".into());
+                };
+                let Ok(_all) = self.all.acquire().await else {
+                    return Confirmed::Unknown("the agent is stopping".into());
+                };
+                match self
+                    .verifier
+                    .check_credential(registry, repository, username, password)
+                    .await
+                {
+                    Ok(CredentialCheck::Refused) => Confirmed::Refused,
+                    Ok(CredentialCheck::Accepted) => Confirmed::Accepted,
+                    Ok(CredentialCheck::Unchecked) => Confirmed::Unchecked,
+                    Err(why) => Confirmed::Unknown(why),
+                }
+            })
+            .await
+            .unwrap_or_else(|_| {
+                Confirmed::Unknown(format!("no answer within {}s", TIMEOUT.as_secs()))
+            });
+            (asked, now)
+        };
+        slot.answer.get_or_init(|| ask).await.0.clone()
+    }
+}

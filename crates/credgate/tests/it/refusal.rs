@@ -1,0 +1,393 @@
+//! A refusal is the registry's word: a pull through the CRI proxy that ends unauthorized drops
+//! an agent-given credential only once the registry's auth endpoint refused that credential
+//! itself (decision 0019). Against a fake runtime answering as containerd does and a stub
+//! registry with Basic auth (no root), and against Debian's containerd with Debian's registry
+//! behind a token server, the shape of Docker Hub (root).
+
+use std::time::{Duration, Instant};
+
+use credgate_testbed::cri::*;
+use credgate_testbed::fake_runtime::Answers;
+
+use crate::rotation::{looked_up, metric, report, Backend, USER};
+use crate::support::stub_registry::StubRegistry;
+use crate::support::text;
+
+/// containerd's answer to a pull the registry answered 401.
+fn unauthorized(image: &str, host: &str) -> (i32, String) {
+    (
+        2,
+        format!(
+            "failed to pull and unpack image \"{image}\": failed to resolve reference \"{image}\": pulling from host {host} failed with status code [manifests v1]: 401 Unauthorized"
+        ),
+    )
+}
+
+fn refused_count(agent: &crate::support::Agent) -> u64 {
+    refused_from(agent, "provider")
+}
+
+/// `credgate_credentials_refused_total` of `source`.
+fn refused_from(agent: &crate::support::Agent, source: &str) -> u64 {
+    let line = format!("credgate_credentials_refused_total{{source=\"{source}\"}}");
+    metric(agent, &line)
+        .and_then(|l| l[line.len()..].trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Requests to the stub's `/v2/` that carried a credential: confirmations.
+fn confirmations(stub: &StubRegistry) -> usize {
+    stub.seen()
+        .iter()
+        .filter(|(path, auth)| path == "/v2/" && *auth)
+        .count()
+}
+
+async fn pull(
+    proxy: &std::path::Path,
+    request: PullImageRequest,
+) -> Result<PullImageResponse, tonic::Status> {
+    call::<_, PullImageResponse>(proxy, PULL_IMAGE, request).await
+}
+
+/// The registry accepts the provider's credential and refuses the repository (a typo, or one the
+/// credential may not read): nothing is dropped, the plugin does not run, nothing is counted
+/// refused, and the pull log, `explain` and a warning say what to check. Confirmations are
+/// bounded: a burst of such pulls asks the registry once. A credential containerd did not send
+/// (its `server_address` names another host), and a pull that ended NOT_FOUND whatever words
+/// its image name holds, ask nothing and drop nothing. A consumer's report of the credential for
+/// a repository it may not read is "accepted". Then the registry refuses the credential itself:
+/// the next unauthorized pull drops it and the plugin runs again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unauthorized_pull_drops_a_credential_only_when_the_registry_refuses_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let stub = StubRegistry::start(USER, "good-Pa55word");
+    let host = stub.host();
+    let backend = Backend::new(d, &host, "good-Pa55word");
+    let typo = format!("{host}/team-a/aap:v1");
+    let (fake, agent, proxy) = crate::support::fake_runtime_agent(
+        d,
+        Answers {
+            pull: Err(unauthorized(&typo, &host)),
+            ..Default::default()
+        },
+        &[
+            "--image-credential-provider-config",
+            backend.config.to_str().unwrap(),
+            "--image-credential-provider-bin-dir",
+            backend.bin.to_str().unwrap(),
+            "--metrics-addr",
+            "127.0.0.1:0",
+        ],
+    )
+    .await;
+    assert_eq!(looked_up(&agent, &typo), "good-Pa55word");
+    assert_eq!(backend.runs(), 1);
+
+    // The typo'd image, with the provider's credential as the kubelet sends it.
+    let request = || pull_request(&typo, Some((USER, "good-Pa55word")), "team-a");
+    pull(&proxy, request()).await.unwrap_err();
+    assert_eq!(confirmations(&stub), 1, "{:?}", stub.seen());
+    assert_eq!(looked_up(&agent, &typo), "good-Pa55word");
+    assert_eq!(backend.runs(), 1, "the provider's answer was not dropped");
+    assert_eq!(refused_count(&agent), 0);
+    let pulls = text(&agent.credgate(&["ctl", "pulls"]).stdout);
+    assert!(
+        pulls.contains("the credential itself is accepted: check the image name"),
+        "{pulls}"
+    );
+    let explained = text(&agent.credgate(&["explain", &typo]).stdout);
+    assert!(
+        explained.contains("last unauthorized pull")
+            && explained.contains("the credential itself is accepted"),
+        "{explained}"
+    );
+    let status = text(&agent.credgate(&["ctl", "status"]).stdout);
+    assert!(!status.contains("refused by the registry"), "{status}");
+    let log = agent.log_text();
+    assert!(
+        log.contains("the credential itself is accepted")
+            && !log.contains("the registry refused a credential of provider"),
+        "{log}"
+    );
+
+    // A burst of the same pulls: the answer is remembered (or joined while in flight).
+    let burst: Vec<_> = (0..12)
+        .map(|_| {
+            let proxy = proxy.clone();
+            let req = request();
+            tokio::spawn(async move { pull(&proxy, req).await })
+        })
+        .collect();
+    for p in burst {
+        p.await.unwrap().unwrap_err();
+    }
+    assert_eq!(confirmations(&stub), 1, "{:?}", stub.seen());
+    assert_eq!(backend.runs(), 1);
+
+    // Not sent: its server_address names another host.
+    let mut elsewhere = request();
+    elsewhere.auth.as_mut().unwrap().server_address = "https://mirror.example".into();
+    let asked = stub.seen().len();
+    pull(&proxy, elsewhere).await.unwrap_err();
+    assert_eq!(stub.seen().len(), asked, "nothing was asked");
+    let pulls = text(&agent.credgate(&["ctl", "pulls"]).stdout);
+    assert!(
+        pulls.contains("not refused by this pull: its server_address names mirror.example"),
+        "{pulls}"
+    );
+
+    // A missing tag whose name holds the words of a refusal: NOT_FOUND.
+    let gone = format!("{host}/team-a/app:gone-403");
+    fake.answers.lock().pull = Err((
+        5,
+        format!("failed to pull and unpack image \"{gone}\": failed to resolve reference \"{gone}\": {gone}: not found (denied 401 unauthorized)"),
+    ));
+    pull(
+        &proxy,
+        pull_request(&gone, Some((USER, "good-Pa55word")), "team-a"),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(stub.seen().len(), asked, "nothing was asked");
+    assert_eq!(backend.runs(), 1);
+
+    // A consumer reports it refused for a repository it may not read: the registry accepts
+    // the credential itself.
+    assert_eq!(
+        report(&agent, &format!("{host}/team-x/app:v1"), "good-Pa55word"),
+        "accepted"
+    );
+    assert_eq!(looked_up(&agent, &typo), "good-Pa55word");
+    assert_eq!(backend.runs(), 1);
+
+    // The registry now refuses the credential itself (rotated there and in the backend). The
+    // accepted answer is remembered for 10 s at most.
+    stub.set_password(USER, "new-Pa55word");
+    backend.answer("new-Pa55word");
+    let image = format!("{host}/team-a/app:v1");
+    fake.answers.lock().pull = Err(unauthorized(&image, &host));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while refused_count(&agent) == 0 {
+        assert!(Instant::now() < deadline, "the refusal is never confirmed");
+        pull(
+            &proxy,
+            pull_request(&image, Some((USER, "good-Pa55word")), "team-a"),
+        )
+        .await
+        .unwrap_err();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert_eq!(looked_up(&agent, &image), "new-Pa55word");
+    assert_eq!(
+        backend.runs(),
+        2,
+        "one plugin run for the confirmed refusal"
+    );
+    let log = agent.log_text();
+    for secret in ["good-Pa55word", "new-Pa55word"] {
+        assert!(!log.contains(secret), "a password reached the agent's log");
+    }
+}
+
+/// The provider's backend learns the new password after the registry: the plugin, asked again
+/// at the refusal, answers the refused credential once more. That answer is kept seconds, not
+/// its hour: the plugin is asked again with a short capped backoff while `ctl status` and the
+/// pull log say it still answers a refused credential, and once the backend answers the new one
+/// lookups give it within a few seconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backend_that_lags_the_registry_is_followed_within_seconds() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let stub = StubRegistry::start(USER, "old-Pa55word");
+    let host = stub.host();
+    let image = format!("{host}/team/app:v1");
+    let backend = Backend::new(d, &host, "old-Pa55word");
+    let (_fake, agent, proxy) = crate::support::fake_runtime_agent(
+        d,
+        Answers {
+            pull: Err(unauthorized(&image, &host)),
+            ..Default::default()
+        },
+        &[
+            "--image-credential-provider-config",
+            backend.config.to_str().unwrap(),
+            "--image-credential-provider-bin-dir",
+            backend.bin.to_str().unwrap(),
+            "--metrics-addr",
+            "127.0.0.1:0",
+        ],
+    )
+    .await;
+    assert_eq!(looked_up(&agent, &image), "old-Pa55word");
+    // Rotated at the registry; the backend still answers the old password.
+    stub.set_password(USER, "new-Pa55word");
+    let kubelet_copy = || pull_request(&image, Some((USER, "old-Pa55word")), "ns");
+    pull(&proxy, kubelet_copy()).await.unwrap_err();
+    assert_eq!(refused_count(&agent), 1);
+    // The kubelet retries with its copy: the proxy asks the provider for its answer of now.
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_millis(3500) {
+        pull(&proxy, kubelet_copy()).await.unwrap_err();
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let lagging = started.elapsed();
+    let runs = backend.runs();
+    // 1 s, 2 s, 4 s... between runs: at t≈0, 1 and 3 s after the refusal (one more for a slow
+    // machine), never one per pull (14 pulls).
+    assert!(
+        (3..=6).contains(&runs),
+        "{runs} plugin runs in {lagging:?} of lag"
+    );
+    let status = text(&agent.credgate(&["ctl", "status"]).stdout);
+    assert!(
+        status.contains("still answers the credential the registry refused"),
+        "{status}"
+    );
+    let pulls = text(&agent.credgate(&["ctl", "pulls"]).stdout);
+    assert!(
+        pulls.contains("provider rotating still answers the credential the registry refused"),
+        "{pulls}"
+    );
+    assert_eq!(refused_count(&agent), 1, "held off: refused once");
+
+    // The backend catches up: followed within the backoff's cap, not the answer's hour.
+    backend.answer("new-Pa55word");
+    let caught_up = Instant::now();
+    credgate_testbed::eventually(
+        "the provider's new answer is served",
+        Duration::from_secs(20),
+        || looked_up(&agent, &image) == "new-Pa55word",
+    );
+    assert!(
+        caught_up.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        caught_up.elapsed()
+    );
+    let status = text(&agent.credgate(&["ctl", "status"]).stdout);
+    assert!(
+        !status.contains("still answers the credential the registry refused"),
+        "{status}"
+    );
+
+    let log = agent.log_text();
+    for secret in ["old-Pa55word", "new-Pa55word"] {
+        assert!(!log.contains(secret), "a password reached the agent's log");
+    }
+}
+
+/// Debian's containerd and Debian's registry behind a token server (Docker Hub's shape: the
+/// token realm takes a valid credential for any scope, and the registry answers 401 for a
+/// repository the token does not grant). The provider's credential pulling a repository it may
+/// not read, or a typo'd one, drops nothing; rotated at the token server and in the backend,
+/// the pull with the kubelet's copy fails once, and the next succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn docker_hubs_answer_for_a_repository_is_not_a_refused_credential() {
+    crate::support::needs_containerd();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let tokens = crate::support::token::TokenServer::start(
+        d,
+        &[
+            ("admin", "admin-pw", &["*"]),
+            (USER, "alice-pw", &["team-a/app"]),
+        ],
+    );
+    let registry = crate::support::registry_with_tokens(d, &tokens);
+    crate::support::oci_image(d);
+    crate::support::push(d, &registry, "team-a/app", "admin", "admin-pw");
+    crate::support::push(d, &registry, "team-b/app", "admin", "admin-pw");
+    let containerd = credgate_testbed::Containerd::start(d, &[registry.host()]);
+    let host = registry.host();
+    let backend = Backend::new(d, &host, "alice-pw");
+    let (agent, proxy) = backend.agent(&containerd.socket);
+    let own = format!("{host}/team-a/app:v1");
+    assert_eq!(looked_up(&agent, &own), "alice-pw");
+    let with = |image: &str, password: &str| pull_request(image, Some((USER, password)), "ns");
+    pull(&proxy, with(&own, "alice-pw"))
+        .await
+        .expect("the provider's credential pulls its own repository");
+    for other in [
+        format!("{host}/team-b/app:v1"),
+        format!("{host}/team-a/aap:v1"),
+    ] {
+        let refused = pull(&proxy, with(&other, "alice-pw")).await.unwrap_err();
+        let pulls = text(&agent.credgate(&["ctl", "pulls"]).stdout);
+        assert!(
+            pulls.contains("the credential itself is accepted"),
+            "{}\n{pulls}",
+            refused.message()
+        );
+    }
+    assert_eq!(backend.runs(), 1, "nothing was dropped");
+    assert_eq!(refused_count(&agent), 0);
+    pull(&proxy, with(&own, "alice-pw"))
+        .await
+        .expect("the provider's credential pulls its own repository");
+
+    // Rotation at the token server and in the backend. The accepted answers above are kept
+    // 10 s at most.
+    tokens.set_password(USER, "alice-new");
+    backend.answer("alice-new");
+    tokio::time::sleep(Duration::from_secs(11)).await;
+    pull(&proxy, with(&own, "alice-pw"))
+        .await
+        .expect_err("the token server refuses the old password");
+    assert_eq!(refused_count(&agent), 1);
+    pull(&proxy, with(&own, "alice-pw"))
+        .await
+        .expect("the next pull goes with the provider's answer of now");
+    assert_eq!(backend.runs(), 2);
+}
+
+/// A registry that accepts connections and never answers: the confirmation gives up within its
+/// bound, the pull is answered, and nothing is refused or reported.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registry_that_does_not_answer_changes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let silent = StubRegistry::silent();
+    let host = silent.host();
+    let image = format!("{host}/team/app:v1");
+    let docker_config = crate::support::docker_config(d, &host, "dc-user", "dc-Pa55word");
+    let (_fake, agent, proxy) = crate::support::fake_runtime_agent(
+        d,
+        Answers {
+            pull: Err(unauthorized(&image, &host)),
+            ..Default::default()
+        },
+        &[
+            "--docker-config",
+            docker_config.to_str().unwrap(),
+            "--metrics-addr",
+            "127.0.0.1:0",
+        ],
+    )
+    .await;
+    let asked = Instant::now();
+    pull(
+        &proxy,
+        pull_request(&image, Some(("dc-user", "dc-Pa55word")), "ns"),
+    )
+    .await
+    .unwrap_err();
+    // The confirmation's own bound is 5 s; generous for a loaded machine.
+    assert!(
+        asked.elapsed() < Duration::from_secs(30),
+        "{:?}",
+        asked.elapsed()
+    );
+    assert_eq!(
+        refused_from(&agent, "docker_config"),
+        0,
+        "nothing was refused"
+    );
+    let pulls = text(&agent.credgate(&["ctl", "pulls"]).stdout);
+    assert!(
+        pulls.contains("the registry could not confirm the refusal"),
+        "{pulls}"
+    );
+    assert!(!agent.log_text().contains("credgate does not own that file"));
+}
