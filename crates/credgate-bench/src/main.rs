@@ -166,6 +166,10 @@ pub struct Args {
     /// How often the agent's RSS, descriptors and children are sampled (soak).
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     sample_every: Duration,
+    /// How long after the registry the provider's backend learns a rotated password
+    /// (rotation; 0: at once). With a lag the kubelet-like client retries once a second.
+    #[arg(long, default_value = "0s", value_parser = parse_duration)]
+    backend_lag: Duration,
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
