@@ -131,7 +131,10 @@ impl Admin for Api {
         &self,
         request: Request<pb::ListCapturedRequest>,
     ) -> Result<Response<pb::ListCapturedResponse>, Status> {
-        self.observed(peer(&request), "ListCaptured", async {
+        let peer = peer(&request);
+        self.observed(peer, "ListCaptured", async {
+            // Captured pull credentials are credentials: the Credentials allowlist applies.
+            self.also_allowed(peer, Service::Credentials)?;
             let Some(captured) = self.agent.captured() else {
                 return Err(ApiError::NotEnabled(if self.agent.proxy_running() {
                     "the CRI proxy keeps no pull credentials on this agent (--cri-proxy-capture=false)"
@@ -239,6 +242,7 @@ impl Admin for Api {
         let peer = peer(&request);
         let req = request.into_inner();
         self.observed(peer, "ForgetCaptured", async {
+            self.also_allowed(peer, Service::Credentials)?;
             let Some(captured) = self.agent.captured() else {
                 return Err(ApiError::NotEnabled(PROXY_OFF).into());
             };

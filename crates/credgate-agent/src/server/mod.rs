@@ -215,6 +215,22 @@ impl Api {
         result
     }
 
+    /// Refuses a caller of one service whose uid may not call `also` either: what a call
+    /// shows or changes belongs to that service too (captured credentials are credentials).
+    fn also_allowed(&self, peer: Peer, also: Service) -> Result<(), Status> {
+        if self.agent.callers().allows(also, peer.uid) {
+            return Ok(());
+        }
+        tracing::warn!(
+            service = also.as_str(),
+            uid = peer.uid,
+            gid = peer.gid,
+            pid = peer.pid,
+            "call refused: the caller's uid may not see or change what this call touches"
+        );
+        Err(not_for(peer, also).into())
+    }
+
     /// A `Lookup` that names a service account is answered from that account's cache
     /// entries, so only callers trusted to claim an identity may name one
     /// ([`Service::ServiceAccountIdentity`]).

@@ -370,6 +370,20 @@ fn per_service_uid_allowlists_refuse_other_callers() {
         text(&out.stdout).trim(),
         "credentials not found in native keychain"
     );
+    // Captured pull credentials are credentials: listing or forgetting them through Admin
+    // (open here) is refused to a uid the credentials allowlist refuses.
+    for args in [
+        &["ctl", "captured"][..],
+        &["ctl", "captured", "forget", "registry.example.com/team/app"][..],
+    ] {
+        let out = credgate_as(4242, &agent, args);
+        assert!(!out.status.success());
+        assert!(
+            text(&out.stderr).contains("uid 4242 may not call the credentials service"),
+            "{args:?}: {}",
+            text(&out.stderr)
+        );
+    }
 }
 
 /// Processes whose environment carries a plugin-run marker of the engine with pid `agent`.
