@@ -12,13 +12,22 @@ use crate::refusal::Given;
 /// Pulls kept.
 pub const RING: usize = 256;
 /// The longest runtime message kept with a pull.
-const MESSAGE: usize = 512;
+pub(crate) const MESSAGE: usize = 512;
 /// The longest image reference kept (a valid one is at most 1024 bytes).
-const IMAGE: usize = 1024;
+pub(crate) const IMAGE: usize = 1024;
 /// The longest namespace kept (Kubernetes: 63).
-const NAMESPACE: usize = 63;
+pub(crate) const NAMESPACE: usize = 63;
 /// The longest pod name kept (Kubernetes: 253).
-const POD_NAME: usize = 253;
+pub(crate) const POD_NAME: usize = 253;
+
+/// `s` as the pull log keeps and logs a field of at most `max` bytes: [`cut`].
+pub(crate) fn capped(s: &str, max: usize) -> String {
+    let mut s = s
+        .get(..s.len().min(max + 4))
+        .map_or_else(|| s.chars().take(max).collect::<String>(), str::to_owned);
+    cut(&mut s, max);
+    s
+}
 
 /// `s` cut to at most `max` bytes (on a character boundary), marked with `…` when cut.
 fn cut(s: &mut String, max: usize) {

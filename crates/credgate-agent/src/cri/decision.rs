@@ -24,7 +24,9 @@ pub(super) fn log(
 ) {
     let auth = match (&pull.filled, &pull.credential, given.first()) {
         (Some(source), _, _) => PullAuth::Filled(source.clone()),
-        (None, None, _) => PullAuth::None,
+        (None, None, _) if !pull.sent_auth => PullAuth::None,
+        // It carried something that does not decode: the caller's own.
+        (None, None, _) => PullAuth::Unknown,
         (None, Some(_), Some(g)) => PullAuth::Given(g.clone()),
         (None, Some(_), None) => PullAuth::Unknown,
     };
@@ -38,6 +40,9 @@ pub(super) fn log(
             refusal.push_str(&still);
         }
     }
+    // The runtime's message is logged within the pull ring's bound (the pull's own fields
+    // were cut when it was read).
+    use crate::pulls::{capped, MESSAGE};
     tracing::info!(
         image = %pull.image,
         pod_namespace = %pull.pod_namespace,
@@ -47,8 +52,8 @@ pub(super) fn log(
         scope = pull.scope,
         code,
         result = result.as_str(),
-        runtime_message = %message,
-        refusal = %refusal,
+        runtime_message = %capped(message, MESSAGE),
+        refusal = %capped(&refusal, MESSAGE),
         millis = u64::try_from(took.as_millis()).unwrap_or(u64::MAX),
         "pull"
     );

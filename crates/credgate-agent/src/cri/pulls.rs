@@ -36,13 +36,22 @@ pub(super) struct Pull {
     pub(super) filled: Option<crate::refusal::Given>,
     /// What the credential scope did with its `server_address`.
     pub(super) scope: &'static str,
+    /// The pull carried something in `auth` (even one that does not decode): never filled.
+    pub(super) sent_auth: bool,
+    /// Every string the pull's `auth` carried (user name, password, `auth` and its decoded
+    /// form, tokens): taken out of the runtime's message before it is logged, kept or shown
+    /// (containerd quotes a malformed `auth` whole).
+    pub(super) carried: Vec<secrecy::SecretString>,
 }
 
 /// `now_ms`: when it is captured, by the agent's clock.
 pub(super) fn pull_of(message: &[u8], now_ms: i64) -> Option<Pull> {
+    use crate::pulls::{capped, IMAGE, NAMESPACE, POD_NAME};
     use prost::Message as _;
     let req = wire::PullImageRequest::decode(message).ok()?;
-    let image = req.image.map(|i| i.image).unwrap_or_default();
+    // Every string a caller chose is kept (and logged) within what a real one needs: a longer
+    // image is no reference anyway, and a cut one ends in `…`, which no valid one holds.
+    let image = capped(&req.image.map(|i| i.image).unwrap_or_default(), IMAGE);
     // A reference that does not parse is still logged, listed and counted (the runtime
     // refuses it); nothing else is done with it.
     let parsed = credgate_core::reference::ImageRef::parse(&image).ok();
@@ -63,11 +72,13 @@ pub(super) fn pull_of(message: &[u8], now_ms: i64) -> Option<Pull> {
         .unwrap_or_default();
     let metadata = req.sandbox_config.and_then(|s| s.metadata);
     let in_pod = metadata.is_some();
-    let pod_name = metadata
-        .as_ref()
-        .map(|m| m.name.clone())
-        .unwrap_or_default();
-    let namespace = metadata.map(|m| m.namespace).unwrap_or_default();
+    let pod_name = capped(metadata.as_ref().map_or("", |m| m.name.as_str()), POD_NAME);
+    let namespace = capped(
+        metadata.map(|m| m.namespace).unwrap_or_default().as_str(),
+        NAMESPACE,
+    );
+    let carried = req.auth.as_ref().map(carried_by).unwrap_or_default();
+    let sent_auth = !carried.is_empty();
     let credential = req.auth.and_then(|auth| {
         crate::captured::from_auth(
             auth.username,
@@ -95,7 +106,57 @@ pub(super) fn pull_of(message: &[u8], now_ms: i64) -> Option<Pull> {
         server_address,
         filled: None,
         scope: policy::Scoped::AsSent.as_str(),
+        sent_auth,
+        carried,
     })
+}
+
+/// The non-empty strings of `auth` that could be secret, and `auth`'s decoded bytes (as text).
+fn carried_by(auth: &wire::AuthConfig) -> Vec<secrecy::SecretString> {
+    use base64::Engine as _;
+    let decoded = base64::engine::general_purpose::STANDARD
+        .decode(auth.auth.trim())
+        .ok()
+        .map(|b| String::from_utf8_lossy(&b).into_owned());
+    let mut decoded_parts = Vec::new();
+    if let Some(d) = &decoded {
+        if let Some((u, p)) = d.split_once(':') {
+            decoded_parts.extend([u.to_owned(), p.to_owned()]);
+        }
+    }
+    [
+        auth.username.clone(),
+        auth.password.clone(),
+        auth.auth.clone(),
+        auth.identity_token.clone(),
+        auth.registry_token.clone(),
+    ]
+    .into_iter()
+    .chain(decoded)
+    .chain(decoded_parts)
+    .filter(|s| !s.is_empty())
+    .map(secrecy::SecretString::from)
+    .collect()
+}
+
+/// `message` with every string the pull carried replaced by `[redacted]`, as sent and as Go's
+/// `%q` quotes it; the longest first, so that a password inside `user:password` goes too.
+pub(super) fn redacted(message: &str, carried: &[secrecy::SecretString]) -> String {
+    let mut secrets: Vec<String> = carried
+        .iter()
+        .flat_map(|s| {
+            let s = s.expose_secret();
+            let quoted = s.replace('\\', "\\\\").replace('"', "\\\"");
+            [s.to_owned(), quoted]
+        })
+        .collect();
+    secrets.sort_by_key(|s| std::cmp::Reverse(s.len()));
+    secrets.dedup();
+    let mut out = message.to_owned();
+    for s in &secrets {
+        out = out.replace(s.as_str(), "[redacted]");
+    }
+    out
 }
 
 /// How long a pull's answer waits for its capture to be confirmed by the registry and on
@@ -244,7 +305,8 @@ pub(super) async fn pull(
         return whole.into_response();
     };
     let code = whole.code().unwrap_or(2);
-    let message = whole.message();
+    // What the caller sent is its own: the message keeps none of it past this point.
+    let message = redacted(&whole.message(), &pull.carried);
     let (given, own) = sources_of(&pulls.agent, &pull);
     let took = started.elapsed();
     let unauthorized =

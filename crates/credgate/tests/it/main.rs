@@ -18,3 +18,4 @@ mod hpack;
 mod policy;
 mod refusal;
 mod rotation;
+mod tenants;

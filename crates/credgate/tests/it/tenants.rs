@@ -1,0 +1,117 @@
+//! What a pod author or a socket-group member can still do through the proxy and the API, and
+//! what they cannot (issue 38): a secret the runtime quotes back is never logged, kept or
+//! shown; a malformed credential is never filled with the node's; every field a caller chose
+//! is bounded in the log.
+
+use std::time::Duration;
+
+use credgate_testbed::cri::*;
+use credgate_testbed::fake_runtime::Answers;
+
+use crate::support::text;
+
+const SECRET: &str = "malformed-Pa55word-not-for-logs";
+
+/// containerd quotes a malformed `auth` whole in its error (`invalid decoded auth: "..."`): the
+/// caller gets the runtime's answer unchanged, but the pull log, `ctl pulls` and the agent's
+/// log never hold what the pull carried. Under a fill pattern, that malformed credential is
+/// not replaced by the node's: a caller that sent anything is never filled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_a_pull_carried_never_reaches_the_log_and_is_never_filled_over() {
+    use base64::Engine as _;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let docker_config =
+        crate::support::docker_config(d, "registry.example.com", "node", "node-Pa55word");
+    let answer = format!("failed to pull and unpack image: invalid decoded auth: \"{SECRET}\"");
+    let (_fake, agent, proxy) = crate::support::fake_runtime_agent(
+        d,
+        Answers {
+            pull: Err((2, answer.clone())),
+            ..Default::default()
+        },
+        &[
+            "--docker-config",
+            docker_config.to_str().unwrap(),
+            "--cri-proxy-fill",
+            "registry.example.com",
+        ],
+    )
+    .await;
+    let image = "registry.example.com/team/app:v1";
+    let mut request = pull_request(image, None, "ns-a");
+    request.auth = Some(AuthConfig {
+        auth: base64::engine::general_purpose::STANDARD.encode(SECRET),
+        ..Default::default()
+    });
+    let e = call::<_, PullImageResponse>(&proxy, PULL_IMAGE, request)
+        .await
+        .unwrap_err();
+    assert_eq!(
+        e.message(),
+        answer,
+        "the caller gets the runtime's own answer"
+    );
+    let pulls = text(&agent.credgate(&["ctl", "-o", "json", "pulls"]).stdout);
+    assert!(
+        pulls.contains("invalid decoded auth") && pulls.contains("[redacted]"),
+        "{pulls}"
+    );
+    assert!(!pulls.contains(SECRET), "{pulls}");
+    assert!(
+        !pulls.contains("filled"),
+        "a caller that sent anything is not filled: {pulls}"
+    );
+    let log = agent.log_text();
+    assert!(log.contains("invalid decoded auth"), "{log}");
+    for secret in [SECRET, "node-Pa55word"] {
+        assert!(!log.contains(secret), "{secret} reached the log");
+    }
+}
+
+/// A pod name of 250 KB, a namespace and an image of 100 KB (within a PullImage's 512 KiB): the pull log's line and record
+/// keep what real ones need.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_field_a_caller_chose_is_bounded_in_the_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let (_fake, agent, proxy) = crate::support::fake_runtime_agent(
+        d,
+        Answers {
+            pull: Err((2, format!("failed: {}", "m".repeat(4_000)))),
+            ..Default::default()
+        },
+        &[],
+    )
+    .await;
+    let mut request = pull_request(
+        &format!("registry.example.com/{}", "a".repeat(100_000)),
+        None,
+        &"n".repeat(100_000),
+    );
+    if let Some(meta) = request
+        .sandbox_config
+        .as_mut()
+        .and_then(|s| s.metadata.as_mut())
+    {
+        meta.name = "p".repeat(250_000);
+    }
+    let e = call::<_, PullImageResponse>(&proxy, PULL_IMAGE, request)
+        .await
+        .unwrap_err();
+    assert!(e.message().starts_with("failed: mmm"), "the runtime's answer: {e:?}");
+    credgate_testbed::eventually("the pull is logged", Duration::from_secs(20), || {
+        agent
+            .log_text()
+            .lines()
+            .any(|l| l.contains("pull") && l.contains("ppp"))
+    });
+    let longest = agent.log_text().lines().map(str::len).max().unwrap_or(0);
+    assert!(longest < 8 << 10, "a log line of {longest} bytes");
+    let pulls = agent.credgate(&["ctl", "-o", "json", "pulls"]).stdout;
+    assert!(
+        pulls.len() < 8 << 10,
+        "ctl pulls gave {} bytes",
+        pulls.len()
+    );
+}
