@@ -53,27 +53,64 @@ enum Place {
     New,
 }
 
+/// An unpredictable suffix for a temporary file's name.
+fn random_suffix() -> String {
+    use chacha20poly1305::aead::{KeyInit, OsRng};
+    let key = chacha20poly1305::ChaCha20Poly1305::generate_key(&mut OsRng);
+    hex::encode(&key[..8])
+}
+
 fn place(dir: &Path, file: &str, parts: &[&[u8]], how: Place) -> std::io::Result<()> {
+    use std::os::unix::fs::MetadataExt as _;
     let path = dir.join(file);
-    let tmp = dir.join(format!("{file}.{}.tmp", std::process::id()));
-    let write = || -> std::io::Result<()> {
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-            .open(&tmp)?;
+    // Created exclusively under a name nobody can guess: in a directory others can write, a
+    // name planted in advance (or a link) is never opened, so the secret is never written into
+    // someone else's file.
+    let (mut f, tmp) = {
+        let mut tries = 0;
+        loop {
+            let tmp = dir.join(format!(
+                "{file}.{}.{}.tmp",
+                std::process::id(),
+                random_suffix()
+            ));
+            match std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+                .open(&tmp)
+            {
+                Ok(f) => break (f, tmp),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && tries < 8 => tries += 1,
+                Err(e) => return Err(e),
+            }
+        }
+    };
+    let mut write = || -> std::io::Result<()> {
         for part in parts {
             f.write_all(part)?;
         }
         f.sync_all()?;
+        let ours = f.metadata()?;
         match how {
             Place::Replace => std::fs::rename(&tmp, &path)?,
             Place::New => {
                 std::fs::hard_link(&tmp, &path)?;
                 std::fs::remove_file(&tmp)?;
             }
+        }
+        // The name now holds the file written here, the agent's, readable by its owner alone;
+        // anything else (replaced meanwhile in a directory others can write) is an error.
+        let placed = std::fs::symlink_metadata(&path)?;
+        if (placed.dev(), placed.ino()) != (ours.dev(), ours.ino())
+            || placed.uid() != rustix::process::geteuid().as_raw()
+            || placed.mode() & 0o077 != 0
+        {
+            return Err(std::io::Error::other(format!(
+                "{} was replaced by another file while it was written",
+                path.display()
+            )));
         }
         std::fs::File::open(dir)?.sync_all()
     };
