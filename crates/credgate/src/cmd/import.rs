@@ -36,6 +36,10 @@ pub enum ImportError {
     Empty { table: String },
     #[error("{table}: not a table")]
     NotATable { table: String },
+    #[error("{table}: `{field}` is not a string")]
+    NotAString { table: String, field: String },
+    #[error("registry {}: not a registry host[:port]", credgate_core::text::Quoted(.0))]
+    BadHost(String),
 }
 
 /// One registry's credential, and the table it came from.
@@ -102,10 +106,32 @@ pub fn parse(text: &str) -> Result<Vec<Entry>, ImportError> {
     Ok(out.into_values().collect())
 }
 
+/// A registry `host[:port]`: letters, digits, `.`, `-`, `_`, and a port, or an IPv6 literal in
+/// brackets. Anything else (a newline, a quote, a space) is no
+/// registry, and would be printed into the suggested command.
+fn valid_host(host: &str) -> bool {
+    !host.is_empty()
+        && host.len() <= 255
+        && host
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-._:[]".contains(&b))
+}
+
 fn entry(host: &str, table: String, auth: &toml::Value) -> Result<Entry, ImportError> {
+    if !valid_host(host) {
+        return Err(ImportError::BadHost(host.to_owned()));
+    }
     let Some(auth) = auth.as_table() else {
         return Err(ImportError::NotATable { table });
     };
+    for (name, value) in auth {
+        if !value.is_str() {
+            return Err(ImportError::NotAString {
+                table,
+                field: name.clone(),
+            });
+        }
+    }
     let field = |name: &str| {
         auth.get(name)
             .and_then(|v| v.as_str())
@@ -155,9 +181,23 @@ pub fn docker_config(entries: &[Entry]) -> String {
 }
 
 pub fn containerd(args: ImportContainerdArgs) -> Result<Outcome> {
+    use std::os::unix::fs::OpenOptionsExt as _;
     let path = &args.config;
-    let file = std::fs::File::open(path)
+    // Never waits on a FIFO or a device: opened without blocking, read only if regular.
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
         .with_context(|| format!("cannot read containerd's config {}", path.display()))?;
+    let meta = file
+        .metadata()
+        .with_context(|| format!("cannot read containerd's config {}", path.display()))?;
+    if !meta.is_file() {
+        anyhow::bail!(
+            "containerd's config {} is not a regular file",
+            path.display()
+        );
+    }
     let mut text = String::new();
     file.take(MAX_CONFIG + 1)
         .read_to_string(&mut text)
@@ -326,5 +366,63 @@ version = 3
         write_secret(&out, b"{\"x\":1}", true).unwrap();
         assert_eq!(std::fs::read(&out).unwrap(), b"{\"x\":1}");
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
+
+    /// In a directory everyone can write, the name a writer would once have used (the output's
+    /// name, its PID, `.tmp`), planted in advance as a file open to all, receives nothing: the
+    /// output is a new 0600 file of its own.
+    #[test]
+    fn planted_temporary_names_receive_nothing() {
+        use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+        let planted = dir
+            .path()
+            .join(format!("config.json.{}.tmp", std::process::id()));
+        std::fs::write(&planted, "theirs").unwrap();
+        std::fs::set_permissions(&planted, std::fs::Permissions::from_mode(0o666)).unwrap();
+        let out = dir.path().join("config.json");
+        write_secret(&out, b"{\"secret\":1}", true).unwrap();
+        assert_eq!(std::fs::read_to_string(&planted).unwrap(), "theirs");
+        let meta = std::fs::symlink_metadata(&out).unwrap();
+        assert!(meta.is_file());
+        assert_ne!(meta.ino(), std::fs::metadata(&planted).unwrap().ino());
+        assert_eq!(meta.mode() & 0o777, 0o600);
+        assert_eq!(meta.uid(), rustix::process::geteuid().as_raw());
+    }
+
+    /// What import prints and reads is what it says: a host with a newline is refused (it
+    /// would forge a line of the suggested command), a password that is not a string is an
+    /// error, not an empty password, and a FIFO is refused without waiting for a writer.
+    #[test]
+    fn hosts_fields_and_files_are_what_import_says() {
+        let forged = "[plugins.\"io.containerd.grpc.v1.cri\".registry.configs.\"r.example\\n      --cri-proxy-fill *\".auth]\nusername = \"u\"\npassword = \"p\"\n";
+        let e = parse(forged).err().unwrap();
+        assert!(matches!(e, ImportError::BadHost(_)), "{e}");
+        assert!(!e.to_string().contains('\n'), "{e}");
+        let array = "[plugins.\"io.containerd.grpc.v1.cri\".registry.configs.\"r.example\".auth]\nusername = \"u\"\npassword = [\"p\"]\n";
+        let e = parse(array).err().unwrap();
+        assert!(
+            matches!(&e, ImportError::NotAString { field, .. } if field == "password"),
+            "{e}"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("config.toml");
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            &fifo,
+            rustix::fs::FileType::Fifo,
+            rustix::fs::Mode::from_raw_mode(0o600),
+            0,
+        )
+        .unwrap();
+        let e = containerd(ImportContainerdArgs {
+            config: fifo,
+            output: dir.path().join("out.json"),
+            force: false,
+        })
+        .err()
+        .unwrap();
+        assert!(e.to_string().contains("not a regular file"), "{e}");
     }
 }
