@@ -197,6 +197,17 @@ impl Pattern {
         &self.raw
     }
 
+    /// Whether it matches `target` and its path ends where one of the target's path segments
+    /// does (`r/team` matches `r/team/app`, not `r/team-private/app`): the kubelet's
+    /// `matchImages` compares paths as string prefixes; a decision that gives credentials
+    /// away wants whole segments.
+    pub fn matches_whole_segments(&self, target: &Target<'_>) -> bool {
+        self.matches(target) && {
+            let rest = &target.path[self.path.len()..];
+            rest.is_empty() || rest.starts_with('/') || self.path.ends_with('/')
+        }
+    }
+
     /// Whether this pattern matches the target.
     pub fn matches(&self, target: &Target<'_>) -> bool {
         if *self.port != *target.port || !target.path.starts_with(&*self.path) {

@@ -312,7 +312,8 @@ pub struct ServeArgs {
     #[arg(long, value_name = "DURATION", value_parser = parse_duration, default_value = "5m")]
     pub captured_check_interval: Duration,
     /// A pull through the CRI proxy that comes without a credential, for an image this
-    /// pattern names (as a provider's matchImages), gets the credential the agent's sources
+    /// pattern names (as a provider's matchImages, but its path in whole segments), gets the
+    /// credential the agent's sources
     /// give for it (providers, docker config; never a service-account-keyed provider's or a
     /// captured pod credential). A credential the caller sent is never replaced. Repeatable.
     #[arg(long, value_name = "PATTERN", requires = "cri_proxy_socket")]

@@ -154,12 +154,14 @@ impl PullPolicy {
         self.fill.is_empty() && self.scope.is_none()
     }
 
-    /// The fill pattern that names `image` (a normalized image name), if any.
+    /// The fill pattern that names `image` (a normalized image name), if any: as
+    /// `matchImages` matches, but a pattern's path names whole segments (`r/team-p` fills
+    /// `r/team-p/app`, never `r/team-private/app`): a fill gives the node's credential away.
     pub fn fill_pattern(&self, image: &str) -> Option<&str> {
         let target = Target::from_image_name(image);
         self.fill
             .iter()
-            .find(|p| p.matches(&target))
+            .find(|p| p.matches_whole_segments(&target))
             .map(Pattern::as_str)
     }
 
@@ -471,5 +473,25 @@ mod tests {
         );
         assert_eq!(p.fill_pattern("r.example.com/other/app"), None);
         assert_eq!(p.fill_pattern("a.b.example.com/team/app"), None);
+    }
+
+    /// `matchImages` compares paths as string prefixes; fill compares whole segments.
+    #[test]
+    fn fill_patterns_name_whole_path_segments() {
+        let p = PullPolicy::new(
+            &["r.example/team-p".into(), "q.example".into()],
+            false,
+            &[],
+            None,
+        )
+        .unwrap();
+        assert_eq!(
+            p.fill_pattern("r.example/team-p/app"),
+            Some("r.example/team-p")
+        );
+        assert_eq!(p.fill_pattern("r.example/team-p"), Some("r.example/team-p"));
+        assert_eq!(p.fill_pattern("r.example/team-private/app"), None);
+        assert_eq!(p.fill_pattern("r.example/team-p2"), None);
+        assert_eq!(p.fill_pattern("q.example/any/app"), Some("q.example"));
     }
 }
