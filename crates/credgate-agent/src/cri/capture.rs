@@ -2,7 +2,9 @@
 //!
 //! A pull the runtime says succeeded offers its credential here ([`Capturer::offer`], which
 //! never waits: a full queue drops the offer and counts it). A task owned by the proxy takes
-//! the offers, at most [`CONCURRENT`] at a time: a credential already captured for the
+//! the offers, at most [`CONCURRENT`] at a time, [`PER_REGISTRY`] per registry and
+//! [`PER_NAMESPACE`] per pod namespace (so a registry that stalls, or a tenant that pulls from
+//! many that do, holds back its own captures, not other tenants'): a credential already captured for the
 //! repository is left as it is; any other is kept only once the registry has shown that it
 //! checked it and accepted it ([`Verifier::authenticates`]: the registry challenged an
 //! anonymous request and took the credential), then sealed and written on a blocking thread.
@@ -22,8 +24,14 @@ use crate::metrics::AgentMetrics;
 
 /// Offers that may wait for the task.
 pub const QUEUE: usize = 64;
+/// Offers taken and waiting for room (their registry's or namespace's confirmations busy).
+pub const PENDING: usize = 256;
 /// Confirmations that may run at once (each bounded by the registry client's timeout).
-pub const CONCURRENT: usize = 8;
+pub const CONCURRENT: usize = 32;
+/// Confirmations one registry may have running at once.
+pub const PER_REGISTRY: usize = 2;
+/// Confirmations one pod namespace may have running at once.
+pub const PER_NAMESPACE: usize = 4;
 
 /// A successful pull's credential, offered for capture.
 pub struct Offer {
@@ -80,29 +88,101 @@ impl Capturer {
     }
 }
 
+/// Who an offer's confirmation counts against: its registry and its pod's namespace.
+type Slot = (String, String);
+
+fn slot_of(offer: &Offer) -> Slot {
+    let registry = ImageRef::parse(&offer.image)
+        .map(|r| r.registry().to_owned())
+        .unwrap_or_default();
+    (registry, offer.credential.namespace.clone())
+}
+
+/// What runs, by registry and by namespace.
+#[derive(Default)]
+struct Busy {
+    registries: std::collections::HashMap<String, usize>,
+    namespaces: std::collections::HashMap<String, usize>,
+    total: usize,
+}
+
+impl Busy {
+    fn has_room(&self, (registry, namespace): &Slot) -> bool {
+        self.total < CONCURRENT
+            && self.registries.get(registry).copied().unwrap_or(0) < PER_REGISTRY
+            && self.namespaces.get(namespace).copied().unwrap_or(0) < PER_NAMESPACE
+    }
+
+    fn take(&mut self, (registry, namespace): &Slot) {
+        self.total += 1;
+        *self.registries.entry(registry.clone()).or_default() += 1;
+        *self.namespaces.entry(namespace.clone()).or_default() += 1;
+    }
+
+    fn give_back(&mut self, (registry, namespace): &Slot) {
+        self.total -= 1;
+        for (map, key) in [
+            (&mut self.registries, registry),
+            (&mut self.namespaces, namespace),
+        ] {
+            if let Some(n) = map.get_mut(key) {
+                *n -= 1;
+                if *n == 0 {
+                    map.remove(key);
+                }
+            }
+        }
+    }
+}
+
 async fn run(
     mut rx: mpsc::Receiver<Offer>,
     captured: Arc<Captured>,
     verifier: Verifier,
     metrics: AgentMetrics,
 ) {
-    let mut running = JoinSet::new();
-    loop {
-        // Room for one more before taking it: the queue, not this set, holds what waits.
-        while running.len() >= CONCURRENT {
-            running.join_next().await;
-        }
+    let mut running: JoinSet<()> = JoinSet::new();
+    // Each running task's slot, by task id: given back however the task ends.
+    let mut slots: std::collections::HashMap<tokio::task::Id, Slot> = Default::default();
+    let mut pending: std::collections::VecDeque<(Slot, Offer)> = Default::default();
+    let mut busy = Busy::default();
+    let mut open = true;
+    while open || !running.is_empty() {
         tokio::select! {
-            Some(_) = running.join_next(), if !running.is_empty() => {}
-            offer = rx.recv() => match offer {
-                Some(offer) => {
-                    running.spawn(handle(offer, captured.clone(), verifier.clone(), metrics.clone()));
+            Some(done) = running.join_next_with_id(), if !running.is_empty() => {
+                let id = match done {
+                    Ok((id, ())) => id,
+                    Err(e) => e.id(),
+                };
+                if let Some(slot) = slots.remove(&id) {
+                    busy.give_back(&slot);
                 }
-                None => break,
+            }
+            offer = rx.recv(), if open => match offer {
+                Some(offer) if pending.len() < PENDING => {
+                    pending.push_back((slot_of(&offer), offer));
+                }
+                Some(_) => {
+                    metrics.capture(crate::metrics::CaptureResult::Busy);
+                    tracing::warn!("pull credentials not captured: too many captures waiting");
+                }
+                None => open = false,
             },
         }
+        // Oldest first, each as soon as its registry and namespace have room.
+        let mut i = 0;
+        while i < pending.len() {
+            if busy.has_room(&pending[i].0) {
+                let (slot, offer) = pending.remove(i).expect("in range");
+                busy.take(&slot);
+                let (c, v, m) = (captured.clone(), verifier.clone(), metrics.clone());
+                let id = running.spawn(handle(offer, c, v, m)).id();
+                slots.insert(id, slot);
+            } else {
+                i += 1;
+            }
+        }
     }
-    while running.join_next().await.is_some() {}
 }
 
 async fn handle(offer: Offer, captured: Arc<Captured>, verifier: Verifier, metrics: AgentMetrics) {

@@ -17,6 +17,8 @@ struct State {
     users: Vec<(String, String)>,
     /// Each request: its path and whether it carried an Authorization header.
     seen: Vec<(String, bool)>,
+    /// Manifests are served to its users (a registry they may read).
+    serves: bool,
 }
 
 pub struct StubRegistry {
@@ -34,6 +36,14 @@ impl StubRegistry {
     /// A stub that accepts connections and never answers.
     pub fn silent() -> StubRegistry {
         Self::spawn(None)
+    }
+
+    /// A stub whose one user may read every repository: manifests are served to it (with a
+    /// digest), as a registry that accepts a pod's secret does.
+    pub fn serving(user: &str, password: &str) -> StubRegistry {
+        let stub = Self::spawn(Some((user, password)));
+        stub.state.lock().unwrap().serves = true;
+        stub
     }
 
     fn spawn(user: Option<(&str, &str)>) -> StubRegistry {
@@ -126,12 +136,14 @@ fn answer(stream: &mut std::net::TcpStream, state: &Mutex<State>) {
         let (u, p) = pair.split_once(':').unwrap_or((pair, ""));
         st.users.iter().any(|(user, pw)| user == u && pw == p)
     });
+    let serves = st.serves;
     drop(st);
-    let ok = path == "/v2/" && accepted;
+    let ok = (path == "/v2/" || (serves && path.contains("/manifests/"))) && accepted;
     let _ = if ok {
         write!(
             stream,
-            "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{{}}"
+            "HTTP/1.1 200 OK\r\nContent-Type: application/vnd.oci.image.manifest.v1+json\r\nDocker-Content-Digest: sha256:{}\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{{}}",
+            "ab".repeat(32)
         )
     } else {
         let body = r#"{"errors":[{"code":"UNAUTHORIZED","message":"authentication required"}]}"#;
