@@ -364,14 +364,16 @@ impl Agent {
         &self.inner.refusals
     }
 
-    /// A consumer says the registry refused a credential the agent gave it for `image`.
+    /// A consumer says the registry refused a credential the agent gave it for `image`;
+    /// `first`: the caller is root or the agent's own uid (its confirmation goes first).
     pub async fn report_refused(
         &self,
         image: &str,
         username: &str,
         password: &secrecy::SecretString,
+        first: bool,
     ) -> Result<crate::refusal::Report, credgate_core::reference::ReferenceError> {
-        crate::refusal::report(self, image, username, password).await
+        crate::refusal::report(self, image, username, password, first).await
     }
 
     /// The registry confirmations of refusals.

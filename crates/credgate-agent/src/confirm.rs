@@ -8,7 +8,9 @@
 //! for its answer), one per registry stripe and [`IN_FLIGHT`] in all, each within
 //! [`TIMEOUT`]; answers are remembered for [`REMEMBER`] (an unanswered one for
 //! [`REMEMBER_UNKNOWN`]), at most [`REMEMBERED`] of them. A registry that does not answer in
-//! time changes nothing.
+//! time changes nothing. Root's and the agent's own confirmations go first: they wait for no
+//! stripe and have [`IN_FLIGHT`] of their own, so other local users' reports cannot hold them
+//! back (a report joining one in flight still waits for that one, within [`TIMEOUT`]).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -89,6 +91,8 @@ pub struct Confirmations {
     slots: Mutex<HashMap<Key, Arc<Slot>>>,
     stripes: Vec<Semaphore>,
     all: Semaphore,
+    /// Root's and the agent's own.
+    first: Semaphore,
 }
 
 impl Confirmations {
@@ -98,6 +102,7 @@ impl Confirmations {
             slots: Mutex::default(),
             stripes: (0..STRIPES).map(|_| Semaphore::new(1)).collect(),
             all: Semaphore::new(IN_FLIGHT),
+            first: Semaphore::new(IN_FLIGHT),
         }
     }
 
@@ -130,7 +135,8 @@ impl Confirmations {
 
     /// Asks `registry` (as image references name it) what it says of `username`:`password`
     /// (whose fingerprint is `fp`), for `repository`'s scope; or gives the answer remembered or
-    /// in flight. `now`: the agent's clock.
+    /// in flight. `now`: the agent's clock; `first`: root's or the agent's own (goes first).
+    #[allow(clippy::too_many_arguments)]
     pub async fn confirm(
         &self,
         registry: &str,
@@ -139,17 +145,27 @@ impl Confirmations {
         username: &str,
         password: &str,
         now: Instant,
+        first: bool,
     ) -> Confirmed {
         let Some(slot) = self.slot((registry.to_owned(), fp), now) else {
             return Confirmed::Unknown("too many confirmations at once".into());
         };
         let ask = async {
             let asked = tokio::time::timeout(TIMEOUT, async {
-                let Ok(_one) = self.stripe(registry).acquire().await else {
-                    return Confirmed::Unknown("the agent is stopping".into());
-                };
-                let Ok(_all) = self.all.acquire().await else {
-                    return Confirmed::Unknown("the agent is stopping".into());
+                let stopping = || Confirmed::Unknown("the agent is stopping".into());
+                let _permits = if first {
+                    let Ok(p) = self.first.acquire().await else {
+                        return stopping();
+                    };
+                    (None, p)
+                } else {
+                    let Ok(one) = self.stripe(registry).acquire().await else {
+                        return stopping();
+                    };
+                    let Ok(all) = self.all.acquire().await else {
+                        return stopping();
+                    };
+                    (Some(one), all)
                 };
                 match self
                     .verifier

@@ -485,7 +485,8 @@ impl Report {
 /// the sources `given` gave (empty: a pod's own secret, nothing is asked or done); `seen`
 /// says where. Acts ([`refuse`]) only once the registry's auth endpoint has refused that very
 /// credential to the agent ([`crate::confirm`]); within [`HOLDOFF`] of the last refusal of it,
-/// nothing is asked again.
+/// nothing is asked again. `first`: root's or the agent's own (its confirmation goes first).
+#[allow(clippy::too_many_arguments)]
 pub async fn confirm_and_refuse(
     agent: &Agent,
     image: &str,
@@ -494,6 +495,7 @@ pub async fn confirm_and_refuse(
     password: &SecretString,
     given: &[Given],
     seen: &str,
+    first: bool,
 ) -> Report {
     if given.is_empty() {
         return Report::NotGiven;
@@ -512,6 +514,7 @@ pub async fn confirm_and_refuse(
             username,
             password.expose_secret(),
             agent.clock().now(),
+            first,
         )
         .await;
     agent.metrics().refusal_confirmation(confirmed.as_str());
@@ -527,12 +530,14 @@ pub async fn confirm_and_refuse(
 
 /// A consumer says the registry refused `username`:`password` for `image`. Acts only on a
 /// credential the agent gives for the image, and only once the registry has shown, to the
-/// agent itself, that it refuses the credential ([`confirm_and_refuse`]).
+/// agent itself, that it refuses the credential ([`confirm_and_refuse`]). `first`: the caller
+/// is root or the agent's own uid.
 pub async fn report(
     agent: &Agent,
     image: &str,
     username: &str,
     password: &SecretString,
+    first: bool,
 ) -> Result<Report, credgate_core::reference::ReferenceError> {
     let parsed = credgate_core::reference::ImageRef::parse(image)?;
     let given = given_by(
@@ -550,6 +555,7 @@ pub async fn report(
         password,
         &given,
         "a consumer's report",
+        first,
     )
     .await;
     agent.metrics().refusal_report(outcome.as_str());

@@ -214,6 +214,7 @@ pub(super) async fn refused(
         &c.password,
         given,
         "a pull through the CRI proxy",
+        false,
     )
     .await;
     let said = report.describe(&pull.image);

@@ -15,9 +15,12 @@ impl Credentials for Api {
         let req = request.into_inner();
         self.observed(peer, "ReportRefused", async {
             let password = SecretString::from(req.password);
+            let first =
+                credgate_engine::rate::Caller::of(peer.uid, rustix::process::geteuid().as_raw())
+                    .privileged;
             let report = self
                 .agent
-                .report_refused(&req.image, &req.username, &password)
+                .report_refused(&req.image, &req.username, &password, first)
                 .await
                 .map_err(ApiError::from)?;
             let message = report.describe(&req.image);

@@ -273,7 +273,7 @@ fn deployment_files_use_real_flags() {
 /// `program` run by setpriv as `uid` (group `uid`, no supplementary groups).
 /// An agent in `dir` (opened to other users) with `args`, whose socket every uid may open, so
 /// that the agent's own rules (allowlists, budgets) are what decides: for calls as other uids.
-fn agent_for_every_uid(dir: &Path, args: &[&str]) -> Agent {
+pub(crate) fn agent_for_every_uid(dir: &Path, args: &[&str]) -> Agent {
     use std::os::unix::fs::PermissionsExt;
     credgate_testbed::require_root("calling as other uids");
     crate::support::require("setpriv");
@@ -293,7 +293,7 @@ fn credgate_as(uid: u32, agent: &Agent, args: &[&str]) -> std::process::Output {
         .unwrap()
 }
 
-fn as_user(uid: u32, program: &str) -> Command {
+pub(crate) fn as_user(uid: u32, program: &str) -> Command {
     let mut cmd = Command::new("setpriv");
     cmd.args(["--reuid", &uid.to_string(), "--regid", &uid.to_string()])
         .args(["--clear-groups", "--"])

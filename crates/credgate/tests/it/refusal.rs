@@ -280,8 +280,9 @@ async fn a_backend_that_lags_the_registry_is_followed_within_seconds() {
 /// Debian's containerd and Debian's registry behind a token server (Docker Hub's shape: the
 /// token realm takes a valid credential for any scope, and the registry answers 401 for a
 /// repository the token does not grant). The provider's credential pulling a repository it may
-/// not read, or a typo'd one, drops nothing; rotated at the token server and in the backend,
-/// the pull with the kubelet's copy fails once, and the next succeeds.
+/// not read, or a typo'd one, drops nothing (grpc-go, dialing as the kubelet does, gets through
+/// the proxy containerd's own answer); rotated at the token server and in the backend, the pull
+/// with the kubelet's copy fails once, and the next succeeds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs root"]
 async fn docker_hubs_answer_for_a_repository_is_not_a_refused_credential() {
@@ -309,10 +310,27 @@ async fn docker_hubs_answer_for_a_repository_is_not_a_refused_credential() {
     pull(&proxy, with(&own, "alice-pw"))
         .await
         .expect("the provider's credential pulls its own repository");
-    for other in [
-        format!("{host}/team-b/app:v1"),
-        format!("{host}/team-a/aap:v1"),
-    ] {
+    // As the kubelet dials: grpc-go gets through the proxy the answer containerd gives.
+    let go = crate::support::foreign::build_go(d);
+    let not_hers = format!("{host}/team-b/app:v1");
+    let request = prost::Message::encode_to_vec(&with(&not_hers, "alice-pw"));
+    let call = |socket: &std::path::Path| {
+        crate::support::foreign::go_call(
+            &go,
+            crate::support::foreign::Dial::Path,
+            socket,
+            PULL_IMAGE,
+            &request,
+            0,
+        )
+    };
+    let (direct, proxied) = (call(&containerd.socket), call(&proxy));
+    assert_ne!(direct.code, 0, "{direct:?}");
+    assert_eq!(
+        (direct.code, &direct.message),
+        (proxied.code, &proxied.message)
+    );
+    for other in [not_hers, format!("{host}/team-a/aap:v1")] {
         let refused = pull(&proxy, with(&other, "alice-pw")).await.unwrap_err();
         let pulls = text(&agent.credgate(&["ctl", "pulls"]).stdout);
         assert!(

@@ -164,3 +164,77 @@ async fn a_stalling_registry_holds_back_only_its_own_tenants_captures() {
         h.await.unwrap().expect("the fake runtime pulls");
     }
 }
+
+/// A socket-group member's 40 reports about a registry that never answers do not hold back
+/// root's: each confirmation, its wait included, ends within 5 s, reports of one credential
+/// share one confirmation, and root's go first. (Before: 118 s behind 60 such reports.)
+#[test]
+#[ignore = "needs root"]
+fn roots_report_is_not_held_back_by_a_members_reports() {
+    use crate::support::stub_registry::StubRegistry;
+    use std::io::Write as _;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let silent = StubRegistry::silent();
+    let image = format!("{}/team/app:v1", silent.host());
+    let backend = crate::rotation::Backend::new(&d.join("backend"), &silent.host(), "pw-Pa55word");
+    let agent = crate::agent::agent_for_every_uid(
+        d,
+        &[
+            "--image-credential-provider-config",
+            backend.config.to_str().unwrap(),
+            "--image-credential-provider-bin-dir",
+            backend.bin.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(crate::rotation::looked_up(&agent, &image), "pw-Pa55word");
+    let report = |uid: Option<u32>| {
+        let mut cmd = match uid {
+            Some(uid) => crate::agent::as_user(uid, env!("CARGO_BIN_EXE_credgate")),
+            None => std::process::Command::new(env!("CARGO_BIN_EXE_credgate")),
+        };
+        let mut child = cmd
+            .args([
+                "ctl",
+                "-o",
+                "json",
+                "report-refused",
+                &image,
+                "--username",
+                "alice",
+            ])
+            .env("CREDGATE_SOCKET", &agent.socket)
+            .env_remove("CREDGATE_LOG")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(b"pw-Pa55word\n")
+            .unwrap();
+        child
+    };
+    let members: Vec<_> = (0..40).map(|_| report(Some(4242))).collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let started = std::time::Instant::now();
+    let root = report(None).wait_with_output().unwrap();
+    let took = started.elapsed();
+    assert!(root.status.success(), "{}", text(&root.stdout));
+    assert!(
+        text(&root.stdout).contains("unreachable"),
+        "{}",
+        text(&root.stdout)
+    );
+    // The bound is 5 s; generous for a loaded machine, far from 118 s.
+    assert!(
+        took < Duration::from_secs(20),
+        "root's report took {took:?}"
+    );
+    for m in members {
+        let _ = m.wait_with_output();
+    }
+}
