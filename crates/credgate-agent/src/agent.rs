@@ -254,7 +254,13 @@ struct Inner {
     confirmations: crate::confirm::Confirmations,
     /// What the CRI proxy may change in a pull.
     pull_policy: crate::cri::policy::PullPolicy,
+    /// When a uid other than root's and the agent's own last flushed.
+    unprivileged_flush: Mutex<Option<std::time::Instant>>,
 }
+
+/// Flushes by uids other than root's and the agent's own: one per this, all together (a flush
+/// costs a plugin run per key and a rewrite of `cache.sealed`).
+pub const UNPRIVILEGED_FLUSH_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// A running agent's shared state. Cheap to clone.
 #[derive(Clone)]
@@ -316,6 +322,7 @@ impl Agent {
                 proxy_running: std::sync::atomic::AtomicBool::new(false),
                 confirmations: crate::confirm::Confirmations::new(verifier),
                 pull_policy: options.pull_policy,
+                unprivileged_flush: Mutex::new(None),
                 sources: options.sources,
                 engine,
                 engine_metrics,
@@ -401,11 +408,25 @@ impl Agent {
             dropped = dropped.len(),
             "provider answers flushed"
         );
+        // A flush that dropped nothing (the answers the last one dropped are not back yet)
+        // adds nothing: no write, no renewal, no plugin run.
         if !dropped.is_empty() {
             self.save().await;
+            self.inner.renewer.refresh_all();
         }
-        self.inner.renewer.refresh_all();
         Ok(dropped)
+    }
+
+    /// Whether a flush by a uid other than root's and the agent's own may go now: one per
+    /// [`UNPRIVILEGED_FLUSH_EVERY`] for all of them together.
+    pub fn may_flush_unprivileged(&self) -> bool {
+        let now = self.inner.clock.now();
+        let mut last = self.inner.unprivileged_flush.lock();
+        if last.is_some_and(|t| now < t + UNPRIVILEGED_FLUSH_EVERY) {
+            return false;
+        }
+        *last = Some(now);
+        true
     }
 
     /// Explains a lookup of `image` (no plugin run): the engine's sources, the captured pod

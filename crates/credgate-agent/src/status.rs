@@ -34,6 +34,8 @@ pub enum ApiError {
     Runtime(String),
     /// The caller gave up on its call (its request ended early).
     Cancelled(String),
+    /// The caller called more often than it may.
+    Limited(String),
 }
 
 impl From<ApiError> for Status {
@@ -59,6 +61,7 @@ impl From<ApiError> for Status {
             ApiError::TooLarge(m) => (Code::ResourceExhausted, m),
             ApiError::Runtime(m) => (Code::Unavailable, m),
             ApiError::Cancelled(m) => (Code::Cancelled, m),
+            ApiError::Limited(m) => (Code::ResourceExhausted, m),
         };
         Status::new(code, message)
     }

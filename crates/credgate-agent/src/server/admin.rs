@@ -47,6 +47,16 @@ impl Admin for Api {
                     "at most {MAX_FLUSH_IMAGES} images per flush"
                 )));
             }
+            let privileged =
+                credgate_engine::rate::Caller::of(peer.uid, rustix::process::geteuid().as_raw())
+                    .privileged;
+            if !privileged && !self.agent.may_flush_unprivileged() {
+                return Err(ApiError::Limited(format!(
+                    "flushes by uids other than root and the agent's own are limited to one per {}s in all",
+                    crate::agent::UNPRIVILEGED_FLUSH_EVERY.as_secs()
+                ))
+                .into());
+            }
             let provider = Some(req.provider.as_str()).filter(|p| !p.is_empty());
             let dropped = self
                 .agent

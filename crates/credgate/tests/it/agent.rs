@@ -284,7 +284,7 @@ pub(crate) fn agent_for_every_uid(dir: &Path, args: &[&str]) -> Agent {
 }
 
 /// `credgate ARGS` as `uid` against `agent`.
-fn credgate_as(uid: u32, agent: &Agent, args: &[&str]) -> std::process::Output {
+pub(crate) fn credgate_as(uid: u32, agent: &Agent, args: &[&str]) -> std::process::Output {
     as_user(uid, env!("CARGO_BIN_EXE_credgate"))
         .args(args)
         .env("CREDGATE_SOCKET", &agent.socket)

@@ -238,3 +238,60 @@ fn roots_report_is_not_held_back_by_a_members_reports() {
         let _ = m.wait_with_output();
     }
 }
+
+/// `Admin.Flush` in a loop from a socket-group member: one flush per 5 s goes for all such
+/// uids together, the rest are refused with RESOURCE_EXHAUSTED, so the plugin is not run per
+/// flush; root's flushes are not limited, and a flush that drops nothing (the last one's
+/// answers not back yet) runs nothing.
+#[test]
+#[ignore = "needs root"]
+fn a_members_flush_loop_costs_one_flush_per_interval() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let backend = crate::rotation::Backend::new(&d.join("backend"), "r.example", "pw-Pa55word");
+    let agent = crate::agent::agent_for_every_uid(
+        d,
+        &[
+            "--image-credential-provider-config",
+            backend.config.to_str().unwrap(),
+            "--image-credential-provider-bin-dir",
+            backend.bin.to_str().unwrap(),
+        ],
+    );
+    let image = "r.example/team/app:v1";
+    assert_eq!(crate::rotation::looked_up(&agent, image), "pw-Pa55word");
+    assert_eq!(backend.runs(), 1);
+    let (mut ok, mut limited) = (0, 0);
+    for _ in 0..20 {
+        let out = crate::agent::credgate_as(4242, &agent, &["ctl", "flush"]);
+        if out.status.success() {
+            ok += 1;
+        } else {
+            assert!(
+                text(&out.stderr).contains("limited to one per 5s"),
+                "{}",
+                text(&out.stderr)
+            );
+            limited += 1;
+        }
+        // The kubelet's next lookup, as in the loop the issue measured.
+        let _ = crate::rotation::looked_up(&agent, image);
+    }
+    assert!(
+        ok <= 2 && limited >= 18,
+        "{ok} flushes went, {limited} refused"
+    );
+    assert!(backend.runs() <= 3, "{} plugin runs", backend.runs());
+    // Root is not limited; a second flush with nothing left to drop runs nothing.
+    let runs = backend.runs();
+    for _ in 0..2 {
+        let out = agent.credgate(&["ctl", "flush"]);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(
+        backend.runs(),
+        runs,
+        "nothing tracked, nothing looked up: no run"
+    );
+}
