@@ -139,6 +139,25 @@ pub const MAX_ENTRIES: usize = 1024;
 /// dropped, never another tenant's.
 pub const MAX_ENTRIES_PER_NAMESPACE: usize = MAX_ENTRIES / 4;
 
+/// The namespace holding the most captures but `new`'s (of those, the one holding the oldest).
+fn largest_namespace(entries: &BTreeMap<String, Credential>, new: &str) -> String {
+    let mut counts: std::collections::HashMap<&str, (usize, i64)> = Default::default();
+    for c in entries
+        .iter()
+        .filter(|(r, _)| r.as_str() != new)
+        .map(|(_, c)| c)
+    {
+        let e = counts.entry(c.namespace.as_str()).or_insert((0, i64::MAX));
+        e.0 += 1;
+        e.1 = e.1.min(c.captured_ms);
+    }
+    counts
+        .into_iter()
+        .max_by_key(|(_, (n, oldest))| (*n, std::cmp::Reverse(*oldest)))
+        .map(|(ns, _)| ns.to_owned())
+        .unwrap_or_default()
+}
+
 /// The captured credentials, by normalized repository (`registry.example.com/team/app`).
 pub struct Captured {
     sealed: Sealed,
@@ -292,7 +311,9 @@ impl Captured {
                 .values()
                 .filter(|c| c.namespace == namespace)
                 .count();
-            // A namespace over its share loses its own oldest; otherwise the oldest of all.
+            // A namespace over its share loses its own oldest; otherwise the namespace that
+            // holds the most loses its oldest, so that tenants holding few captures keep them
+            // however many namespaces another tenant fills to their share.
             let own_only = theirs > per_namespace;
             while entries.len() > max
                 || (own_only
@@ -302,11 +323,14 @@ impl Captured {
                         .count()
                         > per_namespace)
             {
+                let from = if own_only {
+                    namespace.clone()
+                } else {
+                    largest_namespace(entries, repository)
+                };
                 let oldest = entries
                     .iter()
-                    .filter(|(r, c)| {
-                        r.as_str() != repository && (!own_only || c.namespace == namespace)
-                    })
+                    .filter(|(r, c)| r.as_str() != repository && c.namespace == from)
                     .min_by_key(|(_, c)| c.captured_ms)
                     .map(|(r, _)| r.clone());
                 match oldest {
@@ -660,6 +684,40 @@ mod tests {
             .collect();
         assert_eq!(victims, 2, "{list:?}");
         assert_eq!(greedy, ["reg.io/greedy/18", "reg.io/greedy/19"]);
+    }
+
+    /// One tenant filling four namespaces to their share (a quarter each, the whole store)
+    /// evicts its own namespaces' captures, never those of a namespace holding few.
+    #[test]
+    fn four_namespaces_of_one_tenant_cannot_evict_the_others() {
+        let dir = private_dir();
+        let c = Captured::open(dir.path(), None)
+            .unwrap()
+            .with_max_entries(8);
+        c.capture("reg.io/victim/a", cred("victim", "u", "p", 1))
+            .unwrap();
+        for i in 0..40 {
+            c.capture(
+                &format!("reg.io/greedy/{i}"),
+                cred(&format!("greedy-{}", i % 4), "u", "p", 10 + i),
+            )
+            .unwrap();
+        }
+        let list = c.list();
+        assert_eq!(list.len(), 8);
+        assert!(
+            list.iter().any(|(r, _)| r == "reg.io/victim/a"),
+            "the victim's capture is kept: {list:?}"
+        );
+        // And the victim's next capture takes its room from the largest holder.
+        c.capture("reg.io/victim/b", cred("victim", "u", "p", 100))
+            .unwrap();
+        let victims = c
+            .list()
+            .iter()
+            .filter(|(_, c)| c.namespace == "victim")
+            .count();
+        assert_eq!(victims, 2);
     }
 
     /// A sealed file with a second name (a hard link, perhaps from where another user can
