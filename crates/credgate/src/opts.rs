@@ -328,8 +328,10 @@ pub struct ServeArgs {
     /// --cri-proxy-scope-credentials. Repeatable.
     #[arg(long, value_name = "REGISTRY=MIRRORS", requires = "cri_proxy_socket")]
     pub cri_proxy_trusted_mirror: Vec<String>,
-    /// containerd's registry `config_path` (its hosts.toml files): a registry's credentials
-    /// reach its mirrors only if every mirror its hosts.toml names is trusted.
+    /// containerd's registry `config_path` (its hosts.toml files; a `:`-separated list): a
+    /// registry's credentials reach its mirrors only if every mirror its hosts.toml names is
+    /// trusted; the hosts.toml is found as containerd finds it (HOST_PORT_, HOST:PORT, then
+    /// _default).
     #[arg(long, value_name = "DIR", requires = "cri_proxy_socket")]
     pub cri_proxy_hosts_dir: Option<PathBuf>,
     /// The container runtime the CRI proxy forwards to.

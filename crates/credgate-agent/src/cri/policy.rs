@@ -11,7 +11,8 @@
 //!   every mirror configured for that registry is trusted with its pods' credentials; then it
 //!   names none, and the registry and those mirrors receive it.
 //!
-//! Sans-IO but for [`configured_mirrors`], which reads one `hosts.toml` (bounded).
+//! Sans-IO but for [`configured_mirrors`], which finds a registry's hosts directory as
+//! containerd does and reads its `hosts.toml` (bounded).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -39,9 +40,10 @@ struct Scope {
     /// Per registry (as image references name it), the mirror hosts trusted with its pods'
     /// credentials.
     trusted: BTreeMap<String, Vec<String>>,
-    /// containerd's `config_path`: when set, a registry's mirrors are read from its
-    /// `hosts.toml`, and every one must be trusted for the credential to reach any.
-    hosts_dir: Option<PathBuf>,
+    /// containerd's `config_path`, split as `filepath.SplitList` splits it: when set, a
+    /// registry's mirrors are read as containerd finds them ([`configured_mirrors`]), and
+    /// every one must be trusted for the credential to reach any.
+    hosts_dirs: Vec<PathBuf>,
 }
 
 /// What the policy does with a pull's `server_address`.
@@ -144,7 +146,9 @@ impl PullPolicy {
         }
         let scope = (scope || !map.is_empty()).then_some(Scope {
             trusted: map,
-            hosts_dir,
+            hosts_dirs: hosts_dir
+                .map(|d| std::env::split_paths(&d).collect())
+                .unwrap_or_default(),
         });
         Ok(PullPolicy { fill, scope })
     }
@@ -183,15 +187,15 @@ impl PullPolicy {
                 why: format!("no mirror of {key} is trusted with its pods' credentials"),
             };
         };
-        let Some(dir) = &scope.hosts_dir else {
+        if scope.hosts_dirs.is_empty() {
             return Scoped::TrustedMirrors {
                 mirrors: trusted.clone(),
             };
-        };
-        match configured_mirrors(dir, key) {
+        }
+        match configured_mirrors(&scope.hosts_dirs, key) {
             Err(e) => Scoped::Registry {
                 address,
-                why: format!("its hosts.toml cannot be read: {e}"),
+                why: format!("where containerd finds its hosts is not certain: {e}"),
             },
             Ok(configured) => {
                 let untrusted: Vec<&String> =
@@ -221,18 +225,63 @@ impl PullPolicy {
 /// Largest `hosts.toml` read.
 const MAX_HOSTS_FILE: u64 = 256 << 10;
 
-/// The hosts other than `registry`'s own that containerd's `DIR/REGISTRY/hosts.toml` has it
-/// try (its `[host."URL"]` tables and a `server` that is not the registry); none when the
-/// registry has no such file.
-pub fn configured_mirrors(dir: &Path, registry: &str) -> Result<Vec<String>, String> {
+/// The directories containerd (1.6 through 2.4: `hostPaths`) tries for `registry` under one
+/// root of its `config_path`, in its order: `HOST_PORT_` when the name has a port, `HOST[:PORT]`,
+/// then the catch-all `_default`.
+pub fn host_dirs(root: &Path, registry: &str) -> Vec<PathBuf> {
+    let host = registry_key(registry);
+    let mut out = Vec::new();
+    if let Some(i) = host.rfind(':').filter(|&i| i > 0) {
+        out.push(root.join(format!("{}_{}_", &host[..i], &host[i + 1..])));
+    }
+    out.push(root.join(host));
+    out.push(root.join("_default"));
+    out
+}
+
+/// The hosts other than `registry`'s own that containerd tries for it, as containerd's CRI
+/// finds them under `roots` (its `config_path`, a list as `filepath.SplitList` reads it): in the
+/// first root where any of [`host_dirs`] exists, the first that exists decides (os.Stat: a link
+/// is followed), and its `hosts.toml` names them (`[host."URL"]` tables and a `server` that is
+/// not the registry); a directory without one, or with an empty one, names none, and so does
+/// no directory at all. `Err` where containerd would fail or credgate cannot be sure (a
+/// candidate that is not a directory, an unreadable or malformed `hosts.toml`): the caller then
+/// keeps the credential with the registry.
+pub fn configured_mirrors(roots: &[PathBuf], registry: &str) -> Result<Vec<String>, String> {
+    for root in roots {
+        for dir in host_dirs(root, registry) {
+            match std::fs::metadata(&dir) {
+                Ok(meta) if meta.is_dir() => return mirrors_of_dir(&dir, registry),
+                Ok(_) => {
+                    return Err(format!(
+                        "{} is not a directory (containerd fails such pulls)",
+                        dir.display()
+                    ))
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(format!("{}: {e}", dir.display())),
+            }
+        }
+    }
+    Ok(Vec::new())
+}
+
+fn mirrors_of_dir(dir: &Path, registry: &str) -> Result<Vec<String>, String> {
     use std::io::Read as _;
-    // containerd looks the registry up under its name as image references give it.
-    let path = dir.join(registry_key(registry)).join("hosts.toml");
-    let file = match std::fs::File::open(&path) {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let path = dir.join("hosts.toml");
+    let file = match std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(&path)
+    {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
         Err(e) => return Err(format!("{}: {e}", path.display())),
     };
+    if !file.metadata().is_ok_and(|m| m.is_file()) {
+        return Err(format!("{} is not a regular file", path.display()));
+    }
     let mut text = String::new();
     file.take(MAX_HOSTS_FILE + 1)
         .read_to_string(&mut text)
@@ -448,7 +497,66 @@ mod tests {
         assert!(p
             .scope("r.example:5000")
             .describe()
-            .contains("cannot be read"));
+            .contains("is not certain"));
+    }
+
+    /// Hosts are resolved as containerd's `hostPaths` finds them: `HOST_PORT_` before
+    /// `HOST:PORT`, then `_default`; the first directory that exists decides, even one without a
+    /// `hosts.toml`; in the first root of a `config_path` list that has any.
+    #[test]
+    fn hosts_are_found_where_containerd_finds_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        let p = policy(&["r.example:5000=trusted.example"], Some(root));
+        let write = |sub: &str, body: &str| {
+            std::fs::create_dir_all(root.join(sub)).unwrap();
+            std::fs::write(root.join(sub).join("hosts.toml"), body).unwrap();
+        };
+        let pinned = |p: &PullPolicy| p.scope("r.example:5000").server_address("") != "";
+        // The catch-all names an untrusted mirror, and the registry has no directory.
+        write("_default", "[host.\"https://evil.example\"]\n");
+        assert!(pinned(&p), "{}", p.scope("r.example:5000").describe());
+        // Its own directory, without mirrors, comes first.
+        write("r.example:5000", "server = \"https://r.example:5000\"\n");
+        assert!(!pinned(&p));
+        // But HOST_PORT_ comes before HOST:PORT.
+        write("r.example_5000_", "[host.\"https://evil.example\"]\n");
+        assert!(pinned(&p));
+        assert!(p
+            .scope("r.example:5000")
+            .describe()
+            .contains("evil.example"));
+        // A directory that exists decides even without a hosts.toml.
+        std::fs::remove_file(root.join("r.example_5000_").join("hosts.toml")).unwrap();
+        assert!(!pinned(&p));
+        // A candidate that is not a directory: containerd fails; credgate is not sure.
+        std::fs::remove_dir_all(root.join("r.example_5000_")).unwrap();
+        std::fs::write(root.join("r.example_5000_"), "").unwrap();
+        assert!(pinned(&p));
+        // A config_path list: the first root holding any candidate decides.
+        let first = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(first.path().join("_default")).unwrap();
+        std::fs::write(
+            first.path().join("_default").join("hosts.toml"),
+            "[host.\"https://trusted.example\"]\n",
+        )
+        .unwrap();
+        let list = std::env::join_paths([first.path(), root]).unwrap();
+        let p = policy(&["r.example:5000=trusted.example"], Some(Path::new(&list)));
+        assert_eq!(
+            p.scope("r.example:5000"),
+            Scoped::TrustedMirrors {
+                mirrors: vec!["trusted.example".into()]
+            }
+        );
+        assert_eq!(
+            host_dirs(Path::new("/d"), "[::1]:5000"),
+            [
+                PathBuf::from("/d/[::1]_5000_"),
+                PathBuf::from("/d/[::1]:5000"),
+                PathBuf::from("/d/_default")
+            ]
+        );
     }
 
     #[test]

@@ -257,15 +257,13 @@ fn mirror_trust_decides_which_hosts_receive_a_pods_credential() {
     );
     assert!(explained.contains("trusted mirrors"), "{explained}");
     // Trust of another mirror than the one hosts.toml names gives this one nothing.
-    let (elsewhere, explained) = reach(
-        "elsewhere",
-        &[
-            "--cri-proxy-trusted-mirror".into(),
-            format!("{}=127.0.0.2:1", registry.host()),
-            "--cri-proxy-hosts-dir".into(),
-            certs,
-        ],
-    );
+    let elsewhere_flags = [
+        "--cri-proxy-trusted-mirror".into(),
+        format!("{}=127.0.0.2:1", registry.host()),
+        "--cri-proxy-hosts-dir".into(),
+        certs,
+    ];
+    let (elsewhere, explained) = reach("elsewhere", &elsewhere_flags);
     assert_eq!(
         elsewhere,
         Reach {
@@ -275,6 +273,41 @@ fn mirror_trust_decides_which_hosts_receive_a_pods_credential() {
         }
     );
     assert!(explained.contains("not trusted"), "{explained}");
+
+    // Where containerd finds the hosts, credgate looks too. The registry's own directory gone,
+    // containerd's catch-all `_default` names the (untrusted) mirror: the credential is kept
+    // with the registry, and the mirror never receives it.
+    let own = containerd.certs.join(registry.host());
+    let kept = containerd.certs.join("kept-aside");
+    std::fs::rename(&own, &kept).unwrap();
+    let hosts = format!(
+        "[host.\"http://{}\"]\n  capabilities = [\"pull\", \"resolve\"]\n",
+        mirror.host()
+    );
+    std::fs::create_dir_all(containerd.certs.join("_default")).unwrap();
+    std::fs::write(containerd.certs.join("_default/hosts.toml"), &hosts).unwrap();
+    let (catch_all, explained) = reach("catch-all", &elsewhere_flags);
+    assert!(!catch_all.mirror, "{catch_all:?}\n{explained}");
+    assert!(explained.contains(&mirror.host()), "{explained}");
+    std::fs::remove_dir_all(containerd.certs.join("_default")).unwrap();
+    // HOST_PORT_ comes before HOST:PORT, which names no mirror here.
+    std::fs::rename(&kept, &own).unwrap();
+    std::fs::write(
+        own.join("hosts.toml"),
+        format!("server = \"http://{}\"\n", registry.host()),
+    )
+    .unwrap();
+    let (host, port) = registry
+        .host()
+        .rsplit_once(':')
+        .map(|(h, p)| (h.to_owned(), p.to_owned()))
+        .unwrap();
+    let underscored = containerd.certs.join(format!("{host}_{port}_"));
+    std::fs::create_dir_all(&underscored).unwrap();
+    std::fs::write(underscored.join("hosts.toml"), &hosts).unwrap();
+    let (first_dir, explained) = reach("host-port", &elsewhere_flags);
+    assert!(!first_dir.mirror, "{first_dir:?}\n{explained}");
+    assert!(explained.contains(&mirror.host()), "{explained}");
 }
 
 #[test]
