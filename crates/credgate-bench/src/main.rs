@@ -12,6 +12,7 @@ mod cri;
 mod cri_soak;
 mod guard;
 mod hostile_registry;
+mod renewal_scale;
 mod rollout;
 mod rotation;
 mod soak;
@@ -64,6 +65,8 @@ enum Scenario {
     GuardOpen,
     /// A long realistic mix against a running agent (see scripts/soak).
     Soak,
+    /// What a wake of the renewal loop costs with -n refs tracked (--reps wakes).
+    RenewalScale,
     #[value(hide = true)]
     GuardPopulate,
     /// One hostile tenant of a soak's agent (internal; see tenant.rs).
@@ -202,6 +205,7 @@ fn main() -> Result<()> {
         Scenario::GuardOpen => guard::open(&args),
         Scenario::GuardPopulate => guard::populate_cmd(&args),
         Scenario::Soak => soak::soak(&args),
+        Scenario::RenewalScale => renewal_scale::renewal_scale(&args),
         Scenario::Tenant => tenant::tenant(&args),
     }
 }
