@@ -48,6 +48,11 @@ pub const MAX_CONSUMERS: usize = 1024;
 /// (4096 refs behind a provider with 20 s answers made ~400 runs a second in the soak), so a
 /// tenant gets far fewer than a node's own consumers (root) may hold.
 pub const MAX_REFS_PER_UID: usize = 512;
+/// The most refs the consumers of every uid other than root and the agent's own hold
+/// together: uids are cheap (a pod can pick its `runAsUser`), so the per-uid bound alone let
+/// ~800 uids track 409k refs (1.64 GB). Root's and the agent's own room is kept beside it, as
+/// the listener keeps theirs.
+pub const MAX_REFS_UNPRIVILEGED: usize = 8192;
 
 /// Why a tracking call was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -69,6 +74,8 @@ pub enum TrackError {
     TooManyConsumers,
     #[error("the consumers of one caller may hold at most {MAX_REFS_PER_UID} refs together")]
     TooManyRefsForCaller,
+    #[error("the consumers of callers other than root and the agent's own hold {MAX_REFS_UNPRIVILEGED} refs together already")]
+    TooManyRefsUnprivileged,
 }
 
 /// A ref's credentials as watchers see them.
@@ -160,8 +167,36 @@ impl RefState {
 struct State {
     tracker: Tracker,
     refs: HashMap<String, RefState>,
+    /// Each ref's `next`, in time order: a wake costs what falls due, not what is tracked.
+    queue: std::collections::BTreeSet<(Instant, String)>,
     /// The uid that named each consumer (not root's or the agent's own).
     owners: HashMap<String, u32>,
+}
+
+impl State {
+    /// Sets when `image` falls due (`None`: a renewal is in flight), in its state and the
+    /// queue.
+    fn set_next(&mut self, image: &str, next: Option<Instant>) {
+        let Some(rs) = self.refs.get_mut(image) else {
+            return;
+        };
+        if let Some(old) = rs.next {
+            self.queue.remove(&(old, image.to_owned()));
+        }
+        rs.next = next;
+        if let Some(t) = next {
+            self.queue.insert((t, image.to_owned()));
+        }
+    }
+
+    /// Forgets `image`.
+    fn remove(&mut self, image: &str) {
+        if let Some(rs) = self.refs.remove(image) {
+            if let Some(t) = rs.next {
+                self.queue.remove(&(t, image.to_owned()));
+            }
+        }
+    }
 }
 
 struct Shared {
@@ -206,19 +241,25 @@ impl Drop for Subscription {
 }
 
 /// Refuses `mine` refs for `consumer` when, with what the other consumers of caller `uid`
-/// hold, they pass [`MAX_REFS_PER_UID`]; root's and the agent's own uid are not bounded.
+/// hold, they pass [`MAX_REFS_PER_UID`], or with what every unprivileged uid's consumers hold,
+/// [`MAX_REFS_UNPRIVILEGED`]; root's and the agent's own uid are not bounded.
 fn uid_room(st: &State, uid: Option<u32>, consumer: &str, mine: usize) -> Result<(), TrackError> {
     let Some(uid) = uid.filter(|u| !exempt(*u)) else {
         return Ok(());
     };
-    let others: usize = st
-        .owners
-        .iter()
-        .filter(|(c, o)| **o == uid && *c != consumer)
-        .map(|(c, _)| st.tracker.held_by(c).count())
-        .sum();
-    if others + mine > MAX_REFS_PER_UID {
+    let (mut same_uid, mut unprivileged) = (0, 0);
+    for (c, o) in st.owners.iter().filter(|(c, _)| *c != consumer) {
+        let held = st.tracker.held_by(c).count();
+        unprivileged += held;
+        if *o == uid {
+            same_uid += held;
+        }
+    }
+    if same_uid + mine > MAX_REFS_PER_UID {
         return Err(TrackError::TooManyRefsForCaller);
+    }
+    if unprivileged + mine > MAX_REFS_UNPRIVILEGED {
+        return Err(TrackError::TooManyRefsUnprivileged);
     }
     Ok(())
 }
@@ -397,9 +438,8 @@ impl Renewer {
         let mut st = self.lock();
         let change = f(&mut st.tracker, now);
         for r in &change.new_refs {
-            let mut rs = RefState::new();
-            rs.next = Some(now + delay(r));
-            st.refs.insert(r.clone(), rs);
+            st.refs.insert(r.clone(), RefState::new());
+            st.set_next(r, Some(now + delay(r)));
         }
         self.shared
             .metrics
@@ -662,7 +702,8 @@ impl Renewer {
     pub fn refused(&self, username: &str, password: &str) {
         let now = self.shared.clock.now();
         let mut st = self.lock();
-        for rs in st.refs.values_mut() {
+        let mut due = Vec::new();
+        for (image, rs) in st.refs.iter_mut() {
             let holds = rs.value.as_ref().is_some_and(|v| {
                 v.credentials
                     .iter()
@@ -672,9 +713,12 @@ impl Renewer {
                 rs.refused
                     .push((username.to_owned(), SecretString::from(password.to_owned())));
                 if rs.next.is_some() {
-                    rs.next = Some(now);
+                    due.push(image.clone());
                 }
             }
+        }
+        for image in due {
+            st.set_next(&image, Some(now));
         }
         drop(st);
         self.shared.wake.notify_one();
@@ -684,10 +728,9 @@ impl Renewer {
     pub fn refresh_all(&self) {
         let now = self.shared.clock.now();
         let mut st = self.lock();
-        for rs in st.refs.values_mut() {
-            if rs.next.is_some() {
-                rs.next = Some(now);
-            }
+        let scheduled: Vec<String> = st.queue.iter().map(|(_, r)| r.clone()).collect();
+        for image in scheduled {
+            st.set_next(&image, Some(now));
         }
         drop(st);
         self.shared.wake.notify_one();
@@ -761,25 +804,35 @@ impl Renewer {
             let (due, next) = {
                 let mut st = self.lock();
                 for gone in st.tracker.evict(now, grace) {
-                    st.refs.remove(&gone);
+                    st.remove(&gone);
                     tracing::debug!(image = %gone, "evicted untracked ref");
                 }
                 self.shared
                     .metrics
                     .tracked_refs
                     .set(st.tracker.len() as i64);
-                let mut next = st.tracker.next_eviction(grace);
+                // Only what is due is touched.
                 let mut due = Vec::new();
-                for (r, rs) in st.refs.iter_mut() {
-                    match rs.next {
-                        Some(t) if t <= now => {
-                            rs.next = None;
-                            due.push((r.clone(), self.force_for(&rs.entries, now)));
-                        }
-                        Some(t) => next = Some(next.map_or(t, |n: Instant| n.min(t))),
-                        None => {}
+                while let Some((t, r)) = st.queue.first().cloned() {
+                    if t > now {
+                        break;
                     }
+                    st.set_next(&r, None);
+                    let entries = st
+                        .refs
+                        .get(&r)
+                        .map(|rs| rs.entries.as_slice())
+                        .unwrap_or_default();
+                    let force = self.force_for(entries, now);
+                    due.push((r, force));
                 }
+                let next = [
+                    st.tracker.next_eviction(grace),
+                    st.queue.first().map(|(t, _)| *t),
+                ]
+                .into_iter()
+                .flatten()
+                .min();
                 (due, next)
             };
             for (image, force) in due {
@@ -818,7 +871,8 @@ impl Renewer {
         };
         let result = engine.lookup(&request).await;
         let now = self.shared.clock.now();
-        let mut st = self.lock();
+        let mut guard = self.lock();
+        let st = &mut *guard;
         let Some(rs) = st.refs.get_mut(&image) else {
             return;
         };
@@ -857,8 +911,8 @@ impl Renewer {
                 rs.last_success = Some(self.shared.clock.wall());
                 // At least a second apart, whatever a plugin answers: no hot loop.
                 let next = self.schedule(&image, &entries, now).max(now + MIN_INTERVAL);
-                rs.next = Some(next);
                 rs.entries = entries;
+                st.set_next(&image, Some(next));
                 self.shared.metrics.renewal(true);
             }
             Some(msg) => {
@@ -870,14 +924,15 @@ impl Renewer {
                 }
                 rs.last_error = Some(msg);
                 let sample = renewal::sample(seed(&(&image, rs.failures)));
-                rs.next = Some(self.shared.policy.retry_at(now, rs.failures, sample));
+                let next = self.shared.policy.retry_at(now, rs.failures, sample);
                 if rs.entries.is_empty() {
                     rs.entries = entries;
                 }
+                st.set_next(&image, Some(next));
                 self.shared.metrics.renewal(false);
             }
         }
-        drop(st);
+        drop(guard);
         self.shared.wake.notify_one();
     }
 }

@@ -30,6 +30,9 @@ pub struct Change {
 pub struct Tracker {
     refs: BTreeMap<String, Holders>,
     consumers: BTreeMap<String, BTreeSet<String>>,
+    /// Released refs by when they were released: eviction costs what is evicted, not what is
+    /// held.
+    released: BTreeSet<(Instant, String)>,
 }
 
 impl Tracker {
@@ -66,7 +69,9 @@ impl Tracker {
                 Holders::default()
             });
             holders.consumers.insert(consumer.to_owned());
-            holders.released = None;
+            if let Some(t) = holders.released.take() {
+                self.released.remove(&(t, r.to_owned()));
+            }
             change.added.push(r.to_owned());
         }
         change
@@ -89,8 +94,9 @@ impl Tracker {
             }
             if let Some(h) = self.refs.get_mut(r) {
                 h.consumers.remove(consumer);
-                if h.consumers.is_empty() {
+                if h.consumers.is_empty() && h.released.is_none() {
                     h.released = Some(now);
+                    self.released.insert((now, r.to_owned()));
                 }
             }
             change.removed.push(r.to_owned());
@@ -132,29 +138,29 @@ impl Tracker {
 
     /// Refs nobody has held for at least `grace`; they are forgotten.
     pub fn evict(&mut self, now: Instant, grace: Duration) -> Vec<String> {
-        let gone: Vec<String> = self.evictable(now, grace).map(str::to_owned).collect();
-        for r in &gone {
-            self.refs.remove(r);
+        let mut gone = Vec::new();
+        while let Some(first) = self.released.first() {
+            if now.saturating_duration_since(first.0) < grace {
+                break;
+            }
+            let (_, r) = self.released.pop_first().expect("a first");
+            self.refs.remove(&r);
+            gone.push(r);
         }
         gone
     }
 
     /// Refs nobody has held for at least `grace`.
     pub fn evictable(&self, now: Instant, grace: Duration) -> impl Iterator<Item = &str> {
-        self.refs.iter().filter_map(move |(r, h)| {
-            h.released
-                .filter(|t| now.saturating_duration_since(*t) >= grace)
-                .map(|_| r.as_str())
-        })
+        self.released
+            .iter()
+            .take_while(move |(t, _)| now.saturating_duration_since(*t) >= grace)
+            .map(|(_, r)| r.as_str())
     }
 
     /// When the next ref becomes evictable.
     pub fn next_eviction(&self, grace: Duration) -> Option<Instant> {
-        self.refs
-            .values()
-            .filter_map(|h| h.released)
-            .min()
-            .map(|t| t + grace)
+        self.released.first().map(|(t, _)| *t + grace)
     }
 
     /// Whether `r` is known (held, or within its grace period).

@@ -469,3 +469,68 @@ async fn one_caller_uid_cannot_track_without_bound_by_naming_consumers() {
         .track_as(Some(4242), "c3", &refs("c", 10))
         .unwrap();
 }
+
+/// Uids are cheap (a pod picks its `runAsUser`): the consumers of every uid but root's and the
+/// agent's own hold at most `MAX_REFS_UNPRIVILEGED` refs together, while root keeps its room.
+#[tokio::test(start_paused = true)]
+async fn many_uids_together_cannot_track_without_bound() {
+    use credgate_agent::renewal::{TrackError, MAX_REFS_PER_UID, MAX_REFS_UNPRIVILEGED};
+    let f = start(TokenPlugin::new("Registry", "10m"), policy());
+    let refs = |prefix: &str, n: usize| -> Vec<String> {
+        (0..n)
+            .map(|i| format!("reg.example.com/{prefix}/app-{i}:v1"))
+            .collect()
+    };
+    let uids = MAX_REFS_UNPRIVILEGED / MAX_REFS_PER_UID;
+    for u in 0..uids {
+        let uid = 10_000 + u as u32;
+        f.renewer
+            .track_as(
+                Some(uid),
+                &format!("c{u}"),
+                &refs(&format!("u{u}"), MAX_REFS_PER_UID),
+            )
+            .unwrap();
+    }
+    assert_eq!(
+        f.renewer.track_as(Some(20_000), "late", &refs("late", 1)),
+        Err(TrackError::TooManyRefsUnprivileged)
+    );
+    assert_eq!(
+        f.renewer.watch_as(Some(20_001), &refs("w", 1)).err(),
+        Some(TrackError::TooManyRefsUnprivileged)
+    );
+    f.renewer
+        .track_as(Some(0), "root", &refs("root", 1000))
+        .unwrap();
+    f.renewer.track("in-process", &refs("own", 1000)).unwrap();
+    f.renewer.untrack("c0", &refs("u0", 1)).unwrap();
+    f.renewer
+        .track_as(Some(20_000), "late", &refs("late", 1))
+        .unwrap();
+}
+
+/// Renewal scheduled by due time: 8,000 refs behind one cache entry of an hour cost one run,
+/// and a thousand wakes in the meantime (refs tracked and untracked) run nothing. (What a
+/// wake costs in CPU is `credgate-bench soak`'s figure: BENCHMARKS.md.)
+#[tokio::test(start_paused = true)]
+async fn renewal_follows_what_is_due_not_what_is_held() {
+    let f = start(TokenPlugin::new("Registry", "1h"), policy());
+    let many: Vec<String> = (0..8000)
+        .map(|i| format!("reg.example.com/team/app-{i}:v1"))
+        .collect();
+    f.renewer.track("bulk-1", &many[..4000]).unwrap();
+    f.renewer.track("bulk-2", &many[4000..]).unwrap();
+    tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+    assert!(f.plugin.runs() >= 1);
+    let after_first = f.plugin.runs();
+    for i in 0..1000 {
+        let r = vec![format!("other.example.com/x/{i}:v1")];
+        f.renewer.track("churn", &r).unwrap();
+        f.renewer.untrack("churn", &r).unwrap();
+    }
+    tokio::time::sleep(std::time::Duration::from_secs(60)).await;
+    // The churned refs match no provider; bulk's entry is not renewed again within its hour.
+    assert_eq!(f.plugin.runs(), after_first);
+    assert_eq!(after_first, 1, "one run for the one entry of 8,000 refs");
+}
