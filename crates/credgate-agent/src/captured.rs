@@ -90,6 +90,23 @@ impl Stored {
     }
 }
 
+/// A change to the captured credentials: what it answers when it changed something.
+type Edit = Box<dyn FnOnce(&mut BTreeMap<String, Credential>) -> Option<usize> + Send>;
+
+/// Where a change waiting for the writer gets its outcome.
+#[derive(Default)]
+struct Ticket(Mutex<Option<Result<Option<usize>, CaptureError>>>);
+
+impl Ticket {
+    fn give(&self, outcome: Result<Option<usize>, CaptureError>) {
+        *self.0.lock() = Some(outcome);
+    }
+
+    fn take(&self) -> Option<Result<Option<usize>, CaptureError>> {
+        self.0.lock().take()
+    }
+}
+
 /// Why the captured credentials could not be written.
 #[derive(Debug, thiserror::Error)]
 pub enum CaptureError {
@@ -101,6 +118,9 @@ pub enum CaptureError {
     },
     #[error("the node key is unavailable: {0}")]
     Key(String),
+    /// The write that carried this change with others failed (its cause in the message).
+    #[error("{0}")]
+    Batch(String),
     /// A credential larger than any a registry needs: not kept.
     #[error(
         "a credential of {0} bytes as stored, above the {MAX_CREDENTIAL}-byte limit: not captured"
@@ -170,6 +190,9 @@ pub struct Captured {
     /// Serializes writers (each seals the whole map, fsyncs, then swaps it in), so that a
     /// capture's fsync never holds up a `Lookup` reading the map.
     writer: Mutex<()>,
+    /// Changes waiting for the writer: whoever holds it next applies all of them and writes
+    /// once (group commit), and each caller returns once its own change is on disk.
+    pending: Mutex<Vec<(Edit, std::sync::Arc<Ticket>)>>,
     /// Counts changes, for those who push them on (the renewer, to Watch streams).
     changes: tokio::sync::watch::Sender<u64>,
 }
@@ -194,6 +217,7 @@ impl Captured {
             clock: std::sync::Arc::new(credgate_engine::clock::SystemClock::new()),
             by_repository: Mutex::new(BTreeMap::new()),
             writer: Mutex::new(()),
+            pending: Mutex::new(Vec::new()),
             changes: tokio::sync::watch::Sender::new(0),
         };
         let path = captured.path();
@@ -301,12 +325,13 @@ impl Captured {
     /// more than the limit, the oldest captures are dropped: how many.
     pub fn capture(&self, repository: &str, credential: Credential) -> Result<usize, CaptureError> {
         fits(repository, &credential)?;
-        let mut dropped = 0;
         let max = self.max_entries;
         let per_namespace = (max / 4).max(1);
         let namespace = credential.namespace.clone();
-        self.change(|entries| {
-            entries.insert(repository.to_owned(), credential);
+        let repository = repository.to_owned();
+        let dropped = self.change(Box::new(move |entries| {
+            let mut dropped = 0;
+            entries.insert(repository.clone(), credential);
             let theirs = entries
                 .values()
                 .filter(|c| c.namespace == namespace)
@@ -326,11 +351,11 @@ impl Captured {
                 let from = if own_only {
                     namespace.clone()
                 } else {
-                    largest_namespace(entries, repository)
+                    largest_namespace(entries, &repository)
                 };
                 let oldest = entries
                     .iter()
-                    .filter(|(r, c)| r.as_str() != repository && c.namespace == from)
+                    .filter(|(r, c)| **r != repository && c.namespace == from)
                     .min_by_key(|(_, c)| c.captured_ms)
                     .map(|(r, _)| r.clone());
                 match oldest {
@@ -341,31 +366,64 @@ impl Captured {
                     None => break,
                 }
             }
-            true
-        })?;
-        Ok(dropped)
+            Some(dropped)
+        }))?;
+        Ok(dropped.unwrap_or(0))
     }
 
     /// Applies `edit` to a copy of the map; when it says it changed something, seals and
-    /// fsyncs the copy, swaps it in and counts the change. Whether it changed something.
-    fn change(
-        &self,
-        edit: impl FnOnce(&mut BTreeMap<String, Credential>) -> bool,
-    ) -> Result<bool, CaptureError> {
+    /// fsyncs the copy, swaps it in and counts the change. What the edit answered (`None`:
+    /// nothing changed), once the change is on disk.
+    ///
+    /// Group commit: the edit waits with any others for the writer; whoever takes the writer
+    /// applies every edit waiting, in order, and writes the file once for all of them. A
+    /// burst of captures costs a few writes of the whole file, not one each, and each caller
+    /// still returns only once its change is on disk (or with the write's error).
+    fn change(&self, edit: Edit) -> Result<Option<usize>, CaptureError> {
+        let ticket = std::sync::Arc::new(Ticket::default());
+        self.pending.lock().push((edit, ticket.clone()));
         let _writer = self.writer.lock();
-        let mut next = self.lock().clone();
-        if !edit(&mut next) {
-            return Ok(false);
+        if let Some(done) = ticket.take() {
+            // A writer before this one applied it.
+            return done;
         }
-        self.persist(&next)?;
-        *self.lock() = next;
-        self.changes.send_modify(|n| *n += 1);
-        Ok(true)
+        let batch = std::mem::take(&mut *self.pending.lock());
+        let mut next = self.lock().clone();
+        let mut answered = Vec::with_capacity(batch.len());
+        for (edit, waiter) in batch {
+            answered.push((edit(&mut next), waiter));
+        }
+        let changed = answered.iter().any(|(a, _)| a.is_some());
+        let written = if changed { self.persist(&next) } else { Ok(()) };
+        let failed = written.as_ref().err().map(ToString::to_string);
+        if changed && failed.is_none() {
+            *self.lock() = next;
+            self.changes.send_modify(|n| *n += 1);
+        }
+        for (answer, waiter) in answered {
+            waiter.give(match &failed {
+                None => Ok(answer),
+                Some(why) => Err(CaptureError::Batch(why.clone())),
+            });
+        }
+        match written {
+            Err(e) => {
+                // This caller's own change went with the failed write: its error, whole.
+                let _ = ticket.take();
+                Err(e)
+            }
+            Ok(()) => ticket.take().unwrap_or(Ok(None)),
+        }
     }
 
     /// Drops the credential of `repository`; whether there was one.
     pub fn forget(&self, repository: &str) -> Result<bool, CaptureError> {
-        self.change(|entries| entries.remove(repository).is_some())
+        let repository = repository.to_owned();
+        Ok(self
+            .change(Box::new(move |entries| {
+                entries.remove(&repository).map(|_| 1)
+            }))?
+            .is_some())
     }
 
     /// A receiver that sees each change (a capture or a drop) as it happens.
@@ -377,12 +435,18 @@ impl Captured {
         username: &str,
         password: &str,
     ) -> Result<bool, CaptureError> {
-        self.change(|entries| {
-            let held = entries
-                .get(repository)
-                .is_some_and(|c| c.username == username && c.password.expose_secret() == password);
-            held && entries.remove(repository).is_some()
-        })
+        let (repository, username) = (repository.to_owned(), username.to_owned());
+        let password = SecretString::from(password.to_owned());
+        Ok(self
+            .change(Box::new(move |entries| {
+                let held = entries.get(&repository).is_some_and(|c| {
+                    c.username == username
+                        && c.password.expose_secret() == password.expose_secret()
+                });
+                held.then(|| entries.remove(&repository).map(|_| 1))
+                    .flatten()
+            }))?
+            .is_some())
     }
 
     pub fn changes(&self) -> tokio::sync::watch::Receiver<u64> {
@@ -684,6 +748,35 @@ mod tests {
             .collect();
         assert_eq!(victims, 2, "{list:?}");
         assert_eq!(greedy, ["reg.io/greedy/18", "reg.io/greedy/19"]);
+    }
+
+    /// Captures that wait for the writer together are written together: twenty captures
+    /// queued behind a write cost one more write of the file, and each is on disk when its
+    /// call returns.
+    #[test]
+    fn captures_waiting_together_are_written_once() {
+        let dir = private_dir();
+        let c = std::sync::Arc::new(Captured::open(dir.path(), None).unwrap());
+        let changes = c.changes();
+        let held = c.writer.lock();
+        let threads: Vec<_> = (0..20)
+            .map(|i| {
+                let c = c.clone();
+                std::thread::spawn(move || {
+                    c.capture(&format!("reg.io/team/app-{i}"), cred("ns", "u", "p", i))
+                })
+            })
+            .collect();
+        while c.pending.lock().len() < 20 {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        drop(held);
+        for t in threads {
+            assert_eq!(t.join().unwrap().unwrap(), 0);
+        }
+        assert_eq!(*changes.borrow(), 1, "one write for the twenty");
+        let again = Captured::open(dir.path(), None).unwrap();
+        assert_eq!(again.list().len(), 20, "all on disk");
     }
 
     /// One tenant filling four namespaces to their share (a quarter each, the whole store)
