@@ -440,8 +440,7 @@ impl Captured {
         Ok(self
             .change(Box::new(move |entries| {
                 let held = entries.get(&repository).is_some_and(|c| {
-                    c.username == username
-                        && c.password.expose_secret() == password.expose_secret()
+                    c.username == username && c.password.expose_secret() == password.expose_secret()
                 });
                 held.then(|| entries.remove(&repository).map(|_| 1))
                     .flatten()

@@ -512,7 +512,7 @@ mod tests {
             std::fs::create_dir_all(root.join(sub)).unwrap();
             std::fs::write(root.join(sub).join("hosts.toml"), body).unwrap();
         };
-        let pinned = |p: &PullPolicy| p.scope("r.example:5000").server_address("") != "";
+        let pinned = |p: &PullPolicy| !p.scope("r.example:5000").server_address("").is_empty();
         // The catch-all names an untrusted mirror, and the registry has no directory.
         write("_default", "[host.\"https://evil.example\"]\n");
         assert!(pinned(&p), "{}", p.scope("r.example:5000").describe());
