@@ -418,7 +418,7 @@ impl Agent {
     }
 
     /// Whether a flush by a uid other than root's and the agent's own may go now: one per
-    /// [`UNPRIVILEGED_FLUSH_EVERY`] for all of them together.
+    /// `UNPRIVILEGED_FLUSH_EVERY` (5 s) for all of them together.
     pub fn may_flush_unprivileged(&self) -> bool {
         let now = self.inner.clock.now();
         let mut last = self.inner.unprivileged_flush.lock();
