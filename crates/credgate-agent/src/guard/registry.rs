@@ -321,12 +321,7 @@ impl Verifier {
         username: &str,
         password: &str,
     ) -> Result<Option<StatusCode>, String> {
-        let get = |k: &str| {
-            params
-                .iter()
-                .find(|(key, _)| key == k)
-                .map(|(_, v)| v.as_str())
-        };
+        let get = |k: &str| param(params, k);
         let Some(realm) = get("realm") else {
             return Ok(None);
         };
@@ -454,12 +449,7 @@ impl Verifier {
         target: &Target,
         basic: Option<(&str, &str)>,
     ) -> Result<Option<String>, String> {
-        let get = |k: &str| {
-            params
-                .iter()
-                .find(|(key, _)| key == k)
-                .map(|(_, v)| v.as_str())
-        };
+        let get = |k: &str| param(params, k);
         let Some(realm) = get("realm") else {
             return Ok(None);
         };
@@ -499,6 +489,14 @@ pub enum CredentialCheck {
     Refused,
     /// It does not check credentials, or answered something that says neither.
     Unchecked,
+}
+
+/// A challenge's parameter `key`.
+fn param<'a>(params: &'a [(String, String)], key: &str) -> Option<&'a str> {
+    params
+        .iter()
+        .find(|(k, _)| k == key)
+        .map(|(_, v)| v.as_str())
 }
 
 /// 401 or 403.

@@ -145,15 +145,24 @@ fn admit(
         if callers.allows(service, who.uid) {
             return Ok(request);
         }
-        tracing::warn!(
-            service = service.as_str(),
-            uid = who.uid,
-            gid = who.gid,
-            pid = who.pid,
-            "call refused: the caller's uid is not allowed"
-        );
-        Err(not_for(who, service).into())
+        Err(refused(
+            who,
+            service,
+            "call refused: the caller's uid is not allowed",
+        ))
     }
+}
+
+/// A caller refused for `service`: warned (`why`) and answered PERMISSION_DENIED.
+fn refused(who: Peer, service: Service, why: &'static str) -> Status {
+    tracing::warn!(
+        service = service.as_str(),
+        uid = who.uid,
+        gid = who.gid,
+        pid = who.pid,
+        "{why}"
+    );
+    not_for(who, service).into()
 }
 
 /// The refusal of a caller whose uid may not call `service` (or see what it guards).
@@ -221,14 +230,11 @@ impl Api {
         if self.agent.callers().allows(also, peer.uid) {
             return Ok(());
         }
-        tracing::warn!(
-            service = also.as_str(),
-            uid = peer.uid,
-            gid = peer.gid,
-            pid = peer.pid,
-            "call refused: the caller's uid may not see or change what this call touches"
-        );
-        Err(not_for(peer, also).into())
+        Err(refused(
+            peer,
+            also,
+            "call refused: the caller's uid may not see or change what this call touches",
+        ))
     }
 
     /// A `Lookup` that names a service account is answered from that account's cache

@@ -23,6 +23,35 @@ fn unauthorized(image: &str, host: &str) -> (i32, String) {
     )
 }
 
+/// An agent with `backend`'s provider and metrics, its proxy in front of a fake runtime that
+/// answers every pull with `answer`.
+async fn with_provider(
+    d: &std::path::Path,
+    backend: &Backend,
+    answer: (i32, String),
+) -> (
+    credgate_testbed::fake_runtime::FakeRuntime,
+    crate::support::Agent,
+    std::path::PathBuf,
+) {
+    crate::support::fake_runtime_agent(
+        d,
+        Answers {
+            pull: Err(answer),
+            ..Default::default()
+        },
+        &[
+            "--image-credential-provider-config",
+            backend.config.to_str().unwrap(),
+            "--image-credential-provider-bin-dir",
+            backend.bin.to_str().unwrap(),
+            "--metrics-addr",
+            "127.0.0.1:0",
+        ],
+    )
+    .await
+}
+
 fn refused_count(agent: &crate::support::Agent) -> u64 {
     refused_from(agent, "provider")
 }
@@ -66,22 +95,7 @@ async fn an_unauthorized_pull_drops_a_credential_only_when_the_registry_refuses_
     let host = stub.host();
     let backend = Backend::new(d, &host, "good-Pa55word");
     let typo = format!("{host}/team-a/aap:v1");
-    let (fake, agent, proxy) = crate::support::fake_runtime_agent(
-        d,
-        Answers {
-            pull: Err(unauthorized(&typo, &host)),
-            ..Default::default()
-        },
-        &[
-            "--image-credential-provider-config",
-            backend.config.to_str().unwrap(),
-            "--image-credential-provider-bin-dir",
-            backend.bin.to_str().unwrap(),
-            "--metrics-addr",
-            "127.0.0.1:0",
-        ],
-    )
-    .await;
+    let (fake, agent, proxy) = with_provider(d, &backend, unauthorized(&typo, &host)).await;
     assert_eq!(looked_up(&agent, &typo), "good-Pa55word");
     assert_eq!(backend.runs(), 1);
 
@@ -204,22 +218,7 @@ async fn a_backend_that_lags_the_registry_is_followed_within_seconds() {
     let host = stub.host();
     let image = format!("{host}/team/app:v1");
     let backend = Backend::new(d, &host, "old-Pa55word");
-    let (_fake, agent, proxy) = crate::support::fake_runtime_agent(
-        d,
-        Answers {
-            pull: Err(unauthorized(&image, &host)),
-            ..Default::default()
-        },
-        &[
-            "--image-credential-provider-config",
-            backend.config.to_str().unwrap(),
-            "--image-credential-provider-bin-dir",
-            backend.bin.to_str().unwrap(),
-            "--metrics-addr",
-            "127.0.0.1:0",
-        ],
-    )
-    .await;
+    let (_fake, agent, proxy) = with_provider(d, &backend, unauthorized(&image, &host)).await;
     assert_eq!(looked_up(&agent, &image), "old-Pa55word");
     // Rotated at the registry; the backend still answers the old password.
     stub.set_password(USER, "new-Pa55word");
