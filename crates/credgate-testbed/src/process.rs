@@ -78,6 +78,27 @@ impl Containerd {
     /// Starts containerd in `dir/containerd`; `registry_hosts` are plain-HTTP registries
     /// (`127.0.0.1:PORT`) it may pull from.
     pub fn start(dir: &Path, registry_hosts: &[String]) -> Containerd {
+        Self::start_binary(Path::new("containerd"), dir, registry_hosts)
+    }
+
+    /// containerd 2.x at `CREDGATE_TEST_CONTAINERD2` (scripts/test builds containerd 2.4 from the
+    /// module in scripts/node-tools and sets it), or why it cannot run.
+    pub fn v2_binary() -> Result<PathBuf, String> {
+        let path = std::env::var_os("CREDGATE_TEST_CONTAINERD2").map(PathBuf::from).ok_or_else(|| {
+            "CREDGATE_TEST_CONTAINERD2 is not set: scripts/test builds containerd 2.4 (scripts/node-tools/build containerd) and sets it".to_owned()
+        })?;
+        if !path.is_file() {
+            return Err(format!(
+                "CREDGATE_TEST_CONTAINERD2={} is not a file",
+                path.display()
+            ));
+        }
+        Ok(path)
+    }
+
+    /// The containerd at `binary` (1.x or 2.x: its config is written in the version it
+    /// reads), in `dir`, trusting `registry_hosts` over plain HTTP.
+    pub fn start_binary(binary: &Path, dir: &Path, registry_hosts: &[String]) -> Containerd {
         let base = dir.join("containerd");
         let certs = base.join("certs.d");
         std::fs::create_dir_all(&certs).unwrap();
@@ -91,17 +112,35 @@ impl Containerd {
         }
         let socket = base.join("containerd.sock");
         let config = base.join("config.toml");
-        std::fs::write(
-            &config,
+        let v2 = Command::new(binary)
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains(" 2."));
+        let text = if v2 {
+            // containerd 2.x reads version 3: the CRI's image service is a plugin of its own.
+            format!(
+                "version = 3\nroot = \"{b}/root\"\nstate = \"{b}/state\"\n[grpc]\n  address = \"{s}\"\n[plugins.\"io.containerd.cri.v1.images\"]\n  snapshotter = \"native\"\n[plugins.\"io.containerd.cri.v1.images\".registry]\n  config_path = \"{c}\"\n[plugins.\"io.containerd.cri.v1.runtime\".cni]\n  bin_dirs = [\"{b}/cni\"]\n  conf_dir = \"{b}/cni.d\"\n[[plugins.\"io.containerd.transfer.v1.local\".unpack_config]]\n  platform = \"linux/{arch}\"\n  snapshotter = \"native\"\n",
+                b = base.display(),
+                s = socket.display(),
+                c = certs.display(),
+                // The CRI pulls through the transfer service, which unpacks only for the
+                // platforms and snapshotters it is given.
+                arch = match std::env::consts::ARCH {
+                    "x86_64" => "amd64",
+                    "aarch64" => "arm64",
+                    other => other,
+                },
+            )
+        } else {
             format!(
                 "version = 2\nroot = \"{b}/root\"\nstate = \"{b}/state\"\n[grpc]\n  address = \"{s}\"\n[plugins.\"io.containerd.grpc.v1.cri\".containerd]\n  snapshotter = \"native\"\n[plugins.\"io.containerd.grpc.v1.cri\".registry]\n  config_path = \"{c}\"\n[plugins.\"io.containerd.grpc.v1.cri\".cni]\n  bin_dir = \"{b}/cni\"\n  conf_dir = \"{b}/cni.d\"\n",
                 b = base.display(),
                 s = socket.display(),
                 c = certs.display(),
-            ),
-        )
-        .unwrap();
-        let child = Command::new("containerd")
+            )
+        };
+        std::fs::write(&config, text).unwrap();
+        let child = Command::new(binary)
             .arg("--config")
             .arg(&config)
             .stdout(Stdio::null())

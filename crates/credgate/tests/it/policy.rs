@@ -173,6 +173,21 @@ struct Reach {
 #[ignore = "needs root"]
 fn mirror_trust_decides_which_hosts_receive_a_pods_credential() {
     needs_containerd();
+    mirror_trust_on(std::path::Path::new("containerd"));
+}
+
+/// The same against containerd 2.4 (built from scripts/node-tools by scripts/test).
+#[test]
+#[ignore = "needs root"]
+fn mirror_trust_decides_which_hosts_receive_a_pods_credential_on_containerd_2() {
+    needs_containerd();
+    let binary = Containerd::v2_binary().unwrap_or_else(|why| panic!("{why}"));
+    mirror_trust_on(&binary);
+}
+
+/// Which hosts receive a pod's credential through the proxy, with each policy, in front of
+/// the containerd at `binary`.
+fn mirror_trust_on(binary: &std::path::Path) {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let (rd, md) = (d.join("registry"), d.join("mirror"));
@@ -183,7 +198,7 @@ fn mirror_trust_decides_which_hosts_receive_a_pods_credential() {
     oci_image(d);
     push(d, &registry, "team/app", POD_USER, POD_PASSWORD);
     push(d, &mirror, "team/app", POD_USER, POD_PASSWORD);
-    let containerd = Containerd::start(d, &[registry.host(), mirror.host()]);
+    let containerd = Containerd::start_binary(binary, d, &[registry.host(), mirror.host()]);
     containerd.set_mirror(&registry.host(), &mirror.host());
     let go = build_go(d);
     let image = format!("{}/team/app:v1", registry.host());
@@ -208,19 +223,21 @@ fn mirror_trust_decides_which_hosts_receive_a_pods_credential() {
                 mirror: mirror.saw_user(POD_USER, m),
                 registry: registry.saw_user(POD_USER, r),
             },
-            explained,
+            // The runtime's answer too, for a failure's message.
+            format!("{explained}\n{}", answer.message),
         )
     };
 
     // Off: containerd's own behaviour, which gives the pod's credential to the mirror.
-    let (off, _) = reach("off", &[]);
+    let (off, said) = reach("off", &[]);
     assert_eq!(
         off,
         Reach {
             pulled: true,
             mirror: true,
             registry: false
-        }
+        },
+        "{said}"
     );
     // On, the mirror not trusted: it never receives the credential; the registry serves.
     let (scoped, explained) = reach("scoped", &["--cri-proxy-scope-credentials".into()]);
