@@ -193,6 +193,8 @@ pub struct Captured {
     /// Changes waiting for the writer: whoever holds it next applies all of them and writes
     /// once (group commit), and each caller returns once its own change is on disk.
     pending: Mutex<Vec<(Edit, std::sync::Arc<Ticket>)>>,
+    /// Counts the writes that ended, and wakes the callers waiting for one.
+    written: (Mutex<u64>, parking_lot::Condvar),
     /// Counts changes, for those who push them on (the renewer, to Watch streams).
     changes: tokio::sync::watch::Sender<u64>,
 }
@@ -218,6 +220,7 @@ impl Captured {
             by_repository: Mutex::new(BTreeMap::new()),
             writer: Mutex::new(()),
             pending: Mutex::new(Vec::new()),
+            written: (Mutex::new(0), parking_lot::Condvar::new()),
             changes: tokio::sync::watch::Sender::new(0),
         };
         let path = captured.path();
@@ -382,12 +385,41 @@ impl Captured {
     fn change(&self, edit: Edit) -> Result<Option<usize>, CaptureError> {
         let ticket = std::sync::Arc::new(Ticket::default());
         self.pending.lock().push((edit, ticket.clone()));
-        let _writer = self.writer.lock();
-        if let Some(done) = ticket.take() {
-            // A writer before this one applied it.
-            return done;
+        loop {
+            if let Some(done) = ticket.take() {
+                return done;
+            }
+            let seen = *self.written.0.lock();
+            if let Some(writer) = self.writer.try_lock() {
+                // This caller writes: every change waiting, its own included.
+                let own_error = self.write_pending();
+                drop(writer);
+                *self.written.0.lock() += 1;
+                self.written.1.notify_all();
+                if let Some(e) = own_error {
+                    // Its own change went with the failed write: the error, whole.
+                    let _ = ticket.take();
+                    return Err(e);
+                }
+                continue;
+            }
+            // Another writes: wait for its write to end, then look again (its batch may
+            // have carried this change; if not, this caller may write the next).
+            let mut written = self.written.0.lock();
+            if *written == seen {
+                self.written.1.wait(&mut written);
+            }
         }
+    }
+
+    /// Applies every change waiting to a copy of the map and, when one changed something,
+    /// writes it once and swaps it in; tells each waiting caller its outcome. The write's
+    /// error, when it failed.
+    fn write_pending(&self) -> Option<CaptureError> {
         let batch = std::mem::take(&mut *self.pending.lock());
+        if batch.is_empty() {
+            return None;
+        }
         let mut next = self.lock().clone();
         let mut answered = Vec::with_capacity(batch.len());
         for (edit, waiter) in batch {
@@ -406,14 +438,7 @@ impl Captured {
                 Some(why) => Err(CaptureError::Batch(why.clone())),
             });
         }
-        match written {
-            Err(e) => {
-                // This caller's own change went with the failed write: its error, whole.
-                let _ = ticket.take();
-                Err(e)
-            }
-            Ok(()) => ticket.take().unwrap_or(Ok(None)),
-        }
+        written.err()
     }
 
     /// Drops the credential of `repository`; whether there was one.
@@ -769,7 +794,10 @@ mod tests {
         while c.pending.lock().len() < 20 {
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
+        // The test held the writer as a write in progress would; its end wakes the waiters.
         drop(held);
+        *c.written.0.lock() += 1;
+        c.written.1.notify_all();
         for t in threads {
             assert_eq!(t.join().unwrap().unwrap(), 0);
         }

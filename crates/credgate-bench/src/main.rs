@@ -8,6 +8,7 @@
 
 mod adversary;
 mod agent;
+mod capture_burst;
 mod cri;
 mod cri_soak;
 mod guard;
@@ -67,6 +68,8 @@ enum Scenario {
     Soak,
     /// What a wake of the renewal loop costs with -n refs tracked (--reps wakes).
     RenewalScale,
+    /// What -n captures write to a 12 MB captured.sealed, one at a time and 32 at once.
+    CaptureBurst,
     #[value(hide = true)]
     GuardPopulate,
     /// One hostile tenant of a soak's agent (internal; see tenant.rs).
@@ -206,6 +209,7 @@ fn main() -> Result<()> {
         Scenario::GuardPopulate => guard::populate_cmd(&args),
         Scenario::Soak => soak::soak(&args),
         Scenario::RenewalScale => renewal_scale::renewal_scale(&args),
+        Scenario::CaptureBurst => capture_burst::capture_burst(&args),
         Scenario::Tenant => tenant::tenant(&args),
     }
 }
