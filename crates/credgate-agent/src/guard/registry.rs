@@ -274,14 +274,8 @@ impl Verifier {
         if first.status() != StatusCode::UNAUTHORIZED {
             return Ok(CredentialCheck::Unchecked);
         }
-        let challenge = first
-            .headers()
-            .get(WWW_AUTHENTICATE)
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or("")
-            .to_owned();
+        let (scheme, params) = challenge_of(&first);
         drop(first);
-        let (scheme, params) = parse_challenge(&challenge);
         let status = match scheme.as_str() {
             "basic" => {
                 let req = self.client.get(&v2).basic_auth(username, Some(password));
@@ -405,13 +399,7 @@ impl Verifier {
         };
         let response = if first.status() == StatusCode::UNAUTHORIZED {
             *challenged = true;
-            let challenge = first
-                .headers()
-                .get(WWW_AUTHENTICATE)
-                .and_then(|v| v.to_str().ok())
-                .unwrap_or("")
-                .to_owned();
-            let (scheme, params) = parse_challenge(&challenge);
+            let (scheme, params) = challenge_of(&first);
             let auth = match scheme.as_str() {
                 "basic" => match basic {
                     Some((u, p)) => Auth::Basic(u, p),
@@ -489,6 +477,17 @@ pub enum CredentialCheck {
     Refused,
     /// It does not check credentials, or answered something that says neither.
     Unchecked,
+}
+
+/// The scheme and parameters of a response's `WWW-Authenticate` challenge.
+fn challenge_of(response: &reqwest::Response) -> (String, Vec<(String, String)>) {
+    parse_challenge(
+        response
+            .headers()
+            .get(WWW_AUTHENTICATE)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or(""),
+    )
 }
 
 /// A challenge's parameter `key`.
