@@ -241,13 +241,42 @@ async fn a_rotated_provider_credential_takes_effect_at_the_next_pull() {
                     .join("\n")
             )
         });
-    assert_eq!(backend.runs(), 2, "one plugin run for the rotation");
+    // A failure says what the agent did (the pull log, its refusal notes): this test failed
+    // once in ten full runs under load, and its message is what the next look needs.
+    let what_happened = |agent: &Agent| {
+        format!(
+            "{}\n{}",
+            text(&agent.credgate(&["ctl", "pulls"]).stdout),
+            agent
+                .log_text()
+                .lines()
+                .filter(|l| l.contains("WARN") || l.contains("refus") || l.contains("plugin"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        )
+    };
+    assert_eq!(
+        backend.runs(),
+        2,
+        "one plugin run for the rotation\n{}",
+        what_happened(&agent)
+    );
     let _: PullImageResponse = call(&proxy, PULL_IMAGE, pull(&kubelet_copy))
         .await
         .expect("and the one after");
-    assert_eq!(backend.runs(), 2, "no further run");
+    assert_eq!(
+        backend.runs(),
+        2,
+        "no further run\n{}",
+        what_happened(&agent)
+    );
     let pushed = crate::support::next_event(&mut stream).await;
-    assert_eq!(pushed.credentials[0].password, NEW, "{pushed:?}");
+    assert_eq!(
+        pushed.credentials[0].password,
+        NEW,
+        "{pushed:?}\n{}",
+        what_happened(&agent)
+    );
     assert_eq!(kubelet_asks(&agent, &image).0, NEW);
     let status = text(&agent.credgate(&["ctl", "status"]).stdout);
     assert!(
