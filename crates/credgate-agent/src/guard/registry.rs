@@ -247,7 +247,12 @@ impl Verifier {
         username: &str,
         password: &str,
     ) -> Result<bool, String> {
-        Ok(self.check(target, username, password).await? == Checked::Accepted)
+        let url = self.manifest_url(target);
+        match self.attempt(&url, target, Some((username, password))).await {
+            (Attempt::Ok(_), challenged) => Ok(challenged),
+            (Attempt::Unreachable(why), _) => Err(why),
+            _ => Ok(false),
+        }
     }
 
     /// What the registry's auth endpoint says of the credential itself, whatever it lets the
@@ -342,22 +347,6 @@ impl Verifier {
             capped_body(response, MAX_TOKEN_BODY).await?;
         }
         Ok(Some(status))
-    }
-
-    /// What the registry did with the credential, when it challenged an anonymous request.
-    async fn check(
-        &self,
-        target: &Target,
-        username: &str,
-        password: &str,
-    ) -> Result<Checked, String> {
-        let url = self.manifest_url(target);
-        match self.attempt(&url, target, Some((username, password))).await {
-            (Attempt::Ok(_), true) => Ok(Checked::Accepted),
-            (Attempt::Unauthorized, true) => Ok(Checked::Refused),
-            (Attempt::Unreachable(why), _) => Err(why),
-            _ => Ok(Checked::Unchecked),
-        }
     }
 
     /// One `HEAD` of the manifest, answering the registry's challenge with `basic` when it
@@ -501,17 +490,6 @@ fn param<'a>(params: &'a [(String, String)], key: &str) -> Option<&'a str> {
 /// 401 or 403.
 fn refused_status(s: StatusCode) -> bool {
     s == StatusCode::UNAUTHORIZED || s == StatusCode::FORBIDDEN
-}
-
-/// What a registry did with a credential.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Checked {
-    /// It challenged an anonymous request and took the credential.
-    Accepted,
-    /// It challenged an anonymous request and refused the credential (401 or 403).
-    Refused,
-    /// It did not challenge (anonymous access), or answered something else.
-    Unchecked,
 }
 
 /// The most of a token endpoint's answer the agent reads: the registry's host comes from an
