@@ -10,27 +10,27 @@ use std::time::Duration;
 use super::pulls::Pull;
 use crate::pulls::{PullAuth, PullRecord, PullResult};
 
-/// `given`: the sources that gave the pull's credential (`unknown` when it carried one none
+/// `(code, result)`: the runtime's gRPC code and what it means ([`PullResult::of`]); `given`:
+/// the sources that gave the pull's credential (`unknown` when it carried one none
 /// gave: a pod's own pull secret the proxy has not captured); `refusal`: what became of that
 /// credential when the pull ended unauthorized (empty otherwise).
 pub(super) fn log(
     agent: &crate::Agent,
     pull: &Pull,
     given: &[crate::refusal::Given],
-    code: i32,
+    (code, result): (i32, PullResult),
     message: &str,
     took: Duration,
     mut refusal: String,
 ) {
     let auth = match (&pull.filled, &pull.credential, given.first()) {
         (Some(source), _, _) => PullAuth::Filled(source.clone()),
-        (None, None, _) if !pull.sent_auth => PullAuth::None,
+        (None, None, _) if !pull.sent_auth() => PullAuth::None,
         // It carried something that does not decode: the caller's own.
         (None, None, _) => PullAuth::Unknown,
         (None, Some(_), Some(g)) => PullAuth::Given(g.clone()),
         (None, Some(_), None) => PullAuth::Unknown,
     };
-    let result = PullResult::of(code, message);
     agent.metrics().cri_pull(auth.label(), result);
     if result == PullResult::Unauthorized {
         if let Some(still) = still_answers_refused(agent, given) {

@@ -84,7 +84,7 @@ pub(super) async fn apply_policy(
         (Some(_), None) => return None,
         // The caller sent something that does not decode (a malformed `auth`): it is the
         // caller's, and the runtime answers it as it is; never the node's instead.
-        (None, _) if pull.sent_auth => return None,
+        (None, _) if pull.sent_auth() => return None,
         (None, _) => {
             let pattern = policy.fill_pattern(parsed.name())?;
             let Some((source, credential)) = fill(agent, &pull.image).await else {

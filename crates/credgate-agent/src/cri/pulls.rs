@@ -36,8 +36,6 @@ pub(super) struct Pull {
     pub(super) filled: Option<crate::refusal::Given>,
     /// What the credential scope did with its `server_address`.
     pub(super) scope: &'static str,
-    /// The pull carried something in `auth` (even one that does not decode): never filled.
-    pub(super) sent_auth: bool,
     /// Every string the pull's `auth` carried (user name, password, `auth` and its decoded
     /// form, tokens): taken out of the runtime's message before it is logged, kept or shown
     /// (containerd quotes a malformed `auth` whole).
@@ -78,7 +76,6 @@ pub(super) fn pull_of(message: &[u8], now_ms: i64) -> Option<Pull> {
         NAMESPACE,
     );
     let carried = req.auth.as_ref().map(carried_by).unwrap_or_default();
-    let sent_auth = !carried.is_empty();
     let credential = req.auth.and_then(|auth| {
         crate::captured::from_auth(
             auth.username,
@@ -106,9 +103,16 @@ pub(super) fn pull_of(message: &[u8], now_ms: i64) -> Option<Pull> {
         server_address,
         filled: None,
         scope: policy::Scoped::AsSent.as_str(),
-        sent_auth,
         carried,
     })
+}
+
+impl Pull {
+    /// Whether the pull carried anything in `auth` (even one that does not decode): never
+    /// filled.
+    pub(super) fn sent_auth(&self) -> bool {
+        !self.carried.is_empty()
+    }
 }
 
 /// The non-empty strings of `auth` that could be secret, and `auth`'s decoded bytes (as text).
@@ -310,14 +314,21 @@ pub(super) async fn pull(
     let message = redacted(&whole.message(), &pull.carried);
     let (given, own) = sources_of(&pulls.agent, &pull);
     let took = started.elapsed();
-    let unauthorized =
-        crate::pulls::PullResult::of(code, &message) == crate::pulls::PullResult::Unauthorized;
-    let refusal = if pull.valid && unauthorized {
+    let result = crate::pulls::PullResult::of(code, &message);
+    let refusal = if pull.valid && result == crate::pulls::PullResult::Unauthorized {
         refused(&pulls.agent, &pull, &given).await
     } else {
         String::new()
     };
-    decision::log(&pulls.agent, &pull, &given, code, &message, took, refusal);
+    decision::log(
+        &pulls.agent,
+        &pull,
+        &given,
+        (code, result),
+        &message,
+        took,
+        refusal,
+    );
     if pull.valid {
         settle(pulls, pull, own, &whole).await;
     }
