@@ -1,0 +1,405 @@
+//! credgate on a real node (issue 39): `scripts/node` brings up kube-apiserver, the kubelet
+//! 1.37 and containerd 2.4 with credgate wired in as README tells an operator, and every pod
+//! here is made through the API server and pulled by the kubelet itself. Each test has its
+//! own node in its own temp directory, taken down when the test ends (nextest runs them one
+//! at a time: a node's kubelet owns the host's pod cgroups). Needs root; the rig's Go
+//! programs are built by `scripts/test` beforehand (cached).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::support::{bin_dir, text};
+
+pub struct Node {
+    dir: tempfile::TempDir,
+    env: BTreeMap<String, String>,
+}
+
+fn rig() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/node")
+}
+
+/// What became of a pod's container.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Pod {
+    Running,
+    /// The kubelet's pull failed (`ErrImagePull` or `ImagePullBackOff`), with its message.
+    PullFailed(String),
+}
+
+impl Node {
+    /// A node with credgate (this build's binaries), Ready.
+    pub fn up() -> Node {
+        Node::start(&[])
+    }
+
+    pub fn start(args: &[&str]) -> Node {
+        let dir = tempfile::Builder::new()
+            .prefix("credgate-node.")
+            .tempdir()
+            .unwrap();
+        let out = Command::new(rig())
+            .arg("up")
+            .arg(dir.path())
+            .args(args)
+            .env("CREDGATE_BIN_DIR", bin_dir())
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        if !out.status.success() {
+            let logs = tails(&dir.path().join("logs"));
+            panic!(
+                "scripts/node up failed ({}):\n{}\n{logs}",
+                out.status,
+                text(&out.stderr)
+            );
+        }
+        let env = std::fs::read_to_string(dir.path().join("env"))
+            .unwrap()
+            .lines()
+            .filter_map(|l| l.split_once('='))
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect();
+        Node { dir, env }
+    }
+
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    pub fn env(&self, key: &str) -> &str {
+        self.env
+            .get(key)
+            .unwrap_or_else(|| panic!("DIR/env has no {key}"))
+    }
+
+    /// `REGISTRY/REPO:TAG`
+    pub fn image(&self, repo_tag: &str) -> String {
+        format!("{}/{repo_tag}", self.env("REGISTRY"))
+    }
+
+    pub fn kubectl(&self, args: &[&str]) -> Output {
+        Command::new(self.env("KUBECTL"))
+            .arg("--kubeconfig")
+            .arg(self.env("KUBECONFIG"))
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    }
+
+    pub fn kubectl_ok(&self, args: &[&str]) -> String {
+        let out = self.kubectl(args);
+        assert!(
+            out.status.success(),
+            "kubectl {args:?}: {}",
+            text(&out.stderr)
+        );
+        text(&out.stdout)
+    }
+
+    pub fn apply(&self, yaml: &str) {
+        let out = crate::support::output_with_stdin(
+            Command::new(self.env("KUBECTL"))
+                .arg("--kubeconfig")
+                .arg(self.env("KUBECONFIG"))
+                .args(["apply", "-f", "-"]),
+            yaml.as_bytes(),
+        );
+        assert!(out.status.success(), "kubectl apply: {}", text(&out.stderr));
+    }
+
+    /// A namespace with a docker-registry secret `regcred` for alice with `password`.
+    pub fn namespace_with_secret(&self, ns: &str, password: &str) {
+        self.kubectl_ok(&["create", "namespace", ns]);
+        self.secret(ns, password);
+    }
+
+    /// Creates or replaces the secret `regcred` of `ns`.
+    pub fn secret(&self, ns: &str, password: &str) {
+        let yaml = self.kubectl_ok(&[
+            "create",
+            "secret",
+            "docker-registry",
+            "regcred",
+            "-n",
+            ns,
+            "--docker-server",
+            self.env("REGISTRY"),
+            "--docker-username",
+            "alice",
+            "--docker-password",
+            password,
+            "--dry-run=client",
+            "-o",
+            "yaml",
+        ]);
+        self.apply(&yaml);
+    }
+
+    /// A pod on the host's network whose one container runs `image`.
+    pub fn pod(&self, ns: &str, name: &str, image: &str, spec: &PodSpec) {
+        let secrets = if spec.secret {
+            "  imagePullSecrets: [{name: regcred}]\n"
+        } else {
+            ""
+        };
+        let account = spec
+            .service_account
+            .map(|sa| format!("  serviceAccountName: {sa}\n"))
+            .unwrap_or_default();
+        self.apply(&format!(
+            "apiVersion: v1\nkind: Pod\nmetadata: {{name: {name}, namespace: {ns}}}\nspec:\n  \
+             hostNetwork: true\n  terminationGracePeriodSeconds: 0\n{secrets}{account}  \
+             containers:\n  - {{name: c, image: \"{image}\", imagePullPolicy: {}}}\n",
+            spec.pull_policy
+        ));
+    }
+
+    /// Waits until the pod's container runs or its pull failed.
+    pub fn wait_pod(&self, ns: &str, name: &str, limit: Duration) -> Pod {
+        let started = Instant::now();
+        loop {
+            let out = self.kubectl(&["get", "pod", "-n", ns, name, "-o", "json"]);
+            if out.status.success() {
+                let pod: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+                let state = &pod["status"]["containerStatuses"][0]["state"];
+                if state.get("running").is_some() {
+                    return Pod::Running;
+                }
+                let waiting = &state["waiting"];
+                if matches!(
+                    waiting["reason"].as_str(),
+                    Some("ErrImagePull" | "ImagePullBackOff")
+                ) {
+                    return Pod::PullFailed(waiting["message"].as_str().unwrap_or("").to_owned());
+                }
+            }
+            assert!(
+                started.elapsed() < limit,
+                "pod {ns}/{name} neither ran nor failed its pull within {limit:?}: {}\n{}",
+                text(&out.stdout),
+                self.kubectl_ok(&["describe", "pod", "-n", ns, name])
+            );
+            std::thread::sleep(Duration::from_millis(250));
+        }
+    }
+
+    /// Waits until the pod runs; a failed pull is waited out (the kubelet retries) until
+    /// `limit`.
+    pub fn wait_running(&self, ns: &str, name: &str, limit: Duration) {
+        let started = Instant::now();
+        loop {
+            let left = limit.saturating_sub(started.elapsed());
+            match self.wait_pod(ns, name, left) {
+                Pod::Running => return,
+                Pod::PullFailed(why) => assert!(
+                    started.elapsed() < limit,
+                    "pod {ns}/{name} did not run within {limit:?}: {why}\n{}",
+                    self.pulls()
+                ),
+            }
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    }
+
+    pub fn delete_pod(&self, ns: &str, name: &str) {
+        self.kubectl_ok(&["delete", "pod", "-n", ns, name, "--wait=true"]);
+    }
+
+    /// `credgate ARGS --socket CREDGATE_SOCKET`
+    pub fn credgate(&self, args: &[&str]) -> Output {
+        Command::new(self.env("CREDGATE"))
+            .args(args)
+            .arg("--socket")
+            .arg(self.env("CREDGATE_SOCKET"))
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    }
+
+    pub fn credgate_ok(&self, args: &[&str]) -> String {
+        let out = self.credgate(args);
+        assert!(
+            out.status.success(),
+            "credgate {args:?}: {}{}",
+            text(&out.stdout),
+            text(&out.stderr)
+        );
+        text(&out.stdout)
+    }
+
+    /// The pull log (`credgate ctl pulls`).
+    pub fn pulls(&self) -> String {
+        self.credgate_ok(&["ctl", "pulls"])
+    }
+
+    /// The pull log's lines for the pod `ns/name`.
+    pub fn pulls_of(&self, ns: &str, name: &str) -> Vec<String> {
+        let pod = format!(" {ns}/{name} ");
+        self.pulls()
+            .lines()
+            .filter(|l| l.contains(&pod))
+            .map(str::to_owned)
+            .collect()
+    }
+
+    /// The sum of a metric's samples whose line starts with `prefix` (a name, or a name and
+    /// the start of its labels).
+    pub fn metric(&self, prefix: &str) -> f64 {
+        let out = Command::new("curl")
+            .args(["-sf", self.env("METRICS_URL")])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "the metrics endpoint does not answer");
+        text(&out.stdout)
+            .lines()
+            .filter(|l| l.starts_with(prefix) && !l.starts_with('#'))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+
+    /// `scripts/node restart-credgate DIR [--kill]` or `restart-kubelet DIR`.
+    pub fn restart(&self, part: &str, kill: bool) {
+        let mut cmd = Command::new(rig());
+        cmd.arg(format!("restart-{part}")).arg(self.dir());
+        if kill {
+            cmd.arg("--kill");
+        }
+        let out = cmd.stdin(Stdio::null()).output().unwrap();
+        assert!(
+            out.status.success(),
+            "restarting {part}: {}\n{}",
+            text(&out.stderr),
+            tails(&self.dir().join("logs"))
+        );
+    }
+
+    /// Copies `REGISTRY/FROM` to `REGISTRY/TO` as alice with `password`.
+    pub fn push(&self, from: &str, to: &str, password: &str) {
+        let creds = format!("alice:{password}");
+        let out = Command::new("skopeo")
+            .args(["copy", "-q", "--src-tls-verify=false", "--dest-tls-verify=false"])
+            .args(["--src-creds", &creds, "--dest-creds", &creds])
+            .arg(format!("docker://{}", self.image(from)))
+            .arg(format!("docker://{}", self.image(to)))
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "skopeo copy: {}", text(&out.stderr));
+    }
+
+    /// credgate's own log.
+    pub fn credgate_log(&self) -> String {
+        std::fs::read_to_string(self.dir().join("logs/credgate.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let out = Command::new(rig())
+            .arg("down")
+            .arg(self.dir())
+            .stdin(Stdio::null())
+            .output();
+        if let Ok(out) = out {
+            if !out.status.success() {
+                eprintln!("scripts/node down: {}", text(&out.stderr));
+            }
+        }
+        let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+        let left: Vec<&str> = mounts
+            .lines()
+            .filter(|l| l.contains(&format!(" {}/", self.dir().display())))
+            .collect();
+        if !left.is_empty() && !std::thread::panicking() {
+            panic!("scripts/node down left mounts behind: {left:?}");
+        }
+    }
+}
+
+/// How a test pod pulls.
+pub struct PodSpec {
+    pub secret: bool,
+    pub service_account: Option<&'static str>,
+    pub pull_policy: &'static str,
+}
+
+pub const WITH_SECRET: PodSpec = PodSpec {
+    secret: true,
+    service_account: None,
+    pull_policy: "IfNotPresent",
+};
+
+pub const NO_SECRET: PodSpec = PodSpec {
+    secret: false,
+    service_account: None,
+    pull_policy: "IfNotPresent",
+};
+
+/// The last lines of each log under `logs`, for a failure's message.
+fn tails(logs: &Path) -> String {
+    let mut out = String::new();
+    let Ok(entries) = std::fs::read_dir(logs) else {
+        return out;
+    };
+    for e in entries.flatten() {
+        let body = std::fs::read_to_string(e.path()).unwrap_or_default();
+        let lines: Vec<&str> = body.lines().collect();
+        let from = lines.len().saturating_sub(15);
+        out.push_str(&format!(
+            "--- {}\n{}\n",
+            e.path().display(),
+            lines[from..].join("\n")
+        ));
+    }
+    out
+}
+
+const POD: Duration = Duration::from_secs(90);
+
+#[test]
+#[ignore = "needs root"]
+fn a_pod_with_a_pull_secret_runs_and_its_credential_is_captured_for_a_snapshotter() {
+    let node = Node::up();
+    let password = node.env("REGISTRY_PASSWORD").to_owned();
+    node.namespace_with_secret("team-a", &password);
+    let image = node.image("team-a/app:v1");
+    node.pod("team-a", "app", &image, &WITH_SECRET);
+    node.wait_running("team-a", "app", POD);
+
+    // The pull log names the pod; the kubelet sent the pod's secret.
+    let pulls = node.pulls_of("team-a", "app");
+    assert!(
+        pulls.iter().any(|l| l.contains(&image) && l.contains("pulled")),
+        "{pulls:?}"
+    );
+    // Captured for the repository with the pod's namespace, and served to a snapshotter.
+    let captured = node.credgate_ok(&["ctl", "captured"]);
+    let repository = node.image("team-a/app");
+    assert!(
+        captured
+            .lines()
+            .any(|l| l.starts_with(&repository) && l.contains("team-a") && l.contains("alice")),
+        "{captured}"
+    );
+    let got = node.credgate_ok(&["get", &image, "-o", "json"]);
+    let got: serde_json::Value = serde_json::from_str(&got).unwrap();
+    let first = &got[0];
+    assert_eq!(first["source"], "captured", "{got}");
+    assert_eq!(first["username"], "alice");
+    assert_eq!(first["password"], password.as_str());
+    // A pod in another namespace without the secret gets nothing from the capture: the
+    // kubelet pulls without credentials and the registry refuses it.
+    node.kubectl_ok(&["create", "namespace", "team-b"]);
+    node.pod("team-b", "app", &image, &NO_SECRET);
+    match node.wait_pod("team-b", "app", POD) {
+        Pod::PullFailed(why) => assert!(why.contains("authorization"), "{why}"),
+        Pod::Running => panic!("team-b ran team-a's private image without a credential"),
+    }
+    // No secret in credgate's log.
+    let log = node.credgate_log();
+    assert!(!log.is_empty());
+    assert!(!log.contains(&password), "the registry password is in credgate's log");
+}
