@@ -92,6 +92,44 @@ impl Engine {
         out
     }
 
+    /// The service accounts (namespace, name, uid) that providers' live cached answers gave
+    /// `username`:`password` for `image` (KEP-4412 providers, answers keyed by service
+    /// account), without repeats. Runs no plugin.
+    pub fn service_accounts_given(
+        &self,
+        image: &str,
+        username: &str,
+        password: &str,
+    ) -> Vec<(String, String, String)> {
+        let Ok(parsed) = ImageRef::parse(image) else {
+            return Vec::new();
+        };
+        let (name, registry) = (parsed.name(), parsed.registry());
+        let target = Target::from_image_name(name);
+        let now = self.clock().now();
+        let mut out: Vec<(String, String, String)> = Vec::new();
+        for p in self.providers().iter().filter(|p| p.applies(&target)) {
+            for e in p.cache.load().entries() {
+                let Some(scope) = e.scope.as_deref() else {
+                    continue;
+                };
+                let sa = (
+                    scope.namespace.clone(),
+                    scope.name.clone(),
+                    scope.uid.clone(),
+                );
+                if e.alive_at(now)
+                    && e.covers_image(name, registry)
+                    && e.holds(username, password)
+                    && !out.contains(&sa)
+                {
+                    out.push(sa);
+                }
+            }
+        }
+        out
+    }
+
     /// Drops provider `provider`'s cached answers for `image` that hold the credential
     /// `username`:`password`, which the registry refused; `why` is what `ctl status` and
     /// `explain` say. Nothing when the provider has no such answer (it was dropped already,

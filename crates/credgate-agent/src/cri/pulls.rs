@@ -233,24 +233,40 @@ pub(super) async fn refused(
     said
 }
 
-/// How the image access guard records a pull: a pull with a credential as a secret of the
-/// pod's namespace named after its content (`PullImage` carries no secret name; the guard
-/// matches by content across names anyway); one without as node-wide. A pull with a
-/// credential but no pod is never recorded as node-wide: its result is not recorded at all,
-/// and the intent keeps the image requiring authentication.
+/// How the image access guard records a pull, as the kubelet records its own (KEP-2535): a
+/// pull with a pod's credential as a secret of the pod's namespace named after its content
+/// (`PullImage` carries no secret name; the guard matches by content across names anyway);
+/// one without, or with the node's own credential (filled by the proxy, or one a provider or
+/// docker config gave the kubelet: `own`), as node-wide; one with a credential a KEP-4412
+/// provider gave for service accounts of the pod's namespace (`accounts`), as those service
+/// accounts. A pull with a credential but no pod is never recorded as node-wide: its result
+/// is not recorded at all, and the intent keeps the image requiring authentication.
 pub(super) fn recorded_as(
     pull: &Pull,
+    own: bool,
+    accounts: &[(String, String, String)],
     guard: &crate::guard::Guard,
-) -> Option<crate::guard::CredentialIn> {
+) -> Vec<crate::guard::CredentialIn> {
     use crate::guard::CredentialIn;
+    use credgate_core::guard::Coords;
     match &pull.credential {
-        // Filled by the proxy with the node's credential: as the kubelet records a pull with
-        // a credential provider's (no service account) or its config.json's.
-        None => Some(CredentialIn::NodeWide),
-        Some(_) if pull.filled.is_some() => Some(CredentialIn::NodeWide),
-        Some(_) if !pull.in_pod || pull.other_registry => None,
-        Some(c) => Some(CredentialIn::Secret {
-            coords: credgate_core::guard::Coords {
+        None => vec![CredentialIn::NodeWide],
+        Some(_) if pull.filled.is_some() => vec![CredentialIn::NodeWide],
+        Some(_) if !pull.in_pod || pull.other_registry => Vec::new(),
+        Some(_) if own && !accounts.is_empty() => accounts
+            .iter()
+            .filter(|(namespace, ..)| *namespace == pull.pod_namespace)
+            .map(|(namespace, name, uid)| {
+                CredentialIn::ServiceAccount(Coords {
+                    namespace: namespace.clone(),
+                    name: name.clone(),
+                    uid: uid.clone(),
+                })
+            })
+            .collect(),
+        Some(_) if own => vec![CredentialIn::NodeWide],
+        Some(c) => vec![CredentialIn::Secret {
+            coords: Coords {
                 namespace: c.namespace.clone(),
                 // Without the node key no name, and `record_result` refuses the record for
                 // the missing key, as it does any secret then.
@@ -261,7 +277,7 @@ pub(super) fn recorded_as(
             },
             username: c.username.clone(),
             password: c.password.clone(),
-        }),
+        }],
     }
 }
 
@@ -348,18 +364,26 @@ pub(super) async fn settle(pulls: &Pulls, pull: Pull, own: bool, whole: &runtime
         .map(|r| r.image_ref)
         .filter(|r| !r.is_empty());
     if let Some(guard) = &pulls.guard {
-        let used = recorded_as(&pull, guard);
-        let end = match (&image_ref, &used) {
-            (Some(image_ref), Some(used)) => Some(PullEnd::Pulled { image_ref, used }),
-            (Some(_), None) => None,
-            (None, _) => Some(PullEnd::Failed),
+        let accounts = match &pull.credential {
+            Some(c) if own => pulls.agent.engine().service_accounts_given(
+                &pull.image,
+                &c.username,
+                c.password.expose_secret(),
+            ),
+            _ => Vec::new(),
         };
-        let result = match end {
-            Some(end) => guard.record_result(&pull.image, end).await,
-            None => Ok(()),
+        let used = recorded_as(&pull, own, &accounts, guard);
+        let ends: Vec<PullEnd> = match &image_ref {
+            Some(image_ref) => used
+                .iter()
+                .map(|used| PullEnd::Pulled { image_ref, used })
+                .collect(),
+            None => vec![PullEnd::Failed],
         };
-        if let Err(e) = result {
-            tracing::error!(error = %crate::error_chain(&e), "pull result not recorded");
+        for end in ends {
+            if let Err(e) = guard.record_result(&pull.image, end).await {
+                tracing::error!(error = %crate::error_chain(&e), "pull result not recorded");
+            }
         }
     }
     let (Some(_), Some(credential), Some(capture)) = (&image_ref, pull.credential, &pulls.capture)

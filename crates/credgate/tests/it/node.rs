@@ -281,7 +281,12 @@ impl Node {
     pub fn push(&self, from: &str, to: &str, password: &str) {
         let creds = format!("alice:{password}");
         let out = Command::new("skopeo")
-            .args(["copy", "-q", "--src-tls-verify=false", "--dest-tls-verify=false"])
+            .args([
+                "copy",
+                "-q",
+                "--src-tls-verify=false",
+                "--dest-tls-verify=false",
+            ])
             .args(["--src-creds", &creds, "--dest-creds", &creds])
             .arg(format!("docker://{}", self.image(from)))
             .arg(format!("docker://{}", self.image(to)))
@@ -372,7 +377,9 @@ fn a_pod_with_a_pull_secret_runs_and_its_credential_is_captured_for_a_snapshotte
     // The pull log names the pod; the kubelet sent the pod's secret.
     let pulls = node.pulls_of("team-a", "app");
     assert!(
-        pulls.iter().any(|l| l.contains(&image) && l.contains("pulled")),
+        pulls
+            .iter()
+            .any(|l| l.contains(&image) && l.contains("pulled")),
         "{pulls:?}"
     );
     // Captured for the repository with the pod's namespace, and served to a snapshotter.
@@ -401,5 +408,237 @@ fn a_pod_with_a_pull_secret_runs_and_its_credential_is_captured_for_a_snapshotte
     // No secret in credgate's log.
     let log = node.credgate_log();
     assert!(!log.is_empty());
-    assert!(!log.contains(&password), "the registry password is in credgate's log");
+    assert!(
+        !log.contains(&password),
+        "the registry password is in credgate's log"
+    );
+}
+
+/// The kubelet's own pull records (KEP-2535: `ROOT/image_manager/pulled/*`): per image name
+/// (repository) of each image ID, who pulled it.
+fn kubelet_records(node: &Node) -> Vec<(String, String, serde_json::Value)> {
+    let dir = node.dir().join("kubelet/root/image_manager/pulled");
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(&dir).unwrap().flatten() {
+        let record: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(e.path()).unwrap()).unwrap();
+        let image_ref = record["imageRef"].as_str().unwrap().to_owned();
+        for (name, who) in record["credentialMapping"].as_object().unwrap() {
+            out.push((image_ref.clone(), name.clone(), who.clone()));
+        }
+    }
+    out
+}
+
+/// credgate's guard, asked as the kubelet would ask before using the image: `ALLOW` or
+/// `MUST_AUTHENTICATE`.
+fn guard_says(node: &Node, image: &str, image_ref: &str, presented: &[&str]) -> String {
+    let mut args = vec!["ctl", "check-access", image, "--image-ref", image_ref];
+    args.extend_from_slice(presented);
+    let out = node.credgate(&args);
+    let said = text(&out.stdout);
+    said.split_whitespace()
+        .next()
+        .unwrap_or_else(|| panic!("check-access said nothing: {}", text(&out.stderr)))
+        .to_owned()
+}
+
+/// Whether the kubelet lets pod `ns/name` (new) use `image`, already on the node, without
+/// pulling it: the pod runs and the proxy saw no pull for it. A pull it tried means it
+/// decided the pod must authenticate. The pod is deleted again.
+fn kubelet_lets_in(node: &Node, ns: &str, name: &str, image: &str, spec: &PodSpec) -> bool {
+    node.pod(ns, name, image, spec);
+    let ran = node.wait_pod(ns, name, POD) == Pod::Running;
+    let pulled = !node.pulls_of(ns, name).is_empty();
+    node.delete_pod(ns, name);
+    assert!(
+        ran || pulled,
+        "pod {ns}/{name} failed without a pull: {}",
+        node.pulls()
+    );
+    !pulled
+}
+
+/// Restarts the kubelet and credgate with the same image-pull credential verification policy
+/// (in place of any set before).
+fn both_with_policy(node: &Node, policy: &str, allowlist: &[String]) {
+    let with = |file: &str, more: String| {
+        let path = node.dir().join(file);
+        let first = path.with_extension("first");
+        if !first.exists() {
+            std::fs::copy(&path, &first).unwrap();
+        }
+        let was = std::fs::read_to_string(&first).unwrap();
+        std::fs::write(&path, format!("{was}{more}")).unwrap();
+    };
+    with(
+        "kubelet/config.yaml",
+        format!(
+            "imagePullCredentialsVerificationPolicy: {policy}\n\
+             preloadedImagesVerificationAllowlist: [{}]\n",
+            allowlist.join(", ")
+        ),
+    );
+    let mut args = format!("--image-pull-credentials-verification-policy\n{policy}\n");
+    for entry in allowlist {
+        args.push_str(&format!(
+            "--preloaded-images-verification-allowlist\n{entry}\n"
+        ));
+    }
+    with("credgate/args", args);
+    node.restart("credgate", false);
+    node.restart("kubelet", false);
+}
+
+#[test]
+#[ignore = "needs root"]
+fn the_kubelets_image_pull_policy_and_credgates_guard_decide_alike() {
+    let node = Node::up();
+    let password = node.env("REGISTRY_PASSWORD").to_owned();
+    let secret = format!("=alice:{password}");
+    let (team_a, team_p, team_s) = (
+        node.image("team-a/app:v1"),
+        node.image("team-p/app:v1"),
+        node.image("team-s/app:v1"),
+    );
+    // Pulled by the kubelet: with team-a's secret, with provider team-p's credential (no
+    // service account), with team-s's for the service account puller (KEP-4412).
+    node.namespace_with_secret("team-a", &password);
+    node.pod("team-a", "app", &team_a, &WITH_SECRET);
+    node.kubectl_ok(&["create", "serviceaccount", "puller"]);
+    node.pod("default", "p", &team_p, &NO_SECRET);
+    let as_puller = PodSpec {
+        service_account: Some("puller"),
+        ..NO_SECRET
+    };
+    node.pod("default", "s", &team_s, &as_puller);
+    for (ns, name) in [("team-a", "app"), ("default", "p"), ("default", "s")] {
+        node.wait_running(ns, name, POD);
+    }
+
+    // Record by record, the kubelet's (its default policy, NeverVerifyPreloadedImages) and
+    // the guard's agree on who may use each image without authenticating again.
+    let records = kubelet_records(&node);
+    let id = |name: &str| {
+        records
+            .iter()
+            .find(|(_, n, _)| n == name)
+            .map(|(id, ..)| id.clone())
+            .unwrap_or_else(|| panic!("the kubelet has no record of {name}: {records:?}"))
+    };
+    let repo = |image: &str| image.rsplit_once(':').unwrap().0.to_owned();
+    let (a_id, p_id, s_id) = (id(&repo(&team_a)), id(&repo(&team_p)), id(&repo(&team_s)));
+    assert_eq!(
+        records
+            .iter()
+            .map(|(_, n, who)| (
+                n.clone(),
+                who.as_object().unwrap().keys().cloned().collect()
+            ))
+            .collect::<BTreeMap<String, Vec<String>>>(),
+        BTreeMap::from([
+            (repo(&team_a), vec!["kubernetesSecrets".to_owned()]),
+            (repo(&team_p), vec!["nodePodsAccessible".to_owned()]),
+            (repo(&team_s), vec!["kubernetesServiceAccounts".to_owned()]),
+        ]),
+        "{records:?}"
+    );
+    for (_, name, who) in &records {
+        let image = format!("{name}:v1");
+        let image_ref = id(name);
+        if let Some(secrets) = who["kubernetesSecrets"].as_array() {
+            for s in secrets {
+                let coords = format!(
+                    "--secret={}/{}/{}{secret}",
+                    s["namespace"].as_str().unwrap(),
+                    s["name"].as_str().unwrap(),
+                    s["uid"].as_str().unwrap()
+                );
+                assert_eq!(guard_says(&node, &image, &image_ref, &[&coords]), "ALLOW");
+            }
+        }
+        if let Some(accounts) = who["kubernetesServiceAccounts"].as_array() {
+            for a in accounts {
+                let coords = format!(
+                    "--service-account={}/{}/{}",
+                    a["namespace"].as_str().unwrap(),
+                    a["name"].as_str().unwrap(),
+                    a["uid"].as_str().unwrap()
+                );
+                assert_eq!(
+                    guard_says(&node, &image, &image_ref, &[&coords]),
+                    "ALLOW",
+                    "{name}"
+                );
+            }
+        }
+        let node_wide = who["nodePodsAccessible"].as_bool() == Some(true);
+        assert_eq!(
+            guard_says(&node, &image, &image_ref, &["--node-wide"]),
+            if node_wide {
+                "ALLOW"
+            } else {
+                "MUST_AUTHENTICATE"
+            },
+            "{name}: node-wide"
+        );
+    }
+    // Another service account is not the one that pulled team-s's image.
+    assert_eq!(
+        guard_says(
+            &node,
+            &team_s,
+            &s_id,
+            &["--service-account=default/default"]
+        ),
+        "MUST_AUTHENTICATE"
+    );
+
+    // A second namespace without the secret, same image already on the node: the kubelet
+    // makes it pull (and the registry refuses); the guard says it must authenticate.
+    node.kubectl_ok(&["create", "namespace", "team-b"]);
+    assert!(!kubelet_lets_in(&node, "team-b", "b1", &team_a, &NO_SECRET));
+    assert_eq!(
+        guard_says(&node, &team_a, &a_id, &["--node-wide"]),
+        "MUST_AUTHENTICATE"
+    );
+    // The provider's image is the node's: both let it in.
+    assert!(kubelet_lets_in(&node, "team-b", "b2", &team_p, &NO_SECRET));
+    assert_eq!(guard_says(&node, &team_p, &p_id, &["--node-wide"]), "ALLOW");
+
+    // The allowlist: team-a's image trusted by name, by both.
+    both_with_policy(&node, "NeverVerifyAllowlistedImages", &[repo(&team_a)]);
+    let kubelet = kubelet_lets_in(&node, "team-b", "b3", &team_a, &NO_SECRET);
+    let guard = guard_says(&node, &team_a, &a_id, &["--node-wide"]);
+    assert_eq!(
+        (kubelet, guard.as_str()),
+        (true, "ALLOW"),
+        "NeverVerifyAllowlistedImages"
+    );
+    let kubelet = kubelet_lets_in(&node, "team-b", "b4", &team_p, &NO_SECRET);
+    let guard = guard_says(&node, &team_p, &p_id, &["--node-wide"]);
+    assert_eq!(
+        kubelet,
+        guard == "ALLOW",
+        "NeverVerifyAllowlistedImages, team-p: {guard}"
+    );
+
+    // AlwaysVerify: the secret that pulled it still lets team-a in without a pull; nothing
+    // else does.
+    both_with_policy(&node, "AlwaysVerify", &[]);
+    assert!(kubelet_lets_in(
+        &node,
+        "team-a",
+        "a2",
+        &team_a,
+        &WITH_SECRET
+    ));
+    assert!(!kubelet_lets_in(&node, "team-b", "b5", &team_a, &NO_SECRET));
+    assert_eq!(
+        guard_says(&node, &team_a, &a_id, &["--node-wide"]),
+        "MUST_AUTHENTICATE"
+    );
+    let kubelet = kubelet_lets_in(&node, "team-b", "b6", &team_p, &NO_SECRET);
+    let guard = guard_says(&node, &team_p, &p_id, &["--node-wide"]);
+    assert_eq!(kubelet, guard == "ALLOW", "AlwaysVerify, team-p: {guard}");
 }
