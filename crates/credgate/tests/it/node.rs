@@ -642,3 +642,177 @@ fn the_kubelets_image_pull_policy_and_credgates_guard_decide_alike() {
     let guard = guard_says(&node, &team_p, &p_id, &["--node-wide"]);
     assert_eq!(kubelet, guard == "ALLOW", "AlwaysVerify, team-p: {guard}");
 }
+
+#[test]
+#[ignore = "needs root"]
+fn a_burst_of_provider_matched_images_costs_one_plugin_run() {
+    let node = Node::up();
+    let password = node.env("REGISTRY_PASSWORD").to_owned();
+    let tags: Vec<String> = (1..=8).map(|i| format!("b{i}")).collect();
+    for tag in &tags {
+        node.push("team-p/app:v1", &format!("team-p/app:{tag}"), &password);
+    }
+    // The kubelet asks the bridge for each image it pulls (its cache is empty); the agent
+    // runs provider team-p once for all of them.
+    let mut yaml = String::new();
+    for tag in &tags {
+        yaml.push_str(&format!(
+            "---\napiVersion: v1\nkind: Pod\nmetadata: {{name: p-{tag}, namespace: default}}\n\
+             spec:\n  hostNetwork: true\n  terminationGracePeriodSeconds: 0\n  containers:\n  \
+             - {{name: c, image: \"{}\"}}\n",
+            node.image(&format!("team-p/app:{tag}"))
+        ));
+    }
+    node.apply(&yaml);
+    for tag in &tags {
+        node.wait_running("default", &format!("p-{tag}"), POD);
+    }
+    assert!(node.metric("credgate_lookups_total{caller=\"kubelet\"}") >= 1.0);
+    assert_eq!(
+        node.metric("credgate_plugin_runs_total{provider=\"team-p\"}"),
+        1.0
+    );
+    for tag in &tags {
+        let pulls = node.pulls_of("default", &format!("p-{tag}"));
+        assert!(
+            pulls
+                .iter()
+                .any(|l| l.contains("provider:team-p") && l.contains("pulled")),
+            "{pulls:?}"
+        );
+    }
+    // The node's own credential is not captured as a pod's.
+    let captured = node.credgate_ok(&["ctl", "captured"]);
+    assert!(!captured.contains("team-p"), "{captured}");
+}
+
+#[test]
+#[ignore = "needs root"]
+fn a_kep_4412_provider_gets_the_pods_service_account_token_through_the_bridge() {
+    let node = Node::up();
+    let image = node.image("team-s/app:v1");
+    node.kubectl_ok(&["create", "namespace", "team-s"]);
+    node.kubectl_ok(&["create", "serviceaccount", "puller", "-n", "team-s"]);
+    let as_puller = PodSpec {
+        service_account: Some("puller"),
+        ..NO_SECRET
+    };
+    // The plugin checks the token with the API server's TokenReview and answers only the
+    // service account puller: a pod running as it runs; one running as default does not.
+    node.pod("team-s", "puller", &image, &as_puller);
+    node.wait_running("team-s", "puller", POD);
+    let always = PodSpec {
+        pull_policy: "Always",
+        ..NO_SECRET
+    };
+    node.pod("team-s", "other", &image, &always);
+    match node.wait_pod("team-s", "other", POD) {
+        Pod::PullFailed(why) => assert!(why.contains("authorization"), "{why}"),
+        Pod::Running => panic!("the default service account got team-s's credential"),
+    }
+    let seen = std::fs::read_to_string(node.dir().join("credgate/team-s.log")).unwrap();
+    assert!(
+        seen.lines()
+            .any(|l| l == "answered system:serviceaccount:team-s:puller"),
+        "{seen}"
+    );
+    assert!(
+        seen.lines()
+            .any(|l| l == "refused system:serviceaccount:team-s:default"),
+        "{seen}"
+    );
+    assert!(!seen.contains("unauthenticated"), "{seen}");
+    let pulls = node.pulls_of("team-s", "puller");
+    assert!(
+        pulls
+            .iter()
+            .any(|l| l.contains("provider:team-s") && l.contains("pulled")),
+        "{pulls:?}"
+    );
+    // The token itself is in no log of credgate's.
+    let log = node.credgate_log();
+    assert!(!log.contains("eyJ"), "a JWT is in credgate's log");
+}
+
+#[test]
+#[ignore = "needs root"]
+fn after_a_rotation_the_next_pod_runs_with_at_most_one_failed_pull() {
+    let node = Node::up();
+    let old = node.env("REGISTRY_PASSWORD").to_owned();
+    node.push("team-p/app:v1", "team-p/app:v2", &old);
+    node.pod(
+        "default",
+        "before",
+        &node.image("team-p/app:v1"),
+        &NO_SECRET,
+    );
+    node.wait_running("default", "before", POD);
+    // The registry's password changes, and so does the provider's backend. The kubelet keeps
+    // the bridge's earlier answer (its own cache, 1 h).
+    let new = "rotated-password-2";
+    let htpasswd = node.env("REGISTRY_HTPASSWD").to_owned();
+    let out = Command::new("htpasswd")
+        .args(["-bB", "-C", "4", &htpasswd, "alice", new])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    std::fs::write(node.env("PROVIDER_PASSWORD_FILE"), format!("{new}\n")).unwrap();
+    let started = Instant::now();
+    node.pod("default", "after", &node.image("team-p/app:v2"), &NO_SECRET);
+    node.wait_running("default", "after", POD);
+    let pulls = node.pulls_of("default", "after");
+    let failed = pulls.iter().filter(|l| !l.contains(" pulled")).count();
+    assert!(failed <= 1, "{failed} failed pulls: {pulls:?}");
+    eprintln!(
+        "rotation: the next pod ran {:?} after it was made, {failed} failed pull(s)",
+        started.elapsed()
+    );
+}
+
+#[test]
+#[ignore = "needs root"]
+fn credgate_killed_during_a_start_burst_loses_no_pod_and_no_capture() {
+    let node = Node::up();
+    let password = node.env("REGISTRY_PASSWORD").to_owned();
+    let namespaces: Vec<String> = (1..=6).map(|i| format!("burst-{i}")).collect();
+    // A repository of its own for each namespace: what is captured is kept per repository.
+    for ns in &namespaces {
+        node.namespace_with_secret(ns, &password);
+        node.push("team-a/app:v1", &format!("{ns}/app:v1"), &password);
+    }
+    let mut yaml = String::new();
+    for ns in &namespaces {
+        let image = node.image(&format!("{ns}/app:v1"));
+        for i in 1..=2 {
+            yaml.push_str(&format!(
+                "---\napiVersion: v1\nkind: Pod\nmetadata: {{name: app-{i}, namespace: {ns}}}\n\
+                 spec:\n  hostNetwork: true\n  terminationGracePeriodSeconds: 0\n  \
+                 imagePullSecrets: [{{name: regcred}}]\n  containers:\n  \
+                 - {{name: c, image: \"{image}\"}}\n"
+            ));
+        }
+    }
+    node.apply(&yaml);
+    // SIGKILL while the kubelet is pulling, and start it again.
+    let until = Instant::now() + Duration::from_secs(20);
+    while node.pulls().lines().count() < 2 && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    node.restart("credgate", true);
+    for ns in &namespaces {
+        for i in 1..=2 {
+            node.wait_running(ns, &format!("app-{i}"), Duration::from_secs(180));
+        }
+    }
+    // Each namespace's capture survived or was made again; none is lost.
+    let captured = node.credgate_ok(&["ctl", "captured"]);
+    for ns in &namespaces {
+        let repository = node.image(&format!("{ns}/app"));
+        assert!(
+            captured
+                .lines()
+                .any(|l| l.starts_with(&repository) && l.split_whitespace().nth(1) == Some(ns)),
+            "{ns}: {captured}"
+        );
+    }
+}
