@@ -68,7 +68,7 @@ async fn own_lookup(agent: &Agent) -> LookupResponse {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grpc_go_dialing_as_the_kubelet_does_is_served_on_the_api_socket() {
     let dir = tempfile::tempdir().unwrap();
-    let go = build_go(dir.path());
+    let go = build_go();
     let agent = example_agent(dir.path());
     let own = own_lookup(&agent).await;
     for dial in Dial::ALL {
@@ -161,7 +161,7 @@ async fn python_grpcio_with_default_options_is_served_on_the_api_socket() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_proxys_own_errors_reach_grpc_go_and_grpcio_whole() {
     let dir = tempfile::tempdir().unwrap();
-    let go = build_go(dir.path());
+    let go = build_go();
     let (_agent, proxy) = proxy_agent(dir.path(), &dir.path().join("no-runtime.sock"));
     let request = pull_request("registry.example.com/team/app:v1", None, "team-a").encode_to_vec();
     let mut answers: Vec<Answer> = Dial::ALL
@@ -259,7 +259,7 @@ fn same(method: &str, direct: &Answer, proxied: &Answer) -> bool {
 async fn grpc_go_gets_through_the_proxy_what_containerd_answers_directly() {
     needs_containerd();
     let dir = tempfile::tempdir().unwrap();
-    let go = build_go(dir.path());
+    let go = build_go();
     let node = node(dir.path());
     for dial in Dial::ALL {
         for (method, request) in kubelet_calls(&node.registry.host()) {
@@ -323,7 +323,7 @@ async fn only_trusted_uids_may_claim_a_service_account_identity() {
     credgate_testbed::require("setpriv");
     let dir = tempfile::tempdir().unwrap();
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-    let go = build_go(dir.path());
+    let go = build_go();
     let agent = Agent::start(
         dir.path(),
         &["--allow-uids", "service-account-identity=4243"],

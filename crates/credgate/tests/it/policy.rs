@@ -93,7 +93,7 @@ fn pulls_without_credentials_are_filled_for_the_operators_patterns_only() {
     }
     let containerd = Containerd::start(d, &[registry.host()]);
     let host = registry.host();
-    let go = build_go(d);
+    let go = build_go();
     let image = |repo: &str| format!("{host}/{repo}:v1");
     let sources = providers(d, &host);
 
@@ -200,7 +200,7 @@ fn mirror_trust_on(binary: &std::path::Path) {
     push(d, &mirror, "team/app", POD_USER, POD_PASSWORD);
     let containerd = Containerd::start_binary(binary, d, &[registry.host(), mirror.host()]);
     containerd.set_mirror(&registry.host(), &mirror.host());
-    let go = build_go(d);
+    let go = build_go();
     let image = format!("{}/team/app:v1", registry.host());
     let certs = containerd.certs.display().to_string();
 
@@ -338,7 +338,7 @@ fn containerds_auth_config_imported_serves_the_same_pulls() {
     push(d, &registry, "team/app", USER, PASSWORD);
     let containerd = Containerd::start(d, &[registry.host()]);
     let host = registry.host();
-    let go = build_go(d);
+    let go = build_go();
     let image = format!("{host}/team/app:v1");
     let credgate = |args: &[&str]| {
         std::process::Command::new(env!("CARGO_BIN_EXE_credgate"))

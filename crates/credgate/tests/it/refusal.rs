@@ -310,7 +310,7 @@ async fn docker_hubs_answer_for_a_repository_is_not_a_refused_credential() {
         .await
         .expect("the provider's credential pulls its own repository");
     // As the kubelet dials: grpc-go gets through the proxy the answer containerd gives.
-    let go = crate::support::foreign::build_go(d);
+    let go = crate::support::foreign::build_go();
     let not_hers = format!("{host}/team-b/app:v1");
     let request = prost::Message::encode_to_vec(&with(&not_hers, "alice-pw"));
     let call = |socket: &std::path::Path| {

@@ -1,8 +1,10 @@
-//! gRPC clients credgate did not write: a grpc-go program (`tests/clients/grpccall.go`, built
-//! from Debian's golang-go and golang-google-grpc-dev in GOPATH mode, offline) and a Python
-//! grpcio script (`tests/clients/grpccall.py`, grpcio from PyPI). Both make one call with raw
-//! protobuf bytes and print the status code, message and responses; `scripts/test` installs
-//! what they need, and a test that uses them fails (never passes) when it is missing.
+//! gRPC clients credgate did not write: grpc-go (`tests/clients/grpccall`), the kubelet's own
+//! CRI client k8s.io/cri-client (`tests/clients/criclient`), both Go programs of one module
+//! whose go.mod/go.sum pin today's versions, built by `scripts/node-tools/build` (Go 1.26
+//! from the module proxy, cached outside the repository); and a Python grpcio script
+//! (`tests/clients/grpccall.py`, grpcio from PyPI). They print the status code, message and
+//! responses as JSON; `scripts/test` builds and installs what they need, and a test that uses
+//! them fails (never passes) when it is missing.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -51,35 +53,27 @@ fn clients_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/clients")
 }
 
-/// Builds the grpc-go client into `dir` (Go's build cache under the target directory makes a
-/// second build a link).
-pub fn build_go(dir: &Path) -> PathBuf {
-    build_go_program(dir, "grpccall")
+/// The grpc-go client.
+pub fn build_go() -> PathBuf {
+    build_go_program("grpccall")
 }
 
-/// Builds `tests/clients/NAME.go` into `dir/NAME` against Debian's Go packages.
-pub fn build_go_program(dir: &Path, name: &str) -> PathBuf {
-    credgate_testbed::require("go");
-    let gopath = Path::new("/usr/share/gocode");
+/// The program `tests/clients/NAME` at the versions the module pins: built once by
+/// `scripts/node-tools/build` (a second call finds it in the cache).
+pub fn build_go_program(name: &str) -> PathBuf {
+    let build = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/node-tools/build");
+    let out = Command::new(build)
+        .arg(clients_dir())
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
     assert!(
-        gopath.join("src/google.golang.org/grpc").is_dir(),
-        "grpc-go is required: apt-get install -y golang-go golang-google-grpc-dev (scripts/test does this as root)"
+        out.status.success(),
+        "the Go clients did not build (Go 1.26 and the Go module proxy are required): {}",
+        String::from_utf8_lossy(&out.stderr)
     );
-    let out = dir.join(name);
-    let cache = Path::new(env!("CARGO_TARGET_TMPDIR")).join("go-build-cache");
-    credgate_testbed::run(
-        Command::new("go")
-            .args(["build", "-o"])
-            .arg(&out)
-            .arg(clients_dir().join(format!("{name}.go")))
-            .env("GOPATH", gopath)
-            .env("GO111MODULE", "off")
-            .env("GOFLAGS", "")
-            .env("GOCACHE", &cache)
-            .env("GOPROXY", "off")
-            .current_dir(dir),
-    );
-    out
+    let dir = String::from_utf8(out.stdout).unwrap();
+    Path::new(dir.trim()).join(name)
 }
 
 /// Calls `method` on `socket` with grpc-go: unary, or reading `stream` messages.

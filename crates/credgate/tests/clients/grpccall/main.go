@@ -12,7 +12,7 @@
 // the path (the kubelet and crictl up to 1.30). -dial localhost: the same, with the authority
 // set to localhost (1.31 and later).
 //
-// Built by credgate's tests from Debian's golang-go and golang-google-grpc-dev in GOPATH mode.
+// Built at the grpc-go version ../go.mod pins (scripts/node-tools/build).
 package main
 
 import (
@@ -22,19 +22,19 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"io/ioutil"
 	"net"
 	"os"
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 )
 
 type rawCodec struct{}
 
-func (rawCodec) Marshal(v interface{}) ([]byte, error) { return *(v.(*[]byte)), nil }
-func (rawCodec) Unmarshal(data []byte, v interface{}) error {
+func (rawCodec) Marshal(v any) ([]byte, error) { return *(v.(*[]byte)), nil }
+func (rawCodec) Unmarshal(data []byte, v any) error {
 	*(v.(*[]byte)) = append([]byte(nil), data...)
 	return nil
 }
@@ -53,14 +53,16 @@ func main() {
 	stream := flag.Int("stream", 0, "a server-streaming call: read this many messages")
 	timeout := flag.Float64("timeout", 60, "the call's deadline, in seconds")
 	flag.Parse()
-	request, err := ioutil.ReadAll(os.Stdin)
+	request, err := io.ReadAll(os.Stdin)
 	if err != nil {
 		fail(err)
 	}
 	dialer := func(ctx context.Context, addr string) (net.Conn, error) {
 		return (&net.Dialer{}).DialContext(ctx, "unix", addr)
 	}
-	opts := []grpc.DialOption{grpc.WithInsecure(), grpc.WithContextDialer(dialer), grpc.WithBlock()}
+	// As k8s.io/cri-client dials: NewClient (no blocking dial: the call connects), the
+	// passthrough resolver so the socket's path reaches the dialer as it is.
+	opts := []grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials()), grpc.WithContextDialer(dialer)}
 	switch *dial {
 	case "path":
 	case "localhost":
@@ -70,7 +72,7 @@ func main() {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), time.Duration(*timeout*float64(time.Second)))
 	defer cancel()
-	conn, err := grpc.DialContext(ctx, *socket, opts...)
+	conn, err := grpc.NewClient("passthrough:///"+*socket, opts...)
 	if err != nil {
 		fail(err)
 	}
