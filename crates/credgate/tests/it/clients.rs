@@ -1,9 +1,11 @@
-//! Clients credgate did not write, on both of its gRPC sockets: grpc-go dialing as the kubelet
-//! up to 1.30 (`:authority` is the socket's path) and from 1.31 (`localhost`), and Python
-//! grpcio with its default channel (the percent-encoded path). On the API socket they get what
-//! credgate's own client gets; through the CRI proxy they get exactly what the same call made
-//! directly to Debian's containerd gets: the same status code and message (a trailers-only
-//! error stays one) and the same response bytes. The proxy tests need root (containerd).
+//! Clients credgate did not write, on both of its gRPC sockets: grpc-go 1.85 dialing as the
+//! kubelet up to 1.30 (`:authority` is the socket's path) and from 1.31 (`localhost`), Python
+//! grpcio with its default channel (the percent-encoded path), the kubelet's own CRI client
+//! (k8s.io/cri-client 0.37.2) and crictl 1.37.0. On the API socket they get what credgate's own
+//! client gets; through the CRI proxy they get exactly what the same call made directly to
+//! containerd gets, Debian's 1.6 and 2.4 alike: the same status code and message (a
+//! trailers-only error stays one) and the same response bytes. The proxy tests need root
+//! (containerd).
 
 use std::path::Path;
 
@@ -185,8 +187,8 @@ async fn the_proxys_own_errors_reach_grpc_go_and_grpcio_whole() {
     }
 }
 
-/// A registry with htpasswd holding `team/app:v1`, containerd trusting it, and the agent's
-/// proxy in front of containerd.
+/// A registry with htpasswd holding `team/app:v1`, containerd (the one at `binary`) trusting
+/// it, and the agent's proxy in front of containerd.
 struct Node {
     registry: Registry,
     containerd: Containerd,
@@ -194,11 +196,11 @@ struct Node {
     proxy: std::path::PathBuf,
 }
 
-fn node(dir: &Path) -> Node {
+fn node(dir: &Path, binary: &Path) -> Node {
     let registry = Registry::start(dir, USER, PASSWORD);
     oci_image(dir);
     push(dir, &registry, "team/app", USER, PASSWORD);
-    let containerd = Containerd::start(dir, &[registry.host()]);
+    let containerd = Containerd::start_binary(binary, dir, &[registry.host()]);
     let (agent, proxy) = proxy_agent(dir, &containerd.socket);
     Node {
         registry,
@@ -206,6 +208,24 @@ fn node(dir: &Path) -> Node {
         agent,
         proxy,
     }
+}
+
+/// The runtimes the proxy's answers are compared with, each with a directory of its own under
+/// `dir`: Debian's containerd 1.6 and containerd 2.4 (`CREDGATE_TEST_CONTAINERD2`, which
+/// `scripts/test` builds).
+fn runtimes(dir: &Path) -> Vec<(&'static str, std::path::PathBuf, std::path::PathBuf)> {
+    let v2 = Containerd::v2_binary().unwrap_or_else(|why| panic!("{why}"));
+    [
+        ("containerd-1.6", std::path::PathBuf::from("containerd")),
+        ("containerd-2.4", v2),
+    ]
+    .into_iter()
+    .map(|(name, binary)| {
+        let sub = dir.join(name);
+        std::fs::create_dir_all(&sub).unwrap();
+        (name, binary, sub)
+    })
+    .collect()
 }
 
 /// The calls a kubelet makes, in an order where each has something to act on, with the
@@ -260,17 +280,22 @@ async fn grpc_go_gets_through_the_proxy_what_containerd_answers_directly() {
     needs_containerd();
     let dir = tempfile::tempdir().unwrap();
     let go = build_go();
-    let node = node(dir.path());
-    for dial in Dial::ALL {
-        for (method, request) in kubelet_calls(&node.registry.host()) {
-            let direct = go_call(&go, dial, &node.containerd.socket, method, &request, 0);
-            let proxied = go_call(&go, dial, &node.proxy, method, &request, 0);
-            assert!(
-                same(method, &direct, &proxied),
-                "{dial:?} {method}: directly {direct:?}, through the proxy {proxied:?}"
-            );
+    for (runtime, binary, sub) in runtimes(dir.path()) {
+        let node = node(&sub, &binary);
+        for dial in Dial::ALL {
+            for (method, request) in kubelet_calls(&node.registry.host()) {
+                let direct = go_call(&go, dial, &node.containerd.socket, method, &request, 0);
+                let proxied = go_call(&go, dial, &node.proxy, method, &request, 0);
+                assert!(
+                    same(method, &direct, &proxied),
+                    "{runtime} {dial:?} {method}: directly {direct:?}, through the proxy {proxied:?}"
+                );
+            }
         }
     }
+    let again = dir.path().join("again");
+    std::fs::create_dir_all(&again).unwrap();
+    let node = node(&again, Path::new("containerd"));
     // The failures are the runtime's own words, not a transport error of the proxy.
     let failed = go_call(
         &go,
@@ -299,13 +324,208 @@ async fn grpc_go_gets_through_the_proxy_what_containerd_answers_directly() {
 async fn python_grpcio_gets_through_the_proxy_what_containerd_answers_directly() {
     needs_containerd();
     let dir = tempfile::tempdir().unwrap();
-    let node = node(dir.path());
-    for (method, request) in kubelet_calls(&node.registry.host()) {
-        let direct = python_call(&node.containerd.socket, method, &request, 0, 60);
-        let proxied = python_call(&node.proxy, method, &request, 0, 60);
+    for (runtime, binary, sub) in runtimes(dir.path()) {
+        let node = node(&sub, &binary);
+        for (method, request) in kubelet_calls(&node.registry.host()) {
+            let direct = python_call(&node.containerd.socket, method, &request, 0, 60);
+            let proxied = python_call(&node.proxy, method, &request, 0, 60);
+            assert!(
+                same(method, &direct, &proxied),
+                "{runtime} {method}: directly {direct:?}, through the proxy {proxied:?}"
+            );
+        }
+    }
+}
+
+/// A username and password.
+type Credential = (&'static str, &'static str);
+
+/// The kubelet's calls, made with the kubelet's own CRI client (k8s.io/cri-client 0.37.2,
+/// built and dialed as the kubelet builds it), as criclient arguments and the credential it
+/// reads on stdin.
+fn cri_client_calls(host: &str) -> Vec<(Vec<String>, Option<Credential>)> {
+    let image = format!("{host}/team/app:v1");
+    let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    let pod = "team-a/app-0/4c1d2e3f";
+    vec![
+        (args(&["pull", &image, "-pod", pod]), None),
+        (
+            args(&["pull", &image, "-pod", pod, "-auth"]),
+            Some((USER, "wrong-password")),
+        ),
+        (
+            args(&[
+                "pull",
+                &format!("{host}/team/absent:v1"),
+                "-pod",
+                pod,
+                "-auth",
+            ]),
+            Some((USER, PASSWORD)),
+        ),
+        (args(&["pull", "Not//A Reference"]), None),
+        (
+            args(&["pull", &image, "-pod", pod, "-auth"]),
+            Some((USER, PASSWORD)),
+        ),
+        (args(&["status", &image]), None),
+        (args(&["list"]), None),
+        (args(&["-streaming", "list"]), None),
+        (args(&["remove", &image]), None),
+        (args(&["status", &image]), None),
+        (args(&["-streaming", "list"]), None),
+    ]
+}
+
+fn cri_client(
+    program: &Path,
+    socket: &Path,
+    args: &[String],
+    auth: Option<(&str, &str)>,
+) -> String {
+    let (flags, rest): (Vec<&String>, Vec<&String>) =
+        args.iter().partition(|a| a.as_str() == "-streaming");
+    let mut cmd = std::process::Command::new(program);
+    cmd.arg("-endpoint")
+        .arg(format!("unix://{}", socket.display()))
+        .args(flags)
+        .args(rest);
+    let input = auth
+        .map(|(username, password)| {
+            serde_json::json!({"username": username, "password": password}).to_string()
+        })
+        .unwrap_or_default();
+    let out = crate::support::output_with_stdin(&mut cmd, input.as_bytes());
+    assert!(
+        out.status.success(),
+        "criclient {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn the_kubelets_cri_client_gets_through_the_proxy_what_containerd_answers_directly() {
+    needs_containerd();
+    let dir = tempfile::tempdir().unwrap();
+    let program = crate::support::foreign::build_go_program("criclient");
+    for (runtime, binary, sub) in runtimes(dir.path()) {
+        let node = node(&sub, &binary);
+        let mut answers = Vec::new();
+        for (args, auth) in cri_client_calls(&node.registry.host()) {
+            let direct = cri_client(&program, &node.containerd.socket, &args, auth);
+            let proxied = cri_client(&program, &node.proxy, &args, auth);
+            assert_eq!(direct, proxied, "{runtime} {args:?}");
+            answers.push(direct);
+        }
+        // The calls did what they say: the right credential pulled, the wrong one did not,
+        // and the streaming list (containerd 2.4's StreamImages, 1.6's fallback) saw it.
+        let code = |a: &str| serde_json::from_str::<serde_json::Value>(a).unwrap()["code"].clone();
+        assert_ne!(code(&answers[1]), 0, "{runtime}: {}", answers[1]);
+        assert_eq!(code(&answers[4]), 0, "{runtime}: {}", answers[4]);
         assert!(
-            same(method, &direct, &proxied),
-            "{method}: directly {direct:?}, through the proxy {proxied:?}"
+            answers[7].contains("team/app:v1"),
+            "{runtime}: {}",
+            answers[7]
+        );
+        assert!(
+            !answers[10].contains("team/app:v1"),
+            "{runtime}: {}",
+            answers[10]
+        );
+        let log = node.agent.log_text();
+        assert!(!log.contains(PASSWORD), "the password reached the log");
+    }
+}
+
+/// crictl's output without its timestamps and process IDs (logrus's `time="..."`, klog's
+/// `E1127 22:57:12.732370    8806 file.go:334]` header).
+fn crictl_said(out: &std::process::Output) -> (Option<i32>, String, String) {
+    let strip = |b: &[u8]| {
+        String::from_utf8_lossy(b)
+            .lines()
+            .map(|l| match l.find("time=\"") {
+                Some(at) => {
+                    let rest = &l[at + 6..];
+                    let end = rest.find('"').map_or(rest.len(), |e| e + 1);
+                    format!("{}{}", &l[..at], &rest[end..])
+                }
+                None if l.starts_with(['I', 'W', 'E', 'F'])
+                    && l.as_bytes().get(1).is_some_and(u8::is_ascii_digit) =>
+                {
+                    let body = l.split_once("] ").map_or("", |(_, body)| body);
+                    format!("{} {body}", &l[..1])
+                }
+                None => l.to_owned(),
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    (out.status.code(), strip(&out.stdout), strip(&out.stderr))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn crictl_gets_through_the_proxy_what_containerd_answers_directly() {
+    needs_containerd();
+    let dir = tempfile::tempdir().unwrap();
+    let crictl = crate::support::foreign::built("cri-tools").join("crictl");
+    for (runtime, binary, sub) in runtimes(dir.path()) {
+        let node = node(&sub, &binary);
+        let image = format!("{}/team/app:v1", node.registry.host());
+        let wrong = format!("{USER}:wrong-password");
+        let right = format!("{USER}:{PASSWORD}");
+        let calls: Vec<Vec<&str>> = vec![
+            vec!["pull", &image],
+            vec!["pull", "--creds", &wrong, &image],
+            vec!["pull", "--creds", &right, &image],
+            vec!["inspecti", "-o", "json", &image],
+            vec!["images", "-o", "json"],
+            vec!["rmi", &image],
+            vec!["inspecti", &image],
+        ];
+        // The whole sequence directly, then through the proxy: each ends with the image
+        // removed, where it started.
+        let run = |socket: &Path| {
+            calls
+                .iter()
+                .map(|args| {
+                    let out = std::process::Command::new(&crictl)
+                        .arg("--runtime-endpoint")
+                        .arg(format!("unix://{}", node.containerd.socket.display()))
+                        .arg("--image-endpoint")
+                        .arg(format!("unix://{}", socket.display()))
+                        .args(args)
+                        .output()
+                        .unwrap();
+                    let (code, stdout, stderr) = crictl_said(&out);
+                    let stderr = stderr.replace(
+                        &socket.display().to_string(),
+                        &node.containerd.socket.display().to_string(),
+                    );
+                    (args.join(" "), code, stdout, stderr)
+                })
+                .collect::<Vec<_>>()
+        };
+        let direct = run(&node.containerd.socket);
+        let proxied = run(&node.proxy);
+        for (d, p) in direct.iter().zip(&proxied) {
+            assert_eq!(d, p, "{runtime}");
+        }
+        let codes: Vec<Option<i32>> = direct.iter().map(|d| d.1).collect();
+        assert_eq!(
+            codes,
+            [
+                Some(1),
+                Some(1),
+                Some(0),
+                Some(0),
+                Some(0),
+                Some(0),
+                Some(1)
+            ],
+            "{runtime}: {direct:?}"
         );
     }
 }

@@ -61,19 +61,25 @@ pub fn build_go() -> PathBuf {
 /// The program `tests/clients/NAME` at the versions the module pins: built once by
 /// `scripts/node-tools/build` (a second call finds it in the cache).
 pub fn build_go_program(name: &str) -> PathBuf {
+    built(&clients_dir().display().to_string()).join(name)
+}
+
+/// The directory of a module's programs built by `scripts/node-tools/build MODULE` (a name
+/// under scripts/node-tools, or a path), built once and cached outside the repository.
+pub fn built(module: &str) -> PathBuf {
     let build = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/node-tools/build");
     let out = Command::new(build)
-        .arg(clients_dir())
+        .arg(module)
         .stdin(Stdio::null())
         .output()
         .unwrap();
     assert!(
         out.status.success(),
-        "the Go clients did not build (Go 1.26 and the Go module proxy are required): {}",
+        "{module} did not build (Go 1.26 and the Go module proxy are required): {}",
         String::from_utf8_lossy(&out.stderr)
     );
     let dir = String::from_utf8(out.stdout).unwrap();
-    Path::new(dir.trim()).join(name)
+    PathBuf::from(dir.trim())
 }
 
 /// Calls `method` on `socket` with grpc-go: unary, or reading `stream` messages.
