@@ -816,3 +816,214 @@ fn credgate_killed_during_a_start_burst_loses_no_pod_and_no_capture() {
         );
     }
 }
+
+/// The credgate image (scripts/image, this build's binaries) in the node's containerd, as
+/// `tag`.
+fn credgate_image_in_containerd(node: &Node, tag: &str) {
+    let storage = node.dir().join("podman");
+    let options = format!(
+        "--storage-driver vfs --root {} --runroot {}",
+        storage.join("root").display(),
+        storage.join("runroot").display()
+    );
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let built = Command::new(repo.join("scripts/image"))
+        .arg(bin_dir())
+        .arg(tag)
+        .env("PODMAN_OPTS", &options)
+        .output()
+        .unwrap();
+    assert!(
+        built.status.success(),
+        "scripts/image: {}",
+        text(&built.stderr)
+    );
+    let archive = node.dir().join("credgate-image.tar");
+    let saved = Command::new("podman")
+        .args(options.split(' '))
+        .args(["save", "--format", "docker-archive", "-o"])
+        .arg(&archive)
+        .arg(tag)
+        .output()
+        .unwrap();
+    assert!(
+        saved.status.success(),
+        "podman save: {}",
+        text(&saved.stderr)
+    );
+    let ctr = crate::support::foreign::built("containerd").join("ctr");
+    let imported = Command::new(ctr)
+        .arg("--address")
+        .arg(node.dir().join("containerd/containerd.sock"))
+        .args(["-n", "k8s.io", "images", "import"])
+        .arg(&archive)
+        .output()
+        .unwrap();
+    assert!(
+        imported.status.success(),
+        "ctr import: {}",
+        text(&imported.stderr)
+    );
+    let _ = std::fs::remove_dir_all(&storage);
+    let _ = std::fs::remove_file(&archive);
+}
+
+#[test]
+#[ignore = "needs root"]
+fn the_daemonset_installs_the_bridge_and_serves_the_kubelets_pulls() {
+    // The node without credgate: the DaemonSet brings it.
+    let node = Node::start(&["--without-credgate"]);
+    let registry = node.env("REGISTRY").to_owned();
+    let password = node.env("REGISTRY_PASSWORD").to_owned();
+    let tag = "localhost/credgate-node/credgate:test";
+    credgate_image_in_containerd(&node, tag);
+
+    // The host layout deploy/daemonset.yaml expects, under DIR/host: the providers' config,
+    // a plugin (static: the image has no shell) and its password file.
+    let host = node.dir().join("host");
+    let etc = host.join("etc/credgate");
+    let plugins = host.join("usr/libexec/credgate/plugins");
+    std::fs::create_dir_all(&etc).unwrap();
+    std::fs::create_dir_all(&plugins).unwrap();
+    std::fs::write(etc.join("provider-password"), format!("{password}\n")).unwrap();
+    std::fs::write(
+        etc.join("providers.yaml"),
+        format!(
+            "apiVersion: kubelet.config.k8s.io/v1\nkind: CredentialProviderConfig\nproviders:\n\
+             - name: team-p\n  matchImages: [\"{registry}/team-p\"]\n  defaultCacheDuration: 1h\n  \
+             apiVersion: credentialprovider.kubelet.k8s.io/v1\n"
+        ),
+    )
+    .unwrap();
+    let source = node.dir().join("team-p.c");
+    std::fs::write(
+        &source,
+        format!(
+            r#"#include <stdio.h>
+#include <string.h>
+int main(void) {{
+    char buf[4096], pw[256] = {{0}};
+    while (fread(buf, 1, sizeof buf, stdin) > 0) {{}}
+    FILE *f = fopen("/etc/credgate/provider-password", "r");
+    if (!f || !fgets(pw, sizeof pw, f)) return 1;
+    pw[strcspn(pw, "\n")] = 0;
+    printf("{{\"kind\":\"CredentialProviderResponse\",\"apiVersion\":\"credentialprovider.kubelet.k8s.io/v1\","
+           "\"cacheKeyType\":\"Registry\",\"cacheDuration\":\"1h\","
+           "\"auth\":{{\"{registry}/team-p\":{{\"username\":\"alice\",\"password\":\"%s\"}}}}}}", pw);
+    return 0;
+}}
+"#
+        ),
+    )
+    .unwrap();
+    let cc = Command::new("gcc")
+        .args(["-static", "-O2", "-o"])
+        .arg(plugins.join("team-p"))
+        .arg(&source)
+        .output()
+        .unwrap();
+    assert!(cc.status.success(), "gcc: {}", text(&cc.stderr));
+
+    // deploy/daemonset.yaml as an operator applies it, with the image built here and the
+    // host paths moved under DIR/host (this test's own directory, not the machine's /etc).
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let mut manifest = std::fs::read_to_string(repo.join("deploy/daemonset.yaml")).unwrap();
+    manifest = manifest.replace("registry.example.com/credgate/credgate:0.1.0", tag);
+    for path in [
+        "/run/credgate",
+        "/var/lib/credgate",
+        "/etc/credgate",
+        "/usr/libexec/credgate/plugins",
+        "/usr/libexec/kubernetes/kubelet-plugins/credential-provider/exec",
+    ] {
+        let moved = format!("path: {}{path}\n", host.display());
+        let was = format!("path: {path}\n");
+        assert!(
+            manifest.contains(&was),
+            "the DaemonSet has no hostPath {path}"
+        );
+        manifest = manifest.replace(&was, &moved);
+    }
+    // The bridge runs on the host, where the agent's socket is under DIR/host too.
+    let socket = host.join("run/credgate/credgate.sock");
+    manifest = manifest.replace(
+        "            - --install\n",
+        &format!(
+            "            - --install\n            - --socket={}\n",
+            socket.display()
+        ),
+    );
+    let metrics = format!("127.0.0.1:{}", free_port());
+    manifest = manifest.replace("127.0.0.1:9464", &metrics);
+    node.apply(&manifest);
+    let until = Instant::now() + Duration::from_secs(120);
+    loop {
+        let ready = node.kubectl(&[
+            "get",
+            "pods",
+            "-n",
+            "kube-system",
+            "-l",
+            "app.kubernetes.io/name=credgate",
+            "-o",
+            "jsonpath={.items[0].status.containerStatuses[0].ready}",
+        ]);
+        if text(&ready.stdout) == "true" {
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "the DaemonSet's pod is not ready: {}",
+            node.kubectl_ok(&["describe", "pods", "-n", "kube-system"])
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    // The init container installed the bridge and wrote the kubelet's config on the host.
+    let kubelet_plugins =
+        host.join("usr/libexec/kubernetes/kubelet-plugins/credential-provider/exec");
+    assert!(kubelet_plugins
+        .join("credgate-credential-provider")
+        .is_file());
+    assert!(kubelet_plugins.join("team-p").exists());
+    let kubelet_config = etc.join("kubelet-providers.yaml");
+    assert!(kubelet_config.is_file());
+
+    // The kubelet restarted with them, as the DaemonSet's header tells the operator.
+    let args_file = node.dir().join("kubelet/args");
+    let mut args = std::fs::read_to_string(&args_file).unwrap();
+    args.push_str(&format!(
+        "--image-credential-provider-config\n{}\n--image-credential-provider-bin-dir\n{}\n",
+        kubelet_config.display(),
+        kubelet_plugins.display()
+    ));
+    std::fs::write(&args_file, args).unwrap();
+    node.restart("kubelet", false);
+    node.pod("default", "app", &node.image("team-p/app:v1"), &NO_SECRET);
+    node.wait_running("default", "app", POD);
+    let scraped = Command::new("curl")
+        .args(["-sf", &format!("http://{metrics}/metrics")])
+        .output()
+        .unwrap();
+    let scraped = text(&scraped.stdout);
+    let value = |prefix: &str| -> f64 {
+        scraped
+            .lines()
+            .filter(|l| l.starts_with(prefix))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    assert_eq!(
+        value("credgate_plugin_runs_total{provider=\"team-p\"}"),
+        1.0,
+        "{scraped}"
+    );
+    assert!(value("credgate_lookups_total{caller=\"kubelet\"}") >= 1.0);
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
