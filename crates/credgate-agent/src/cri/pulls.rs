@@ -190,25 +190,26 @@ pub(super) fn sources_of(agent: &crate::Agent, pull: &Pull) -> (Vec<crate::refus
 /// agent's sources' (`given`) and containerd sent it to the image's registry, the registry is
 /// asked whether it refuses that credential itself, and only then is it refused
 /// ([`crate::refusal::confirm_and_refuse`]); a pod's own secret changes nothing and asks
-/// nothing. What became of it, for the pull log (empty when nothing was asked).
+/// nothing. What became of it, for the pull log (empty when nothing was asked), and whether
+/// the registry refused a provider's credential.
 pub(super) async fn refused(
     agent: &crate::Agent,
     pull: &Pull,
     given: &[crate::refusal::Given],
-) -> String {
+) -> (String, bool) {
     use crate::refusal::Report;
     let Some(c) = &pull.credential else {
-        return String::new();
+        return (String::new(), false);
     };
     if given.is_empty() {
-        return String::new();
+        return (String::new(), false);
     }
     let Ok(parsed) = credgate_core::reference::ImageRef::parse(&pull.image) else {
-        return String::new();
+        return (String::new(), false);
     };
     if let policy::Sent::No(why) = policy::sent_to_registry(&pull.server_address, parsed.registry())
     {
-        return format!("not refused by this pull: {why}");
+        return (format!("not refused by this pull: {why}"), false);
     }
     let report = crate::refusal::confirm_and_refuse(
         agent,
@@ -230,7 +231,11 @@ pub(super) async fn refused(
             "{said}"
         );
     }
-    said
+    let provider = matches!(report, Report::Refused(_) | Report::Recently)
+        && given
+            .iter()
+            .any(|g| matches!(g, crate::refusal::Given::Provider(_)));
+    (said, provider)
 }
 
 /// How the image access guard records a pull, as the kubelet records its own (KEP-2535): a
@@ -317,38 +322,101 @@ pub(super) async fn pull(
     // caller's budget is given back now, not when the pull ends (a registry that stalls would
     // otherwise let a few slow pulls hold the connection's whole budget).
     drop(taken);
+    // Kept for one retry of the same pull (see below).
+    let head = (
+        parts.method.clone(),
+        parts.uri.clone(),
+        parts.version,
+        parts.headers.clone(),
+    );
     let started = std::time::Instant::now();
-    let whole = match exchange(caller, parts, bytes, MAX_PULL_MESSAGE).await {
+    let whole = match exchange(caller, parts, bytes.clone(), MAX_PULL_MESSAGE).await {
         Ok(whole) => whole,
         Err(refused) => return refused,
     };
-    let Some(pull) = asked else {
+    let Some(mut pull) = asked else {
         return whole.into_response();
     };
+    let refused_now = match answered(pulls, &pull, &whole, started).await {
+        Answered::Settle(own) => {
+            settle(pulls, pull, own, &whole).await;
+            return whole.into_response();
+        }
+        Answered::Refused => true,
+        Answered::Done => false,
+    };
+    // The registry refused, itself, a credential one of the agent's providers gave (the
+    // kubelet's copy of an answer the provider has since renewed): the same pull goes again,
+    // once, with the provider's answer of now, so the caller sees the rotation succeed instead
+    // of failing once and backing off. Only when the provider answers another credential.
+    if refused_now {
+        if let Some(frame) = refreshed(&pulls.agent, &mut pull, &bytes).await {
+            let mut again = hyper::Request::new(());
+            *again.method_mut() = head.0;
+            *again.uri_mut() = head.1;
+            *again.version_mut() = head.2;
+            *again.headers_mut() = head.3;
+            again.headers_mut().remove(hyper::header::CONTENT_LENGTH);
+            let (parts, ()) = again.into_parts();
+            let started = std::time::Instant::now();
+            let retried = match exchange(caller, parts, frame, MAX_PULL_MESSAGE).await {
+                Ok(whole) => whole,
+                Err(refused) => return refused,
+            };
+            if let Answered::Settle(own) = answered(pulls, &pull, &retried, started).await {
+                settle(pulls, pull, own, &retried).await;
+            }
+            return retried.into_response();
+        }
+    }
+    whole.into_response()
+}
+
+/// What a pull's answer leaves to do once it is logged.
+enum Answered {
+    /// Record and capture it (`own`: the node's credential, see [`sources_of`]).
+    Settle(bool),
+    /// The registry refused the credential itself, one of the agent's providers gave: the
+    /// pull may go again with the provider's answer of now (after which it is settled).
+    Refused,
+    /// Nothing more (an invalid pull).
+    Done,
+}
+
+/// Logs a pull's answer ([`decision`]) and, when it ended unauthorized with a credential of
+/// the agent's, asks the registry whether it refuses the credential itself ([`refused`]).
+async fn answered(
+    pulls: &Pulls,
+    pull: &Pull,
+    whole: &runtime::Whole,
+    started: std::time::Instant,
+) -> Answered {
     let code = whole.code().unwrap_or(2);
     // What the caller sent is its own: the message keeps none of it past this point.
     let message = redacted(&whole.message(), &pull.carried);
-    let (given, own) = sources_of(&pulls.agent, &pull);
+    let (given, own) = sources_of(&pulls.agent, pull);
     let took = started.elapsed();
     let result = crate::pulls::PullResult::of(code, &message);
-    let refusal = if pull.valid && result == crate::pulls::PullResult::Unauthorized {
-        refused(&pulls.agent, &pull, &given).await
-    } else {
-        String::new()
-    };
+    let (refusal, provider_refused) =
+        if pull.valid && result == crate::pulls::PullResult::Unauthorized {
+            refused(&pulls.agent, pull, &given).await
+        } else {
+            (String::new(), false)
+        };
     decision::log(
         &pulls.agent,
-        &pull,
+        pull,
         &given,
         (code, result),
         &message,
         took,
         refusal,
     );
-    if pull.valid {
-        settle(pulls, pull, own, &whole).await;
+    match (pull.valid, provider_refused && pull.replaced.is_none()) {
+        (false, _) => Answered::Done,
+        (true, true) => Answered::Refused,
+        (true, false) => Answered::Settle(own),
     }
-    whole.into_response()
 }
 
 /// What a forwarded pull leaves once the runtime answered: the guard's record of its result

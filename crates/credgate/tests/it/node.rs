@@ -672,6 +672,9 @@ fn a_burst_of_provider_matched_images_costs_one_plugin_run() {
         node.metric("credgate_plugin_runs_total{provider=\"team-p\"}"),
         1.0
     );
+    // The plugin's own count says the same.
+    let runs = std::fs::read_to_string(node.dir().join("providers/team-p.runs")).unwrap();
+    assert_eq!(runs.lines().count(), 1, "{runs}");
     for tag in &tags {
         let pulls = node.pulls_of("default", &format!("p-{tag}"));
         assert!(
@@ -710,7 +713,7 @@ fn a_kep_4412_provider_gets_the_pods_service_account_token_through_the_bridge() 
         Pod::PullFailed(why) => assert!(why.contains("authorization"), "{why}"),
         Pod::Running => panic!("the default service account got team-s's credential"),
     }
-    let seen = std::fs::read_to_string(node.dir().join("credgate/team-s.log")).unwrap();
+    let seen = std::fs::read_to_string(node.dir().join("providers/team-s.log")).unwrap();
     assert!(
         seen.lines()
             .any(|l| l == "answered system:serviceaccount:team-s:puller"),
@@ -736,7 +739,7 @@ fn a_kep_4412_provider_gets_the_pods_service_account_token_through_the_bridge() 
 
 #[test]
 #[ignore = "needs root"]
-fn after_a_rotation_the_next_pod_runs_with_at_most_one_failed_pull() {
+fn after_a_rotation_the_next_pod_runs_and_the_kubelet_sees_no_failed_pull() {
     let node = Node::up();
     let old = node.env("REGISTRY_PASSWORD").to_owned();
     node.push("team-p/app:v1", "team-p/app:v2", &old);
@@ -763,6 +766,17 @@ fn after_a_rotation_the_next_pod_runs_with_at_most_one_failed_pull() {
     let pulls = node.pulls_of("default", "after");
     let failed = pulls.iter().filter(|l| !l.contains(" pulled")).count();
     assert!(failed <= 1, "{failed} failed pulls: {pulls:?}");
+    // The refused attempt stays inside the proxy, which pulls again with the provider's
+    // answer of now: the kubelet saw no failed pull.
+    let events = node.kubectl_ok(&[
+        "get",
+        "events",
+        "--field-selector",
+        "involvedObject.name=after",
+        "-o",
+        "jsonpath={.items[*].reason}",
+    ]);
+    assert!(!events.contains("Failed"), "{events}");
     eprintln!(
         "rotation: the next pod ran {:?} after it was made, {failed} failed pull(s)",
         started.elapsed()

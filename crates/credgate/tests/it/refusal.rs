@@ -349,10 +349,18 @@ async fn docker_hubs_answer_for_a_repository_is_not_a_refused_credential() {
     tokens.set_password(USER, "alice-new");
     backend.answer("alice-new");
     tokio::time::sleep(Duration::from_secs(11)).await;
+    // The token server refuses the old password; the proxy sends the same pull again with
+    // the provider's answer of now: the caller sees it succeed, and so does the next pull.
     pull(&proxy, with(&own, "alice-pw"))
         .await
-        .expect_err("the token server refuses the old password");
+        .expect("the pull goes again with the provider's answer of now");
     assert_eq!(refused_count(&agent), 1);
+    let pulls = text(&agent.credgate(&["ctl", "pulls"]).stdout);
+    let own_pulls: Vec<&str> = pulls.lines().filter(|l| l.contains(&own)).take(2).collect();
+    assert!(
+        own_pulls[0].contains("pulled") && own_pulls[1].contains("unauthorized"),
+        "the refused attempt and its retry are both in the pull log: {pulls}"
+    );
     pull(&proxy, with(&own, "alice-pw"))
         .await
         .expect("the next pull goes with the provider's answer of now");
