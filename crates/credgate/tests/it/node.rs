@@ -40,10 +40,15 @@ impl Node {
             .prefix("credgate-node.")
             .tempdir()
             .unwrap();
+        // --owner: the rig takes the node down if this process dies without dropping it
+        // (nextest's timeout kills it): the node's processes are in sessions of their own and
+        // would outlive it, and the next node would find their kubelet.
         let out = Command::new(rig())
             .arg("up")
             .arg(dir.path())
             .args(args)
+            .arg("--owner")
+            .arg(std::process::id().to_string())
             .env("CREDGATE_BIN_DIR", bin_dir())
             .stdin(Stdio::null())
             .output()
@@ -648,9 +653,10 @@ fn the_kubelets_image_pull_policy_and_credgates_guard_decide_alike() {
 fn a_burst_of_provider_matched_images_costs_one_plugin_run() {
     let node = Node::up();
     let password = node.env("REGISTRY_PASSWORD").to_owned();
+    // Distinct repositories: the kubelet asks a provider about the image without its tag.
     let tags: Vec<String> = (1..=8).map(|i| format!("b{i}")).collect();
     for tag in &tags {
-        node.push("team-p/app:v1", &format!("team-p/app:{tag}"), &password);
+        node.push("team-p/app:v1", &format!("team-p/{tag}:v1"), &password);
     }
     // The kubelet asks the bridge for each image it pulls (its cache is empty); the agent
     // runs provider team-p once for all of them.
@@ -660,7 +666,7 @@ fn a_burst_of_provider_matched_images_costs_one_plugin_run() {
             "---\napiVersion: v1\nkind: Pod\nmetadata: {{name: p-{tag}, namespace: default}}\n\
              spec:\n  hostNetwork: true\n  terminationGracePeriodSeconds: 0\n  containers:\n  \
              - {{name: c, image: \"{}\"}}\n",
-            node.image(&format!("team-p/app:{tag}"))
+            node.image(&format!("team-p/{tag}:v1"))
         ));
     }
     node.apply(&yaml);
