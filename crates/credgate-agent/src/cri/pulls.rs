@@ -337,19 +337,20 @@ pub(super) async fn pull(
     let Some(mut pull) = asked else {
         return whole.into_response();
     };
-    let refused_now = match answered(pulls, &pull, &whole, started).await {
+    let own = match answered(pulls, &pull, &whole, started).await {
         Answered::Settle(own) => {
             settle(pulls, pull, own, &whole).await;
             return whole.into_response();
         }
-        Answered::Refused => true,
-        Answered::Done => false,
+        Answered::Refused(own) => own,
+        Answered::Done => return whole.into_response(),
     };
     // The registry refused, itself, a credential one of the agent's providers gave (the
-    // kubelet's copy of an answer the provider has since renewed): the same pull goes again,
-    // once, with the provider's answer of now, so the caller sees the rotation succeed instead
-    // of failing once and backing off. Only when the provider answers another credential.
-    if refused_now {
+    // kubelet's copy of an answer the provider has since renewed, or the answer the proxy put
+    // in its place): the same pull goes again, once, with the provider's answer of now, so the
+    // caller sees the rotation succeed instead of failing once and backing off. Only when the
+    // provider answers another credential.
+    {
         if let Some(frame) = refreshed(&pulls.agent, &mut pull, &bytes).await {
             let mut again = hyper::Request::new(());
             *again.method_mut() = head.0;
@@ -363,12 +364,15 @@ pub(super) async fn pull(
                 Ok(whole) => whole,
                 Err(refused) => return refused,
             };
-            if let Answered::Settle(own) = answered(pulls, &pull, &retried, started).await {
+            if let Answered::Settle(own) | Answered::Refused(own) =
+                answered(pulls, &pull, &retried, started).await
+            {
                 settle(pulls, pull, own, &retried).await;
             }
             return retried.into_response();
         }
     }
+    settle(pulls, pull, own, &whole).await;
     whole.into_response()
 }
 
@@ -377,8 +381,8 @@ enum Answered {
     /// Record and capture it (`own`: the node's credential, see [`sources_of`]).
     Settle(bool),
     /// The registry refused the credential itself, one of the agent's providers gave: the
-    /// pull may go again with the provider's answer of now (after which it is settled).
-    Refused,
+    /// pull may go again, once, with the provider's answer of now (then it is settled).
+    Refused(bool),
     /// Nothing more (an invalid pull).
     Done,
 }
@@ -412,9 +416,9 @@ async fn answered(
         took,
         refusal,
     );
-    match (pull.valid, provider_refused && pull.replaced.is_none()) {
+    match (pull.valid, provider_refused) {
         (false, _) => Answered::Done,
-        (true, true) => Answered::Refused,
+        (true, true) => Answered::Refused(own),
         (true, false) => Answered::Settle(own),
     }
 }
