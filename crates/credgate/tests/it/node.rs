@@ -1047,3 +1047,54 @@ fn free_port() -> u16 {
         .unwrap()
         .port()
 }
+
+/// README's "Try it on a real node" block runs as written (as root, in this test's directory
+/// instead of /tmp/node), and leaves nothing running.
+#[test]
+#[ignore = "needs root"]
+fn the_readmes_real_node_example_runs_as_written() {
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let readme = std::fs::read_to_string(repo.join("README.md")).unwrap();
+    let section = &readme[readme.find("## Try it on a real node").unwrap()..];
+    let block = section.split("```sh\n").nth(1).unwrap();
+    let block = &block[..block.find("```").unwrap()];
+    assert!(block.contains("scripts/node up /tmp/node") && block.contains("scripts/node down"));
+    let dir = tempfile::Builder::new()
+        .prefix("credgate-readme-node.")
+        .tempdir()
+        .unwrap();
+    let node = dir.path().join("node");
+    let script = block
+        .replace("/tmp/node", node.to_str().unwrap())
+        .replace("sudo ", "");
+    let out = Command::new("bash")
+        .args(["-euo", "pipefail", "-c", &script])
+        .current_dir(&repo)
+        .env("CREDGATE_BIN_DIR", bin_dir())
+        .env("CREDGATE_NODE_OWNER", std::process::id().to_string())
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let said = format!("{}\n{}", text(&out.stdout), text(&out.stderr));
+    if !out.status.success() {
+        let logs = tails(&node.join("logs"));
+        let _ = Command::new(rig()).arg("down").arg(&node).output();
+        panic!("the README's block failed: {said}\n{logs}");
+    }
+    // The pull log lists both pods' pulls, with their pods.
+    let image = |repo_tag: &str| format!("/{repo_tag}");
+    for (pod, what) in [
+        ("default/app", "team-a/app:v1"),
+        ("default/provided", "team-p/app:v1"),
+    ] {
+        assert!(
+            said.lines()
+                .any(|l| l.contains(pod) && l.contains(&image(what)) && l.contains("pulled")),
+            "{pod}: {said}"
+        );
+    }
+    assert!(said.contains("credgate restarted (KILL)"), "{said}");
+    assert!(!node.join("pids").exists());
+    let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap();
+    assert!(!mounts.contains(node.to_str().unwrap()), "left mounted");
+}
