@@ -280,6 +280,8 @@ impl Node {
             text(&out.stderr),
             tails(&self.dir().join("logs"))
         );
+        let how = if kill { "(KILL)" } else { "(TERM)" };
+        assert!(text(&out.stderr).contains(how), "{}", text(&out.stderr));
     }
 
     /// Copies `REGISTRY/FROM` to `REGISTRY/TO` as alice with `password`.
