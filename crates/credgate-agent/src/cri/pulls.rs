@@ -323,7 +323,7 @@ pub(super) async fn pull(
     // otherwise let a few slow pulls hold the connection's whole budget).
     drop(taken);
     // Kept for one retry of the same pull (see below).
-    let head = (
+    let head: Head = (
         parts.method.clone(),
         parts.uri.clone(),
         parts.version,
@@ -350,29 +350,42 @@ pub(super) async fn pull(
     // in its place): the same pull goes again, once, with the provider's answer of now, so the
     // caller sees the rotation succeed instead of failing once and backing off. Only when the
     // provider answers another credential.
-    {
-        if let Some(frame) = refreshed(&pulls.agent, &mut pull, &bytes).await {
-            let mut again = hyper::Request::new(());
-            *again.method_mut() = head.0;
-            *again.uri_mut() = head.1;
-            *again.version_mut() = head.2;
-            *again.headers_mut() = head.3;
-            again.headers_mut().remove(hyper::header::CONTENT_LENGTH);
-            let (parts, ()) = again.into_parts();
-            let started = std::time::Instant::now();
-            let retried = match exchange(caller, parts, frame, MAX_PULL_MESSAGE).await {
-                Ok(whole) => whole,
-                Err(refused) => return refused,
-            };
-            if let Answered::Settle(own) | Answered::Refused(own) =
-                answered(pulls, &pull, &retried, started).await
-            {
-                settle(pulls, pull, own, &retried).await;
-            }
-            return retried.into_response();
-        }
+    if let Some(frame) = refreshed(&pulls.agent, &mut pull, &bytes).await {
+        return again(caller, pulls, pull, head, frame).await;
     }
     settle(pulls, pull, own, &whole).await;
+    whole.into_response()
+}
+
+/// A request's head, kept to send its pull again.
+type Head = (hyper::Method, hyper::Uri, hyper::Version, hyper::HeaderMap);
+
+/// The pull sent again with `frame` (its credential replaced): logged, settled and answered
+/// as the runtime answers it, whatever that is (never a third attempt).
+async fn again(
+    caller: &Caller,
+    pulls: &Pulls,
+    pull: Pull,
+    (method, uri, version, headers): Head,
+    frame: Bytes,
+) -> hyper::Response<Body> {
+    let mut request = hyper::Request::new(());
+    *request.method_mut() = method;
+    *request.uri_mut() = uri;
+    *request.version_mut() = version;
+    *request.headers_mut() = headers;
+    request.headers_mut().remove(hyper::header::CONTENT_LENGTH);
+    let (parts, ()) = request.into_parts();
+    let started = std::time::Instant::now();
+    let whole = match exchange(caller, parts, frame, MAX_PULL_MESSAGE).await {
+        Ok(whole) => whole,
+        Err(refused) => return refused,
+    };
+    if let Answered::Settle(own) | Answered::Refused(own) =
+        answered(pulls, &pull, &whole, started).await
+    {
+        settle(pulls, pull, own, &whole).await;
+    }
     whole.into_response()
 }
 
