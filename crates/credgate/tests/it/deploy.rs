@@ -23,12 +23,7 @@ fn exported() -> BTreeSet<String> {
     );
     let config = d.join("p.yaml");
     std::fs::write(&config, "apiVersion: kubelet.config.k8s.io/v1\nkind: CredentialProviderConfig\nproviders:\n- name: p\n  matchImages: [reg.io]\n  defaultCacheDuration: 1m\n  apiVersion: credentialprovider.kubelet.k8s.io/v1\n").unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let addr = format!("127.0.0.1:{port}");
+    let addr = format!("127.0.0.1:{}", crate::support::free_port());
     let agent = crate::support::Agent::start(
         d,
         &[
@@ -140,29 +135,16 @@ fn alerting_rules_and_the_dashboard_name_metrics_the_agent_exports() {
 fn the_image_builds_and_its_binaries_run() {
     credgate_testbed::require_root("building images with podman (rootful, vfs)");
     crate::support::require("podman");
-    let bin_dir = crate::support::bin_dir();
     let tag = format!("localhost/credgate-test:{}", std::process::id());
-    // A storage of its own: the machine's may hold another user's (another driver's) state.
     let storage = tempfile::tempdir().unwrap();
-    let options = format!(
-        "--storage-driver vfs --root {} --runroot {}",
-        storage.path().join("root").display(),
-        storage.path().join("runroot").display()
-    );
+    let options = crate::support::credgate_image(storage.path(), &tag);
     let podman = |args: &[&str]| {
         Command::new("podman")
-            .args(options.split(' '))
+            .args(&options)
             .args(args)
             .output()
             .unwrap()
     };
-    let built = Command::new(repo().join("scripts/image"))
-        .arg(&bin_dir)
-        .arg(&tag)
-        .env("PODMAN_OPTS", &options)
-        .output()
-        .unwrap();
-    assert!(built.status.success(), "{}", text(&built.stderr));
     let run = podman(&["run", "--rm", "--network", "none", &tag, "--version"]);
     let version = if run.status.success() {
         text(&run.stdout)

@@ -254,16 +254,7 @@ impl Node {
     /// The sum of a metric's samples whose line starts with `prefix` (a name, or a name and
     /// the start of its labels).
     pub fn metric(&self, prefix: &str) -> f64 {
-        let out = Command::new("curl")
-            .args(["-sf", self.env("METRICS_URL")])
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "the metrics endpoint does not answer");
-        text(&out.stdout)
-            .lines()
-            .filter(|l| l.starts_with(prefix) && !l.starts_with('#'))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
+        metric_sum(&scrape(self.env("METRICS_URL")), prefix)
     }
 
     /// `scripts/node restart-credgate DIR [--kill]` or `restart-kubelet DIR`.
@@ -329,6 +320,26 @@ impl Drop for Node {
             panic!("scripts/node down left mounts behind: {left:?}");
         }
     }
+}
+
+/// The metrics page at `url`.
+fn scrape(url: &str) -> String {
+    let out = Command::new("curl").args(["-sf", url]).output().unwrap();
+    assert!(
+        out.status.success(),
+        "the metrics endpoint {url} does not answer"
+    );
+    text(&out.stdout)
+}
+
+/// The sum of the samples of `metrics` whose line starts with `prefix` (a name, or a name and
+/// the start of its labels).
+fn metric_sum(metrics: &str, prefix: &str) -> f64 {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with(prefix) && !l.starts_with('#'))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
 }
 
 /// How a test pod pulls.
@@ -843,26 +854,10 @@ fn credgate_killed_during_a_start_burst_loses_no_pod_and_no_capture() {
 /// `tag`.
 fn credgate_image_in_containerd(node: &Node, tag: &str) {
     let storage = node.dir().join("podman");
-    let options = format!(
-        "--storage-driver vfs --root {} --runroot {}",
-        storage.join("root").display(),
-        storage.join("runroot").display()
-    );
-    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let built = Command::new(repo.join("scripts/image"))
-        .arg(bin_dir())
-        .arg(tag)
-        .env("PODMAN_OPTS", &options)
-        .output()
-        .unwrap();
-    assert!(
-        built.status.success(),
-        "scripts/image: {}",
-        text(&built.stderr)
-    );
+    let options = crate::support::credgate_image(&storage, tag);
     let archive = node.dir().join("credgate-image.tar");
     let saved = Command::new("podman")
-        .args(options.split(' '))
+        .args(&options)
         .args(["save", "--format", "docker-archive", "-o"])
         .arg(&archive)
         .arg(tag)
@@ -975,7 +970,7 @@ int main(void) {{
             socket.display()
         ),
     );
-    let metrics = format!("127.0.0.1:{}", free_port());
+    let metrics = format!("127.0.0.1:{}", crate::support::free_port());
     manifest = manifest.replace("127.0.0.1:9464", &metrics);
     node.apply(&manifest);
     let until = Instant::now() + Duration::from_secs(120);
@@ -1022,32 +1017,14 @@ int main(void) {{
     node.restart("kubelet", false);
     node.pod("default", "app", &node.image("team-p/app:v1"), &NO_SECRET);
     node.wait_running("default", "app", POD);
-    let scraped = Command::new("curl")
-        .args(["-sf", &format!("http://{metrics}/metrics")])
-        .output()
-        .unwrap();
-    let scraped = text(&scraped.stdout);
-    let value = |prefix: &str| -> f64 {
-        scraped
-            .lines()
-            .filter(|l| l.starts_with(prefix))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
-    };
+    let scraped = scrape(&format!("http://{metrics}/metrics"));
+    let value = |prefix: &str| metric_sum(&scraped, prefix);
     assert_eq!(
         value("credgate_plugin_runs_total{provider=\"team-p\"}"),
         1.0,
         "{scraped}"
     );
     assert!(value("credgate_lookups_total{caller=\"kubelet\"}") >= 1.0);
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// README's "Try it on a real node" block runs as written (as root, in this test's directory

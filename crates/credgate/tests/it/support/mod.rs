@@ -299,3 +299,39 @@ pub fn skopeo_inspect(authfile: &Path, image: &str, socket: &Path) -> Output {
         .output()
         .unwrap()
 }
+
+/// A free loopback port (bound and released: a test's listener takes it right after).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Builds the credgate image (`scripts/image` with this build's binaries) as `tag` in a podman
+/// storage of its own under `storage` (vfs; the machine's may hold another user's, another
+/// driver's state), and returns the podman options that name that storage.
+pub fn credgate_image(storage: &Path, tag: &str) -> Vec<String> {
+    let options = vec![
+        "--storage-driver".to_owned(),
+        "vfs".to_owned(),
+        "--root".to_owned(),
+        storage.join("root").display().to_string(),
+        "--runroot".to_owned(),
+        storage.join("runroot").display().to_string(),
+    ];
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let built = Command::new(repo.join("scripts/image"))
+        .arg(bin_dir())
+        .arg(tag)
+        .env("PODMAN_OPTS", options.join(" "))
+        .output()
+        .unwrap();
+    assert!(
+        built.status.success(),
+        "scripts/image: {}",
+        text(&built.stderr)
+    );
+    options
+}
