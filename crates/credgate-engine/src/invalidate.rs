@@ -63,7 +63,7 @@ impl Engine {
         let Ok(parsed) = ImageRef::parse(image) else {
             return Vec::new();
         };
-        let (name, registry) = (parsed.name(), parsed.registry());
+        let name = parsed.name();
         let target = Target::from_image_name(name);
         let default_registry = credgate_core::reference::is_default_registry(name);
         let mut out = Vec::new();
@@ -75,20 +75,42 @@ impl Engine {
                 out.push(Source::DockerConfig(s.name.clone()));
             }
         }
-        let now = self.clock().now();
+        let mut providers: Vec<&str> = self
+            .answers_holding(&parsed, username, password)
+            .into_iter()
+            .map(|(provider, _)| provider)
+            .collect();
+        // A provider's answers come together: one source each.
+        providers.dedup();
         out.extend(
-            self.providers()
-                .iter()
-                .filter(|p| p.applies(&target))
-                .filter(|p| {
-                    p.cache.load().entries().any(|e| {
-                        e.alive_at(now)
-                            && e.covers_image(name, registry)
-                            && e.holds(username, password)
-                    })
-                })
-                .map(|p| Source::Provider(p.spec.name.clone())),
+            providers
+                .into_iter()
+                .map(|p| Source::Provider(p.to_owned())),
         );
+        out
+    }
+
+    /// Providers' live cached answers for `image` that hold `username`:`password`, as (the
+    /// provider, the answer's service-account scope when it is keyed by one), in the
+    /// providers' order.
+    fn answers_holding(
+        &self,
+        image: &ImageRef,
+        username: &str,
+        password: &str,
+    ) -> Vec<(&str, Option<std::sync::Arc<crate::cache::Scope>>)> {
+        let (name, registry) = (image.name(), image.registry());
+        let target = Target::from_image_name(name);
+        let now = self.clock().now();
+        let mut out = Vec::new();
+        for p in self.providers().iter().filter(|p| p.applies(&target)) {
+            for e in p.cache.load().entries() {
+                if e.alive_at(now) && e.covers_image(name, registry) && e.holds(username, password)
+                {
+                    out.push((p.spec.name.as_str(), e.scope.clone()));
+                }
+            }
+        }
         out
     }
 
@@ -104,27 +126,18 @@ impl Engine {
         let Ok(parsed) = ImageRef::parse(image) else {
             return Vec::new();
         };
-        let (name, registry) = (parsed.name(), parsed.registry());
-        let target = Target::from_image_name(name);
-        let now = self.clock().now();
         let mut out: Vec<(String, String, String)> = Vec::new();
-        for p in self.providers().iter().filter(|p| p.applies(&target)) {
-            for e in p.cache.load().entries() {
-                let Some(scope) = e.scope.as_deref() else {
-                    continue;
-                };
-                let sa = (
-                    scope.namespace.clone(),
-                    scope.name.clone(),
-                    scope.uid.clone(),
-                );
-                if e.alive_at(now)
-                    && e.covers_image(name, registry)
-                    && e.holds(username, password)
-                    && !out.contains(&sa)
-                {
-                    out.push(sa);
-                }
+        for (_, scope) in self.answers_holding(&parsed, username, password) {
+            let Some(scope) = scope else {
+                continue;
+            };
+            let sa = (
+                scope.namespace.clone(),
+                scope.name.clone(),
+                scope.uid.clone(),
+            );
+            if !out.contains(&sa) {
+                out.push(sa);
             }
         }
         out
