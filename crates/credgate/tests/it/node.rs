@@ -85,10 +85,15 @@ impl Node {
         format!("{}/{repo_tag}", self.env("REGISTRY"))
     }
 
+    /// `kubectl --kubeconfig KUBECONFIG`
+    fn kubectl_command(&self) -> Command {
+        let mut cmd = Command::new(self.env("KUBECTL"));
+        cmd.arg("--kubeconfig").arg(self.env("KUBECONFIG"));
+        cmd
+    }
+
     pub fn kubectl(&self, args: &[&str]) -> Output {
-        Command::new(self.env("KUBECTL"))
-            .arg("--kubeconfig")
-            .arg(self.env("KUBECONFIG"))
+        self.kubectl_command()
             .args(args)
             .stdin(Stdio::null())
             .output()
@@ -107,10 +112,7 @@ impl Node {
 
     pub fn apply(&self, yaml: &str) {
         let out = crate::support::output_with_stdin(
-            Command::new(self.env("KUBECTL"))
-                .arg("--kubeconfig")
-                .arg(self.env("KUBECONFIG"))
-                .args(["apply", "-f", "-"]),
+            self.kubectl_command().args(["apply", "-f", "-"]),
             yaml.as_bytes(),
         );
         assert!(out.status.success(), "kubectl apply: {}", text(&out.stderr));
