@@ -499,16 +499,6 @@ impl Captured {
         self.lock().get(name).cloned()
     }
 
-    /// The credential captured most recently for any repository of `host` (what a docker
-    /// credential helper, which is told only the host, is answered).
-    pub fn for_host(&self, host: &str) -> Option<(String, Credential)> {
-        self.lock()
-            .iter()
-            .filter(|(r, _)| r.split('/').next() == Some(host))
-            .max_by_key(|(_, c)| c.captured_ms)
-            .map(|(r, c)| (r.clone(), c.clone()))
-    }
-
     /// How long a credential is kept, when there is a limit.
     pub fn max_age(&self) -> Option<Duration> {
         self.max_age
@@ -622,11 +612,9 @@ mod tests {
             ("alice", "s3cret-pw")
         );
         assert_eq!(
-            again.for_host("reg.io").unwrap().0,
-            "reg.io/team/db",
-            "the most recent"
+            again.for_repository("reg.io/team/db").unwrap().username,
+            "bob"
         );
-        assert!(again.for_host("other.io").is_none());
         assert!(!format!("{got:?}").contains("s3cret-pw"));
         // A replaced node key: the file is discarded, not served.
         std::fs::write(dir.path().join("node.key"), [9u8; 32]).unwrap();

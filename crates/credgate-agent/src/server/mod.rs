@@ -312,6 +312,9 @@ impl Api {
             .map(service_account)
             .transpose()?;
         let min_valid_for = self.min_valid_for(&req);
+        if req.captured_only {
+            return self.captured_only(&req);
+        }
         let engine = self.agent.engine();
         if !req.provider.is_empty() {
             return self
@@ -364,25 +367,37 @@ impl Api {
         Ok(answer)
     }
 
-    /// Puts the pull credential the CRI proxy captured for the image's repository (for a
-    /// registry host: the one captured most recently for any repository of it) first, as the
-    /// kubelet tries a pod's pull secrets before the node's credentials.
+    /// Puts the pull credential the CRI proxy captured for the image's repository first, as
+    /// the kubelet tries a pod's pull secrets before the node's credentials. A registry host
+    /// (the docker helper's question) gets none: a pod's credential goes only to the
+    /// repository it pulled (decision 0021).
     fn with_captured(&self, answer: &mut pb::LookupResponse, registry_host: bool) {
-        let Some(captured) = self.agent.captured() else {
+        let Some(captured) = self.agent.captured().filter(|_| !registry_host) else {
             return;
         };
-        let found = if registry_host {
-            captured.for_host(&answer.image)
-        } else {
-            captured
-                .for_repository(&answer.image)
-                .map(|c| (answer.image.clone(), c))
-        };
-        if let Some((repository, c)) = found {
-            answer
-                .credentials
-                .insert(0, captured_credential(&repository, &c));
+        if let Some(c) = captured.for_repository(&answer.image) {
+            let first = captured_credential(&answer.image, &c);
+            answer.credentials.insert(0, first);
         }
+    }
+
+    /// The captured credential of the image's repository alone (`captured_only`), keyed as
+    /// an `Image` answer not to be cached.
+    fn captured_only(&self, req: &pb::LookupRequest) -> Result<pb::LookupResponse, Status> {
+        if !req.provider.is_empty() || req.registry_host {
+            return Err(status::invalid(
+                "captured_only names an image, without provider or registry_host",
+            ));
+        }
+        let image = credgate_core::reference::ImageRef::parse(&req.image)
+            .map_err(|e| status::invalid(format!("invalid image: {e}")))?;
+        let mut answer = pb::LookupResponse {
+            image: image.name().to_owned(),
+            cache_key_type: "Image".into(),
+            ..Default::default()
+        };
+        self.with_captured(&mut answer, false);
+        Ok(answer)
     }
 
     /// One provider's answer, as one provider entry of a kubelet's config asks for it through

@@ -196,6 +196,32 @@ async fn lookup_serves_credentials_and_reports_failures_without_secrets() {
     );
     assert!(text.contains("code=\"INVALID_ARGUMENT\""));
     assert!(!text.contains(SECRET));
+
+    // captured_only (the bridge's credgate-captured entry): the captured credential alone,
+    // nothing captured here, so nothing, and no plugin run; never with a provider.
+    let r = client
+        .lookup(pb::LookupRequest {
+            image: "reg.example.com/team/app:v1".into(),
+            captured_only: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(r.credentials.is_empty(), "{r:?}");
+    assert_eq!((r.cache_key_type.as_str(), r.cache_for_ms), ("Image", 0));
+    assert_eq!(r.image, "reg.example.com/team/app");
+    assert_eq!(s.runs("good"), 1);
+    let e = client
+        .lookup(pb::LookupRequest {
+            image: "reg.example.com/team/app:v1".into(),
+            captured_only: true,
+            provider: "good".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument);
 }
 
 #[tokio::test]
