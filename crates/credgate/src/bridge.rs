@@ -66,6 +66,11 @@ struct Args {
     /// kubelet: it would pull one pod's image with another pod's secret.
     #[arg(long)]
     captured: bool,
+    /// Answer with that captured credential alone, for any image (no provider: the entry
+    /// `credgate kubelet-config --captured-images` adds for images no provider matches). For a
+    /// snapshotter's config only, never the kubelet's.
+    #[arg(long, conflicts_with_all = ["captured", "provider", "fallback_in_process"])]
+    captured_only: bool,
     /// The longest the kubelet may keep an answer (its cacheDuration is the agent's, capped at
     /// this): after a credential is rotated or refused, the kubelet asks again within it.
     #[arg(long, value_name = "DURATION", default_value = "5m", value_parser = parse_duration)]
@@ -114,7 +119,11 @@ fn provider(args: &Args) -> Result<String, String> {
 }
 
 fn run(args: &Args) -> Result<Zeroizing<Vec<u8>>, String> {
-    let provider = provider(args)?;
+    let provider = if args.captured_only {
+        String::new()
+    } else {
+        provider(args)?
+    };
     let mut input = Zeroizing::new(Vec::new());
     std::io::stdin()
         .take(bridge::MAX_REQUEST as u64 + 1)
@@ -128,6 +137,7 @@ fn run(args: &Args) -> Result<Zeroizing<Vec<u8>>, String> {
         provider: provider.clone(),
         caller: "kubelet".into(),
         include_captured: args.captured,
+        captured_only: args.captured_only,
         ..Default::default()
     };
     let socket = credgate_api::socket_path(args.socket.as_deref());

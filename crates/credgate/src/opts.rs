@@ -163,6 +163,13 @@ pub struct KubeletConfigArgs {
     /// to that copy (what a DaemonSet's init container does: the host needs its own copy).
     #[arg(long, requires = "link_dir")]
     pub install: bool,
+    /// For a lazy-pull snapshotter's copy of the config (nydus-snapshotter), never the
+    /// kubelet's: every entry also answers with the pod pull credential the CRI proxy captured
+    /// for the image's repository (the bridge's --captured), and one more entry,
+    /// credgate-captured, matching these patterns (repeatable), answers with that credential
+    /// alone (--captured-only) for images no provider matches.
+    #[arg(long, value_name = "PATTERN", value_parser = parse_pattern)]
+    pub captured_images: Vec<credgate_core::pattern::Pattern>,
     /// Write the config to this file (atomically) instead of stdout.
     #[arg(long, value_name = "FILE")]
     pub output: Option<PathBuf>,
@@ -660,7 +667,11 @@ fn parse_named_duration(s: &str) -> Result<PerProvider, String> {
 }
 
 /// Parses a Go duration string that must not be negative.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
+pub fn parse_pattern(s: &str) -> Result<credgate_core::pattern::Pattern, String> {
+    credgate_core::pattern::Pattern::parse(s).map_err(|e| format!("{s:?}: {e}"))
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
     let d = GoDuration::parse(s).map_err(|e| e.to_string())?;
     d.to_std()
         .ok_or_else(|| format!("duration {s:?} must not be negative"))

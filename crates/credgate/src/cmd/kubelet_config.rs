@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use credgate_core::config::{ProviderConfig, TokenCacheType};
+use credgate_core::pattern::Pattern;
 use credgate_engine::source::load_provider_config;
 
 use crate::opts::KubeletConfigArgs;
@@ -23,18 +24,27 @@ fn q(s: &str) -> String {
     serde_json::to_string(s).expect("a string serializes")
 }
 
-/// The kubelet config for `config`.
+/// The entry `--captured-images` adds: the bridge with `--captured-only`.
+pub const CAPTURED_ENTRY: &str = "credgate-captured";
+
+/// The kubelet config for `config`; with `captured` patterns, a snapshotter's copy instead:
+/// every entry with `--captured`, and the `credgate-captured` entry for those patterns.
 pub fn render(
     config: &ProviderConfig,
     socket: Option<&Path>,
     max_cache: Option<std::time::Duration>,
+    captured: &[Pattern],
 ) -> String {
     let mut out = String::from(
         "apiVersion: kubelet.config.k8s.io/v1\nkind: CredentialProviderConfig\nproviders:\n",
     );
+    let snapshotter = !captured.is_empty();
     for p in &config.providers {
         let patterns: Vec<String> = p.match_images.iter().map(|m| q(m.as_str())).collect();
         let mut args = vec![q("--provider"), q(&p.name)];
+        if snapshotter {
+            args.push(q("--captured"));
+        }
         if let Some(s) = socket {
             args.push(q("--socket"));
             args.push(q(&s.display().to_string()));
@@ -88,7 +98,31 @@ pub fn render(
             }
         }
     }
+    if snapshotter {
+        let patterns: Vec<String> = captured.iter().map(|m| q(m.as_str())).collect();
+        let mut args = vec![q("--captured-only")];
+        if let Some(s) = socket {
+            args.push(q("--socket"));
+            args.push(q(&s.display().to_string()));
+        }
+        let _ = write!(
+            out,
+            "  - name: {}\n    matchImages: [{}]\n    defaultCacheDuration: \"0s\"\n    apiVersion: \"credentialprovider.kubelet.k8s.io/v1\"\n    args: [{}]\n",
+            q(CAPTURED_ENTRY),
+            patterns.join(", "),
+            args.join(", "),
+        );
+    }
     out
+}
+
+/// The names of the links the plugin directory needs.
+fn entries<'a>(config: &'a ProviderConfig, captured: &[Pattern]) -> Vec<&'a str> {
+    let mut names: Vec<&str> = config.providers.iter().map(|p| p.name.as_str()).collect();
+    if !captured.is_empty() {
+        names.push(CAPTURED_ENTRY);
+    }
+    names
 }
 
 /// The bridge beside this program, where `cargo build` and the packages put it.
@@ -119,6 +153,11 @@ pub fn run(args: KubeletConfigArgs) -> Result<Outcome> {
             }
         }
     }
+    if config.providers.iter().any(|p| p.name == CAPTURED_ENTRY) && !args.captured_images.is_empty()
+    {
+        anyhow::bail!("a provider is named {CAPTURED_ENTRY}, the entry --captured-images adds");
+    }
+    let names = entries(&config, &args.captured_images);
     let mut bridge = args.bridge.clone().unwrap_or_else(default_bridge);
     // A link to a missing bridge would fail only when the kubelet runs it; a relative path
     // would be read from the link's directory.
@@ -127,7 +166,12 @@ pub fn run(args: KubeletConfigArgs) -> Result<Outcome> {
     }
     bridge = std::path::absolute(&bridge)
         .with_context(|| format!("cannot make {} absolute", bridge.display()))?;
-    let mut text = render(&config, args.socket.as_deref(), args.max_cache_duration);
+    let mut text = render(
+        &config,
+        args.socket.as_deref(),
+        args.max_cache_duration,
+        &args.captured_images,
+    );
     match &args.link_dir {
         Some(dir) => {
             std::fs::create_dir_all(dir)
@@ -143,8 +187,8 @@ pub fn run(args: KubeletConfigArgs) -> Result<Outcome> {
                 // Links relative to their directory: valid wherever the directory is mounted.
                 bridge = PathBuf::from("credgate-credential-provider");
             }
-            for p in &config.providers {
-                let link = dir.join(&p.name);
+            for name in &names {
+                let link = dir.join(name);
                 if std::fs::symlink_metadata(&link).is_ok() {
                     std::fs::remove_file(&link)
                         .with_context(|| format!("cannot replace {}", link.display()))?;
@@ -161,12 +205,11 @@ pub fn run(args: KubeletConfigArgs) -> Result<Outcome> {
         }
         None => {
             text.push_str("# The kubelet's --image-credential-provider-bin-dir needs one link per provider:\n");
-            for p in &config.providers {
+            for name in &names {
                 let _ = writeln!(
                     text,
-                    "#   ln -sf {} KUBELET_BIN_DIR/{}",
+                    "#   ln -sf {} KUBELET_BIN_DIR/{name}",
                     bridge.display(),
-                    p.name
                 );
             }
         }
@@ -214,7 +257,7 @@ providers:
     requiredServiceAccountAnnotationKeys: [azure.workload.identity/client-id]
 "#;
         let config = ProviderConfig::from_slice("in.yaml", yaml).unwrap();
-        let out = render(&config, None, None);
+        let out = render(&config, None, None, &[]);
         let back = ProviderConfig::from_slice("out.yaml", out.as_bytes()).unwrap();
         assert_eq!(back.providers.len(), 2);
         for (a, b) in config.providers.iter().zip(&back.providers) {
@@ -229,5 +272,16 @@ providers:
                 "the plugin's environment stays with the agent"
             );
         }
+        // A snapshotter's copy: every entry with --captured, and the captured-only entry.
+        let captured = [Pattern::parse("registry.example.com").unwrap()];
+        let out = render(&config, None, None, &captured);
+        let back = ProviderConfig::from_slice("out.yaml", out.as_bytes()).unwrap();
+        assert_eq!(back.providers.len(), 3);
+        assert_eq!(back.providers[0].args, ["--provider", "ecr", "--captured"]);
+        let last = &back.providers[2];
+        assert_eq!(last.name, CAPTURED_ENTRY);
+        assert_eq!(last.match_images, captured);
+        assert_eq!(last.args, ["--captured-only"]);
+        assert!(last.default_cache_duration.is_zero());
     }
 }
