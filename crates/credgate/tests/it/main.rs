@@ -15,6 +15,7 @@ mod e2e;
 mod guard_agent;
 mod guard_e2e;
 mod hpack;
+mod lazy;
 mod node;
 mod policy;
 mod refusal;
