@@ -100,6 +100,9 @@ fn soci_with_credgates_helper_renews_the_providers_credential_but_never_sees_a_p
     // none, cannot mount the pod's image lazily, and containerd pulls it whole (decision 0021).
     assert_eq!(result["lazy"]["team-a"], false, "{result}");
     assert_eq!(steps["start"], "served", "{steps:?}");
+    // Restarted with that lazily read image, soci restores its mount with the renewed
+    // credential: it starts again.
+    assert_eq!(result["late_restart"], "started", "{result}");
     assert_eq!(result["secret_in_credgate_log"], false, "{result}");
 }
 
