@@ -481,7 +481,7 @@ impl Agent {
                 .unwrap_or(&answer.verdict)
                 .to_owned();
             answer.verdict = format!(
-                "{}the pod credential the CRI proxy captured for the repository (namespace {}) comes first for the API, the docker helper and snapshotters, never for the kubelet (other namespaces' pods still pull with what the providers give); then {rest}",
+                "{}the pod credential the CRI proxy captured for the repository (namespace {}) comes first for the API and snapshotters, for this repository only, never for the kubelet or a registry host's docker helper (other namespaces' pods still pull with what the providers give); then {rest}",
                 prefix,
                 if c.namespace.is_empty() { "-" } else { &c.namespace },
             );

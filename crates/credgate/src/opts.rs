@@ -306,8 +306,8 @@ pub struct ServeArgs {
     /// unless given.
     #[arg(long, value_name = "PATH")]
     pub cri_proxy_socket: Option<PathBuf>,
-    /// Keep the pull credentials the CRI proxy sees, sealed, for lazy-pull snapshotters and the
-    /// docker helper (`--cri-proxy-capture=false`: keep none; the guard and the pull log
+    /// Keep the pull credentials the CRI proxy sees, sealed, for lazy-pull snapshotters (served
+    /// per repository; `--cri-proxy-capture=false`: keep none; the guard and the pull log
     /// still see every pull).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
     pub cri_proxy_capture: bool,
