@@ -666,12 +666,13 @@ fn parse_named_duration(s: &str) -> Result<PerProvider, String> {
     parse_per_provider(s)
 }
 
-/// Parses a Go duration string that must not be negative.
-pub fn parse_pattern(s: &str) -> Result<credgate_core::pattern::Pattern, String> {
+/// A `matchImages` pattern.
+fn parse_pattern(s: &str) -> Result<credgate_core::pattern::Pattern, String> {
     credgate_core::pattern::Pattern::parse(s).map_err(|e| format!("{s:?}: {e}"))
 }
 
-fn parse_duration(s: &str) -> Result<Duration, String> {
+/// Parses a Go duration string that must not be negative.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let d = GoDuration::parse(s).map_err(|e| e.to_string())?;
     d.to_std()
         .ok_or_else(|| format!("duration {s:?} must not be negative"))
