@@ -39,16 +39,16 @@ pub fn render(
         "apiVersion: kubelet.config.k8s.io/v1\nkind: CredentialProviderConfig\nproviders:\n",
     );
     let snapshotter = !captured.is_empty();
+    // Where the agent is, for every entry's bridge.
+    let socket_args: Vec<String> = socket
+        .map(|s| vec![q("--socket"), q(&s.display().to_string())])
+        .unwrap_or_default();
     for p in &config.providers {
-        let patterns: Vec<String> = p.match_images.iter().map(|m| q(m.as_str())).collect();
         let mut args = vec![q("--provider"), q(&p.name)];
         if snapshotter {
             args.push(q("--captured"));
         }
-        if let Some(s) = socket {
-            args.push(q("--socket"));
-            args.push(q(&s.display().to_string()));
-        }
+        args.extend(socket_args.iter().cloned());
         if let Some(d) = max_cache {
             let ms = i64::try_from(d.as_millis()).unwrap_or(i64::MAX / 1_000_000);
             args.push(q("--max-cache-duration"));
@@ -60,14 +60,13 @@ pub fn render(
         let ms =
             i64::try_from(p.default_cache_duration.as_millis()).unwrap_or(i64::MAX / 1_000_000);
         let duration = credgate_core::duration::GoDuration(ms.saturating_mul(1_000_000));
-        let _ = write!(
-            out,
-            "  - name: {}\n    matchImages: [{}]\n    defaultCacheDuration: {}\n    apiVersion: {}\n    args: [{}]\n",
-            q(&p.name),
-            patterns.join(", "),
-            q(&duration.to_string()),
-            q(p.api_version.as_str()),
-            args.join(", "),
+        entry(
+            &mut out,
+            &p.name,
+            &p.match_images,
+            &duration.to_string(),
+            p.api_version.as_str(),
+            &args,
         );
         if let Some(t) = &p.token_attributes {
             let keys = |k: &[String]| k.iter().map(|x| q(x)).collect::<Vec<_>>().join(", ");
@@ -99,21 +98,40 @@ pub fn render(
         }
     }
     if snapshotter {
-        let patterns: Vec<String> = captured.iter().map(|m| q(m.as_str())).collect();
         let mut args = vec![q("--captured-only")];
-        if let Some(s) = socket {
-            args.push(q("--socket"));
-            args.push(q(&s.display().to_string()));
-        }
-        let _ = write!(
-            out,
-            "  - name: {}\n    matchImages: [{}]\n    defaultCacheDuration: \"0s\"\n    apiVersion: \"credentialprovider.kubelet.k8s.io/v1\"\n    args: [{}]\n",
-            q(CAPTURED_ENTRY),
-            patterns.join(", "),
-            args.join(", "),
+        args.extend(socket_args);
+        entry(
+            &mut out,
+            CAPTURED_ENTRY,
+            captured,
+            "0s",
+            "credentialprovider.kubelet.k8s.io/v1",
+            &args,
         );
     }
     out
+}
+
+/// An entry's first lines: its name, patterns, default cache duration, wire version and
+/// `args` (already quoted).
+fn entry(
+    out: &mut String,
+    name: &str,
+    match_images: &[Pattern],
+    duration: &str,
+    api_version: &str,
+    args: &[String],
+) {
+    let patterns: Vec<String> = match_images.iter().map(|m| q(m.as_str())).collect();
+    let _ = write!(
+        out,
+        "  - name: {}\n    matchImages: [{}]\n    defaultCacheDuration: {}\n    apiVersion: {}\n    args: [{}]\n",
+        q(name),
+        patterns.join(", "),
+        q(duration),
+        q(api_version),
+        args.join(", "),
+    );
 }
 
 /// The names of the links the plugin directory needs.
