@@ -75,6 +75,22 @@ pub(super) fn status(e: ApiError) -> hyper::Response<Body> {
         .map(|b| b.map_err(|e| Box::new(e) as _).boxed_unsync())
 }
 
+/// The head of a call of the proxy's own to the runtime: `:authority` `localhost`, as the
+/// kubelet sends it (grpc-go's server refuses a request without one: `no host or :authority
+/// header present`), and the deadline the runtime should keep, when there is one.
+pub(super) fn own_call(
+    method: &str,
+    deadline: Option<std::time::Duration>,
+) -> Option<hyper::http::request::Parts> {
+    let mut request = hyper::Request::post(format!("http://localhost{method}"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers");
+    if let Some(d) = deadline {
+        request = request.header("grpc-timeout", format!("{}S", d.as_secs().max(1)));
+    }
+    Some(request.body(()).ok()?.into_parts().0)
+}
+
 /// One unary call of our own to the runtime: its answer's message when it succeeded and fit
 /// in `limit` bytes.
 pub(super) async fn ask<M: prost::Message, R: prost::Message + Default>(
@@ -84,16 +100,11 @@ pub(super) async fn ask<M: prost::Message, R: prost::Message + Default>(
     limit: usize,
 ) -> Option<R> {
     let frame = credgate_api::unary::grpc_message(message);
-    let (parts, ()) = hyper::Request::post(method)
-        .header("content-type", "application/grpc")
-        .header("te", "trailers")
-        .body(())
-        .ok()?
-        .into_parts();
-    let whole = exchange(caller, parts, Bytes::from(frame), limit)
+    let whole = exchange(caller, own_call(method, None)?, Bytes::from(frame), limit)
         .await
         .ok()?;
     if whole.code() != Some(0) {
+        tracing::debug!(method, code = ?whole.code(), message = %whole.message(), "the runtime refused the proxy's own call");
         return None;
     }
     R::decode(grpc_message(&whole.data)?).ok()
