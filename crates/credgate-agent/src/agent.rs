@@ -246,6 +246,8 @@ struct Inner {
     saved_report: Mutex<SavedCacheReport>,
     /// The CRI proxy's recent pulls.
     pulls: Arc<crate::pulls::PullLog>,
+    /// The images the CRI proxy keeps present on the node's behalf.
+    node_images: Arc<crate::node_images::NodeImages>,
     /// Credentials registries refused.
     refusals: crate::refusal::Refusals,
     /// Whether the CRI proxy runs (set when it starts).
@@ -318,6 +320,7 @@ impl Agent {
                 saved_cache,
                 saved_report: Mutex::new(saved_report),
                 pulls: Arc::default(),
+                node_images: Arc::default(),
                 refusals: crate::refusal::Refusals::default(),
                 proxy_running: std::sync::atomic::AtomicBool::new(false),
                 confirmations: crate::confirm::Confirmations::new(verifier),
@@ -345,6 +348,11 @@ impl Agent {
     /// The CRI proxy's pull decision log.
     pub fn pulls(&self) -> &Arc<crate::pulls::PullLog> {
         &self.inner.pulls
+    }
+
+    /// The images the CRI proxy keeps present on the node's behalf (none without it).
+    pub fn node_images(&self) -> &Arc<crate::node_images::NodeImages> {
+        &self.inner.node_images
     }
 
     /// The CRI proxy serves from now on.
@@ -520,6 +528,17 @@ impl Agent {
             answer.cri_last_unauthorized =
                 format!("{} ({}s ago): {}", last.image, ago.as_secs(), last.refusal);
         }
+        answer.cri_node_image = self
+            .node_images()
+            .list()
+            .iter()
+            .filter(|s| {
+                credgate_core::reference::ImageRef::parse(&s.image.image)
+                    .is_ok_and(|r| r.name() == image)
+            })
+            .map(crate::node_images::describe)
+            .collect::<Vec<_>>()
+            .join("; ");
     }
 
     /// The guard's records of `image` and its decision for node-wide credentials.

@@ -17,6 +17,7 @@ pub mod guard;
 mod listener;
 pub mod metrics;
 pub mod node;
+pub mod node_images;
 mod pulls;
 mod refusal;
 pub mod renewal;

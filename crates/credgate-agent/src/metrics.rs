@@ -25,6 +25,75 @@ pub struct CriPullLabels {
     pub result: PullResult,
 }
 
+/// An image-service method called through the CRI proxy (`credgate_cri_calls_total{method}`):
+/// each of `runtime.v1` and `v1alpha2` by its name, anything else as `other`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CriMethod {
+    ListImages,
+    StreamImages,
+    ImageStatus,
+    PullImage,
+    RemoveImage,
+    ImageFsInfo,
+    Other,
+}
+
+impl CriMethod {
+    /// The method of a gRPC path.
+    pub fn of(path: &str) -> CriMethod {
+        let name = match path
+            .strip_prefix("/runtime.v1.ImageService/")
+            .or_else(|| path.strip_prefix("/runtime.v1alpha2.ImageService/"))
+        {
+            Some(name) => name,
+            None => return CriMethod::Other,
+        };
+        match name {
+            "ListImages" => CriMethod::ListImages,
+            "StreamImages" => CriMethod::StreamImages,
+            "ImageStatus" => CriMethod::ImageStatus,
+            "PullImage" => CriMethod::PullImage,
+            "RemoveImage" => CriMethod::RemoveImage,
+            "ImageFsInfo" => CriMethod::ImageFsInfo,
+            _ => CriMethod::Other,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CriMethod::ListImages => "ListImages",
+            CriMethod::StreamImages => "StreamImages",
+            CriMethod::ImageStatus => "ImageStatus",
+            CriMethod::PullImage => "PullImage",
+            CriMethod::RemoveImage => "RemoveImage",
+            CriMethod::ImageFsInfo => "ImageFsInfo",
+            CriMethod::Other => "other",
+        }
+    }
+}
+
+impl prometheus_client::encoding::EncodeLabelValue for CriMethod {
+    fn encode(
+        &self,
+        encoder: &mut prometheus_client::encoding::LabelValueEncoder,
+    ) -> std::fmt::Result {
+        std::fmt::Write::write_str(encoder, self.as_str())
+    }
+}
+
+/// The labels of `credgate_cri_calls_total`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct CriCallLabels {
+    pub method: CriMethod,
+}
+
+/// The labels of `credgate_cri_node_image_pulls_total`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct NodeImagePullLabels {
+    pub why: crate::node_images::Why,
+    pub result: PullResult,
+}
+
 /// What became of a credential offered for capture (`credgate_cri_captures_total{result}`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CaptureResult {
@@ -163,6 +232,14 @@ pub struct AgentMetrics {
     pub cri_captures_late: Counter,
     /// Bytes of callers' messages the CRI proxy holds now (read whole, not yet answered).
     pub cri_held_bytes: Gauge,
+    /// Calls through the CRI proxy, by method.
+    pub cri_calls: Family<CriCallLabels, Counter>,
+    /// Pulls the CRI proxy made on the node's behalf, by why and result.
+    pub cri_node_image_pulls: Family<NodeImagePullLabels, Counter>,
+    /// Node images the runtime does not have now.
+    pub cri_node_images_absent: Gauge,
+    /// Checks of the runtime's image list that could not read it whole (and acted on nothing).
+    pub cri_image_list_incomplete: Counter,
     /// Provider answers restored from the sealed cache at start.
     pub cache_restored: Counter,
     /// Saved provider answers not restored, by reason.
@@ -269,6 +346,10 @@ impl Default for AgentMetrics {
             cache_flushed: Counter::default(),
             cri_captures_late: Counter::default(),
             cri_held_bytes: Gauge::default(),
+            cri_calls: Family::default(),
+            cri_node_image_pulls: Family::default(),
+            cri_node_images_absent: Gauge::default(),
+            cri_image_list_incomplete: Counter::default(),
             cache_restored: Counter::default(),
             cache_dropped_total: Family::default(),
             cache_persisted: Counter::default(),
@@ -312,6 +393,26 @@ impl AgentMetrics {
             "cri_held_bytes",
             "Bytes of callers' messages the CRI proxy holds now (PullImage and RemoveImage requests and answers read whole); at most 64 MiB in all, 4 MiB a connection",
             self.cri_held_bytes.clone(),
+        );
+        r.register(
+            "cri_calls",
+            "Calls through the CRI proxy by image-service method (ListImages, StreamImages, ImageStatus, PullImage, RemoveImage, ImageFsInfo, other)",
+            self.cri_calls.clone(),
+        );
+        r.register(
+            "cri_node_image_pulls",
+            "Pulls the CRI proxy made on the node's behalf (no caller asked), by why (sandbox: the runtime's sandbox image; kept: --cri-proxy-keep-image) and result (ok, unauthorized, not_found, error)",
+            self.cri_node_image_pulls.clone(),
+        );
+        r.register(
+            "cri_node_images_absent",
+            "Images the node keeps (sandbox, kept) that the runtime did not have at the last check and could not be given",
+            self.cri_node_images_absent.clone(),
+        );
+        r.register(
+            "cri_image_list_incomplete",
+            "Checks of the runtime's image list that could not read it whole (too large for ListImages, a broken stream): no captured credential was dropped on them",
+            self.cri_image_list_incomplete.clone(),
         );
         r.register(
             "cri_captures_late",

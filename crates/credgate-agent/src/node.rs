@@ -30,6 +30,13 @@ pub struct ProxyConfig {
     pub captured_max_age: Option<Duration>,
     pub check_every: Duration,
     pub registry: RegistryOptions,
+    /// The images the node keeps present, pulled on its own behalf (the runtime's sandbox
+    /// image, the operator's kept images: decision 0022), and how often they are checked.
+    pub node_images: Vec<crate::node_images::NodeImage>,
+    pub keep_every: Duration,
+    /// The most of a `ListImages` answer the proxy reads for itself
+    /// ([`crate::cri::MAX_LIST_MESSAGE`] unless a test lowers it).
+    pub list_limit: usize,
 }
 
 /// How to run a node agent.
@@ -279,6 +286,9 @@ impl Node {
             check_every: config.check_every,
             registry: config.registry.clone(),
             agent: agent.clone(),
+            node_images: config.node_images.clone(),
+            keep_every: config.keep_every,
+            list_limit: config.list_limit,
         };
         let listener = listener.into_std().map_err(|e| failed(e.to_string()))?;
         let stop = agent.tasks().token().clone();

@@ -62,6 +62,8 @@ pub struct PullRecord {
     /// For a pull that ended unauthorized with a credential one of the agent's sources gave:
     /// what became of it ([`crate::refusal::Report::describe`], or why it was not sent).
     pub refusal: String,
+    /// A pull the agent made itself, on the node's behalf, and why (no caller asked for it).
+    pub node_image: Option<crate::node_images::Why>,
 }
 
 /// The credential a pull through the proxy went with.
@@ -275,6 +277,7 @@ mod tests {
             message: message.into(),
             duration: Duration::from_millis(3),
             refusal: String::new(),
+            node_image: None,
         }
     }
 

@@ -9,6 +9,9 @@ pub const PULL_IMAGE: &str = "/runtime.v1.ImageService/PullImage";
 pub const REMOVE_IMAGE: &str = "/runtime.v1.ImageService/RemoveImage";
 pub const IMAGE_STATUS: &str = "/runtime.v1.ImageService/ImageStatus";
 pub const LIST_IMAGES: &str = "/runtime.v1.ImageService/ListImages";
+/// The image list as a stream of batches (cri-api 1.36, KEP-5825 `CRIListStreaming`;
+/// containerd 2.4 serves it).
+pub const STREAM_IMAGES: &str = "/runtime.v1.ImageService/StreamImages";
 pub const IMAGE_FS_INFO: &str = "/runtime.v1.ImageService/ImageFsInfo";
 /// The same two calls of the CRI's earlier version (containerd 1.6 and 1.7 serve it), whose
 /// messages have the same fields.
@@ -94,6 +97,15 @@ pub struct ImageStatusResponse {
 pub struct ListImagesRequest {}
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct ListImagesResponse {
+    #[prost(message, repeated, tag = "1")]
+    pub images: Vec<Image>,
+}
+
+/// Its `filter` (field 1) is never set by credgate: every image.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct StreamImagesRequest {}
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct StreamImagesResponse {
     #[prost(message, repeated, tag = "1")]
     pub images: Vec<Image>,
 }

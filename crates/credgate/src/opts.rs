@@ -341,6 +341,36 @@ pub struct ServeArgs {
     /// _default).
     #[arg(long, value_name = "DIR", requires = "cri_proxy_socket")]
     pub cri_proxy_hosts_dir: Option<PathBuf>,
+    /// The runtime's sandbox (pause) image, which containerd pulls itself, with no credential,
+    /// when a pod starts: the CRI proxy pulls it through the runtime with the credential the
+    /// agent's sources give for it (providers, docker config; never a pod's), at start and
+    /// whenever the runtime has it no more, so that it is there before a pod needs it.
+    #[arg(
+        long,
+        value_name = "IMAGE",
+        requires = "cri_proxy_socket",
+        conflicts_with = "cri_runtime_config"
+    )]
+    pub cri_sandbox_image: Option<String>,
+    /// containerd's config (`/etc/containerd/config.toml`): the sandbox image it names
+    /// (`pinned_images.sandbox` in 2.x, `sandbox_image` in 1.x) is kept as
+    /// --cri-sandbox-image keeps one. Read at start; one that names none leaves containerd's
+    /// public default to containerd.
+    #[arg(long, value_name = "PATH", requires = "cri_proxy_socket")]
+    pub cri_runtime_config: Option<PathBuf>,
+    /// An image the node keeps present (a pre-pull at boot): pulled through the runtime as
+    /// the sandbox image is, at start and after it is removed; failures are tried again with
+    /// a backoff and reported (`ctl status`). Repeatable, at most 32 images in all.
+    #[arg(long, value_name = "IMAGE", requires = "cri_proxy_socket")]
+    pub cri_proxy_keep_image: Vec<String>,
+    /// How often the runtime is asked whether it still has the sandbox image and the kept
+    /// images (and at once after each RemoveImage through the proxy).
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration, default_value = "1m")]
+    pub cri_proxy_keep_interval: Duration,
+    /// The most of a ListImages answer the proxy reads for itself (a runtime without
+    /// StreamImages). For tests, which stand for a node whose list is larger than 16 MiB.
+    #[arg(long, value_name = "BYTES", hide = true, default_value_t = credgate_agent::cri::MAX_LIST_MESSAGE)]
+    pub cri_proxy_list_limit: usize,
     /// The container runtime the CRI proxy forwards to.
     #[arg(
         long,

@@ -3,6 +3,8 @@
 //! (`RemoveImage`) or not (`crictl rmi`, the runtime's garbage collection: the image list is
 //! checked periodically).
 
+use std::collections::HashSet;
+
 use hyper::body::Incoming;
 
 use super::*;
@@ -57,58 +59,236 @@ pub(super) async fn remove(
     };
     if whole.code() == Some(0) && !before.is_empty() {
         // The runtime's image list is read from the proxy's own budget, not the caller's.
-        forget_absent(&capture.own, &capture.captured, before).await;
+        capture.view.forget_absent(&capture.captured, before).await;
     }
     whole.into_response()
 }
 
-/// Drops the captured credentials of those `repositories` the runtime has no image of any
-/// more; when its image list cannot be read, nothing.
-pub(super) async fn forget_absent(
-    caller: &Caller,
-    captured: &std::sync::Arc<crate::captured::Captured>,
-    candidates: Vec<String>,
-) {
-    let Some(left) = ask::<_, wire::ListImagesResponse>(
-        caller,
-        wire::LIST_IMAGES,
-        &wire::ListImagesRequest {},
-        MAX_LIST_MESSAGE,
-    )
-    .await
-    else {
-        return;
-    };
-    let remaining: Vec<String> = left.images.iter().flat_map(repositories).collect();
-    let gone: Vec<String> = candidates
-        .into_iter()
-        .filter(|r| !remaining.contains(r))
-        .collect();
-    if gone.is_empty() {
-        return;
+/// The proxy's own view of the runtime's images: read through `StreamImages` where the runtime
+/// serves it, `ListImages` where it does not, on the proxy's own runtime connection: a
+/// `ListImages` answer of at most `limit` bytes, each `StreamImages` batch at most
+/// [`MAX_LIST_MESSAGE`], the whole list within [`LIST_TIMEOUT`]. A list that cannot
+/// be read whole is never acted on: the check says so (a warning and
+/// `credgate_cri_image_list_incomplete_total`) and drops nothing.
+pub(super) struct ImageView {
+    pub(super) own: std::sync::Arc<Caller>,
+    pub(super) limit: usize,
+    pub(super) metrics: crate::metrics::AgentMetrics,
+}
+
+/// The longest reading the runtime's image list may take.
+const LIST_TIMEOUT: Duration = Duration::from_secs(60);
+/// The most repositories a list may name (each kept only as long as the check runs).
+const MAX_REPOSITORIES: usize = 1 << 20;
+
+/// What a `StreamImages` call gave.
+enum Streamed {
+    All(HashSet<String>),
+    /// The runtime does not serve it (containerd before 2.4): `ListImages` instead.
+    Unimplemented,
+    Incomplete(String),
+}
+
+impl ImageView {
+    /// The repositories the runtime has an image of; why not, when its list could not be read
+    /// whole.
+    pub(super) async fn repositories(&self) -> Result<HashSet<String>, String> {
+        let read = async {
+            match self.stream().await {
+                Streamed::All(all) => Ok(all),
+                Streamed::Unimplemented => self.unary().await,
+                Streamed::Incomplete(why) => Err(why),
+            }
+        };
+        tokio::time::timeout(LIST_TIMEOUT, read)
+            .await
+            .unwrap_or_else(|_| {
+                Err(format!(
+                    "the runtime did not list its images within {LIST_TIMEOUT:?}"
+                ))
+            })
     }
-    // The sealed file is rewritten and fsynced: on a blocking thread, never on the ones that
-    // forward calls.
-    let captured = captured.clone();
-    let _ = tokio::task::spawn_blocking(move || {
-        for repo in gone {
-            match captured.forget(&repo) {
-                Ok(true) => {
-                    tracing::info!(repository = %repo, "captured pull credentials dropped: the runtime has no image of the repository")
+
+    /// `StreamImages`, read batch by batch.
+    async fn stream(&self) -> Streamed {
+        use http_body_util::BodyExt as _;
+        let runtime = &self.own.runtime;
+        let frame = credgate_api::unary::grpc_message(&wire::StreamImagesRequest {});
+        let Some(parts) = runtime::own_call(wire::STREAM_IMAGES, Some(LIST_TIMEOUT)) else {
+            return Streamed::Incomplete("the request could not be built".into());
+        };
+        let request = hyper::Request::from_parts(
+            parts,
+            http_body_util::Full::new(Bytes::from(frame))
+                .map_err(|never| match never {})
+                .boxed_unsync(),
+        );
+        let answer = match runtime.sender().await {
+            Ok(mut sender) => sender.send_request(request).await,
+            Err(e) => return Streamed::Incomplete(format!("cannot reach the runtime: {e}")),
+        };
+        let (parts, mut body) = match answer {
+            Ok(answer) => answer.into_parts(),
+            Err(e) => return Streamed::Incomplete(format!("the runtime's connection failed: {e}")),
+        };
+        if let Some(code) = grpc_code(&parts.headers) {
+            // A trailers-only answer: no image, or an error.
+            return ended(code, &parts.headers, HashSet::new(), false);
+        }
+        let mut buffer = Vec::new();
+        let mut all = HashSet::new();
+        let mut received = false;
+        loop {
+            let frame = match body.frame().await {
+                None => return Streamed::Incomplete("the stream ended without a status".into()),
+                Some(Err(e)) => return Streamed::Incomplete(format!("the stream broke: {e}")),
+                Some(Ok(frame)) => frame,
+            };
+            let data = match frame.into_data() {
+                Ok(data) => data,
+                Err(frame) => {
+                    let trailers = frame.into_trailers().unwrap_or_default();
+                    let code = grpc_code(&trailers).unwrap_or(2);
+                    if !buffer.is_empty() {
+                        return Streamed::Incomplete("the stream ended inside a message".into());
+                    }
+                    return ended(code, &trailers, all, received);
                 }
-                Ok(false) => {}
-                Err(e) => tracing::error!(error = %e, "cannot drop captured pull credentials"),
+            };
+            buffer.extend_from_slice(&data);
+            while let Some(len) = next_message(&buffer) {
+                if len > MAX_LIST_MESSAGE {
+                    return Streamed::Incomplete(format!(
+                        "a StreamImages message of {len} bytes, more than the {MAX_LIST_MESSAGE} the proxy reads"
+                    ));
+                }
+                if buffer.len() < 5 + len {
+                    break;
+                }
+                use prost::Message as _;
+                let Ok(batch) = wire::StreamImagesResponse::decode(&buffer[5..5 + len]) else {
+                    return Streamed::Incomplete(
+                        "a StreamImages message that does not decode".into(),
+                    );
+                };
+                buffer.drain(..5 + len);
+                received = true;
+                all.extend(batch.images.iter().flat_map(repositories));
+                if all.len() > MAX_REPOSITORIES {
+                    return Streamed::Incomplete(format!(
+                        "more than {MAX_REPOSITORIES} repositories"
+                    ));
+                }
+            }
+            if buffer.first().is_some_and(|&flag| flag != 0) {
+                return Streamed::Incomplete("a compressed StreamImages message".into());
             }
         }
-    })
-    .await;
+    }
+
+    /// `ListImages`, read whole within the limit.
+    async fn unary(&self) -> Result<HashSet<String>, String> {
+        use prost::Message as _;
+        let frame = credgate_api::unary::grpc_message(&wire::ListImagesRequest {});
+        let parts = runtime::own_call(wire::LIST_IMAGES, Some(LIST_TIMEOUT))
+            .ok_or("the request could not be built")?;
+        let whole = exchange(&self.own, parts, Bytes::from(frame), self.limit)
+            .await
+            .map_err(|answer| {
+                let said = answer
+                    .headers()
+                    .get("grpc-message")
+                    .map(|v| credgate_api::unary::decode_message(v.as_bytes()))
+                    .unwrap_or_default();
+                format!("ListImages (the runtime serves no StreamImages): {said} (at most {} bytes are read)", self.limit)
+            })?;
+        if whole.code() != Some(0) {
+            return Err(format!(
+                "ListImages (the runtime serves no StreamImages) failed: {}",
+                whole.message()
+            ));
+        }
+        let list = grpc_message(&whole.data)
+            .and_then(|m| wire::ListImagesResponse::decode(m).ok())
+            .ok_or("a ListImages answer that does not decode")?;
+        Ok(list.images.iter().flat_map(repositories).collect())
+    }
+
+    /// Drops the captured credentials of those `candidates` the runtime has no image of any
+    /// more; when its image list cannot be read whole, nothing.
+    pub(super) async fn forget_absent(
+        &self,
+        captured: &std::sync::Arc<crate::captured::Captured>,
+        candidates: Vec<String>,
+    ) {
+        let remaining = match self.repositories().await {
+            Ok(remaining) => remaining,
+            Err(why) => {
+                self.metrics.cri_image_list_incomplete.inc();
+                tracing::warn!(why = %why, "the runtime's image list could not be read whole: no captured credential is dropped on a part of it");
+                return;
+            }
+        };
+        let gone: Vec<String> = candidates
+            .into_iter()
+            .filter(|r| !remaining.contains(r))
+            .collect();
+        if gone.is_empty() {
+            return;
+        }
+        // The sealed file is rewritten and fsynced: on a blocking thread, never on the ones
+        // that forward calls.
+        let captured = captured.clone();
+        let _ = tokio::task::spawn_blocking(move || {
+            for repo in gone {
+                match captured.forget(&repo) {
+                    Ok(true) => {
+                        tracing::info!(repository = %repo, "captured pull credentials dropped: the runtime has no image of the repository")
+                    }
+                    Ok(false) => {}
+                    Err(e) => tracing::error!(error = %e, "cannot drop captured pull credentials"),
+                }
+            }
+        })
+        .await;
+    }
+}
+
+/// The length of the gRPC message `buffer` starts with, once its 5-byte prefix is in.
+fn next_message(buffer: &[u8]) -> Option<usize> {
+    let prefix: [u8; 4] = buffer.get(1..5)?.try_into().ok()?;
+    usize::try_from(u32::from_be_bytes(prefix)).ok()
+}
+
+/// `grpc-status` of a head or trailers.
+fn grpc_code(headers: &hyper::HeaderMap) -> Option<i32> {
+    headers
+        .get("grpc-status")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+}
+
+/// What a stream that ended with `code` gave.
+fn ended(code: i32, headers: &hyper::HeaderMap, all: HashSet<String>, received: bool) -> Streamed {
+    match code {
+        0 => Streamed::All(all),
+        // UNIMPLEMENTED before any batch: a runtime without StreamImages.
+        12 if !received => Streamed::Unimplemented,
+        _ => Streamed::Incomplete(format!(
+            "StreamImages ended with code {code}: {}",
+            headers
+                .get("grpc-message")
+                .map(|v| credgate_api::unary::decode_message(v.as_bytes()))
+                .unwrap_or_default()
+        )),
+    }
 }
 
 /// Every `period` until `stop`: drops expired captures and those of repositories the runtime
 /// has no image of any more.
 pub(super) async fn every(
     period: Duration,
-    own: std::sync::Arc<Caller>,
+    view: std::sync::Arc<ImageView>,
     captured: std::sync::Arc<crate::captured::Captured>,
     stop: CancellationToken,
 ) {
@@ -120,6 +300,6 @@ pub(super) async fn every(
         let expiring = captured.clone();
         let _ = tokio::task::spawn_blocking(move || expiring.expire()).await;
         let held = captured.list().into_iter().map(|(repo, _)| repo).collect();
-        forget_absent(&own, &captured, held).await;
+        view.forget_absent(&captured, held).await;
     }
 }

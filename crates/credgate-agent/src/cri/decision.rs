@@ -54,6 +54,7 @@ pub(super) fn log(
         result = result.as_str(),
         runtime_message = %capped(message, MESSAGE),
         refusal = %capped(&refusal, MESSAGE),
+        node_image = pull.node_image.map_or("", |w| w.as_str()),
         millis = u64::try_from(took.as_millis()).unwrap_or(u64::MAX),
         "pull"
     );
@@ -71,6 +72,7 @@ pub(super) fn log(
         message: message.to_owned(),
         duration: took,
         refusal,
+        node_image: pull.node_image,
     });
 }
 

@@ -28,6 +28,7 @@ mod capture;
 mod check;
 mod decision;
 mod fill;
+mod keep;
 pub mod policy;
 mod pulls;
 mod runtime;
@@ -82,9 +83,11 @@ const MAX_PULL_MESSAGE: usize = 1 << 20;
 /// sandbox config (whose annotations Kubernetes bounds at 256 KiB), far below a connection's
 /// budget, so that one pull never holds what the next pull needs.
 pub const MAX_PULL_REQUEST: usize = 512 << 10;
-/// The most of a `ListImages` answer the proxy reads for itself: containerd's own default
-/// limit for a gRPC message.
-const MAX_LIST_MESSAGE: usize = 16 << 20;
+/// The most of a `ListImages` answer, or of one `StreamImages` batch, the proxy reads for
+/// itself: containerd's own default limit for a gRPC message (and the kubelet's). A list
+/// larger than that is read through `StreamImages` where the runtime serves it; where it does
+/// not, the check says so and acts on nothing.
+pub const MAX_LIST_MESSAGE: usize = 16 << 20;
 
 /// Forwards one call to the runtime.
 async fn forward(
@@ -94,13 +97,24 @@ async fn forward(
 ) -> hyper::Response<Body> {
     let limit = deadline(request.headers());
     let runtime = &caller.runtime;
+    pulls
+        .agent
+        .metrics()
+        .cri_calls
+        .get_or_create(&crate::metrics::CriCallLabels {
+            method: crate::metrics::CriMethod::of(request.uri().path()),
+        })
+        .inc();
     let call = async {
         // v1alpha2's messages have v1's fields: its pulls are logged, recorded and captured
         // as v1's are.
+        let removal = matches!(request.uri().path(), REMOVE_IMAGE | REMOVE_IMAGE_V1ALPHA2);
         match (request.uri().path(), &pulls.capture) {
             (PULL_IMAGE | PULL_IMAGE_V1ALPHA2, _) => return pull(caller, pulls, request).await,
             (REMOVE_IMAGE | REMOVE_IMAGE_V1ALPHA2, Some(capture)) => {
-                return remove(caller, capture, request).await
+                let answer = remove(caller, capture, request).await;
+                pulls.removed.notify_one();
+                return answer;
             }
             _ => {}
         }
@@ -111,10 +125,15 @@ async fn forward(
         let (parts, body) = request.into_parts();
         let outbound =
             hyper::Request::from_parts(parts, body.map_err(|e| Box::new(e) as _).boxed_unsync());
-        match sender.send_request(outbound).await {
+        let answer = match sender.send_request(outbound).await {
             Ok(answer) => answer.map(|b| b.map_err(|e| Box::new(e) as _).boxed_unsync()),
             Err(e) => broken_runtime(&e),
+        };
+        if removal {
+            // The runtime answered the removal's head: a kept image it took is pulled again.
+            pulls.removed.notify_one();
         }
+        answer
     };
     match tokio::time::timeout(limit, call).await {
         Ok(answer) => answer,
@@ -141,6 +160,13 @@ pub struct ProxyOptions {
     pub registry: crate::guard::registry::RegistryOptions,
     /// The agent: its metrics, and the engine and pull log the pull decisions use.
     pub agent: crate::Agent,
+    /// The images the node keeps present, pulled on its own behalf (decision 0022).
+    pub node_images: Vec<crate::node_images::NodeImage>,
+    /// How often the runtime is asked whether it has them.
+    pub keep_every: Duration,
+    /// The most of a `ListImages` answer the proxy reads for itself ([`MAX_LIST_MESSAGE`];
+    /// tests lower it to stand for a node whose list is larger than that).
+    pub list_limit: usize,
 }
 
 /// The proxy's listener limits by default: far more connections than a kubelet and the
@@ -196,6 +222,9 @@ pub async fn serve(listener: UnixListener, options: ProxyOptions, shutdown: Canc
         check_every,
         registry,
         agent,
+        node_images,
+        keep_every,
+        list_limit,
     } = options;
     let metrics = agent.metrics().clone();
     let proxy_budget = Budgets::proxy(metrics.cri_held_bytes.clone());
@@ -206,17 +235,22 @@ pub async fn serve(listener: UnixListener, options: ProxyOptions, shutdown: Canc
     });
     // Removals that bypass the proxy (crictl rmi, the runtime's own garbage collection): the
     // runtime's image list, checked periodically, drops what no image is left of.
+    let view = std::sync::Arc::new(check::ImageView {
+        own: own.clone(),
+        limit: list_limit,
+        metrics: metrics.clone(),
+    });
     let sweeper = captured.clone().map(|captured| {
         tokio::spawn(check::every(
             check_every,
-            own.clone(),
+            view.clone(),
             captured,
             shutdown.clone(),
         ))
     });
     let (capture, capture_task) = match captured {
         Some(captured) => {
-            let (capture, task) = Capture::start(captured, registry, &own, &metrics);
+            let (capture, task) = Capture::start(captured, registry, &view, &metrics);
             (Some(capture), Some(task))
         }
         None => (None, None),
@@ -225,6 +259,17 @@ pub async fn serve(listener: UnixListener, options: ProxyOptions, shutdown: Canc
         agent,
         guard,
         capture,
+        removed: std::sync::Arc::default(),
+    });
+    let keeper = (!node_images.is_empty()).then(|| {
+        let keeper = keep::Keeper {
+            images: node_images,
+            pulls: pulls.clone(),
+            own: own.clone(),
+            every: keep_every,
+            removed: pulls.removed.clone(),
+        };
+        tokio::spawn(keeper.run(shutdown.clone()))
     });
     // The API's windows, send buffer and reset bounds.
     let builder = crate::listener::http2_builder(MAX_STREAMS, MAX_HEADER_LIST);
@@ -248,9 +293,9 @@ pub async fn serve(listener: UnixListener, options: ProxyOptions, shutdown: Canc
         );
     }
     listener.drain().await;
-    if let Some(sweeper) = sweeper {
-        sweeper.abort();
-        let _ = sweeper.await;
+    for task in [sweeper, keeper].into_iter().flatten() {
+        task.abort();
+        let _ = task.await;
     }
     // The capture task ends once the last capturer is gone, after the offers it took.
     drop(pulls);

@@ -40,6 +40,8 @@ pub(super) struct Pull {
     /// form, tokens): taken out of the runtime's message before it is logged, kept or shown
     /// (containerd quotes a malformed `auth` whole).
     pub(super) carried: Vec<secrecy::SecretString>,
+    /// The agent pulls the image itself, on the node's behalf (`keep.rs`), and why.
+    pub(super) node_image: Option<crate::node_images::Why>,
 }
 
 /// `now_ms`: when it is captured, by the agent's clock.
@@ -104,6 +106,7 @@ pub(super) fn pull_of(message: &[u8], now_ms: i64) -> Option<Pull> {
         filled: None,
         scope: policy::Scoped::AsSent.as_str(),
         carried,
+        node_image: None,
     })
 }
 
@@ -390,7 +393,7 @@ async fn again(
 }
 
 /// What a pull's answer leaves to do once it is logged.
-enum Answered {
+pub(super) enum Answered {
     /// Record and capture it (`own`: the node's credential, see [`sources_of`]).
     Settle(bool),
     /// The registry refused the credential itself, one of the agent's providers gave: the
@@ -402,7 +405,7 @@ enum Answered {
 
 /// Logs a pull's answer ([`decision`]) and, when it ended unauthorized with a credential of
 /// the agent's, asks the registry whether it refuses the credential itself ([`refused`]).
-async fn answered(
+pub(super) async fn answered(
     pulls: &Pulls,
     pull: &Pull,
     whole: &runtime::Whole,
@@ -515,6 +518,8 @@ pub(super) struct Pulls {
     pub(super) agent: crate::Agent,
     pub(super) guard: Option<crate::guard::Guard>,
     pub(super) capture: Option<Capture>,
+    /// Notified after each `RemoveImage`: the node's kept images are checked again.
+    pub(super) removed: std::sync::Arc<tokio::sync::Notify>,
 }
 
 /// What the proxy captures with: where captures are kept, the task that confirms and writes
@@ -522,8 +527,8 @@ pub(super) struct Pulls {
 pub(super) struct Capture {
     pub(super) captured: std::sync::Arc<crate::captured::Captured>,
     pub(super) capturer: Capturer,
-    /// The proxy's own calls to the runtime (its image list), on a budget of their own.
-    pub(super) own: std::sync::Arc<Caller>,
+    /// The proxy's own view of the runtime's images, on a budget of its own.
+    pub(super) view: std::sync::Arc<super::check::ImageView>,
 }
 
 impl Capture {
@@ -533,7 +538,7 @@ impl Capture {
     pub(super) fn start(
         captured: std::sync::Arc<crate::captured::Captured>,
         registry: crate::guard::registry::RegistryOptions,
-        own: &std::sync::Arc<Caller>,
+        view: &std::sync::Arc<super::check::ImageView>,
         metrics: &crate::metrics::AgentMetrics,
     ) -> (Capture, tokio::task::JoinHandle<()>) {
         let verifier = crate::guard::registry::Verifier::new(registry);
@@ -541,7 +546,7 @@ impl Capture {
         let capture = Capture {
             captured,
             capturer,
-            own: own.clone(),
+            view: view.clone(),
         };
         (capture, task)
     }

@@ -238,6 +238,10 @@ impl Admin for Api {
                     message: p.message,
                     duration_ms: u64::try_from(p.duration.as_millis()).unwrap_or(u64::MAX),
                     refusal: p.refusal,
+                    node_image: p
+                        .node_image
+                        .map(|w| w.as_str().to_owned())
+                        .unwrap_or_default(),
                 })
                 .collect();
             Ok(Response::new(pb::ListPullsResponse { pulls }))

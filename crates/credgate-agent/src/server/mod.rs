@@ -501,6 +501,13 @@ impl Api {
                     last_saved_unix_ms: unix_ms(r.last_saved),
                 }
             }),
+            node_images: self
+                .agent
+                .node_images()
+                .list()
+                .into_iter()
+                .map(node_image)
+                .collect(),
         }
     }
 
@@ -670,4 +677,29 @@ pub async fn serve_with(
     ))
     .prepare();
     http::serve(routes, listener, callers, limits, metrics, shutdown).await;
+}
+
+/// What the keeper knows of a node image, as `Status` tells it.
+fn node_image(s: crate::node_images::Seen) -> pb::NodeImageStatus {
+    let pull = s.last_pull.as_ref();
+    pb::NodeImageStatus {
+        image: s.image.image,
+        why: s.image.why.as_str().to_owned(),
+        named_by: s.image.named_by,
+        state: match s.present {
+            Some(true) => "PRESENT",
+            Some(false) => "ABSENT",
+            None => "UNKNOWN",
+        }
+        .to_owned(),
+        checked_unix_ms: unix_ms(s.checked),
+        pulled_unix_ms: unix_ms(pull.map(|p| p.at)),
+        pull_auth: pull.map(|p| p.auth.to_string()).unwrap_or_default(),
+        pull_result: pull
+            .map(|p| p.result.as_str().to_owned())
+            .unwrap_or_default(),
+        pull_message: pull.map(|p| p.message.clone()).unwrap_or_default(),
+        failures: s.failures,
+        retry_unix_ms: unix_ms(s.retry_at),
+    }
 }

@@ -81,8 +81,60 @@ pub(super) async fn status(admin: &mut AdminClient<Channel>, out: Output) -> Res
             ],
             &rows,
         );
+        print_node_images(&r.node_images);
     }
     Ok(Outcome::Yes)
+}
+
+/// The images the node keeps, below the providers: whether each is there, and how the agent
+/// last pulled it.
+fn print_node_images(images: &[pb::NodeImageStatus]) {
+    if images.is_empty() {
+        return;
+    }
+    let rows: Vec<Vec<String>> = images
+        .iter()
+        .map(|i| {
+            let pull = if i.pulled_unix_ms == 0 {
+                "-".to_owned()
+            } else {
+                format!(
+                    "{} at {} with {}",
+                    i.pull_result,
+                    time_ms(i.pulled_unix_ms),
+                    i.pull_auth
+                )
+            };
+            let retry = if i.retry_unix_ms == 0 {
+                "-".to_owned()
+            } else {
+                format!("{} (failure {})", time_ms(i.retry_unix_ms), i.failures)
+            };
+            vec![
+                i.image.clone(),
+                i.why.clone(),
+                i.state.clone(),
+                pull,
+                retry,
+                i.named_by.clone(),
+            ]
+        })
+        .collect();
+    println!();
+    print_table(
+        &[
+            "NODE_IMAGE",
+            "WHY",
+            "STATE",
+            "LAST_PULL",
+            "RETRY",
+            "NAMED_BY",
+        ],
+        &rows,
+    );
+    for i in images.iter().filter(|i| !i.pull_message.is_empty()) {
+        println!("{}: {}", i.image, i.pull_message);
+    }
 }
 
 fn print_saved_cache(cache: Option<&pb::SavedCacheStatus>) {
@@ -192,7 +244,12 @@ pub(super) async fn pulls(
                     } else {
                         format!("{}/{}", p.pod_namespace, p.pod_name)
                     },
-                    p.auth.clone(),
+                    if p.node_image.is_empty() {
+                        p.auth.clone()
+                    } else {
+                        // The agent pulled it itself, on the node's behalf.
+                        format!("{} (node: {})", p.auth, p.node_image)
+                    },
                     if p.code == 0 {
                         "pulled".into()
                     } else {

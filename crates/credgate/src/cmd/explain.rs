@@ -146,6 +146,9 @@ fn text(e: &pb::ExplainResponse) -> String {
                 e.cri_last_unauthorized
             ));
         }
+        if !e.cri_node_image.is_empty() {
+            out.push_str(&format!("  node image: {}\n", e.cri_node_image));
+        }
     }
     out
 }

@@ -60,14 +60,7 @@ const PLUGINS: [&str; 3] = [
 /// The registry credentials of a containerd config, by host; when tables name one host twice,
 /// the first read wins (version 2's plugin before 3's and 1's, `configs` before `auths`).
 pub fn parse(text: &str) -> Result<Vec<Entry>, ImportError> {
-    let doc: toml::Table = text
-        .parse()
-        .map_err(|e: toml::de::Error| ImportError::Toml {
-            line: e.span().map_or(0, |s| {
-                text[..s.start.min(text.len())].lines().count().max(1)
-            }),
-            message: e.message().lines().next().unwrap_or_default().to_owned(),
-        })?;
+    let doc = table(text)?;
     let mut out: BTreeMap<String, Entry> = BTreeMap::new();
     let plugins = doc.get("plugins").and_then(|p| p.as_table());
     for plugin in PLUGINS {
@@ -104,6 +97,61 @@ pub fn parse(text: &str) -> Result<Vec<Entry>, ImportError> {
         return Err(ImportError::NoAuth);
     }
     Ok(out.into_values().collect())
+}
+
+/// A containerd config as TOML.
+fn table(text: &str) -> Result<toml::Table, ImportError> {
+    text.parse()
+        .map_err(|e: toml::de::Error| ImportError::Toml {
+            line: e.span().map_or(0, |s| {
+                text[..s.start.min(text.len())].lines().count().max(1)
+            }),
+            message: e.message().lines().next().unwrap_or_default().to_owned(),
+        })
+}
+
+/// The sandbox (pause) image a containerd config names, and the setting that names it:
+/// `pinned_images.sandbox` of `plugins."io.containerd.cri.v1.images"` (version 3, containerd
+/// 2.x), `sandbox_image` of `plugins."io.containerd.grpc.v1.cri"` (version 2, containerd 1.x)
+/// or of `plugins.cri` (version 1). `None` when it names none: containerd then pulls its
+/// built-in default, a public image.
+pub fn sandbox_image(text: &str) -> Result<Option<(String, &'static str)>, ImportError> {
+    let doc = table(text)?;
+    let plugin = |name: &str| {
+        doc.get("plugins")
+            .and_then(|p| p.get(name))
+            .and_then(|p| p.as_table())
+    };
+    let named = [
+        (
+            plugin("io.containerd.cri.v1.images")
+                .and_then(|p| p.get("pinned_images"))
+                .and_then(|p| p.get("sandbox")),
+            "plugins.\"io.containerd.cri.v1.images\".pinned_images.sandbox",
+        ),
+        (
+            plugin("io.containerd.grpc.v1.cri").and_then(|p| p.get("sandbox_image")),
+            "plugins.\"io.containerd.grpc.v1.cri\".sandbox_image",
+        ),
+        (
+            plugin("cri").and_then(|p| p.get("sandbox_image")),
+            "plugins.cri.sandbox_image",
+        ),
+    ];
+    for (value, setting) in named {
+        let Some(value) = value else { continue };
+        let image = value.as_str().ok_or_else(|| ImportError::NotAString {
+            table: setting
+                .rsplit_once('.')
+                .map_or(setting, |(t, _)| t)
+                .to_owned(),
+            field: setting.rsplit('.').next().unwrap_or(setting).to_owned(),
+        })?;
+        if !image.is_empty() {
+            return Ok(Some((image.to_owned(), setting)));
+        }
+    }
+    Ok(None)
 }
 
 /// A registry `host[:port]`: letters, digits, `.`, `-`, `_`, and a port, or an IPv6 literal in
@@ -181,8 +229,20 @@ pub fn docker_config(entries: &[Entry]) -> String {
 }
 
 pub fn containerd(args: ImportContainerdArgs) -> Result<Outcome> {
-    use std::os::unix::fs::OpenOptionsExt as _;
     let path = &args.config;
+    let text = read_config(path)?;
+    let entries =
+        parse(&text).with_context(|| format!("nothing imported from {}", path.display()))?;
+    write_secret(&args.output, docker_config(&entries).as_bytes(), args.force)?;
+    print!("{}", summary(path, &args.output, &entries));
+    Ok(Outcome::Yes)
+}
+
+/// containerd's config at `path`: a regular file of at most [`MAX_CONFIG`] bytes that root or
+/// this user owns and nobody else can write (it names what the agent pulls with the node's
+/// credentials, and holds them).
+pub fn read_config(path: &Path) -> Result<String> {
+    use std::os::unix::fs::OpenOptionsExt as _;
     // Never waits on a FIFO or a device: opened without blocking, read only if regular.
     let file = std::fs::OpenOptions::new()
         .read(true)
@@ -198,6 +258,8 @@ pub fn containerd(args: ImportContainerdArgs) -> Result<Outcome> {
             path.display()
         );
     }
+    credgate_api::trust::check(path, &meta, credgate_api::trust::Owner::MeOrRoot)
+        .with_context(|| format!("containerd's config {}", path.display()))?;
     let mut text = String::new();
     file.take(MAX_CONFIG + 1)
         .read_to_string(&mut text)
@@ -208,11 +270,7 @@ pub fn containerd(args: ImportContainerdArgs) -> Result<Outcome> {
             path.display()
         );
     }
-    let entries =
-        parse(&text).with_context(|| format!("nothing imported from {}", path.display()))?;
-    write_secret(&args.output, docker_config(&entries).as_bytes(), args.force)?;
-    print!("{}", summary(path, &args.output, &entries));
-    Ok(Outcome::Yes)
+    Ok(text)
 }
 
 /// What was done and what is left to do (no secret).
@@ -306,6 +364,33 @@ version = 2
         let parsed = credgate_core::dockerconfig::parse(config.as_bytes()).unwrap();
         assert_eq!(parsed.len(), 3);
         assert_eq!(parsed[2].1.password.expose_secret(), "s3cret-v2");
+    }
+
+    /// The sandbox image where each containerd generation keeps it; a config that names none
+    /// (containerd's public default) gives none, a non-string is an error.
+    #[test]
+    fn the_sandbox_image_is_read_from_every_config_version() {
+        let v3 = "version = 3\n[plugins.\"io.containerd.cri.v1.images\".pinned_images]\n  sandbox = \"r.example/mirror/pause:3.10\"\n";
+        let v2 = "version = 2\n[plugins.\"io.containerd.grpc.v1.cri\"]\n  sandbox_image = \"r.example/pause:3.6\"\n";
+        let v1 = "[plugins.cri]\n  sandbox_image = \"r.example/pause:3.1\"\n";
+        let got = |t| sandbox_image(t).unwrap();
+        assert_eq!(
+            got(v3),
+            Some((
+                "r.example/mirror/pause:3.10".to_owned(),
+                "plugins.\"io.containerd.cri.v1.images\".pinned_images.sandbox"
+            ))
+        );
+        assert_eq!(got(v2).unwrap().0, "r.example/pause:3.6");
+        assert_eq!(got(v1).unwrap().1, "plugins.cri.sandbox_image");
+        assert_eq!(got(V2), None);
+        assert_eq!(got("version = 3\n"), None);
+        let bad = "[plugins.\"io.containerd.grpc.v1.cri\"]\n  sandbox_image = 3\n";
+        assert!(matches!(
+            sandbox_image(bad),
+            Err(ImportError::NotAString { .. })
+        ));
+        assert!(matches!(sandbox_image("[x"), Err(ImportError::Toml { .. })));
     }
 
     #[test]

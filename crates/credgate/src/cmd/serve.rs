@@ -92,6 +92,7 @@ fn node_options(args: &ServeArgs) -> Result<NodeOptions> {
         timeout: args.registry_timeout,
         insecure: args.insecure_registry.clone(),
     };
+    let node_images = node_images(args)?;
     let mut callers = CallerAllowlist::default();
     for (service, uids) in &args.allow_uids {
         callers.allow(*service, uids.iter().copied());
@@ -131,8 +132,31 @@ fn node_options(args: &ServeArgs) -> Result<NodeOptions> {
             captured_max_age: args.captured_credential_max_age,
             check_every: args.captured_check_interval,
             registry,
+            node_images: node_images.clone(),
+            keep_every: args.cri_proxy_keep_interval,
+            list_limit: args.cri_proxy_list_limit,
         }),
     })
+}
+
+/// The images the node keeps present: the sandbox image (named, or read from containerd's
+/// config), then the kept ones.
+fn node_images(args: &ServeArgs) -> Result<Vec<credgate_agent::node_images::NodeImage>> {
+    let sandbox = match (&args.cri_sandbox_image, &args.cri_runtime_config) {
+        (Some(image), _) => Some((image.clone(), "--cri-sandbox-image".to_owned())),
+        (None, Some(path)) => {
+            let text = super::import::read_config(path)?;
+            let named = super::import::sandbox_image(&text)
+                .with_context(|| format!("cannot read the sandbox image of {}", path.display()))?;
+            if named.is_none() {
+                tracing::info!(config = %path.display(), "containerd's config names no sandbox image: containerd pulls its default, a public image, itself");
+            }
+            named.map(|(image, setting)| (image, format!("{setting} in {}", path.display())))
+        }
+        (None, None) => None,
+    };
+    credgate_agent::node_images::named(sandbox, &args.cri_proxy_keep_image)
+        .map_err(|e| crate::usage(format!("invalid node image: {e}")))
 }
 
 /// The image access guard the flags describe.

@@ -1,0 +1,209 @@
+//! The node's own pulls: the images the node keeps present (the runtime's sandbox image, which
+//! containerd pulls with no credential when a pod starts; the operator's
+//! `--cri-proxy-keep-image`s) are checked with `ImageStatus` at start, every check period and
+//! after each `RemoveImage` through the proxy, and an absent one is pulled through the
+//! runtime's CRI with the credential the agent's sources give for it (never a pod's captured
+//! one), logged, counted and recorded by the guard as the node's. A failed pull is tried again
+//! after a backoff. Only images the operator configured or the runtime's config names are ever
+//! pulled so (decision 0022).
+
+use std::sync::Arc;
+
+use secrecy::ExposeSecret as _;
+use tokio::sync::Notify;
+
+use super::fill::fill;
+use super::pulls::{answered, pull_of, settle, Answered, Pulls};
+use super::*;
+use crate::node_images::{backoff, NodeImage, OwnPull};
+use crate::pulls::{PullAuth, PullResult};
+
+/// The longest one of the node's own pulls may take (a sandbox image is small; a kept image
+/// may not be).
+const PULL_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// What the keeper works with.
+pub(super) struct Keeper {
+    pub(super) images: Vec<NodeImage>,
+    pub(super) pulls: Arc<Pulls>,
+    /// The proxy's own runtime connection.
+    pub(super) own: Arc<Caller>,
+    pub(super) every: Duration,
+    /// Notified after each `RemoveImage` through the proxy.
+    pub(super) removed: Arc<Notify>,
+}
+
+impl Keeper {
+    /// Keeps the images present until `stop`.
+    pub(super) async fn run(self, stop: CancellationToken) {
+        let agent = self.pulls.agent.clone();
+        let state = agent.node_images().clone();
+        state.set(&self.images);
+        loop {
+            let mut wait = self.every;
+            for (index, image) in self.images.iter().enumerate() {
+                let now = agent.clock().wall();
+                let due = state.list().get(index).and_then(|s| s.retry_at);
+                match due.and_then(|at| at.duration_since(now).ok()) {
+                    Some(left) if !left.is_zero() => wait = wait.min(left),
+                    _ => {
+                        if let Some(left) = self.check(index, image).await {
+                            wait = wait.min(left);
+                        }
+                    }
+                }
+                if stop.is_cancelled() {
+                    return;
+                }
+            }
+            agent
+                .metrics()
+                .cri_node_images_absent
+                .set(i64::try_from(state.absent()).unwrap_or(i64::MAX));
+            tokio::select! {
+                () = tokio::time::sleep(wait) => {}
+                () = self.removed.notified() => {}
+                () = stop.cancelled() => return,
+            }
+        }
+    }
+
+    /// Asks the runtime whether it has `image` and pulls it when it does not; the time until
+    /// it is tried again when the pull failed.
+    async fn check(&self, index: usize, image: &NodeImage) -> Option<Duration> {
+        let agent = &self.pulls.agent;
+        let state = agent.node_images();
+        let status = ask::<_, wire::ImageStatusResponse>(
+            &self.own,
+            wire::IMAGE_STATUS,
+            &wire::ImageStatusRequest {
+                image: Some(wire::ImageSpec {
+                    image: image.image.clone(),
+                }),
+            },
+            MAX_PULL_MESSAGE,
+        )
+        .await;
+        let present = status.map(|s| s.image.is_some());
+        let now = agent.clock().wall();
+        state.update(index, |s| {
+            s.present = present;
+            s.checked = Some(now);
+        });
+        if present != Some(false) {
+            if present.is_some() {
+                state.update(index, |s| {
+                    s.failures = 0;
+                    s.retry_at = None;
+                });
+            }
+            return None;
+        }
+        let done = self.pull(image).await;
+        let ok = done.result == PullResult::Ok;
+        let mut retry = None;
+        state.update(index, |s| {
+            s.present = Some(ok);
+            if ok {
+                s.failures = 0;
+                s.retry_at = None;
+            } else {
+                s.failures = s.failures.saturating_add(1);
+                let after = backoff(s.failures);
+                s.retry_at = Some(done.at + after);
+                retry = Some(after);
+            }
+            s.last_pull = Some(done);
+        });
+        retry
+    }
+
+    /// One pull of `image` through the runtime's CRI, with the first credential the agent's
+    /// sources give for it, as a `PullImage` through the proxy is logged, refused and
+    /// recorded.
+    async fn pull(&self, image: &NodeImage) -> OwnPull {
+        use prost::Message as _;
+        let pulls = &self.pulls;
+        let agent = &pulls.agent;
+        let filled = fill(agent, &image.image).await;
+        let registry = credgate_core::reference::ImageRef::parse(&image.image)
+            .map(|r| r.registry().to_owned())
+            .unwrap_or_default();
+        let auth = filled.as_ref().map(|(_, c)| wire::AuthConfig {
+            username: c.username.clone(),
+            password: c.password.expose_secret().to_owned(),
+            server_address: agent.pull_policy().scope(&registry).server_address(""),
+            ..Default::default()
+        });
+        let message = wire::PullImageRequest {
+            image: Some(wire::ImageSpec {
+                image: image.image.clone(),
+            }),
+            auth,
+            sandbox_config: None,
+        }
+        .encode_to_vec();
+        let at = agent.clock().wall();
+        let failed = |auth: PullAuth, message: String| OwnPull {
+            at,
+            auth,
+            result: PullResult::Error,
+            message,
+        };
+        let Some(mut pull) = pull_of(&message, crate::state::unix_ms(at)) else {
+            return failed(PullAuth::None, "the pull could not be encoded".into());
+        };
+        pull.filled = filled.map(|(source, _)| source);
+        pull.node_image = Some(image.why);
+        let auth = pull.filled.clone().map_or(PullAuth::None, PullAuth::Filled);
+        if let Some(guard) = &pulls.guard {
+            if let Err(e) = guard.record_intent(&pull.image).await {
+                tracing::error!(error = %crate::error_chain(&e), "pull intent not recorded");
+            }
+        }
+        let started = std::time::Instant::now();
+        let Some(whole) = self.exchange(&message).await else {
+            let said = "the container runtime could not be reached, or did not answer in time";
+            tracing::warn!(image = %image.image, why = image.why.as_str(), "{said}");
+            return failed(auth, said.into());
+        };
+        let code = whole.code().unwrap_or(2);
+        let said = super::pulls::redacted(&whole.message(), &pull.carried);
+        let result = PullResult::of(code, &said);
+        agent
+            .metrics()
+            .cri_node_image_pulls
+            .get_or_create(&crate::metrics::NodeImagePullLabels {
+                why: image.why,
+                result,
+            })
+            .inc();
+        if result != PullResult::Ok {
+            tracing::warn!(image = %image.image, why = image.why.as_str(), named_by = %image.named_by, auth = %auth, runtime_message = %crate::pulls::capped(&said, crate::pulls::MESSAGE), "the node's own pull of an image it keeps failed: tried again after a backoff");
+        }
+        if let Answered::Settle(_) | Answered::Refused(_) =
+            answered(pulls, &pull, &whole, started).await
+        {
+            settle(pulls, pull, true, &whole).await;
+        }
+        OwnPull {
+            at,
+            auth,
+            result,
+            message: if result == PullResult::Ok {
+                String::new()
+            } else {
+                crate::pulls::capped(&said, crate::pulls::MESSAGE)
+            },
+        }
+    }
+
+    /// The `PullImage` of `message` on the proxy's own runtime connection, its answer read
+    /// whole; `None` when the runtime cannot be reached or does not answer in time.
+    async fn exchange(&self, message: &[u8]) -> Option<runtime::Whole> {
+        let frame = framed(message)?;
+        let parts = runtime::own_call(PULL_IMAGE, Some(PULL_TIMEOUT))?;
+        let call = exchange(&self.own, parts, frame, MAX_PULL_MESSAGE);
+        tokio::time::timeout(PULL_TIMEOUT, call).await.ok()?.ok()
+    }
+}
