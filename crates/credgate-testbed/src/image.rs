@@ -14,9 +14,15 @@ fn sha256_hex(data: &[u8]) -> String {
 
 /// Writes a one-layer OCI image layout at `dir/layout` (tag `v1`), deterministic bytes.
 pub fn oci_image(dir: &Path) {
+    oci_image_saying(dir, "hello from credgate\n");
+}
+
+/// The same with `hello.txt` holding `text`: images of other texts have other IDs (a
+/// runtime's `RemoveImage` removes every name of an image ID).
+pub fn oci_image_saying(dir: &Path, text: &str) {
     let rootfs = dir.join("rootfs");
     std::fs::create_dir_all(&rootfs).unwrap();
-    std::fs::write(rootfs.join("hello.txt"), "hello from credgate\n").unwrap();
+    std::fs::write(rootfs.join("hello.txt"), text).unwrap();
     let blobs = dir.join("layout/blobs/sha256");
     std::fs::create_dir_all(&blobs).unwrap();
     let tar = dir.join("layer.tar");

@@ -13,7 +13,7 @@ mod image;
 mod process;
 mod registry;
 
-pub use image::{oci_image, push};
+pub use image::{oci_image, oci_image_saying, push};
 pub use process::{
     eventually, eventually_async, eventually_await, eventually_some, require, require_root, run,
     wait_for_exit, Containerd,

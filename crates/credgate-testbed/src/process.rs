@@ -57,6 +57,8 @@ pub struct Containerd {
     pub socket: PathBuf,
     /// Its registry `config_path` (a `hosts.toml` per registry).
     pub certs: PathBuf,
+    /// Its `ctr` (beside the binary, or on PATH for Debian's).
+    ctr: PathBuf,
 }
 
 impl Containerd {
@@ -150,11 +152,26 @@ impl Containerd {
         eventually("containerd comes up", Duration::from_secs(30), || {
             socket.exists()
         });
+        let ctr = binary
+            .parent()
+            .map(|d| d.join("ctr"))
+            .filter(|c| c.is_file())
+            .unwrap_or_else(|| PathBuf::from("ctr"));
         Containerd {
             child,
             socket,
             certs,
+            ctr,
         }
+    }
+
+    /// `ctr -n k8s.io ARGS` on this containerd (what an operator does behind the CRI's back).
+    pub fn ctr(&self, args: &[&str]) -> Output {
+        run(Command::new(&self.ctr)
+            .arg("--address")
+            .arg(&self.socket)
+            .args(["-n", "k8s.io"])
+            .args(args))
     }
 
     /// Makes containerd try `mirror` (a plain-HTTP `127.0.0.1:PORT`) before `registry` itself

@@ -17,6 +17,7 @@ mod guard_e2e;
 mod hpack;
 mod lazy;
 mod node;
+mod node_images;
 mod policy;
 mod refusal;
 mod rotation;

@@ -1079,3 +1079,99 @@ fn the_readmes_real_node_example_runs_as_written() {
     let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap();
     assert!(!mounts.contains(node.to_str().unwrap()), "left mounted");
 }
+
+/// The pod's events (`kubectl get events`), as text.
+fn events(node: &Node, ns: &str, name: &str) -> String {
+    node.kubectl_ok(&[
+        "get",
+        "events",
+        "-n",
+        ns,
+        "--field-selector",
+        &format!("involvedObject.name={name}"),
+        "-o",
+        "custom-columns=REASON:.reason,MESSAGE:.message",
+    ])
+}
+
+/// Issue 41: the sandbox image only in a private repository, as in a cluster that mirrors its
+/// images into a private registry. containerd pulls it itself, with no credential, when a pod
+/// starts: without credgate its pull fails with the registry's 401 (the kubelet running the
+/// providers does not help: it is not asked); with credgate, which reads the image from
+/// containerd's config and pulls it through the CRI with the provider's credential at start,
+/// the pod starts. The kubelet's image listing, streamed (`CRIListStreaming`), goes through
+/// the proxy as StreamImages and reports the node's images.
+#[test]
+#[ignore = "needs root"]
+fn a_private_sandbox_image_is_there_before_the_first_pod_with_credgate_only() {
+    let image_of = |node: &Node| node.image("team-p/app:v1");
+    {
+        let node = Node::start(&[
+            "--private-pause",
+            "--without-credgate",
+            "--kubelet-providers",
+        ]);
+        node.pod("default", "p", &image_of(&node), &NO_SECRET);
+        let started = Instant::now();
+        loop {
+            let said = events(&node, "default", "p");
+            if said.contains("FailedCreatePodSandBox") && said.contains("401 Unauthorized") {
+                assert!(said.contains("team-p/pause:1"), "{said}");
+                break;
+            }
+            assert!(
+                started.elapsed() < POD,
+                "no sandbox failure with the registry's 401: {said}"
+            );
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    }
+    let node = Node::start(&["--private-pause", "--list-streaming"]);
+    node.pod("default", "p", &image_of(&node), &NO_SECRET);
+    node.wait_running("default", "p", POD);
+    let status = node.credgate_ok(&["ctl", "status"]);
+    let row = status
+        .lines()
+        .find(|l| l.contains("team-p/pause:1"))
+        .unwrap_or_else(|| panic!("no node image row: {status}"));
+    assert!(
+        row.contains("sandbox")
+            && row.contains("PRESENT")
+            && row.contains("filled:provider:team-p"),
+        "{row}"
+    );
+    let pulls = node.pulls();
+    assert!(pulls.contains("(node: sandbox)"), "{pulls}");
+    assert_eq!(
+        node.metric("credgate_cri_node_image_pulls_total{why=\"sandbox\",result=\"ok\"}"),
+        1.0
+    );
+    // The kubelet lists the node's images through the proxy with StreamImages (every 30 s at
+    // most), and reports them in the node's status.
+    let started = Instant::now();
+    while node.metric("credgate_cri_calls_total{method=\"StreamImages\"}") < 1.0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "the kubelet made no StreamImages call through the proxy"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let started = Instant::now();
+    loop {
+        let images = node.kubectl_ok(&[
+            "get",
+            "node",
+            "credgate-node",
+            "-o",
+            "jsonpath={.status.images[*].names}",
+        ]);
+        if images.contains("team-p/pause:1") && images.contains("team-p/app:v1") {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "the node's status does not list its images: {images}"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}

@@ -46,7 +46,7 @@ fn remove(go: &Path, containerd: &Containerd, image: &str) {
 /// Providers `node` (matching `HOST/team` and `HOST/other`) and `keyed` (`HOST/sa`, keyed by
 /// service account but not requiring one, so that it runs for a lookup without one): both
 /// answer `USER`:`PASSWORD` for the registry. The agent's source flags.
-fn providers(dir: &Path, host: &str) -> Vec<String> {
+pub(crate) fn providers(dir: &Path, host: &str) -> Vec<String> {
     let bin = dir.join("plugins");
     std::fs::create_dir_all(&bin).unwrap();
     for name in ["node", "keyed"] {
