@@ -77,7 +77,7 @@ async fn the_nodes_own_images_are_pulled_with_its_credentials_and_kept() {
         push_own(d, &registry, repo);
     }
     let host = registry.host();
-    let containerd = Containerd::start_binary(&binary, d, &[host.clone()]);
+    let containerd = Containerd::start_binary(&binary, d, std::slice::from_ref(&host));
     let go = build_go();
     let (sandbox, kept, unserved) = (
         format!("{host}/team/pause:v1"),
@@ -269,7 +269,7 @@ async fn the_image_check_streams_past_the_unary_cap_and_never_acts_on_half_a_lis
         for repo in ["team/app", "team/gone"] {
             push_own(&d, &registry, repo);
         }
-        let containerd = Containerd::start_binary(binary, &d, &[host.clone()]);
+        let containerd = Containerd::start_binary(binary, &d, std::slice::from_ref(&host));
         let (agent, proxy) = proxy_agent_with(
             &d,
             &containerd.socket,
