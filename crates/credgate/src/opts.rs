@@ -492,7 +492,7 @@ pub enum CtlCall {
     CheckAccess {
         /// The image, as a pod spec names it (`registry.example.com/team/app:v1`).
         image: String,
-        /// The runtime's image ID of the local copy (`sha256:` and 64 hex digits).
+        /// The runtime's image ID of the local copy (64 hex digits, with `sha256:` as containerd reports it or without as CRI-O does).
         #[arg(long, value_name = "ID")]
         image_ref: Option<String>,
         /// The image is not on the node.
@@ -519,7 +519,7 @@ pub enum CtlCall {
     RecordResult {
         /// The image, as a pod spec names it (`registry.example.com/team/app:v1`).
         image: String,
-        /// The runtime's image ID of the local copy (`sha256:` and 64 hex digits).
+        /// The runtime's image ID of the local copy (64 hex digits, with `sha256:` as containerd reports it or without as CRI-O does).
         #[arg(long, value_name = "ID")]
         image_ref: Option<String>,
         /// The pull failed.
@@ -535,7 +535,7 @@ pub enum CtlCall {
     Verify {
         /// The image, as a pod spec names it (`registry.example.com/team/app:v1`).
         image: String,
-        /// The runtime's image ID of the local copy (`sha256:` and 64 hex digits).
+        /// The runtime's image ID of the local copy (64 hex digits, with `sha256:` as containerd reports it or without as CRI-O does).
         #[arg(long, value_name = "ID")]
         image_ref: String,
         /// The manifest digest held locally.
@@ -564,7 +564,7 @@ pub enum CtlCall {
         after_help = "Example:\n  credgate ctl get-record sha256:4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d"
     )]
     GetRecord {
-        /// The runtime's image ID (`sha256:` and 64 hex digits).
+        /// The runtime's image ID (64 hex digits, with `sha256:` as containerd reports it or without as CRI-O does).
         image_ref: String,
     },
     /// ImageAccess.DeleteRecord.
@@ -572,7 +572,7 @@ pub enum CtlCall {
         after_help = "Example:\n  credgate ctl delete-record sha256:4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d"
     )]
     DeleteRecord {
-        /// The runtime's image ID (`sha256:` and 64 hex digits).
+        /// The runtime's image ID (64 hex digits, with `sha256:` as containerd reports it or without as CRI-O does).
         image_ref: String,
     },
     /// Admin.Health.

@@ -134,14 +134,16 @@ pub fn check_args(call: &CtlCall) -> Result<()> {
     }
 }
 
-/// A runtime's image ID as the runtimes give it: `sha256:` and 64 lowercase hex digits.
+/// A runtime's image ID as the runtimes give it: 64 lowercase hex digits, after `sha256:`
+/// (containerd) or alone (CRI-O's ImageStatus). One digit repeated 64 times is a placeholder,
+/// not an ID.
 fn image_id(id: &str) -> Result<()> {
-    let ok = id.strip_prefix("sha256:").is_some_and(|hex| {
-        hex.len() == 64 && hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
-    });
-    if !ok {
+    let hex = id.strip_prefix("sha256:").unwrap_or(id);
+    let digits = hex.len() == 64 && hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
+    let placeholder = hex.bytes().all(|b| Some(b) == hex.bytes().next());
+    if !digits || placeholder {
         return Err(crate::usage(format!(
-            "invalid image ID {}: expected sha256: and 64 hex digits, as the runtime reports it (crictl images --digests, crictl inspecti)",
+            "invalid image ID {}: expected 64 hex digits, with or without sha256:, as the runtime reports it (crictl images --digests, crictl inspecti)",
             credgate_core::text::Quoted(id)
         )));
     }
@@ -413,4 +415,27 @@ async fn list_records(guard: &mut Client, out: Output) -> Result<Outcome> {
         }
     }
     Ok(Outcome::Yes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::image_id;
+
+    /// containerd's IDs and CRI-O's (no `sha256:`) are taken; short, upper-case and
+    /// placeholder ones are refused.
+    #[test]
+    fn every_id_a_runtime_reports_is_taken_and_placeholders_are_not() {
+        let hex = "f4ca02b8471e2ff50a0736c6227c3d1d44afee519cc84dab5be18b5556032bfb";
+        assert!(image_id(&format!("sha256:{hex}")).is_ok());
+        assert!(image_id(hex).is_ok());
+        for bad in [
+            "sha256:0123".to_owned(),
+            format!("sha256:{}", hex.to_uppercase()),
+            format!("sha512:{hex}"),
+            "0".repeat(64),
+            format!("sha256:{}", "f".repeat(64)),
+        ] {
+            assert!(image_id(&bad).is_err(), "{bad}");
+        }
+    }
 }

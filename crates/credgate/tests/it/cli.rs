@@ -499,6 +499,13 @@ fn usage_errors_exit_2_before_connecting() {
             "get-record",
             "sha256:abc",
         ],
+        &[
+            "ctl",
+            "--socket",
+            "/nonexistent.sock",
+            "get-record",
+            "sha256:0000000000000000000000000000000000000000000000000000000000000000",
+        ],
         &["ctl", "--socket", "/nonexistent.sock", "flush", "Bad::Ref"],
     ] {
         let out = credgate(args);
@@ -654,6 +661,47 @@ fn the_readmes_debugging_examples_run_as_written() {
         checked += 1;
     }
     assert_eq!(checked, 2, "the section's examples with their output");
+}
+
+/// The README's image access guard example runs as written against a scratch agent: each
+/// command exits as its comment says (0 unless it says `exit 1`). `ctl verify` asks
+/// registry.example.com itself, which a test machine cannot reach: it only has to be no usage
+/// error.
+#[test]
+fn the_readmes_guard_example_runs_as_written() {
+    let readme = std::fs::read_to_string(repo().join("README.md")).unwrap();
+    let start = readme
+        .find("```sh\ncredgate ctl record-intent")
+        .expect("the guard example");
+    let block = &readme[start + 6..];
+    let block = &block[..block.find("```").unwrap()];
+    let dir = tempfile::tempdir().unwrap();
+    let agent = crate::support::Agent::start(dir.path(), &[]);
+    let mut ran = 0;
+    for command in block
+        .replace("\\\n", " ")
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+    {
+        let out = Command::new("sh")
+            .args(["-c", command])
+            .env("PATH", crate::support::path_with_helper())
+            .env("CREDGATE_SOCKET", &agent.socket)
+            .env_remove("CREDGATE_LOG")
+            .output()
+            .unwrap();
+        let said = format!("{command}: {}{}", text(&out.stdout), text(&out.stderr));
+        if command.contains("ctl verify") {
+            assert_ne!(out.status.code(), Some(2), "{said}");
+        } else if command.contains("exit 1") {
+            assert_eq!(out.status.code(), Some(1), "{said}");
+            assert!(text(&out.stdout).contains("MUST_AUTHENTICATE"), "{said}");
+        } else {
+            assert_eq!(out.status.code(), Some(0), "{said}");
+        }
+        ran += 1;
+    }
+    assert_eq!(ran, 5, "{block}");
 }
 
 /// Every example of every `--help` (as the programs print them) runs as written against a
