@@ -1096,7 +1096,8 @@ fn events(node: &Node, ns: &str, name: &str) -> String {
 
 /// Issue 41: the sandbox image only in a private repository, as in a cluster that mirrors its
 /// images into a private registry. containerd pulls it itself, with no credential, when a pod
-/// starts: without credgate its pull fails with the registry's 401 (the kubelet running the
+/// starts: without credgate its pull fails with the registry's 401, which containerd words as
+/// `authorization failed: no basic auth credentials` (the kubelet running the
 /// providers does not help: it is not asked); with credgate, which reads the image from
 /// containerd's config and pulls it through the CRI with the provider's credential at start,
 /// the pod starts. The kubelet's image listing, streamed (`CRIListStreaming`), goes through
@@ -1115,13 +1116,16 @@ fn a_private_sandbox_image_is_there_before_the_first_pod_with_credgate_only() {
         let started = Instant::now();
         loop {
             let said = events(&node, "default", "p");
-            if said.contains("FailedCreatePodSandBox") && said.contains("401 Unauthorized") {
+            // containerd 2.4 words the registry's 401 to an anonymous request so.
+            if said.contains("FailedCreatePodSandBox")
+                && said.contains("authorization failed: no basic auth credentials")
+            {
                 assert!(said.contains("team-p/pause:1"), "{said}");
                 break;
             }
             assert!(
                 started.elapsed() < POD,
-                "no sandbox failure with the registry's 401: {said}"
+                "no sandbox failure with the registry's refusal: {said}"
             );
             std::thread::sleep(Duration::from_millis(500));
         }
