@@ -500,9 +500,20 @@ impl Agent {
     /// What the CRI proxy's policy would do with a pull of `image` (a normalized name).
     fn explain_proxy(&self, image: &str, answer: &mut credgate_api::v1::ExplainResponse) {
         let policy = self.pull_policy();
+        // A source that can give a credential: a docker config entry, or a provider not
+        // keyed by service account whose cached answer (if any) holds one.
+        let can_fill = answer.sources.iter().any(|s| {
+            s.matched
+                && (s.kind == "docker-config"
+                    || (!self.engine().keyed_by_service_account(&s.name)
+                        && !(s.cached && s.cached_credentials == 0)))
+        });
         answer.cri_fill = match policy.fill_pattern(image) {
-            Some(pattern) => format!(
+            Some(pattern) if can_fill => format!(
                 "filled: a pull through the CRI proxy that comes without a credential gets the first credential the sources above give ({pattern} of --cri-proxy-fill); never a service-account-keyed provider's or a captured one"
+            ),
+            Some(pattern) => format!(
+                "not filled: {pattern} of --cri-proxy-fill names the image, but no source above has a credential to fill it with (none matches, or what matches is keyed by service account or answered none); a pull without a credential goes as it came"
             ),
             None if policy.fills() => {
                 "not filled: no --cri-proxy-fill pattern names the image; a pull without a credential goes as it came".into()

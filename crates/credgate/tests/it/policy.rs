@@ -155,6 +155,13 @@ fn pulls_without_credentials_are_filled_for_the_operators_patterns_only() {
     assert_eq!(keyed.code, 2, "{keyed:?}");
     let pulls = text(&agent.credgate(&["ctl", "pulls", "-o", "json"]).stdout);
     assert_eq!(pulls.matches("filled:").count(), 1, "{pulls}");
+    // explain says so: a fill pattern names the image, but only a keyed provider matches.
+    let explained = text(&agent.credgate(&["explain", &image("sa/app")]).stdout);
+    assert!(
+        explained.contains("not filled: ")
+            && explained.contains("no source above has a credential"),
+        "{explained}"
+    );
     let log = agent.log_text();
     assert!(!log.contains(PASSWORD), "a secret reached the log");
     agent.stop();
