@@ -109,9 +109,16 @@ async fn lookup(
         json(&r)?;
     } else {
         let rows: Vec<Row> = r.credentials.iter().map(Row::from_wire).collect();
-        print_rows(&rows, out)?;
         for f in &r.failures {
             eprintln!("warning: {}", f.message);
+        }
+        if r.last_known_good {
+            eprintln!("warning: serving the last known good credentials of a tracked ref");
+        }
+        print_rows(&rows, out)?;
+        if rows.is_empty() {
+            // As `get` says it: an empty table alone reads as a hang or a crash.
+            eprintln!("no credentials for {}", r.image);
         }
     }
     Ok(if r.credentials.is_empty() {

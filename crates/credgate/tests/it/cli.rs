@@ -118,6 +118,25 @@ fn get_with_a_failing_plugin_warns_without_secrets() {
         "{stderr}"
     );
     assert!(!stderr.contains("leaked-secret") && !text(&out.stdout).contains("leaked-secret"));
+    // `ctl lookup` through an agent says the same, not an empty table.
+    let agent = crate::support::Agent::start(
+        dir.path(),
+        &[
+            "--image-credential-provider-config",
+            config.to_str().unwrap(),
+            "--image-credential-provider-bin-dir",
+            dir.path().to_str().unwrap(),
+        ],
+    );
+    let out = agent.credgate(&["ctl", "lookup", "reg.io/app"]);
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("warning: plugin bad: exited with exit status: 4")
+            && stderr.contains("no credentials for reg.io/app"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("leaked-secret") && !text(&out.stdout).contains("leaked-secret"));
 }
 
 /// Usage errors exit 2 (as clap's own do), with the reason; a config that cannot be read exits
