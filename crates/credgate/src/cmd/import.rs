@@ -234,7 +234,13 @@ pub fn containerd(args: ImportContainerdArgs) -> Result<Outcome> {
     let entries =
         parse(&text).with_context(|| format!("nothing imported from {}", path.display()))?;
     write_secret(&args.output, docker_config(&entries).as_bytes(), args.force)?;
-    print!("{}", summary(path, &args.output, &entries));
+    // The printed command runs from anywhere: paths as absolute ones.
+    let absolute = |p: &Path| std::path::absolute(p).unwrap_or_else(|_| p.to_owned());
+    let socket = grpc_address(&text);
+    print!(
+        "{}",
+        summary(&absolute(path), &absolute(&args.output), &socket, &entries)
+    );
     Ok(Outcome::Yes)
 }
 
@@ -274,7 +280,22 @@ pub fn read_config(path: &Path) -> Result<String> {
 }
 
 /// What was done and what is left to do (no secret).
-fn summary(config: &Path, output: &Path, entries: &[Entry]) -> String {
+/// The socket containerd's config serves its CRI on (`[grpc] address`), or containerd's
+/// default.
+fn grpc_address(text: &str) -> String {
+    table(text)
+        .ok()
+        .and_then(|doc| {
+            doc.get("grpc")?
+                .get("address")?
+                .as_str()
+                .filter(|a| !a.is_empty())
+                .map(str::to_owned)
+        })
+        .unwrap_or_else(|| "/run/containerd/containerd.sock".to_owned())
+}
+
+fn summary(config: &Path, output: &Path, socket: &str, entries: &[Entry]) -> String {
     let mut out = format!(
         "imported {} registr{} from {} into {} (mode 0600):\n",
         entries.len(),
@@ -294,8 +315,9 @@ fn summary(config: &Path, output: &Path, entries: &[Entry]) -> String {
     }
     out.push_str("\nServe them through the agent's CRI proxy, for pulls that come without credentials as containerd did:\n");
     out.push_str(&format!(
-        "  credgate serve --docker-config {} \\\n      --cri-proxy-socket /run/credgate/cri.sock",
-        output.display()
+        "  credgate serve --docker-config {} \\\n      --cri-proxy-socket /run/credgate/cri.sock \\\n      --cri-runtime-endpoint unix://{socket} \\\n      --cri-runtime-config {}",
+        output.display(),
+        config.display()
     ));
     for e in entries {
         out.push_str(&format!(" \\\n      --cri-proxy-fill {}", e.host));
@@ -428,8 +450,19 @@ version = 3
     #[test]
     fn the_summary_names_no_secret_and_every_pattern() {
         let got = parse(V2).unwrap();
-        let text = summary(Path::new("c.toml"), Path::new("out.json"), &got);
+        let text = summary(
+            Path::new("/etc/c.toml"),
+            Path::new("/etc/out.json"),
+            &grpc_address("[grpc]\n  address = \"/run/k3s/containerd.sock\"\n"),
+            &got,
+        );
         assert!(!text.contains("s3cret") && !text.contains("Ym90"), "{text}");
+        assert!(
+            text.contains("--cri-runtime-endpoint unix:///run/k3s/containerd.sock")
+                && text.contains("--cri-runtime-config /etc/c.toml"),
+            "{text}"
+        );
+        assert_eq!(grpc_address(V2), "/run/containerd/containerd.sock");
         assert!(
             text.contains("--cri-proxy-fill registry.example.com"),
             "{text}"
