@@ -333,7 +333,9 @@ pub struct ServeArgs {
     /// `REGISTRY=MIRROR[,MIRROR...]`: mirrors trusted with the credentials of pulls from
     /// REGISTRY; a pull's credential then goes to the registry and these mirrors. Implies
     /// --cri-proxy-scope-credentials. Repeatable.
-    #[arg(long, value_name = "REGISTRY=MIRRORS", requires = "cri_proxy_socket")]
+    /// Needs --cri-proxy-hosts-dir: without containerd's hosts.toml the proxy cannot tell
+    /// whether a mirror it was not told to trust would receive the credential too.
+    #[arg(long, value_name = "REGISTRY=MIRRORS", requires_all = ["cri_proxy_socket", "cri_proxy_hosts_dir"])]
     pub cri_proxy_trusted_mirror: Vec<String>,
     /// containerd's registry `config_path` (its hosts.toml files; a `:`-separated list): a
     /// registry's credentials reach its mirrors only if every mirror its hosts.toml names is

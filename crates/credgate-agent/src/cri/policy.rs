@@ -26,6 +26,8 @@ pub enum PolicyError {
     Pattern(String, #[source] PatternError),
     #[error("--cri-proxy-trusted-mirror {0:?}: expected REGISTRY=MIRROR[,MIRROR...], each a HOST[:PORT]")]
     Mirror(String),
+    #[error("--cri-proxy-fill {0:?}: a pattern names images as their references do, without a scheme (drop {1}://)")]
+    Scheme(String, String),
 }
 
 /// The proxy's credential policy; by default it changes nothing.
@@ -129,7 +131,14 @@ impl PullPolicy {
     ) -> Result<PullPolicy, PolicyError> {
         let fill = fill
             .iter()
-            .map(|p| Pattern::parse(p).map_err(|e| PolicyError::Pattern(p.clone(), e)))
+            .map(|p| {
+                // matchImages takes a scheme, but no image reference has one: a pattern with
+                // one would read as naming images it never names.
+                if let Some((scheme, _)) = p.split_once("://") {
+                    return Err(PolicyError::Scheme(p.clone(), scheme.to_owned()));
+                }
+                Pattern::parse(p).map_err(|e| PolicyError::Pattern(p.clone(), e))
+            })
             .collect::<Result<Vec<_>, _>>()?;
         let mut map: BTreeMap<String, Vec<String>> = BTreeMap::new();
         for t in trusted {
@@ -570,6 +579,8 @@ mod tests {
         assert!(PullPolicy::new(&[], false, &["nomirrors".into()], None).is_err());
         assert!(PullPolicy::new(&[], false, &["r=m/x".into()], None).is_err());
         assert!(PullPolicy::new(&["*.example.com:x:y".into()], false, &[], None).is_err());
+        let e = PullPolicy::new(&["https://r.example/team".into()], false, &[], None).unwrap_err();
+        assert!(e.to_string().contains("drop https://"), "{e}");
     }
 
     #[test]
