@@ -234,9 +234,9 @@ pub(super) async fn list_tracked(
                 "CONSUMERS",
                 "CREDS",
                 "EXPIRES",
-                "NEXT RENEWAL",
+                "NEXT_RENEWAL",
                 "FAILURES",
-                "LAST ERROR",
+                "LAST_ERROR",
             ],
             &rows,
         );

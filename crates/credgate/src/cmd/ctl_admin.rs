@@ -73,11 +73,11 @@ pub(super) async fn status(admin: &mut AdminClient<Channel>, out: Output) -> Res
                 "PROVIDER",
                 "RUNS",
                 "ERRORS",
-                "BACKOFF REFUSALS",
+                "BACKOFF_REFUSALS",
                 "ENTRIES",
-                "LAST RUN",
-                "NEXT RENEWAL",
-                "LAST ERROR",
+                "LAST_RUN",
+                "NEXT_RENEWAL",
+                "LAST_ERROR",
             ],
             &rows,
         );
@@ -144,7 +144,7 @@ fn print_saved_cache(cache: Option<&pb::SavedCacheStatus>) {
     };
     let dropped: Vec<String> = c.dropped.iter().map(|(k, v)| format!("{v} {k}")).collect();
     println!(
-        "saved cache:    {} restored at start, {} dropped{}; {} consumers restored; {} saved {}",
+        "saved cache:    {} restored at start, {} dropped{}; {} consumer{} restored; {} saved {}",
         c.restored,
         c.dropped.values().sum::<u64>(),
         if dropped.is_empty() {
@@ -153,6 +153,7 @@ fn print_saved_cache(cache: Option<&pb::SavedCacheStatus>) {
             format!(" ({})", dropped.join(", "))
         },
         c.consumers_restored,
+        if c.consumers_restored == 1 { "" } else { "s" },
         c.saved_entries,
         time_ms(c.last_saved_unix_ms)
     );
@@ -200,7 +201,7 @@ pub(super) async fn flush(
             rows.len()
         );
         print_table(
-            &["PROVIDER", "KEY TYPE", "KEY", "WOULD HAVE EXPIRED"],
+            &["PROVIDER", "KEY_TYPE", "KEY", "WOULD_HAVE_EXPIRED"],
             &rows,
         );
     }

@@ -186,7 +186,7 @@ fn print_record(r: &pb::PullRecord) {
             ]
         })
         .collect();
-    print_table(&["IMAGE ID", "NAME", "PULLED BY", "CHANGED"], &rows);
+    print_table(&["IMAGE_ID", "NAME", "PULLED_BY", "CHANGED"], &rows);
 }
 
 type Client = ImageAccessClient<Channel>;
