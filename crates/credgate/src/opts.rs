@@ -616,7 +616,9 @@ pub enum CtlCall {
     },
     /// Credentials.ReportRefused: a registry refused a credential the agent gave for IMAGE.
     /// The agent asks the registry itself before it drops anything. The password is read
-    /// from standard input (one line).
+    /// from standard input (one line). Exits 0 when the credential is refused now (refused,
+    /// already_refused), 1 for every other outcome (accepted, unchecked, not_given,
+    /// unreachable).
     #[command(
         after_help = "Example:\n  printf '%s\\n' \"$PASSWORD\" | credgate ctl report-refused registry.example.com/team/app:v1 --username alice"
     )]

@@ -78,7 +78,7 @@ async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcome> {
             return super::ctl_admin::flush(&mut admin, provider, images, out).await
         }
         CtlCall::ReportRefused { image, username } => {
-            report_refused(&mut creds, image, username, out).await?
+            return report_refused(&mut creds, image, username, out).await
         }
         CtlCall::Captured { action: None } => {
             return super::ctl_admin::captured(&mut admin, out).await
@@ -148,7 +148,7 @@ async fn report_refused(
     image: String,
     username: String,
     out: Output,
-) -> Result<()> {
+) -> Result<Outcome> {
     let password = read_password()?;
     let r = answer(creds.report_refused(pb::ReportRefusedRequest {
         image,
@@ -156,7 +156,13 @@ async fn report_refused(
         password: password.to_string(),
     }))
     .await?;
-    show(out, &r, |r| format!("{}: {}", r.outcome, r.message))
+    show(out, &r, |r| format!("{}: {}", r.outcome, r.message))?;
+    // Exit 0 only when the credential is refused now (by this report or an earlier one): a
+    // script that reports a refusal learns whether the agent will stop serving it.
+    Ok(match r.outcome.as_str() {
+        "refused" | "already_refused" => Outcome::Yes,
+        _ => Outcome::No,
+    })
 }
 
 async fn forget_captured(

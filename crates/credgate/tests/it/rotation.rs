@@ -151,9 +151,17 @@ pub(crate) fn report(agent: &Agent, image: &str, password: &str) -> String {
             .stderr(std::process::Stdio::piped()),
         format!("{password}\n").as_bytes(),
     );
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    v["outcome"].as_str().unwrap().to_owned()
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", text(&out.stderr)));
+    let outcome = v["outcome"].as_str().unwrap().to_owned();
+    // Exit 0 exactly when the credential is refused now.
+    let refused = matches!(outcome.as_str(), "refused" | "already_refused");
+    assert_eq!(
+        out.status.code(),
+        Some(if refused { 0 } else { 1 }),
+        "{outcome}"
+    );
+    outcome
 }
 
 /// What `ctl lookup` gives for `image`: the first password.
