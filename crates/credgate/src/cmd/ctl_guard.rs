@@ -247,15 +247,18 @@ pub async fn call(channel: Channel, call: CtlCall, out: Output) -> Result<Outcom
             }
         }
         CtlCall::DeleteRecord { image_ref } => {
-            let r = answer(guard.delete_record(pb::DeleteRecordRequest { image_ref })).await?;
-            show(out, &r, |r| {
-                let text = if r.deleted {
-                    "deleted"
-                } else {
-                    "no such record"
-                };
-                text.to_owned()
-            })?;
+            let r = answer(guard.delete_record(pb::DeleteRecordRequest {
+                image_ref: image_ref.clone(),
+            }))
+            .await?;
+            if out == Output::Json {
+                json(&r)?;
+            } else if r.deleted {
+                println!("deleted");
+            } else {
+                // A failure, said where failures go (as get-record says it).
+                eprintln!("error: no record of {image_ref}");
+            }
             return Ok(if r.deleted { Outcome::Yes } else { Outcome::No });
         }
         _ => unreachable!("only ImageAccess calls are routed here"),
