@@ -489,7 +489,7 @@ pub enum CtlCall {
     },
     /// ImageAccess.CheckAccess: may these credentials use the image on the node?
     #[command(
-        after_help = "Example:\n  credgate ctl check-access registry.example.com/team/app:v1 --image-ref sha256:4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d \\\n      --secret team-a/regcred=alice:PASSWORD"
+        after_help = "Example:\n  credgate ctl check-access registry.example.com/team/app:v1 --image-ref sha256:f4ca02b8471e2ff50a0736c6227c3d1d44afee519cc84dab5be18b5556032bfb \\\n      --secret \"team-a/regcred=alice:$PASSWORD\""
     )]
     CheckAccess {
         /// The image, as a pod spec names it (`registry.example.com/team/app:v1`).
@@ -516,7 +516,7 @@ pub enum CtlCall {
     },
     /// ImageAccess.RecordPullResult: a pull of IMAGE ended.
     #[command(
-        after_help = "Example:\n  credgate ctl record-result registry.example.com/team/app:v1 --image-ref sha256:4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d \\\n      --secret team-a/regcred=alice:PASSWORD"
+        after_help = "Example:\n  credgate ctl record-result registry.example.com/team/app:v1 --image-ref sha256:f4ca02b8471e2ff50a0736c6227c3d1d44afee519cc84dab5be18b5556032bfb \\\n      --secret \"team-a/regcred=alice:$PASSWORD\""
     )]
     RecordResult {
         /// The image, as a pod spec names it (`registry.example.com/team/app:v1`).
@@ -532,7 +532,7 @@ pub enum CtlCall {
     },
     /// ImageAccess.Verify: ask the registry with each credential in order.
     #[command(
-        after_help = "Example:\n  credgate ctl verify registry.example.com/team/app:v1 --image-ref sha256:4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d \\\n      --secret team-a/regcred=alice:PASSWORD"
+        after_help = "Example (the ID as `crictl inspecti` reports it, the secret's password in $PASSWORD):\n  credgate ctl verify registry.example.com/team/app:v1 --image-ref sha256:f4ca02b8471e2ff50a0736c6227c3d1d44afee519cc84dab5be18b5556032bfb \\\n      --secret \"team-a/regcred=alice:$PASSWORD\""
     )]
     Verify {
         /// The image, as a pod spec names it (`registry.example.com/team/app:v1`).
@@ -548,7 +548,7 @@ pub enum CtlCall {
     },
     /// ImageAccess.Prune: recover intents of present images, drop state of absent ones.
     #[command(
-        after_help = "Example:\n  credgate ctl prune --present 'sha256:4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d=registry.example.com/team/app:v1' --older-than 1h"
+        after_help = "Example:\n  credgate ctl prune --present 'sha256:f4ca02b8471e2ff50a0736c6227c3d1d44afee519cc84dab5be18b5556032bfb=registry.example.com/team/app:v1' --older-than 1h"
     )]
     Prune {
         /// A present image: `IMAGE_ID=REFERENCE[,REFERENCE...]` (repeatable).
@@ -563,7 +563,7 @@ pub enum CtlCall {
     ListRecords,
     /// ImageAccess.GetRecord.
     #[command(
-        after_help = "Example:\n  credgate ctl get-record sha256:4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d"
+        after_help = "Example:\n  credgate ctl get-record sha256:f4ca02b8471e2ff50a0736c6227c3d1d44afee519cc84dab5be18b5556032bfb"
     )]
     GetRecord {
         /// The runtime's image ID (64 hex digits, with `sha256:` as containerd reports it or without as CRI-O does).
@@ -571,7 +571,7 @@ pub enum CtlCall {
     },
     /// ImageAccess.DeleteRecord.
     #[command(
-        after_help = "Example:\n  credgate ctl delete-record sha256:4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d4b1d"
+        after_help = "Example:\n  credgate ctl delete-record sha256:f4ca02b8471e2ff50a0736c6227c3d1d44afee519cc84dab5be18b5556032bfb"
     )]
     DeleteRecord {
         /// The runtime's image ID (64 hex digits, with `sha256:` as containerd reports it or without as CRI-O does).
