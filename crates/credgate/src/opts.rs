@@ -227,8 +227,9 @@ pub enum LogFormat {
 pub struct ServeArgs {
     #[command(flatten)]
     pub sources: SourceArgs,
-    /// The API socket. Default: /run/credgate/credgate.sock as root,
-    /// $XDG_RUNTIME_DIR/credgate.sock otherwise.
+    /// The API socket. Default: /run/credgate/credgate.sock as root; otherwise
+    /// $XDG_RUNTIME_DIR/credgate.sock, else /run/user/UID/credgate.sock when that directory is
+    /// yours, else /tmp/credgate-UID/credgate.sock.
     #[arg(long, value_name = "PATH")]
     pub socket: Option<PathBuf>,
     /// Open the socket to this group too (mode 0660 instead of 0600).
