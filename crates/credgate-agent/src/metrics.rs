@@ -386,7 +386,7 @@ impl AgentMetrics {
         );
         r.register(
             "cri_pulls_missed",
-            "Pulls through the CRI proxy without credentials that failed as unauthorized while a provider of the agent that matches the image had a credential for it (cached, or its last run succeeded)",
+            "Pulls through the CRI proxy without credentials that failed as unauthorized while a provider of the agent that matches the image had a credential for it (cached, or its last run succeeded) or had never run on the node: the kubelet did not ask the agent",
             self.cri_pulls_missed.clone(),
         );
         r.register(

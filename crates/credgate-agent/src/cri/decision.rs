@@ -94,6 +94,9 @@ enum Had {
     Credential(String),
     /// Nothing the kubelet could have used: why, and what to do.
     Nothing(String),
+    /// A provider that matches has never run on this node: the kubelet never asked the agent
+    /// (the case the missed-pull counter exists for), though nothing says it would answer.
+    NeverAsked(String),
 }
 
 /// Each source of the agent that matches `image`, and what it had for it.
@@ -133,7 +136,7 @@ fn matching_sources(agent: &crate::Agent, image: &str) -> Vec<Had> {
                     None if v.status.last_success.is_some() => {
                         Had::Credential(format!("provider {} ({pattern})", s.name))
                     }
-                    None => Had::Nothing(format!(
+                    None => Had::NeverAsked(format!(
                         "provider {} matches but has not run on this node: the kubelet did not ask the agent; check the kubelet's --image-credential-provider-config and --image-credential-provider-bin-dir (credgate kubelet-config) and the entry's matchImages",
                         s.name
                     )),
@@ -154,13 +157,19 @@ fn warn_if_a_source_would_have_answered(agent: &crate::Agent, pull: &Pull) {
         return;
     }
     let (mut had, mut causes): (Vec<&str>, Vec<&str>) = (Vec::new(), Vec::new());
+    let mut never_asked = false;
     for h in &sources {
         match h {
             Had::Credential(s) => had.push(s),
             Had::Nothing(s) => causes.push(s),
+            Had::NeverAsked(s) => {
+                never_asked = true;
+                causes.push(s);
+            }
         }
     }
-    if !had.is_empty() {
+    // The kubelet did not ask the agent: it would have answered, or it was never asked.
+    if !had.is_empty() || never_asked {
         agent.metrics().cri_pulls_missed.inc();
     }
     if !agent.pulls().may_warn(&pull.image) {

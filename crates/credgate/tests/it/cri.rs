@@ -1224,6 +1224,7 @@ async fn the_unauthorized_warning_names_the_real_cause() {
         "cat >/dev/null\necho broken >&2\nexit 3",
     );
     crate::support::write_script(&bin.join("empty"), &answer("empty.example.com", ""));
+    crate::support::write_script(&bin.join("never"), &answer("never.example.com", ""));
     crate::support::write_script(
         &bin.join("works"),
         &answer(
@@ -1238,10 +1239,11 @@ async fn the_unauthorized_warning_names_the_real_cause() {
     std::fs::write(
         &config,
         format!(
-            "apiVersion: kubelet.config.k8s.io/v1\nkind: CredentialProviderConfig\nproviders:\n{}{}{}",
+            "apiVersion: kubelet.config.k8s.io/v1\nkind: CredentialProviderConfig\nproviders:\n{}{}{}{}",
             entry("failing"),
             entry("empty"),
-            entry("works")
+            entry("works"),
+            entry("never")
         ),
     )
     .unwrap();
@@ -1266,9 +1268,12 @@ async fn the_unauthorized_warning_names_the_real_cause() {
         ],
     )
     .await;
-    for host in ["failing", "empty", "works", "dc"] {
+    for host in ["failing", "empty", "works", "dc", "never"] {
         let image = format!("{host}.example.com/team/app:v1");
-        agent.credgate(&["get", &image]);
+        // Provider `never` is never asked: the kubelet did not ask the agent.
+        if host != "never" {
+            agent.credgate(&["get", &image]);
+        }
         call::<_, PullImageResponse>(&proxy, PULL_IMAGE, pull_request(&image, None, "ns"))
             .await
             .unwrap_err();
@@ -1317,7 +1322,14 @@ async fn the_unauthorized_warning_names_the_real_cause() {
         .lines()
         .find(|l| l.starts_with("credgate_cri_pulls_missed_total "))
         .map(str::to_owned);
-    assert_eq!(missed.as_deref(), Some("credgate_cri_pulls_missed_total 1"));
+    assert!(
+        warning("never").contains("has not run on this node"),
+        "{}",
+        warning("never")
+    );
+    // `works` (a credential the kubelet did not ask for) and `never` (a provider the kubelet
+    // never asked): the kubelet did not ask the agent; the others are causes of their own.
+    assert_eq!(missed.as_deref(), Some("credgate_cri_pulls_missed_total 2"));
     // The pull line: the event and the runtime's message under their own keys.
     let pull = lines
         .iter()
