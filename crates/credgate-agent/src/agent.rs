@@ -506,7 +506,7 @@ impl Agent {
             s.matched
                 && (s.kind == "docker-config"
                     || (!self.engine().keyed_by_service_account(&s.name)
-                        && !(s.cached && s.cached_credentials == 0)))
+                        && (!s.cached || s.cached_credentials > 0)))
         });
         answer.cri_fill = match policy.fill_pattern(image) {
             Some(pattern) if can_fill => format!(
