@@ -245,7 +245,7 @@ struct Inner {
     saved_cache: Option<crate::saved_cache::SavedCache>,
     saved_report: Mutex<SavedCacheReport>,
     /// The CRI proxy's recent pulls.
-    pulls: Arc<crate::pulls::PullLog>,
+    pulls: Arc<crate::pull_log::PullLog>,
     /// The images the CRI proxy keeps present on the node's behalf.
     node_images: Arc<crate::node_images::NodeImages>,
     /// Credentials registries refused.
@@ -346,7 +346,7 @@ impl Agent {
     }
 
     /// The CRI proxy's pull decision log.
-    pub fn pulls(&self) -> &Arc<crate::pulls::PullLog> {
+    pub fn pulls(&self) -> &Arc<crate::pull_log::PullLog> {
         &self.inner.pulls
     }
 

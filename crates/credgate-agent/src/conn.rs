@@ -274,18 +274,18 @@ impl Activity {
 }
 
 /// A connection's IO that counts what its peer sent into its [`Activity`].
-pub struct Counted<T> {
+pub struct Watched<T> {
     io: T,
     activity: Arc<Activity>,
 }
 
-impl<T> Counted<T> {
+impl<T> Watched<T> {
     pub fn new(io: T, activity: Arc<Activity>) -> Self {
-        Counted { io, activity }
+        Watched { io, activity }
     }
 }
 
-impl<T: AsyncRead + Unpin> AsyncRead for Counted<T> {
+impl<T: AsyncRead + Unpin> AsyncRead for Watched<T> {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -298,7 +298,7 @@ impl<T: AsyncRead + Unpin> AsyncRead for Counted<T> {
     }
 }
 
-forward_write!(Counted);
+forward_write!(Watched);
 
 /// `AsyncWrite` for a wrapper whose field `io` is written unchanged.
 macro_rules! forward_write {
@@ -420,7 +420,7 @@ mod tests {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let (a, mut b) = tokio::io::duplex(64);
         let activity = Activity::new();
-        let mut w = Counted::new(a, activity.clone());
+        let mut w = Watched::new(a, activity.clone());
         assert_eq!(activity.bytes(), 0);
         std::thread::sleep(Duration::from_millis(30));
         b.write_all(b"hello").await.unwrap();

@@ -277,7 +277,7 @@ impl<L: Accept> Listener<L> {
         TokioExecutor: hyper::rt::bounds::Http2ServerConnExec<S::Future, B>,
     {
         let io = hyper_util::rt::TokioIo::new(crate::rewrite::Rewritten::new(
-            conn::Counted::new(accepted.stream, tracker.activity.clone()),
+            conn::Watched::new(accepted.stream, tracker.activity.clone()),
             4 * max_header_list as usize,
         ));
         let connection = builder.serve_connection(io, service);
@@ -358,7 +358,7 @@ impl Drop for OpenStream {
 }
 
 /// A response body that keeps its stream counted until it is dropped.
-pub type Counted<B> = Guarded<B, OpenStream>;
+pub type OpenBody<B> = Guarded<B, OpenStream>;
 
 /// A body that keeps `G` (a count, a budget) until it is dropped.
 pub struct Guarded<B, G> {

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::encoding::EncodeLabelSet;
 
-use crate::pulls::{AuthLabel, PullResult};
+use crate::pull_log::{AuthLabel, PullResult};
 use crate::saved_cache::DropReason;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;

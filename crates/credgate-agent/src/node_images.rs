@@ -8,7 +8,7 @@ use std::time::{Duration, SystemTime};
 use parking_lot::Mutex;
 use prometheus_client::encoding::{EncodeLabelValue, LabelValueEncoder};
 
-use crate::pulls::{PullAuth, PullResult};
+use crate::pull_log::{PullAuth, PullResult};
 
 /// Images the node keeps at most (the sandbox image and the operator's).
 pub const MAX_NODE_IMAGES: usize = 32;

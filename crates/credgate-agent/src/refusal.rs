@@ -56,8 +56,8 @@ impl From<credgate_engine::Source> for Given {
 
 impl Given {
     /// Its kind, as metrics label it: `provider`, `docker_config`, `captured`.
-    pub fn label(&self) -> crate::pulls::AuthLabel {
-        use crate::pulls::AuthLabel;
+    pub fn label(&self) -> crate::pull_log::AuthLabel {
+        use crate::pull_log::AuthLabel;
         match self {
             Given::Provider(_) => AuthLabel::Provider,
             Given::DockerConfig(_) => AuthLabel::DockerConfig,

@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use super::pulls::Pull;
-use crate::pulls::{PullAuth, PullRecord, PullResult};
+use crate::pull_log::{PullAuth, PullRecord, PullResult};
 
 /// `(code, result)`: the runtime's gRPC code and what it means ([`PullResult::of`]); `given`:
 /// the sources that gave the pull's credential (`unknown` when it carried one none
@@ -42,7 +42,7 @@ pub(super) fn log(
     }
     // The runtime's message is logged within the pull ring's bound (the pull's own fields
     // were cut when it was read).
-    use crate::pulls::{capped, MESSAGE};
+    use crate::pull_log::{capped, MESSAGE};
     tracing::info!(
         image = %pull.image,
         pod_namespace = %pull.pod_namespace,

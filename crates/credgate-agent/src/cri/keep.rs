@@ -16,7 +16,7 @@ use super::fill::fill;
 use super::pulls::{answered, pull_of, settle, Answered, Pulls};
 use super::*;
 use crate::node_images::{backoff, NodeImage, OwnPull};
-use crate::pulls::{PullAuth, PullResult};
+use crate::pull_log::{PullAuth, PullResult};
 
 /// The longest one of the node's own pulls may take (a sandbox image is small; a kept image
 /// may not be).
@@ -179,7 +179,7 @@ impl Keeper {
             })
             .inc();
         if result != PullResult::Ok {
-            tracing::warn!(image = %image.image, why = image.why.as_str(), named_by = %image.named_by, auth = %auth, runtime_message = %crate::pulls::capped(&said, crate::pulls::MESSAGE), "the node's own pull of an image it keeps failed: tried again after a backoff");
+            tracing::warn!(image = %image.image, why = image.why.as_str(), named_by = %image.named_by, auth = %auth, runtime_message = %crate::pull_log::capped(&said, crate::pull_log::MESSAGE), "the node's own pull of an image it keeps failed: tried again after a backoff");
         }
         if let Answered::Settle(_) | Answered::Refused(_) =
             answered(pulls, &pull, &whole, started).await
@@ -193,7 +193,7 @@ impl Keeper {
             message: if result == PullResult::Ok {
                 String::new()
             } else {
-                crate::pulls::capped(&said, crate::pulls::MESSAGE)
+                crate::pull_log::capped(&said, crate::pull_log::MESSAGE)
             },
         }
     }

@@ -20,7 +20,7 @@ use hyper::body::{Bytes, Incoming};
 use secrecy::ExposeSecret as _;
 use tokio::net::UnixListener;
 
-use crate::listener::{Counted, Listener, ListenerLimits, Tracker};
+use crate::listener::{Listener, ListenerLimits, OpenBody, Tracker};
 use crate::status::ApiError;
 
 mod budget;
@@ -191,9 +191,9 @@ fn service(
     streams: Tracker,
 ) -> impl hyper::service::Service<
     hyper::Request<Incoming>,
-    Response = hyper::Response<Counted<Body>>,
+    Response = hyper::Response<OpenBody<Body>>,
     Error = Infallible,
-    Future = impl std::future::Future<Output = Result<hyper::Response<Counted<Body>>, Infallible>>
+    Future = impl std::future::Future<Output = Result<hyper::Response<OpenBody<Body>>, Infallible>>
                  + Send,
 > + Clone {
     hyper::service::service_fn(move |request: hyper::Request<Incoming>| {
@@ -202,7 +202,7 @@ fn service(
         let open = streams.stream();
         async move {
             let answer = forward(&caller, &pulls, request).await;
-            Ok::<_, Infallible>(answer.map(|body| Counted::new(body, open)))
+            Ok::<_, Infallible>(answer.map(|body| OpenBody::new(body, open)))
         }
     })
 }

@@ -46,7 +46,7 @@ pub(super) struct Pull {
 
 /// `now_ms`: when it is captured, by the agent's clock.
 pub(super) fn pull_of(message: &[u8], now_ms: i64) -> Option<Pull> {
-    use crate::pulls::{capped, IMAGE, NAMESPACE, POD_NAME};
+    use crate::pull_log::{capped, IMAGE, NAMESPACE, POD_NAME};
     use prost::Message as _;
     let req = wire::PullImageRequest::decode(message).ok()?;
     // Every string a caller chose is kept (and logged) within what a real one needs: a longer
@@ -416,9 +416,9 @@ pub(super) async fn answered(
     let message = redacted(&whole.message(), &pull.carried);
     let (given, own) = sources_of(&pulls.agent, pull);
     let took = started.elapsed();
-    let result = crate::pulls::PullResult::of(code, &message);
+    let result = crate::pull_log::PullResult::of(code, &message);
     let (refusal, provider_refused) =
-        if pull.valid && result == crate::pulls::PullResult::Unauthorized {
+        if pull.valid && result == crate::pull_log::PullResult::Unauthorized {
             refused(&pulls.agent, pull, &given).await
         } else {
             (String::new(), false)

@@ -231,7 +231,7 @@ impl Admin for Api {
                     pod_namespace: p.pod_namespace,
                     pod_name: p.pod_name,
                     auth: p.auth.to_string(),
-                    result: crate::pulls::PullResult::of(p.code, &p.message)
+                    result: crate::pull_log::PullResult::of(p.code, &p.message)
                         .as_str()
                         .to_owned(),
                     code: p.code,

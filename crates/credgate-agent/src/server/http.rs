@@ -18,7 +18,7 @@ use tonic::service::Routes;
 
 use super::{Limits, Peer};
 use crate::agent::CallerAllowlist;
-use crate::listener::{http2_builder, Counted, Listener, Tracker};
+use crate::listener::{http2_builder, Listener, OpenBody, Tracker};
 use crate::metrics::AgentMetrics;
 
 /// The largest header block a client may send.
@@ -109,7 +109,7 @@ struct CallService {
     timeout: Duration,
 }
 
-type Answer = hyper::Response<Counted<tonic::body::Body>>;
+type Answer = hyper::Response<OpenBody<tonic::body::Body>>;
 
 impl hyper::service::Service<hyper::Request<Incoming>> for CallService {
     type Response = Answer;
@@ -133,7 +133,7 @@ impl hyper::service::Service<hyper::Request<Incoming>> for CallService {
                 .into_http(),
             };
             unknown_method_message(&path, &mut response);
-            Ok(response.map(|body| Counted::new(body, open)))
+            Ok(response.map(|body| OpenBody::new(body, open)))
         })
     }
 }
