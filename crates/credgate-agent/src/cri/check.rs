@@ -5,9 +5,16 @@
 
 use std::collections::HashSet;
 
-use hyper::body::Incoming;
+use std::time::Duration;
 
-use super::*;
+use credgate_api::cri as wire;
+use http_body_util::BodyExt as _;
+use hyper::body::{Bytes, Incoming};
+
+use super::pulls::Capture;
+use super::runtime::{self, ask, exchange, grpc_message, read_whole, Caller};
+use super::{Body, MAX_LIST_MESSAGE, MAX_PULL_MESSAGE};
+use crate::tasks::CancellationToken;
 
 /// The repositories an image is known by (from its tags and digests).
 pub(super) fn repositories(image: &wire::Image) -> Vec<String> {
@@ -111,7 +118,6 @@ impl ImageView {
 
     /// `StreamImages`, read batch by batch.
     async fn stream(&self) -> Streamed {
-        use http_body_util::BodyExt as _;
         let runtime = &self.own.runtime;
         let frame = credgate_api::unary::grpc_message(&wire::StreamImagesRequest {});
         let Some(parts) = runtime::own_call(wire::STREAM_IMAGES, Some(LIST_TIMEOUT)) else {

@@ -2,10 +2,13 @@
 //! the agent's sources when the kubelet sent none, replaced by a fresher one, scoped to the
 //! registries it was given for ([`super::policy`] decides, this module does the IO).
 
+use credgate_api::cri as wire;
 use hyper::body::Bytes;
+use secrecy::ExposeSecret as _;
 
+use super::policy;
 use super::pulls::Pull;
-use super::*;
+use super::runtime::{framed, grpc_message};
 
 /// A pull that carries a credential its registry refused, from a provider of the agent (the
 /// kubelet keeps what the bridge gave it for the `cacheDuration` it got): the same request

@@ -8,15 +8,20 @@
 //! pulled so (decision 0022).
 
 use std::sync::Arc;
+use std::time::Duration;
+
+use credgate_api::cri::{self as wire, PULL_IMAGE};
 
 use secrecy::ExposeSecret as _;
 use tokio::sync::Notify;
 
 use super::fill::fill;
 use super::pulls::{answered, pull_of, settle, Answered, Pulls};
-use super::*;
+use super::runtime::{self, ask, exchange, framed, Caller};
+use super::MAX_PULL_MESSAGE;
 use crate::node_images::{backoff, NodeImage, OwnPull};
 use crate::pull_log::{PullAuth, PullResult};
+use crate::tasks::CancellationToken;
 
 /// The longest one of the node's own pulls may take (a sandbox image is small; a kept image
 /// may not be).

@@ -12,12 +12,9 @@ use std::convert::Infallible;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use credgate_api::cri::{
-    self as wire, PULL_IMAGE, PULL_IMAGE_V1ALPHA2, REMOVE_IMAGE, REMOVE_IMAGE_V1ALPHA2,
-};
+use credgate_api::cri::{PULL_IMAGE, PULL_IMAGE_V1ALPHA2, REMOVE_IMAGE, REMOVE_IMAGE_V1ALPHA2};
 use http_body_util::BodyExt;
 use hyper::body::{Bytes, Incoming};
-use secrecy::ExposeSecret as _;
 use tokio::net::UnixListener;
 
 use crate::listener::{Listener, ListenerLimits, OpenBody, Tracker};
@@ -33,13 +30,9 @@ pub mod policy;
 mod pulls;
 mod runtime;
 use budget::Budgets;
-use capture::Capturer;
 use check::remove;
 use pulls::{pull, Capture, Pulls};
-use runtime::{
-    ask, broken_runtime, exchange, framed, grpc_message, read_whole, status, unreachable_runtime,
-    Caller, Runtime,
-};
+use runtime::{broken_runtime, status, unreachable_runtime, Caller, Runtime};
 
 /// A body of either side.
 type Body =

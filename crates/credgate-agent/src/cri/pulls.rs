@@ -2,11 +2,16 @@
 //! lets the policy fill or replace the credential ([`super::fill`]), forwards it, then logs
 //! the decision, records it for the guard and hands the credential to capture.
 
-use hyper::body::Incoming;
+use std::time::Duration;
+
+use credgate_api::cri as wire;
+use hyper::body::{Bytes, Incoming};
 use secrecy::ExposeSecret as _;
 
+use super::capture::Capturer;
 use super::fill::{apply_policy, refreshed};
-use super::*;
+use super::runtime::{self, exchange, grpc_message, read_whole, Caller};
+use super::{decision, policy, Body, MAX_PULL_MESSAGE, MAX_PULL_REQUEST};
 use crate::guard::PullEnd;
 
 /// What a `PullImage` asks: the image, and the credential it carries, to keep (and record)

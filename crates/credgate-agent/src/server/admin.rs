@@ -1,9 +1,13 @@
 //! The `Admin` service: health, status, reload, captured credentials, explain, pulls.
 
+use credgate_api::v1::admin_server::Admin;
 use credgate_api::v1::{self as pb};
 use tonic::{Request, Response, Status};
 
-use super::*;
+use super::{not_for, peer, service_account, unix_ms, Api, Peer};
+use crate::agent::Service;
+use crate::status::{self, ApiError};
+
 use crate::ReloadError;
 
 /// What calls about the CRI proxy answer on an agent that does not run it.

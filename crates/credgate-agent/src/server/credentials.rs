@@ -1,9 +1,12 @@
 //! The `Credentials` service: lookups, tracked refs, Watch streams.
 
+use credgate_api::v1::credentials_server::Credentials;
 use credgate_api::v1::{self as pb};
+use secrecy::SecretString;
 use tonic::{Request, Response, Status};
 
-use super::*;
+use super::{count, peer, unix_ms, Api, WatchEvents};
+use crate::status::ApiError;
 
 #[tonic::async_trait]
 impl Credentials for Api {

@@ -8,8 +8,8 @@ use std::pin::Pin;
 use std::time::{Duration, Instant, SystemTime};
 
 use crate::status::{self, ApiError};
-use credgate_api::v1::admin_server::{Admin, AdminServer};
-use credgate_api::v1::credentials_server::{Credentials, CredentialsServer};
+use credgate_api::v1::admin_server::AdminServer;
+use credgate_api::v1::credentials_server::CredentialsServer;
 use credgate_api::v1::image_access_server::ImageAccessServer;
 use credgate_api::v1::{self as pb};
 use credgate_engine::{Credential, CredentialRef, LookupRequest, ServiceAccount};
