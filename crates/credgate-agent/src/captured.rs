@@ -5,17 +5,13 @@
 //! The file (`captured.sealed`, 0600) is a [`crate::state::sealed`] file (`CGCAPTR\n`,
 //! version 2) of a JSON body, under a key derived from the node key: a lost or replaced node
 //! key makes it unreadable, and then it is discarded with a warning, never served as garbage.
-//! It is written, fsynced and renamed into place before the proxy answers the pull. A file of
-//! version 1 (`CGCAPT1\n`, its header not bound to the body) is read once and written again
-//! in version 2.
+//! It is written, fsynced and renamed into place before the proxy answers the pull.
 
 use parking_lot::Mutex;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use chacha20poly1305::aead::Aead;
-use chacha20poly1305::Nonce;
 use secrecy::{ExposeSecret, SecretString};
 use serde::{Deserialize, Serialize};
 use zeroize::Zeroizing;
@@ -31,9 +27,6 @@ const KIND: Kind = Kind {
     max: MAX_FILE,
 };
 const FILE: &str = KIND.file;
-/// Version 1's magic: then came the node key's id, the nonce and the sealed body, the header
-/// not bound to it.
-const MAGIC_V1: &[u8; 8] = b"CGCAPT1\n";
 
 /// One captured credential.
 #[derive(Clone)]
@@ -229,16 +222,7 @@ impl Captured {
                 Some(entries) => *captured.lock() = entries,
                 None => captured.discard_unreadable(),
             },
-            sealed::Read::Unreadable(bytes) => match captured.read_v1(&bytes) {
-                Some(entries) => {
-                    tracing::info!(path = %path.display(), "captured pull credentials of format version 1: written again in version 2");
-                    if let Err(e) = captured.persist(&entries) {
-                        tracing::warn!(error = %e, "cannot write the captured pull credentials in version 2; version 1 is read again at the next start");
-                    }
-                    *captured.lock() = entries;
-                }
-                None => captured.discard_unreadable(),
-            },
+            sealed::Read::Unreadable => captured.discard_unreadable(),
             sealed::Read::Absent => {}
             // Nothing is served from it; the next capture replaces it (a rename replaces a
             // link or a FIFO, never writes through it).
@@ -267,23 +251,6 @@ impl Captured {
 
     fn lock(&self) -> parking_lot::MutexGuard<'_, BTreeMap<String, Credential>> {
         self.by_repository.lock()
-    }
-
-    /// The entries of a version-1 file's `bytes`, sealed under this node key.
-    fn read_v1(&self, bytes: &[u8]) -> Option<BTreeMap<String, Credential>> {
-        let rest = bytes.strip_prefix(MAGIC_V1)?;
-        let (id, rest) = rest.split_at_checked(4)?;
-        if u32::from_be_bytes(id.try_into().ok()?) != self.sealed.key_id() {
-            return None;
-        }
-        let (nonce, body) = rest.split_at_checked(12)?;
-        let plain = Zeroizing::new(
-            self.sealed
-                .cipher()
-                .decrypt(Nonce::from_slice(nonce), body)
-                .ok()?,
-        );
-        entries(&plain)
     }
 
     /// Seals `entries` and replaces the file: written, fsynced, renamed, the directory fsynced.
@@ -620,40 +587,6 @@ mod tests {
         std::fs::write(dir.path().join("node.key"), [9u8; 32]).unwrap();
         let replaced = Captured::open(dir.path(), None).unwrap();
         assert!(replaced.list().is_empty());
-        assert!(!dir.path().join(FILE).exists());
-    }
-
-    /// A file of version 1 (the header not bound to the body) is read once and written again
-    /// in version 2; one of another node key is still discarded.
-    #[test]
-    fn a_version_1_file_is_read_and_written_again_in_version_2() {
-        use chacha20poly1305::aead::{AeadCore, KeyInit, OsRng};
-        use chacha20poly1305::{ChaCha20Poly1305, Key};
-        let dir = private_dir();
-        let node = NodeKey::load_or_create(dir.path()).unwrap();
-        let key = node.derive(KIND.label);
-        let body = serde_json::to_vec(&[Stored::of(
-            "registry.example.com/team/app",
-            &cred("team", "u", "v1-secret", 5),
-        )])
-        .unwrap();
-        let nonce = ChaCha20Poly1305::generate_nonce(&mut OsRng);
-        let sealed = ChaCha20Poly1305::new(Key::from_slice(&*key))
-            .encrypt(&nonce, body.as_slice())
-            .unwrap();
-        let v1 = [&MAGIC_V1[..], &node.id().to_be_bytes(), &nonce, &sealed].concat();
-        std::fs::write(dir.path().join(FILE), &v1).unwrap();
-        let c = Captured::open(dir.path(), None).unwrap();
-        let got = c.for_repository("registry.example.com/team/app").unwrap();
-        assert_eq!(got.password.expose_secret(), "v1-secret");
-        let now = std::fs::read(dir.path().join(FILE)).unwrap();
-        assert!(now.starts_with(KIND.magic), "written again in version 2");
-        assert_eq!(Captured::open(dir.path(), None).unwrap().list().len(), 1);
-        // A version-1 file of another node key is discarded, as before.
-        let mut other = v1.clone();
-        other[8..12].copy_from_slice(&(node.id() ^ 1).to_be_bytes());
-        std::fs::write(dir.path().join(FILE), &other).unwrap();
-        assert!(Captured::open(dir.path(), None).unwrap().list().is_empty());
         assert!(!dir.path().join(FILE).exists());
     }
 

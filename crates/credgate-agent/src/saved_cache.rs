@@ -185,7 +185,7 @@ impl SavedCache {
                 return loaded;
             }
             sealed::Read::Body(body) => serde_json::from_slice::<Stored>(&body).ok(),
-            sealed::Read::Unreadable(_) => None,
+            sealed::Read::Unreadable => None,
         };
         let Some(stored) = stored else {
             tracing::warn!(path = %path.display(), "saved provider answers sealed under another node key, of another version, or damaged: discarded");

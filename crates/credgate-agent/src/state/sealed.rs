@@ -47,9 +47,8 @@ pub enum Read {
     Absent,
     /// Not one the agent may read (a link, not its own, too large...): why.
     Refused(String),
-    /// Sealed under another node key, of another kind or version, or damaged: the bytes
-    /// read (a reader of an older format may still know them).
-    Unreadable(Vec<u8>),
+    /// Sealed under another node key, of another kind or version, or damaged.
+    Unreadable,
     /// The body, in the clear.
     Body(Zeroizing<Vec<u8>>),
 }
@@ -76,11 +75,6 @@ impl Sealed {
         self.dir.join(self.kind.file)
     }
 
-    /// The node key's id this file is sealed under.
-    pub fn key_id(&self) -> u32 {
-        self.key_id
-    }
-
     fn header(&self) -> [u8; HEADER] {
         let mut h = [0u8; HEADER];
         h[..8].copy_from_slice(self.kind.magic);
@@ -89,8 +83,8 @@ impl Sealed {
         h
     }
 
-    /// The cipher of this file's key (also for reading a file of an older format).
-    pub fn cipher(&self) -> ChaCha20Poly1305 {
+    /// The cipher of this file's key.
+    fn cipher(&self) -> ChaCha20Poly1305 {
         ChaCha20Poly1305::new(Key::from_slice(&*self.key))
     }
 
@@ -101,7 +95,7 @@ impl Sealed {
             Err(why) => Read::Refused(why),
             Ok(Some(bytes)) => match self.open(&bytes) {
                 Some(body) => Read::Body(body),
-                None => Read::Unreadable(bytes),
+                None => Read::Unreadable,
             },
         }
     }
@@ -206,13 +200,13 @@ mod tests {
         }
         // Another key, kind or version does not open it.
         let other_key = Sealed::new(dir.path(), KIND, &NodeKey::from_bytes([2; 32]));
-        assert!(matches!(other_key.read(), Read::Unreadable(_)));
+        assert!(matches!(other_key.read(), Read::Unreadable));
         let v2 = Sealed::new(
             dir.path(),
             Kind { version: 2, ..KIND },
             &NodeKey::from_bytes([1; 32]),
         );
-        assert!(matches!(v2.read(), Read::Unreadable(_)));
+        assert!(matches!(v2.read(), Read::Unreadable));
     }
 
     #[test]
