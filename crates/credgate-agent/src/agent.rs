@@ -252,6 +252,8 @@ struct Inner {
     refusals: crate::refusal::Refusals,
     /// Whether the CRI proxy runs (set when it starts).
     proxy_running: std::sync::atomic::AtomicBool,
+    /// Why the CRI proxy ended while the agent serves, when it did.
+    proxy_ended: Mutex<Option<String>>,
     /// How registries are asked whether they refuse a credential before a refusal acts.
     confirmations: crate::confirm::Confirmations,
     /// What the CRI proxy may change in a pull.
@@ -323,6 +325,7 @@ impl Agent {
                 node_images: Arc::default(),
                 refusals: crate::refusal::Refusals::default(),
                 proxy_running: std::sync::atomic::AtomicBool::new(false),
+                proxy_ended: Mutex::new(None),
                 confirmations: crate::confirm::Confirmations::new(verifier),
                 pull_policy: options.pull_policy,
                 unprivileged_flush: Mutex::new(None),
@@ -360,6 +363,28 @@ impl Agent {
         self.inner
             .proxy_running
             .store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    /// The CRI proxy ended while the agent serves (`why`): `Status` says so from now on.
+    pub fn set_proxy_ended(&self, why: String) {
+        *self.inner.proxy_ended.lock() = Some(why);
+        self.inner
+            .proxy_running
+            .store(false, std::sync::atomic::Ordering::Release);
+    }
+
+    /// The CRI proxy's state for `Status`: `serving`, `off` (not configured), or
+    /// `ended: WHY` (it stopped while the agent serves).
+    pub fn proxy_state(&self) -> String {
+        if let Some(why) = self.inner.proxy_ended.lock().as_ref() {
+            return format!("ended: {why}");
+        }
+        if self.proxy_running() {
+            "serving"
+        } else {
+            "off"
+        }
+        .to_owned()
     }
 
     /// What the CRI proxy may change in a pull.

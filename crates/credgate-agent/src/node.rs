@@ -324,15 +324,17 @@ impl Node {
         }
         agent.set_proxy_running();
         let stopping = agent.tasks().token().clone();
+        let watched = agent.clone();
         agent.tasks().spawn_blocking(move || {
             let ended = thread.join();
-            let early = !stopping.is_cancelled();
-            match ended {
-                Ok(Ok(())) if !early => {}
-                Ok(Ok(())) => tracing::error!("the CRI proxy stopped while the agent serves"),
-                Ok(Err(e)) => tracing::error!(error = %e, "the CRI proxy failed"),
-                Err(_) => tracing::error!("the CRI proxy's thread panicked"),
-            }
+            let why = match ended {
+                Ok(Ok(())) if stopping.is_cancelled() => return,
+                Ok(Ok(())) => "it stopped while the agent serves".to_owned(),
+                Ok(Err(e)) => format!("it failed: {e}"),
+                Err(_) => "its thread panicked".to_owned(),
+            };
+            tracing::error!(why = %why, "the CRI proxy ended: the kubelet's image calls fail until the agent is restarted");
+            watched.set_proxy_ended(why);
         });
         Ok((config.socket.clone(), socket::identity(&config.socket)))
     }

@@ -501,6 +501,7 @@ impl Api {
                     last_saved_unix_ms: unix_ms(r.last_saved),
                 }
             }),
+            cri_proxy: self.agent.proxy_state(),
             node_images: self
                 .agent
                 .node_images()

@@ -27,6 +27,7 @@ pub(super) async fn status(admin: &mut AdminClient<Channel>, out: Output) -> Res
         println!("tracked refs:   {}", r.tracked_refs);
         println!("started:        {}", time_ms(r.started_unix_ms));
         println!("loaded:         {}", time_ms(r.loaded_unix_ms));
+        println!("cri proxy:      {}", or_none(&r.cri_proxy));
         print_saved_cache(r.saved_cache.as_ref());
         let rows: Vec<Vec<String>> = r
             .providers

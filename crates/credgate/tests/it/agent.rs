@@ -680,7 +680,8 @@ fn a_killed_agent_restarts_warm_from_the_sealed_cache() {
     let table = agent.credgate(&["ctl", "status"]);
     assert!(
         text(&table.stdout).contains("saved cache:    1 restored at start")
-            && text(&table.stdout).contains("restored answers are served with no plugin run"),
+            && text(&table.stdout).contains("restored answers are served with no plugin run")
+            && text(&table.stdout).contains("cri proxy:      off"),
         "{}",
         text(&table.stdout)
     );

@@ -134,6 +134,7 @@ async fn the_nodes_own_images_are_pulled_with_its_credentials_and_kept() {
             .unwrap_or_else(|| panic!("no row for {image}: {status}"))
             .to_owned()
     };
+    assert!(status.contains("cri proxy:      serving"), "{status}");
     let (s, k, u) = (row(&sandbox), row(&kept), row(&unserved));
     assert!(
         s.contains("sandbox") && s.contains("PRESENT") && s.contains("filled:provider:node"),
