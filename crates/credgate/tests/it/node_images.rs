@@ -47,6 +47,19 @@ fn has(go: &Path, containerd: &Containerd, image: &str) -> bool {
     answer.decode::<ImageStatusResponse>().image.is_some()
 }
 
+/// `RemoveImage` of `image` on `socket` (containerd, or the proxy), which must succeed: the
+/// runtime removes every name of the image's ID.
+fn remove(go: &Path, socket: &Path, image: &str) {
+    let request = RemoveImageRequest {
+        image: Some(ImageSpec {
+            image: image.to_owned(),
+        }),
+    }
+    .encode_to_vec();
+    let answer = go_call(go, Dial::Localhost, socket, REMOVE_IMAGE, &request, 0);
+    assert_eq!(answer.code, 0, "{image}: {answer:?}");
+}
+
 /// The value of the metric line that starts with `prefix` (0 when there is none).
 fn metric(text: &str, prefix: &str) -> f64 {
     text.lines()
@@ -182,24 +195,14 @@ async fn the_nodes_own_images_are_pulled_with_its_credentials_and_kept() {
     assert_eq!(metric(&metrics, "credgate_cri_node_images_absent "), 1.0);
 
     // Removed through the proxy: pulled again at once (well before the check period would).
-    let remove = |socket: &Path, image: &str| {
-        let request = RemoveImageRequest {
-            image: Some(ImageSpec {
-                image: image.to_owned(),
-            }),
-        }
-        .encode_to_vec();
-        let answer = go_call(&go, Dial::Localhost, socket, REMOVE_IMAGE, &request, 0);
-        assert_eq!(answer.code, 0, "{answer:?}");
-    };
-    remove(&proxy, &kept);
+    remove(&go, &proxy, &kept);
     eventually(
         "the kept image is pulled again",
         Duration::from_secs(30),
         || has(&go, &containerd, &kept),
     );
     // Removed behind the proxy's back (crictl rmi, the runtime's GC): at the next check.
-    remove(&containerd.socket, &sandbox);
+    remove(&go, &containerd.socket, &sandbox);
     eventually(
         "the sandbox image is pulled again",
         Duration::from_secs(30),
@@ -315,21 +318,7 @@ async fn the_image_check_streams_past_the_unary_cap_and_never_acts_on_half_a_lis
             list.code == 0 && list.responses[0].len() > 65536
         });
         // Removed behind the proxy's back, every name of it (tag and digest).
-        let request = RemoveImageRequest {
-            image: Some(ImageSpec {
-                image: format!("{host}/team/gone:v1"),
-            }),
-        }
-        .encode_to_vec();
-        let removed = go_call(
-            &go,
-            Dial::Localhost,
-            &containerd.socket,
-            REMOVE_IMAGE,
-            &request,
-            0,
-        );
-        assert_eq!(removed.code, 0, "{runtime}: {removed:?}");
+        remove(&go, &containerd.socket, &format!("{host}/team/gone:v1"));
         let incomplete = "credgate_cri_image_list_incomplete_total ";
         if streams {
             eventually(
