@@ -16,7 +16,7 @@ use secrecy::ExposeSecret as _;
 use tokio::sync::Notify;
 
 use super::fill::fill;
-use super::pulls::{answered, pull_of, settle, Answered, Pulls};
+use super::pulls::{answered, pull_of, settle, Answered, Pulls, Whose};
 use super::runtime::{self, ask, exchange, framed, Caller};
 use super::MAX_PULL_MESSAGE;
 use crate::node_images::{backoff, NodeImage, OwnPull};
@@ -189,7 +189,7 @@ impl Keeper {
         if let Answered::Settle(_) | Answered::Refused(_) =
             answered(pulls, &pull, &whole, started).await
         {
-            settle(pulls, pull, true, &whole).await;
+            settle(pulls, pull, Whose::Node, &whole).await;
         }
         OwnPull {
             at,

@@ -175,22 +175,36 @@ pub(super) fn redacted(message: &str, carried: &[secrecy::SecretString]) -> Stri
 /// disk; past it the answer goes back and the capture goes on (counted as late).
 pub(super) const CAPTURE_WAIT: Duration = Duration::from_secs(2);
 
+/// Whose a pull's credential is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Whose {
+    /// The node's: a provider or a docker config of the agent gives it now (the kubelet got
+    /// it through the bridge, or the proxy filled it in). Never captured as a pod's.
+    Node,
+    /// A pod's own secret, or no credential at all.
+    Caller,
+}
+
 /// Which of the agent's sources gave the pull's credential (or, when none does now, the one a
-/// refusal of it remembers), found once for the log, a refusal and capture; and whether a
-/// provider or a docker config gives it now (the node's own credential, not a pod's).
-pub(super) fn sources_of(agent: &crate::Agent, pull: &Pull) -> (Vec<crate::refusal::Given>, bool) {
+/// refusal of it remembers), found once for the log, a refusal and capture; and whose it is.
+pub(super) fn sources_of(agent: &crate::Agent, pull: &Pull) -> (Vec<crate::refusal::Given>, Whose) {
     let Some(c) = &pull.credential else {
-        return (Vec::new(), false);
+        return (Vec::new(), Whose::Caller);
     };
     let password = c.password.expose_secret();
     let now =
         crate::refusal::given_now(agent, &pull.image, &pull.repository, &c.username, password);
-    let own = now
+    let whose = if now
         .iter()
-        .any(|g| !matches!(g, crate::refusal::Given::Captured(_)));
+        .any(|g| !matches!(g, crate::refusal::Given::Captured(_)))
+    {
+        Whose::Node
+    } else {
+        Whose::Caller
+    };
     (
         crate::refusal::or_known(agent, now, &c.username, password),
-        own,
+        whose,
     )
 }
 
@@ -250,13 +264,13 @@ pub(super) async fn refused(
 /// pull with a pod's credential as a secret of the pod's namespace named after its content
 /// (`PullImage` carries no secret name; the guard matches by content across names anyway);
 /// one without, or with the node's own credential (filled by the proxy, or one a provider or
-/// docker config gave the kubelet: `own`), as node-wide; one with a credential a KEP-4412
+/// docker config gave the kubelet: [`Whose::Node`]), as node-wide; one with a credential a KEP-4412
 /// provider gave for service accounts of the pod's namespace (`accounts`), as those service
 /// accounts. A pull with a credential but no pod is never recorded as node-wide: its result
 /// is not recorded at all, and the intent keeps the image requiring authentication.
 pub(super) fn recorded_as(
     pull: &Pull,
-    own: bool,
+    whose: Whose,
     accounts: &[(String, String, String)],
     guard: &crate::guard::Guard,
 ) -> Vec<crate::guard::CredentialIn> {
@@ -266,7 +280,7 @@ pub(super) fn recorded_as(
         None => vec![CredentialIn::NodeWide],
         Some(_) if pull.filled.is_some() => vec![CredentialIn::NodeWide],
         Some(_) if !pull.in_pod || pull.other_registry => Vec::new(),
-        Some(_) if own && !accounts.is_empty() => accounts
+        Some(_) if whose == Whose::Node && !accounts.is_empty() => accounts
             .iter()
             .filter(|(namespace, ..)| *namespace == pull.pod_namespace)
             .map(|(namespace, name, uid)| {
@@ -277,7 +291,7 @@ pub(super) fn recorded_as(
                 })
             })
             .collect(),
-        Some(_) if own => vec![CredentialIn::NodeWide],
+        Some(_) if whose == Whose::Node => vec![CredentialIn::NodeWide],
         Some(c) => vec![CredentialIn::Secret {
             coords: Coords {
                 namespace: c.namespace.clone(),
@@ -345,12 +359,12 @@ pub(super) async fn pull(
     let Some(mut pull) = asked else {
         return whole.into_response();
     };
-    let own = match answered(pulls, &pull, &whole, started).await {
-        Answered::Settle(own) => {
-            settle(pulls, pull, own, &whole).await;
+    let whose = match answered(pulls, &pull, &whole, started).await {
+        Answered::Settle(whose) => {
+            settle(pulls, pull, whose, &whole).await;
             return whole.into_response();
         }
-        Answered::Refused(own) => own,
+        Answered::Refused(whose) => whose,
         Answered::Done => return whole.into_response(),
     };
     // The registry refused, itself, a credential one of the agent's providers gave (the
@@ -361,7 +375,7 @@ pub(super) async fn pull(
     if let Some(frame) = refreshed(&pulls.agent, &mut pull, &bytes).await {
         return again(caller, pulls, pull, head, frame).await;
     }
-    settle(pulls, pull, own, &whole).await;
+    settle(pulls, pull, whose, &whole).await;
     whole.into_response()
 }
 
@@ -389,21 +403,21 @@ async fn again(
         Ok(whole) => whole,
         Err(refused) => return refused,
     };
-    if let Answered::Settle(own) | Answered::Refused(own) =
+    if let Answered::Settle(whose) | Answered::Refused(whose) =
         answered(pulls, &pull, &whole, started).await
     {
-        settle(pulls, pull, own, &whole).await;
+        settle(pulls, pull, whose, &whole).await;
     }
     whole.into_response()
 }
 
 /// What a pull's answer leaves to do once it is logged.
 pub(super) enum Answered {
-    /// Record and capture it (`own`: the node's credential, see [`sources_of`]).
-    Settle(bool),
+    /// Record and capture it, as whose credential it is.
+    Settle(Whose),
     /// The registry refused the credential itself, one of the agent's providers gave: the
     /// pull may go again, once, with the provider's answer of now (then it is settled).
-    Refused(bool),
+    Refused(Whose),
     /// Nothing more (an invalid pull).
     Done,
 }
@@ -419,7 +433,7 @@ pub(super) async fn answered(
     let code = whole.code().unwrap_or(2);
     // What the caller sent is its own: the message keeps none of it past this point.
     let message = redacted(&whole.message(), &pull.carried);
-    let (given, own) = sources_of(&pulls.agent, pull);
+    let (given, whose) = sources_of(&pulls.agent, pull);
     let took = started.elapsed();
     let result = crate::pull_log::PullResult::of(code, &message);
     let (refusal, provider_refused) =
@@ -439,16 +453,16 @@ pub(super) async fn answered(
     );
     match (pull.valid, provider_refused) {
         (false, _) => Answered::Done,
-        (true, true) => Answered::Refused(own),
-        (true, false) => Answered::Settle(own),
+        (true, true) => Answered::Refused(whose),
+        (true, false) => Answered::Settle(whose),
     }
 }
 
 /// What a forwarded pull leaves once the runtime answered: the guard's record of its result
 /// (with the guard), its credential's capture when it succeeded (with capture), on disk before
 /// the answer goes back (bounded by [`CAPTURE_WAIT`]).
-/// `own`: the credential is the node's (see [`sources_of`]), never captured as a pod's.
-pub(super) async fn settle(pulls: &Pulls, pull: Pull, own: bool, whole: &runtime::Whole) {
+/// A [`Whose::Node`] credential is never captured as a pod's.
+pub(super) async fn settle(pulls: &Pulls, pull: Pull, whose: Whose, whole: &runtime::Whole) {
     use prost::Message as _;
     let image_ref = (whole.code() == Some(0))
         .then(|| grpc_message(&whole.data))
@@ -458,14 +472,14 @@ pub(super) async fn settle(pulls: &Pulls, pull: Pull, own: bool, whole: &runtime
         .filter(|r| !r.is_empty());
     if let Some(guard) = &pulls.guard {
         let accounts = match &pull.credential {
-            Some(c) if own => pulls.agent.engine().service_accounts_given(
+            Some(c) if whose == Whose::Node => pulls.agent.engine().service_accounts_given(
                 &pull.image,
                 &c.username,
                 c.password.expose_secret(),
             ),
             _ => Vec::new(),
         };
-        let used = recorded_as(&pull, own, &accounts, guard);
+        let used = recorded_as(&pull, whose, &accounts, guard);
         let ends: Vec<PullEnd> = match &image_ref {
             Some(image_ref) => used
                 .iter()
@@ -491,7 +505,7 @@ pub(super) async fn settle(pulls: &Pulls, pull: Pull, own: bool, whole: &runtime
         tracing::warn!(repository = %pull.repository, "pull credentials not captured: their server address names another registry");
         return;
     }
-    if own {
+    if whose == Whose::Node {
         // The node's own credential (the kubelet got it from a provider through the bridge,
         // or from a docker config): not a pod's secret, and a copy would outlive the
         // provider's rotation of it.
