@@ -15,7 +15,6 @@ mod registry;
 
 pub use image::{oci_image, oci_image_saying, push};
 pub use process::{
-    eventually, eventually_async, eventually_await, eventually_some, require, require_root, run,
-    wait_for_exit, Containerd,
+    eventually, eventually_async, require, require_root, run, wait_for_exit, Containerd,
 };
 pub use registry::Registry;

@@ -213,10 +213,10 @@ pub fn eventually(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
     }
 }
 
-/// [`eventually`] with a condition that awaits (a call to the agent, say). Time is tokio's,
-/// for the deadline as for the pauses, so that a test on a paused clock advances to it
-/// instead of spinning.
-pub async fn eventually_await<F, Fut>(what: &str, limit: Duration, mut done: F)
+/// [`eventually`] for async tests, with a condition that may await (a call to the agent, say;
+/// `|| std::future::ready(cond())` for one that does not). Time is tokio's, for the deadline
+/// as for the pauses, so that a test on a paused clock advances to it instead of spinning.
+pub async fn eventually_async<F, Fut>(what: &str, limit: Duration, mut done: F)
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = bool>,
@@ -229,27 +229,4 @@ where
         );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-}
-
-/// What `found` gives once it gives something, polled as [`eventually_await`] polls; `None`
-/// when it gave nothing within `limit` (for a test that reports what it saw instead).
-pub async fn eventually_some<T>(
-    limit: Duration,
-    mut found: impl FnMut() -> Option<T>,
-) -> Option<T> {
-    let deadline = tokio::time::Instant::now() + limit;
-    loop {
-        if let Some(v) = found() {
-            return Some(v);
-        }
-        if tokio::time::Instant::now() >= deadline {
-            return None;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-/// [`eventually`] for async tests: waits on tokio's timer between polls.
-pub async fn eventually_async(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
-    eventually_await(what, limit, || std::future::ready(done())).await;
 }

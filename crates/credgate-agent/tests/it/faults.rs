@@ -224,7 +224,7 @@ async fn a_read_only_state_directory_fails_safe_until_writable() {
     credgate_testbed::eventually_async(
         "the store reopens after its retry interval",
         10 * credgate_agent::guard::REOPEN_INTERVAL,
-        || answer(&g, 1, "team-a") == Answer::Allow,
+        || std::future::ready(answer(&g, 1, "team-a") == Answer::Allow),
     )
     .await;
     assert_eq!(answer(&g, 1, "team-b"), Answer::MustAuthenticate);

@@ -88,7 +88,7 @@ impl Server {
         credgate_testbed::eventually_async(
             "the gated plugin starts",
             Duration::from_secs(20),
-            || started.exists(),
+            || std::future::ready(started.exists()),
         )
         .await;
     }
@@ -201,7 +201,7 @@ async fn connections_beyond_the_limit_are_closed_at_once_and_slots_come_back() {
     );
     drop(held.pop());
     // The freed slot is taken back once the agent sees the close.
-    credgate_testbed::eventually_await("the slot comes back", Duration::from_secs(10), || async {
+    credgate_testbed::eventually_async("the slot comes back", Duration::from_secs(10), || async {
         s.ping().await.is_ok()
     })
     .await;

@@ -313,7 +313,7 @@ async fn shutdown_finishes_the_call_in_flight_and_ends_watch_streams() {
         tokio::spawn(async move { client.lookup(lookup("reg.example.com/team/app:v1")).await });
     let started = s.dir.path().join("slow.started");
     credgate_testbed::eventually_async("the lookup's plugin runs", Duration::from_secs(20), || {
-        started.exists()
+        std::future::ready(started.exists())
     })
     .await;
     s.stop.cancel();
@@ -580,7 +580,7 @@ printf '{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.ku
     credgate_testbed::eventually_async(
         "only the reading client is left",
         Duration::from_secs(10),
-        || metrics.watchers.get() == 1,
+        || std::future::ready(metrics.watchers.get() == 1),
     )
     .await;
     // The reading client is unaffected: changes keep coming.

@@ -498,7 +498,7 @@ printf '{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.ku
     credgate_testbed::eventually_async(
         "renewal starts the slow plugin",
         Duration::from_secs(20),
-        || marked_by(first_pid).len() >= 3,
+        || std::future::ready(marked_by(first_pid).len() >= 3),
     )
     .await;
     first.child.kill().unwrap();
@@ -526,7 +526,7 @@ printf '{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.ku
     let second = Agent::start(d, &args);
     let up = Instant::now();
     credgate_testbed::eventually_async("the orphans killed", Duration::from_secs(10), || {
-        marked_by(first_pid).is_empty()
+        std::future::ready(marked_by(first_pid).is_empty())
     })
     .await;
     eprintln!(

@@ -341,9 +341,11 @@ async fn pulls_through_the_proxy_reach_the_registry_with_their_credentials() {
     .await
     .expect("RemoveImage straight to containerd");
     credgate_testbed::eventually_async("the capture dropped", Duration::from_secs(20), || {
-        captured(&agent)["credentials"]
-            .as_array()
-            .is_none_or(|c| c.iter().all(|c| c["source_kind"] != "captured"))
+        std::future::ready(
+            captured(&agent)["credentials"]
+                .as_array()
+                .is_none_or(|c| c.iter().all(|c| c["source_kind"] != "captured")),
+        )
     })
     .await;
 }
@@ -634,8 +636,8 @@ async fn half_sent_pulls_hold_a_bounded_amount_and_let_go() {
         });
     }
     let count = || exhausted.load(std::sync::atomic::Ordering::Relaxed);
-    credgate_testbed::eventually_some(Duration::from_secs(20), || {
-        (count() >= 4 * 51).then_some(())
+    credgate_testbed::eventually_async("4 × 51 pulls refused", Duration::from_secs(20), || {
+        std::future::ready(count() >= 4 * 51)
     })
     .await;
     let exhausted = count();

@@ -232,7 +232,7 @@ async fn tenant_b_cannot_use_tenant_a_private_image() {
     // The records never show a secret, and neither does the agent's log. The coordinates of
     // B's copy were learned by a decision and are written in the background.
     let client = t.client.clone();
-    credgate_testbed::eventually_await(
+    credgate_testbed::eventually_async(
         "B's coordinates recorded",
         std::time::Duration::from_secs(5),
         || {
@@ -359,7 +359,7 @@ async fn registry_killed_and_restarted_during_verifications() {
         let done = done.clone();
         let from = done.load(Ordering::Relaxed);
         credgate_testbed::eventually_async(what, BOUND, move || {
-            done.load(Ordering::Relaxed) >= from + 16
+            std::future::ready(done.load(Ordering::Relaxed) >= from + 16)
         })
     };
     let mut workers = Vec::new();
