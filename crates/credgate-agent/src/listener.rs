@@ -20,7 +20,6 @@ use std::time::Duration;
 
 use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
-use hyper_util::rt::TokioExecutor;
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::task::JoinSet;
@@ -78,14 +77,40 @@ pub const STREAM_SEND_BUFFER: usize = 64 << 10;
 pub const STREAM_WINDOW: u32 = 64 << 10;
 pub const CONNECTION_WINDOW: u32 = 256 << 10;
 
+/// hyper's executor for a listener's streams: each stream's task (hyper spawns one a request)
+/// is one of the listener's, ended when the listener drains, never left running detached.
+#[derive(Clone, Default)]
+pub struct Streams(Arc<parking_lot::Mutex<JoinSet<()>>>);
+
+impl<F> hyper::rt::Executor<F> for Streams
+where
+    F: std::future::Future<Output = ()> + Send + 'static,
+{
+    fn execute(&self, stream: F) {
+        let mut set = self.0.lock();
+        // Streams that ended are reaped here, so the set holds the running ones.
+        while set.try_join_next().is_some() {}
+        set.spawn(stream);
+    }
+}
+
+impl Streams {
+    /// Ends every stream still running.
+    fn abort(&self) {
+        self.0.lock().abort_all();
+    }
+}
+
 /// The HTTP/2 server settings every gRPC listener of the agent shares: at most `max_streams`
 /// open streams and `max_header_list` bytes of headers per request, the windows and send
-/// buffer above, and bounds on streams a client resets or makes fail.
+/// buffer above, and bounds on streams a client resets or makes fail; the streams run as
+/// tasks of `streams` (the listener's: [`Listener::streams`]).
 pub fn http2_builder(
+    streams: Streams,
     max_streams: u32,
     max_header_list: u32,
-) -> hyper::server::conn::http2::Builder<TokioExecutor> {
-    let mut b = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+) -> hyper::server::conn::http2::Builder<Streams> {
+    let mut b = hyper::server::conn::http2::Builder::new(streams);
     b.timer(hyper_util::rt::TokioTimer::new())
         .max_concurrent_streams(max_streams)
         .initial_stream_window_size(STREAM_WINDOW)
@@ -141,6 +166,7 @@ pub struct Listener<L> {
     accept_errors: Throttle,
     refusals: Throttle,
     connections: JoinSet<()>,
+    streams: Streams,
 }
 
 /// A connection that may stay: its stream, who is on the other end, and its place in the
@@ -195,7 +221,13 @@ impl<L: Accept> Listener<L> {
             accept_errors: Throttle::new(Duration::from_secs(10)),
             refusals: Throttle::new(Duration::from_secs(10)),
             connections: JoinSet::new(),
+            streams: Streams::default(),
         }
+    }
+
+    /// The executor of this listener's streams, for its [`http2_builder`].
+    pub fn streams(&self) -> Streams {
+        self.streams.clone()
     }
 
     /// Closes at once the connections of callers `admit` says no to.
@@ -263,7 +295,7 @@ impl<L: Accept> Listener<L> {
         &mut self,
         accepted: Accepted<L::Stream>,
         tracker: Tracker,
-        builder: &hyper::server::conn::http2::Builder<TokioExecutor>,
+        builder: &hyper::server::conn::http2::Builder<Streams>,
         service: S,
         max_header_list: u32,
         shutdown: CancellationToken,
@@ -274,7 +306,7 @@ impl<L: Accept> Listener<L> {
         B: Body + Send + 'static,
         B::Data: Send,
         B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-        TokioExecutor: hyper::rt::bounds::Http2ServerConnExec<S::Future, B>,
+        Streams: hyper::rt::bounds::Http2ServerConnExec<S::Future, B>,
     {
         let io = hyper_util::rt::TokioIo::new(crate::rewrite::Rewritten::new(
             conn::Watched::new(accepted.stream, tracker.activity.clone()),
@@ -301,6 +333,9 @@ impl<L: Accept> Listener<L> {
             self.limits.shutdown_timeout,
         )
         .await;
+        // Their connections ended (or were closed at the deadline): what is left of their
+        // streams has no one to answer.
+        self.streams.abort();
     }
 }
 
@@ -399,7 +434,7 @@ impl<B: Body + Unpin, G: Unpin> Body for Guarded<B, G> {
 /// passes (no preface in time; idle with no stream open), or the agent stops (then it is
 /// asked to finish: GOAWAY, calls in flight complete). Counts why the agent closed it early.
 async fn drive<I, S, B>(
-    connection: hyper::server::conn::http2::Connection<I, S, TokioExecutor>,
+    connection: hyper::server::conn::http2::Connection<I, S, Streams>,
     tracker: Tracker,
     limits: ListenerLimits,
     held: Held,
@@ -410,7 +445,7 @@ async fn drive<I, S, B>(
     I: hyper::rt::Read + hyper::rt::Write + Unpin,
     B: Body + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-    TokioExecutor: hyper::rt::bounds::Http2ServerConnExec<S::Future, B>,
+    Streams: hyper::rt::bounds::Http2ServerConnExec<S::Future, B>,
 {
     let mut connection = std::pin::pin!(connection);
     let every = (limits.handshake_timeout.min(limits.idle_timeout) / 4)

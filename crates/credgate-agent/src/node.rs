@@ -398,9 +398,11 @@ impl Node {
         socket::remove_if_ours(&socket_path, bound);
         // The saver's last write runs after the API drained; the deadline bounds the rest.
         if !agent.tasks().wait(deadline + Duration::from_secs(1)).await {
+            // Not ended here: they are dropped with the runtime, which the process shuts down
+            // with a deadline of its own (a blocking one, a plugin's run, is not waited for).
             tracing::warn!(
                 tasks = agent.tasks().len(),
-                "tasks still running at the shutdown deadline: ended"
+                "tasks still running at the shutdown deadline: the process exits without waiting for them"
             );
         }
         if let Some((path, id)) = proxy {

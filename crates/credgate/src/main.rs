@@ -52,6 +52,9 @@ fn main() -> ExitCode {
             Command::Import(opts::ImportCommand::Containerd(args)) => cmd::import::containerd(args),
         }
     });
+    // What is still running (a task past the agent's shutdown deadline, a blocking thread of
+    // a plugin's run) is not waited for past this: the process exits.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
     match result {
         Ok(Outcome::Yes) => ExitCode::SUCCESS,
         Ok(Outcome::No) => ExitCode::from(1),

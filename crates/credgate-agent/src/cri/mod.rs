@@ -265,9 +265,9 @@ pub async fn serve(listener: UnixListener, options: ProxyOptions, shutdown: Canc
         tokio::spawn(keeper.run(shutdown.clone()))
     });
     // The API's windows, send buffer and reset bounds.
-    let builder = crate::listener::http2_builder(MAX_STREAMS, MAX_HEADER_LIST);
     let shutdown_timeout = limits.shutdown_timeout;
     let mut listener = Listener::new("cri-proxy", listener, limits, metrics);
+    let builder = crate::listener::http2_builder(listener.streams(), MAX_STREAMS, MAX_HEADER_LIST);
     while let Some(accepted) = listener.next(&shutdown).await {
         // Each caller has a connection to the runtime and a buffer budget of its own.
         let caller = std::sync::Arc::new(Caller {

@@ -3,8 +3,8 @@
 //! every request, the deadlines of a connection (handshake, idle, per request), and graceful
 //! shutdown with a deadline of its own.
 //!
-//! Every call runs as a task of its own on the runtime (hyper-util's `TokioExecutor`), so a
-//! slow call never holds up the other calls of its connection.
+//! Every call runs as a task of its own (the listener's [`crate::listener::Streams`], ended
+//! when it drains), so a slow call never holds up the other calls of its connection.
 
 use crate::tasks::CancellationToken;
 use std::future::Future;
@@ -35,15 +35,15 @@ pub(super) async fn serve(
     metrics: AgentMetrics,
     shutdown: CancellationToken,
 ) {
-    let mut builder = http2_builder(limits.max_streams, MAX_HEADER_LIST);
-    builder
-        .keep_alive_interval(Some(limits.keepalive_interval))
-        .keep_alive_timeout(limits.keepalive_timeout);
     // Root and the agent's own uid count only against the total, so that another local user
     // can never take every connection from them; a caller that no service admits has nothing
     // to do here and is closed at once, holding nothing.
     let mut listener = Listener::new("api", listener, limits.listener(), metrics)
         .admit(move |uid| callers.admits_any(uid));
+    let mut builder = http2_builder(listener.streams(), limits.max_streams, MAX_HEADER_LIST);
+    builder
+        .keep_alive_interval(Some(limits.keepalive_interval))
+        .keep_alive_timeout(limits.keepalive_timeout);
     while let Some(accepted) = listener.next(&shutdown).await {
         let tracker = Tracker::new();
         let service = CallService {
