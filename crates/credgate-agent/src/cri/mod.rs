@@ -207,66 +207,14 @@ pub const MAX_STREAMS: u32 = 64;
 /// is cancelled; then stops accepting and lets calls in flight finish for at most the
 /// shutdown deadline.
 pub async fn serve(listener: UnixListener, options: ProxyOptions, shutdown: CancellationToken) {
-    let ProxyOptions {
-        runtime,
-        captured,
-        guard,
-        limits,
-        check_every,
-        registry,
-        agent,
-        node_images,
-        keep_every,
-        list_limit,
-    } = options;
-    let metrics = agent.metrics().clone();
+    let metrics = options.agent.metrics().clone();
     let proxy_budget = Budgets::proxy(metrics.cri_held_bytes.clone());
-    // The proxy's own calls (the sweeper's) use a runtime connection of their own.
-    let own = std::sync::Arc::new(Caller {
-        runtime: std::sync::Arc::new(Runtime::new(runtime.clone())),
-        budgets: Budgets::connection(&proxy_budget, budget::PROXY_BYTES),
-    });
-    // Removals that bypass the proxy (crictl rmi, the runtime's own garbage collection): the
-    // runtime's image list, checked periodically, drops what no image is left of.
-    let view = std::sync::Arc::new(check::ImageView {
-        own: own.clone(),
-        limit: list_limit,
-        metrics: metrics.clone(),
-    });
-    let sweeper = captured.clone().map(|captured| {
-        tokio::spawn(check::every(
-            check_every,
-            view.clone(),
-            captured,
-            shutdown.clone(),
-        ))
-    });
-    let (capture, capture_task) = match captured {
-        Some(captured) => {
-            let (capture, task) = Capture::start(captured, registry, &view, &metrics);
-            (Some(capture), Some(task))
-        }
-        None => (None, None),
-    };
-    let pulls = std::sync::Arc::new(Pulls {
-        agent,
-        guard,
-        capture,
-        removed: std::sync::Arc::default(),
-    });
-    let keeper = (!node_images.is_empty()).then(|| {
-        let keeper = keep::Keeper {
-            images: node_images,
-            pulls: pulls.clone(),
-            own: own.clone(),
-            every: keep_every,
-            removed: pulls.removed.clone(),
-        };
-        tokio::spawn(keeper.run(shutdown.clone()))
-    });
-    // The API's windows, send buffer and reset bounds.
+    let runtime = options.runtime.clone();
+    let limits = options.limits.clone();
     let shutdown_timeout = limits.shutdown_timeout;
+    let background = Background::start(options, &proxy_budget, &shutdown);
     let mut listener = Listener::new("cri-proxy", listener, limits, metrics);
+    // The API's windows, send buffer and reset bounds.
     let builder = crate::listener::http2_builder(listener.streams(), MAX_STREAMS, MAX_HEADER_LIST);
     while let Some(accepted) = listener.next(&shutdown).await {
         // Each caller has a connection to the runtime and a buffer budget of its own.
@@ -275,7 +223,7 @@ pub async fn serve(listener: UnixListener, options: ProxyOptions, shutdown: Canc
             budgets: Budgets::connection(&proxy_budget, budget::CONNECTION_BYTES),
         });
         let tracker = Tracker::new();
-        let service = service(caller, pulls.clone(), tracker.clone());
+        let service = service(caller, background.pulls.clone(), tracker.clone());
         listener.serve_http2(
             accepted,
             tracker,
@@ -286,18 +234,103 @@ pub async fn serve(listener: UnixListener, options: ProxyOptions, shutdown: Canc
         );
     }
     listener.drain().await;
-    for task in [sweeper, keeper].into_iter().flatten() {
-        task.abort();
-        let _ = task.await;
-    }
-    // The capture task ends once the last capturer is gone, after the offers it took.
-    drop(pulls);
-    if let Some(task) = capture_task {
-        if tokio::time::timeout(shutdown_timeout, task).await.is_err() {
-            tracing::warn!("captures still being confirmed at the shutdown deadline: dropped");
+    background.stop(shutdown_timeout).await;
+}
+
+/// What the proxy does besides forwarding: its own runtime connection and view of the
+/// runtime's images, the sweeper of captures, the capture task and the keeper of the node's
+/// images.
+struct Background {
+    pulls: std::sync::Arc<Pulls>,
+    own: std::sync::Arc<Caller>,
+    /// The sweeper and the keeper, ended when the listener drained.
+    periodic: Vec<tokio::task::JoinHandle<()>>,
+    /// Ends once the last capturer is gone, after the offers it took.
+    capture: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Background {
+    fn start(
+        options: ProxyOptions,
+        proxy_budget: &budget::Proxy,
+        shutdown: &CancellationToken,
+    ) -> Background {
+        let ProxyOptions {
+            runtime,
+            captured,
+            guard,
+            check_every,
+            registry,
+            agent,
+            node_images,
+            keep_every,
+            list_limit,
+            limits: _,
+        } = options;
+        let metrics = agent.metrics().clone();
+        // The proxy's own calls use a runtime connection and a budget of their own.
+        let own = std::sync::Arc::new(Caller {
+            runtime: std::sync::Arc::new(Runtime::new(runtime)),
+            budgets: Budgets::connection(proxy_budget, budget::PROXY_BYTES),
+        });
+        let view = std::sync::Arc::new(check::ImageView {
+            own: own.clone(),
+            limit: list_limit,
+            metrics: metrics.clone(),
+        });
+        let mut periodic = Vec::new();
+        // Removals that bypass the proxy (crictl rmi, the runtime's own garbage collection):
+        // the runtime's image list, checked periodically, drops what no image is left of.
+        if let Some(captured) = captured.clone() {
+            let sweep = check::every(check_every, view.clone(), captured, shutdown.clone());
+            periodic.push(tokio::spawn(sweep));
+        }
+        let (capture, capture_task) = match captured {
+            Some(captured) => {
+                let (capture, task) = Capture::start(captured, registry, &view, &metrics);
+                (Some(capture), Some(task))
+            }
+            None => (None, None),
+        };
+        let pulls = std::sync::Arc::new(Pulls {
+            agent,
+            guard,
+            capture,
+            removed: std::sync::Arc::default(),
+        });
+        if !node_images.is_empty() {
+            let keeper = keep::Keeper {
+                images: node_images,
+                pulls: pulls.clone(),
+                own: own.clone(),
+                every: keep_every,
+                removed: pulls.removed.clone(),
+            };
+            periodic.push(tokio::spawn(keeper.run(shutdown.clone())));
+        }
+        Background {
+            pulls,
+            own,
+            periodic,
+            capture: capture_task,
         }
     }
-    drop(own);
+
+    /// Ends the periodic tasks, then lets the capture task finish the offers it took, at
+    /// most `deadline`.
+    async fn stop(self, deadline: Duration) {
+        for task in self.periodic {
+            task.abort();
+            let _ = task.await;
+        }
+        drop(self.pulls);
+        if let Some(task) = self.capture {
+            if tokio::time::timeout(deadline, task).await.is_err() {
+                tracing::warn!("captures still being confirmed at the shutdown deadline: dropped");
+            }
+        }
+        drop(self.own);
+    }
 }
 
 #[cfg(test)]
