@@ -162,32 +162,10 @@ impl ImageView {
                 }
             };
             buffer.extend_from_slice(&data);
-            while let Some(len) = next_message(&buffer) {
-                if len > MAX_LIST_MESSAGE {
-                    return Streamed::Incomplete(format!(
-                        "a StreamImages message of {len} bytes, more than the {MAX_LIST_MESSAGE} the proxy reads"
-                    ));
-                }
-                if buffer.len() < 5 + len {
-                    break;
-                }
-                use prost::Message as _;
-                let Ok(batch) = wire::StreamImagesResponse::decode(&buffer[5..5 + len]) else {
-                    return Streamed::Incomplete(
-                        "a StreamImages message that does not decode".into(),
-                    );
-                };
-                buffer.drain(..5 + len);
-                received = true;
-                all.extend(batch.images.iter().flat_map(repositories));
-                if all.len() > MAX_REPOSITORIES {
-                    return Streamed::Incomplete(format!(
-                        "more than {MAX_REPOSITORIES} repositories"
-                    ));
-                }
-            }
-            if buffer.first().is_some_and(|&flag| flag != 0) {
-                return Streamed::Incomplete("a compressed StreamImages message".into());
+            match take_batches(&mut buffer, &mut all) {
+                Ok(0) => {}
+                Ok(_) => received = true,
+                Err(why) => return Streamed::Incomplete(why),
             }
         }
     }
@@ -260,6 +238,35 @@ impl ImageView {
     }
 }
 
+/// Takes the whole `StreamImagesResponse` messages at the start of `buffer`, their images'
+/// repositories into `all`; how many it took, or why the stream cannot be read whole.
+fn take_batches(buffer: &mut Vec<u8>, all: &mut HashSet<String>) -> Result<usize, String> {
+    use prost::Message as _;
+    let mut taken = 0;
+    while let Some(len) = next_message(buffer) {
+        if buffer.first().is_some_and(|&flag| flag != 0) {
+            return Err("a compressed StreamImages message".into());
+        }
+        if len > MAX_LIST_MESSAGE {
+            return Err(format!(
+                "a StreamImages message of {len} bytes, more than the {MAX_LIST_MESSAGE} the proxy reads"
+            ));
+        }
+        if buffer.len() < 5 + len {
+            break;
+        }
+        let batch = wire::StreamImagesResponse::decode(&buffer[5..5 + len])
+            .map_err(|_| "a StreamImages message that does not decode".to_owned())?;
+        buffer.drain(..5 + len);
+        taken += 1;
+        all.extend(batch.images.iter().flat_map(repositories));
+        if all.len() > MAX_REPOSITORIES {
+            return Err(format!("more than {MAX_REPOSITORIES} repositories"));
+        }
+    }
+    Ok(taken)
+}
+
 /// The length of the gRPC message `buffer` starts with, once its 5-byte prefix is in.
 fn next_message(buffer: &[u8]) -> Option<usize> {
     let prefix: [u8; 4] = buffer.get(1..5)?.try_into().ok()?;
@@ -307,5 +314,58 @@ pub(super) async fn every(
         let _ = tokio::task::spawn_blocking(move || expiring.expire()).await;
         let held = captured.list().into_iter().map(|(repo, _)| repo).collect();
         view.forget_absent(&captured, held).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{take_batches, wire, MAX_LIST_MESSAGE};
+    use std::collections::HashSet;
+
+    fn frame(tags: &[&str]) -> Vec<u8> {
+        use prost::Message as _;
+        let message = wire::StreamImagesResponse {
+            images: vec![wire::Image {
+                id: "sha256:1".into(),
+                repo_tags: tags.iter().map(|t| (*t).to_owned()).collect(),
+                repo_digests: Vec::new(),
+            }],
+        }
+        .encode_to_vec();
+        let mut out = vec![0];
+        out.extend_from_slice(&(message.len() as u32).to_be_bytes());
+        out.extend_from_slice(&message);
+        out
+    }
+
+    /// Batches split anywhere are taken whole once they are in; a compressed or oversized one
+    /// ends the reading with why.
+    #[test]
+    fn batches_are_taken_whole_and_bad_ones_refused() {
+        let mut stream = frame(&["r.io/a:v1", "r.io/a:v2"]);
+        stream.extend(frame(&["r.io/b:v1"]));
+        let mut all = HashSet::new();
+        let mut buffer = Vec::new();
+        let mut taken = 0;
+        for chunk in stream.chunks(7) {
+            buffer.extend_from_slice(chunk);
+            taken += take_batches(&mut buffer, &mut all).unwrap();
+        }
+        assert_eq!((taken, buffer.len()), (2, 0));
+        let mut names: Vec<&str> = all.iter().map(String::as_str).collect();
+        names.sort();
+        assert_eq!(names, ["r.io/a", "r.io/b"]);
+        let mut compressed = frame(&["r.io/c:v1"]);
+        compressed[0] = 1;
+        assert!(take_batches(&mut compressed, &mut all)
+            .unwrap_err()
+            .contains("compressed"));
+        let mut huge = vec![0];
+        huge.extend_from_slice(&(MAX_LIST_MESSAGE as u32 + 1).to_be_bytes());
+        assert!(take_batches(&mut huge, &mut all)
+            .unwrap_err()
+            .contains("more than"));
+        let mut garbage = vec![0, 0, 0, 0, 2, 0xff, 0xff];
+        assert!(take_batches(&mut garbage, &mut all).is_err());
     }
 }

@@ -127,9 +127,70 @@ impl Keeper {
     /// sources give for it, as a `PullImage` through the proxy is logged, refused and
     /// recorded.
     async fn pull(&self, image: &NodeImage) -> OwnPull {
-        use prost::Message as _;
         let pulls = &self.pulls;
         let agent = &pulls.agent;
+        let at = agent.clock().wall();
+        let failed = |auth: PullAuth, message: String| OwnPull {
+            at,
+            auth,
+            result: PullResult::Error,
+            message,
+        };
+        let (message, filled) = self.request(image).await;
+        let Some(mut pull) = pull_of(&message, crate::state::unix_ms(at)) else {
+            return failed(PullAuth::None, "the pull could not be encoded".into());
+        };
+        pull.filled = filled;
+        pull.node_image = Some(image.why);
+        let auth = pull.filled.clone().map_or(PullAuth::None, PullAuth::Filled);
+        if let Some(guard) = &pulls.guard {
+            if let Err(e) = guard.record_intent(&pull.image).await {
+                tracing::error!(error = %crate::error_chain(&e), "pull intent not recorded");
+            }
+        }
+        let started = std::time::Instant::now();
+        let Some(whole) = self.exchange(&message).await else {
+            let said = "the container runtime could not be reached, or did not answer in time";
+            tracing::warn!(image = %image.image, why = image.why.as_str(), "{said}");
+            return failed(auth, said.into());
+        };
+        let said = super::pulls::redacted(&whole.message(), &pull.carried);
+        let result = PullResult::of(whole.code().unwrap_or(2), &said);
+        let said = crate::pull_log::capped(&said, crate::pull_log::MESSAGE);
+        agent
+            .metrics()
+            .cri_node_image_pulls
+            .get_or_create(&crate::metrics::NodeImagePullLabels {
+                why: image.why,
+                result,
+            })
+            .inc();
+        if result != PullResult::Ok {
+            tracing::warn!(image = %image.image, why = image.why.as_str(), named_by = %image.named_by, auth = %auth, runtime_message = %said, "the node's own pull of an image it keeps failed: tried again after a backoff");
+        }
+        if let Answered::Settle(_) | Answered::Refused(_) =
+            answered(pulls, &pull, &whole, started).await
+        {
+            settle(pulls, pull, Whose::Node, &whole).await;
+        }
+        let message = if result == PullResult::Ok {
+            String::new()
+        } else {
+            said
+        };
+        OwnPull {
+            at,
+            auth,
+            result,
+            message,
+        }
+    }
+
+    /// The `PullImage` message of `image`, with the credential the agent's sources give for it
+    /// (scoped as a pod's pull is), and the source that gave it.
+    async fn request(&self, image: &NodeImage) -> (Vec<u8>, Option<crate::refusal::Given>) {
+        use prost::Message as _;
+        let agent = &self.pulls.agent;
         let filled = fill(agent, &image.image).await;
         let registry = credgate_core::reference::ImageRef::parse(&image.image)
             .map(|r| r.registry().to_owned())
@@ -148,59 +209,7 @@ impl Keeper {
             sandbox_config: None,
         }
         .encode_to_vec();
-        let at = agent.clock().wall();
-        let failed = |auth: PullAuth, message: String| OwnPull {
-            at,
-            auth,
-            result: PullResult::Error,
-            message,
-        };
-        let Some(mut pull) = pull_of(&message, crate::state::unix_ms(at)) else {
-            return failed(PullAuth::None, "the pull could not be encoded".into());
-        };
-        pull.filled = filled.map(|(source, _)| source);
-        pull.node_image = Some(image.why);
-        let auth = pull.filled.clone().map_or(PullAuth::None, PullAuth::Filled);
-        if let Some(guard) = &pulls.guard {
-            if let Err(e) = guard.record_intent(&pull.image).await {
-                tracing::error!(error = %crate::error_chain(&e), "pull intent not recorded");
-            }
-        }
-        let started = std::time::Instant::now();
-        let Some(whole) = self.exchange(&message).await else {
-            let said = "the container runtime could not be reached, or did not answer in time";
-            tracing::warn!(image = %image.image, why = image.why.as_str(), "{said}");
-            return failed(auth, said.into());
-        };
-        let code = whole.code().unwrap_or(2);
-        let said = super::pulls::redacted(&whole.message(), &pull.carried);
-        let result = PullResult::of(code, &said);
-        agent
-            .metrics()
-            .cri_node_image_pulls
-            .get_or_create(&crate::metrics::NodeImagePullLabels {
-                why: image.why,
-                result,
-            })
-            .inc();
-        if result != PullResult::Ok {
-            tracing::warn!(image = %image.image, why = image.why.as_str(), named_by = %image.named_by, auth = %auth, runtime_message = %crate::pull_log::capped(&said, crate::pull_log::MESSAGE), "the node's own pull of an image it keeps failed: tried again after a backoff");
-        }
-        if let Answered::Settle(_) | Answered::Refused(_) =
-            answered(pulls, &pull, &whole, started).await
-        {
-            settle(pulls, pull, Whose::Node, &whole).await;
-        }
-        OwnPull {
-            at,
-            auth,
-            result,
-            message: if result == PullResult::Ok {
-                String::new()
-            } else {
-                crate::pull_log::capped(&said, crate::pull_log::MESSAGE)
-            },
-        }
+        (message, filled.map(|(source, _)| source))
     }
 
     /// The `PullImage` of `message` on the proxy's own runtime connection, its answer read
