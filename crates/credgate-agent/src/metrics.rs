@@ -366,6 +366,7 @@ impl AgentMetrics {
     pub fn register(&self, registry: &mut Registry) {
         let r = registry.sub_registry_with_prefix("credgate");
         self.register_pull_credentials(r);
+        self.register_cri(r);
         self.register_cache(r);
         self.register_renewal(r);
         self.register_guard(r);
@@ -395,26 +396,6 @@ impl AgentMetrics {
             self.cri_held_bytes.clone(),
         );
         r.register(
-            "cri_calls",
-            "Calls through the CRI proxy by image-service method (ListImages, StreamImages, ImageStatus, PullImage, RemoveImage, ImageFsInfo, other)",
-            self.cri_calls.clone(),
-        );
-        r.register(
-            "cri_node_image_pulls",
-            "Pulls the CRI proxy made on the node's behalf (no caller asked), by why (sandbox: the runtime's sandbox image; kept: --cri-proxy-keep-image) and result (ok, unauthorized, not_found, error)",
-            self.cri_node_image_pulls.clone(),
-        );
-        r.register(
-            "cri_node_images_absent",
-            "Images the node keeps (sandbox, kept) that the runtime did not have at the last check and could not be given",
-            self.cri_node_images_absent.clone(),
-        );
-        r.register(
-            "cri_image_list_incomplete",
-            "Checks of the runtime's image list that could not read it whole (too large for ListImages, a broken stream): no captured credential was dropped on them",
-            self.cri_image_list_incomplete.clone(),
-        );
-        r.register(
             "cri_captures_late",
             "PullImage answers released before their capture was confirmed and fsynced (the capture went on)",
             self.cri_captures_late.clone(),
@@ -438,6 +419,30 @@ impl AgentMetrics {
             "refusal_confirmations",
             "What registries said, asked whether they refuse a credential itself before a refusal acts (refused, accepted, unchecked, unreachable)",
             self.refusal_confirmations.clone(),
+        );
+    }
+
+    /// The CRI proxy's calls, the node's own pulls and its view of the runtime's images.
+    fn register_cri(&self, r: &mut Registry) {
+        r.register(
+            "cri_calls",
+            "Calls through the CRI proxy by image-service method (ListImages, StreamImages, ImageStatus, PullImage, RemoveImage, ImageFsInfo, other)",
+            self.cri_calls.clone(),
+        );
+        r.register(
+            "cri_node_image_pulls",
+            "Pulls the CRI proxy made on the node's behalf (no caller asked), by why (sandbox: the runtime's sandbox image; kept: --cri-proxy-keep-image) and result (ok, unauthorized, not_found, error)",
+            self.cri_node_image_pulls.clone(),
+        );
+        r.register(
+            "cri_node_images_absent",
+            "Images the node keeps (sandbox, kept) that the runtime did not have at the last check and could not be given",
+            self.cri_node_images_absent.clone(),
+        );
+        r.register(
+            "cri_image_list_incomplete",
+            "Checks of the runtime's image list that could not read it whole (too large for ListImages, a broken stream): no captured credential was dropped on them",
+            self.cri_image_list_incomplete.clone(),
         );
     }
 
