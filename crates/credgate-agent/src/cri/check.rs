@@ -12,7 +12,9 @@ use http_body_util::BodyExt as _;
 use hyper::body::{Bytes, Incoming};
 
 use super::pulls::Capture;
-use super::runtime::{self, ask, exchange, grpc_message, read_whole, Caller};
+use super::runtime::{
+    self, ask, exchange, grpc_code, grpc_message, grpc_message_of, read_whole, Caller,
+};
 use super::{Body, MAX_LIST_MESSAGE, MAX_PULL_MESSAGE};
 use crate::tasks::CancellationToken;
 
@@ -55,6 +57,7 @@ pub(super) async fn remove(
             MAX_PULL_MESSAGE,
         )
         .await
+        .ok()
         .and_then(|s| s.image)
         .map(|i| repositories(&i))
         .unwrap_or_default(),
@@ -172,29 +175,19 @@ impl ImageView {
 
     /// `ListImages`, read whole within the limit.
     async fn unary(&self) -> Result<HashSet<String>, String> {
-        use prost::Message as _;
-        let frame = credgate_api::unary::grpc_message(&wire::ListImagesRequest {});
-        let parts = runtime::own_call(wire::LIST_IMAGES, Some(LIST_TIMEOUT))
-            .ok_or("the request could not be built")?;
-        let whole = exchange(&self.own, parts, Bytes::from(frame), self.limit)
-            .await
-            .map_err(|answer| {
-                let said = answer
-                    .headers()
-                    .get("grpc-message")
-                    .map(|v| credgate_api::unary::decode_message(v.as_bytes()))
-                    .unwrap_or_default();
-                format!("ListImages (the runtime serves no StreamImages): {said} (at most {} bytes are read)", self.limit)
-            })?;
-        if whole.code() != Some(0) {
-            return Err(format!(
-                "ListImages (the runtime serves no StreamImages) failed: {}",
-                whole.message()
-            ));
-        }
-        let list = grpc_message(&whole.data)
-            .and_then(|m| wire::ListImagesResponse::decode(m).ok())
-            .ok_or("a ListImages answer that does not decode")?;
+        let list = ask::<_, wire::ListImagesResponse>(
+            &self.own,
+            wire::LIST_IMAGES,
+            &wire::ListImagesRequest {},
+            self.limit,
+        )
+        .await
+        .map_err(|why| {
+            format!(
+                "ListImages (the runtime serves no StreamImages; at most {} bytes are read): {why}",
+                self.limit
+            )
+        })?;
         Ok(list.images.iter().flat_map(repositories).collect())
     }
 
@@ -273,14 +266,6 @@ fn next_message(buffer: &[u8]) -> Option<usize> {
     usize::try_from(u32::from_be_bytes(prefix)).ok()
 }
 
-/// `grpc-status` of a head or trailers.
-fn grpc_code(headers: &hyper::HeaderMap) -> Option<i32> {
-    headers
-        .get("grpc-status")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse().ok())
-}
-
 /// What a stream that ended with `code` gave.
 fn ended(code: i32, headers: &hyper::HeaderMap, all: HashSet<String>, received: bool) -> Streamed {
     match code {
@@ -289,10 +274,7 @@ fn ended(code: i32, headers: &hyper::HeaderMap, all: HashSet<String>, received: 
         12 if !received => Streamed::Unimplemented,
         _ => Streamed::Incomplete(format!(
             "StreamImages ended with code {code}: {}",
-            headers
-                .get("grpc-message")
-                .map(|v| credgate_api::unary::decode_message(v.as_bytes()))
-                .unwrap_or_default()
+            grpc_message_of(headers)
         )),
     }
 }

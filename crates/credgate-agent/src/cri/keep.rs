@@ -89,7 +89,7 @@ impl Keeper {
             MAX_PULL_MESSAGE,
         )
         .await;
-        let present = status.map(|s| s.image.is_some());
+        let present = status.ok().map(|s| s.image.is_some());
         let now = agent.clock().wall();
         state.update(index, |s| {
             s.present = present;

@@ -92,22 +92,48 @@ pub(super) fn own_call(
 }
 
 /// One unary call of our own to the runtime: its answer's message when it succeeded and fit
-/// in `limit` bytes.
+/// in `limit` bytes; why not, otherwise (the runtime's status, or the proxy's own).
 pub(super) async fn ask<M: prost::Message, R: prost::Message + Default>(
     caller: &Caller,
     method: &str,
     message: &M,
     limit: usize,
-) -> Option<R> {
+) -> Result<R, String> {
     let frame = credgate_api::unary::grpc_message(message);
-    let whole = exchange(caller, own_call(method, None)?, Bytes::from(frame), limit)
+    let head = own_call(method, None).ok_or("the request could not be built")?;
+    let whole = exchange(caller, head, Bytes::from(frame), limit)
         .await
-        .ok()?;
+        .map_err(|refused| grpc_message_of(refused.headers()))?;
     if whole.code() != Some(0) {
         tracing::debug!(method, code = ?whole.code(), message = %whole.message(), "the runtime refused the proxy's own call");
-        return None;
+        return Err(format!(
+            "code {}: {}",
+            whole.code().unwrap_or(2),
+            whole.message()
+        ));
     }
-    R::decode(grpc_message(&whole.data)?).ok()
+    grpc_message(&whole.data)
+        .and_then(|m| R::decode(m).ok())
+        .ok_or_else(|| "an answer that does not decode".to_owned())
+}
+
+/// `grpc-status` of a head or trailers.
+pub(super) fn grpc_code(headers: &hyper::HeaderMap) -> Option<i32> {
+    headers.get("grpc-status").and_then(code_value)
+}
+
+/// `grpc-message` of a head or trailers, percent-decoded (empty when there is none).
+pub(super) fn grpc_message_of(headers: &hyper::HeaderMap) -> String {
+    message_value(headers.get("grpc-message"))
+}
+
+fn code_value(v: &hyper::header::HeaderValue) -> Option<i32> {
+    v.to_str().ok()?.parse().ok()
+}
+
+fn message_value(v: Option<&hyper::header::HeaderValue>) -> String {
+    v.map(|v| credgate_api::unary::decode_message(v.as_bytes()))
+        .unwrap_or_default()
 }
 
 /// An answer read whole: its head, its message bytes, its trailers.
@@ -122,24 +148,20 @@ pub(super) struct Whole {
 impl Whole {
     /// The gRPC status code (in the trailers, or in the head of a trailers-only answer).
     pub(super) fn code(&self) -> Option<i32> {
-        self.trailers
-            .as_ref()
-            .and_then(|t| t.get("grpc-status"))
-            .or_else(|| self.parts.headers.get("grpc-status"))
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse().ok())
+        self.header("grpc-status").and_then(code_value)
     }
 
     /// The gRPC status message, percent-decoded.
     pub(super) fn message(&self) -> String {
-        let raw = self
-            .trailers
+        message_value(self.header("grpc-message"))
+    }
+
+    /// A status header: in the trailers, or in the head of a trailers-only answer.
+    fn header(&self, name: &str) -> Option<&hyper::header::HeaderValue> {
+        self.trailers
             .as_ref()
-            .and_then(|t| t.get("grpc-message"))
-            .or_else(|| self.parts.headers.get("grpc-message"))
-            .map(|v| v.as_bytes())
-            .unwrap_or_default();
-        credgate_api::unary::decode_message(raw)
+            .and_then(|t| t.get(name))
+            .or_else(|| self.parts.headers.get(name))
     }
 
     /// The answer as the runtime gave it, in the same shape: a trailers-only answer (the
