@@ -13,7 +13,6 @@ use std::time::Duration;
 use credgate_api::cri::{self as wire, PULL_IMAGE};
 
 use secrecy::ExposeSecret as _;
-use tokio::sync::Notify;
 
 use super::fill::fill;
 use super::pulls::{answered, pull_of, settle, Answered, Pulls, Whose};
@@ -34,8 +33,6 @@ pub(super) struct Keeper {
     /// The proxy's own runtime connection.
     pub(super) own: Arc<Caller>,
     pub(super) every: Duration,
-    /// Notified after each `RemoveImage` through the proxy.
-    pub(super) removed: Arc<Notify>,
 }
 
 impl Keeper {
@@ -67,7 +64,8 @@ impl Keeper {
                 .set(i64::try_from(state.absent()).unwrap_or(i64::MAX));
             tokio::select! {
                 () = tokio::time::sleep(wait) => {}
-                () = self.removed.notified() => {}
+                // After each RemoveImage through the proxy.
+                () = self.pulls.removed.notified() => {}
                 () = stop.cancelled() => return,
             }
         }
@@ -94,14 +92,12 @@ impl Keeper {
         state.update(index, |s| {
             s.present = present;
             s.checked = Some(now);
+            if present == Some(true) {
+                s.failures = 0;
+                s.retry_at = None;
+            }
         });
         if present != Some(false) {
-            if present.is_some() {
-                state.update(index, |s| {
-                    s.failures = 0;
-                    s.retry_at = None;
-                });
-            }
             return None;
         }
         let done = self.pull(image).await;

@@ -98,16 +98,14 @@ async fn forward(
             method: crate::metrics::CriMethod::of(request.uri().path()),
         })
         .inc();
+    let removal = matches!(request.uri().path(), REMOVE_IMAGE | REMOVE_IMAGE_V1ALPHA2);
     let call = async {
         // v1alpha2's messages have v1's fields: its pulls are logged, recorded and captured
         // as v1's are.
-        let removal = matches!(request.uri().path(), REMOVE_IMAGE | REMOVE_IMAGE_V1ALPHA2);
         match (request.uri().path(), &pulls.capture) {
             (PULL_IMAGE | PULL_IMAGE_V1ALPHA2, _) => return pull(caller, pulls, request).await,
             (REMOVE_IMAGE | REMOVE_IMAGE_V1ALPHA2, Some(capture)) => {
-                let answer = remove(caller, capture, request).await;
-                pulls.removed.notify_one();
-                return answer;
+                return remove(caller, capture, request).await
             }
             _ => {}
         }
@@ -118,22 +116,22 @@ async fn forward(
         let (parts, body) = request.into_parts();
         let outbound =
             hyper::Request::from_parts(parts, body.map_err(|e| Box::new(e) as _).boxed_unsync());
-        let answer = match sender.send_request(outbound).await {
+        match sender.send_request(outbound).await {
             Ok(answer) => answer.map(|b| b.map_err(|e| Box::new(e) as _).boxed_unsync()),
             Err(e) => broken_runtime(&e),
-        };
-        if removal {
-            // The runtime answered the removal's head: a kept image it took is pulled again.
-            pulls.removed.notify_one();
         }
-        answer
     };
-    match tokio::time::timeout(limit, call).await {
+    let answer = match tokio::time::timeout(limit, call).await {
         Ok(answer) => answer,
         Err(_) => status(ApiError::Deadline(
             "credgate: the container runtime did not answer within the caller's deadline".into(),
         )),
+    };
+    if removal {
+        // The runtime answered the removal: a kept image it took is pulled again.
+        pulls.removed.notify_one();
     }
+    answer
 }
 
 /// How the proxy runs.
@@ -304,7 +302,6 @@ impl Background {
                 pulls: pulls.clone(),
                 own: own.clone(),
                 every: keep_every,
-                removed: pulls.removed.clone(),
             };
             periodic.push(tokio::spawn(keeper.run(shutdown.clone())));
         }
