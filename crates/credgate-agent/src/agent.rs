@@ -250,16 +250,23 @@ struct Inner {
     node_images: Arc<crate::node_images::NodeImages>,
     /// Credentials registries refused.
     refusals: crate::refusal::Refusals,
-    /// Whether the CRI proxy runs (set when it starts).
-    proxy_running: std::sync::atomic::AtomicBool,
-    /// Why the CRI proxy ended while the agent serves, when it did.
-    proxy_ended: Mutex<Option<String>>,
+    /// The CRI proxy's state: off until it serves; why it ended, when it ended early.
+    proxy: Mutex<ProxyState>,
     /// How registries are asked whether they refuse a credential before a refusal acts.
     confirmations: crate::confirm::Confirmations,
     /// What the CRI proxy may change in a pull.
     pull_policy: crate::cri::policy::PullPolicy,
     /// When a uid other than root's and the agent's own last flushed.
     unprivileged_flush: Mutex<Option<std::time::Instant>>,
+}
+
+/// The CRI proxy's state.
+enum ProxyState {
+    /// Not configured, or not started yet.
+    Off,
+    Serving,
+    /// It stopped while the agent serves, and why.
+    Ended(String),
 }
 
 /// Flushes by uids other than root's and the agent's own: one per this, all together (a flush
@@ -324,8 +331,7 @@ impl Agent {
                 pulls: Arc::default(),
                 node_images: Arc::default(),
                 refusals: crate::refusal::Refusals::default(),
-                proxy_running: std::sync::atomic::AtomicBool::new(false),
-                proxy_ended: Mutex::new(None),
+                proxy: Mutex::new(ProxyState::Off),
                 confirmations: crate::confirm::Confirmations::new(verifier),
                 pull_policy: options.pull_policy,
                 unprivileged_flush: Mutex::new(None),
@@ -360,31 +366,22 @@ impl Agent {
 
     /// The CRI proxy serves from now on.
     pub fn set_proxy_running(&self) {
-        self.inner
-            .proxy_running
-            .store(true, std::sync::atomic::Ordering::Release);
+        *self.inner.proxy.lock() = ProxyState::Serving;
     }
 
     /// The CRI proxy ended while the agent serves (`why`): `Status` says so from now on.
     pub fn set_proxy_ended(&self, why: String) {
-        *self.inner.proxy_ended.lock() = Some(why);
-        self.inner
-            .proxy_running
-            .store(false, std::sync::atomic::Ordering::Release);
+        *self.inner.proxy.lock() = ProxyState::Ended(why);
     }
 
     /// The CRI proxy's state for `Status`: `serving`, `off` (not configured), or
     /// `ended: WHY` (it stopped while the agent serves).
     pub fn proxy_state(&self) -> String {
-        if let Some(why) = self.inner.proxy_ended.lock().as_ref() {
-            return format!("ended: {why}");
+        match &*self.inner.proxy.lock() {
+            ProxyState::Off => "off".to_owned(),
+            ProxyState::Serving => "serving".to_owned(),
+            ProxyState::Ended(why) => format!("ended: {why}"),
         }
-        if self.proxy_running() {
-            "serving"
-        } else {
-            "off"
-        }
-        .to_owned()
     }
 
     /// What the CRI proxy may change in a pull.
@@ -394,9 +391,7 @@ impl Agent {
 
     /// Whether the CRI proxy runs on this agent.
     pub fn proxy_running(&self) -> bool {
-        self.inner
-            .proxy_running
-            .load(std::sync::atomic::Ordering::Acquire)
+        matches!(*self.inner.proxy.lock(), ProxyState::Serving)
     }
 
     /// Credentials registries refused.
