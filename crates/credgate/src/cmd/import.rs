@@ -279,7 +279,6 @@ pub fn read_config(path: &Path) -> Result<String> {
     Ok(text)
 }
 
-/// What was done and what is left to do (no secret).
 /// The socket containerd's config serves its CRI on (`[grpc] address`), or containerd's
 /// default.
 fn grpc_address(text: &str) -> String {
@@ -295,6 +294,7 @@ fn grpc_address(text: &str) -> String {
         .unwrap_or_else(|| "/run/containerd/containerd.sock".to_owned())
 }
 
+/// What was done and what is left to do (no secret).
 fn summary(config: &Path, output: &Path, socket: &str, entries: &[Entry]) -> String {
     let mut out = format!(
         "imported {} registr{} from {} into {} (mode 0600):\n",
