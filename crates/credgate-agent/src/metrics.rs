@@ -72,14 +72,7 @@ impl CriMethod {
     }
 }
 
-impl prometheus_client::encoding::EncodeLabelValue for CriMethod {
-    fn encode(
-        &self,
-        encoder: &mut prometheus_client::encoding::LabelValueEncoder,
-    ) -> std::fmt::Result {
-        std::fmt::Write::write_str(encoder, self.as_str())
-    }
-}
+crate::pull_log::label_values!(CriMethod);
 
 /// The labels of `credgate_cri_calls_total`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]

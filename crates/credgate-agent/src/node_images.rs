@@ -6,7 +6,6 @@
 use std::time::{Duration, SystemTime};
 
 use parking_lot::Mutex;
-use prometheus_client::encoding::{EncodeLabelValue, LabelValueEncoder};
 
 use crate::pull_log::{PullAuth, PullResult};
 
@@ -31,11 +30,7 @@ impl Why {
     }
 }
 
-impl EncodeLabelValue for Why {
-    fn encode(&self, encoder: &mut LabelValueEncoder) -> std::fmt::Result {
-        std::fmt::Write::write_str(encoder, self.as_str())
-    }
-}
+crate::pull_log::label_values!(Why);
 
 /// An image the node keeps, and where its name came from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -108,15 +103,6 @@ impl NodeImages {
     /// Everything known, in the order the images were named.
     pub fn list(&self) -> Vec<Seen> {
         self.seen.lock().clone()
-    }
-
-    /// What is known of `image` (as named), when the node keeps it.
-    pub fn get(&self, image: &str) -> Option<Seen> {
-        self.seen
-            .lock()
-            .iter()
-            .find(|s| s.image.image == image)
-            .cloned()
     }
 
     /// Changes what is known of the `index`-th image.

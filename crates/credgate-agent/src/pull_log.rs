@@ -5,8 +5,6 @@ use parking_lot::Mutex;
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant, SystemTime};
 
-use prometheus_client::encoding::{EncodeLabelValue, LabelValueEncoder};
-
 use crate::refusal::Given;
 
 /// Pulls kept.
@@ -195,11 +193,14 @@ fn unquoted(message: &str) -> String {
     out
 }
 
-/// A metric label's value: its `as_str`.
+/// A metric label's value: its `as_str` (for the label enums of every module).
 macro_rules! label_values {
     ($($label:ty),*) => {
-        $(impl EncodeLabelValue for $label {
-            fn encode(&self, encoder: &mut LabelValueEncoder) -> std::fmt::Result {
+        $(impl prometheus_client::encoding::EncodeLabelValue for $label {
+            fn encode(
+                &self,
+                encoder: &mut prometheus_client::encoding::LabelValueEncoder,
+            ) -> std::fmt::Result {
                 std::fmt::Write::write_str(encoder, self.as_str())
             }
         })*
@@ -207,6 +208,7 @@ macro_rules! label_values {
 }
 
 label_values!(AuthLabel, PullResult);
+pub(crate) use label_values;
 
 /// The ring and the warning's throttle.
 #[derive(Default)]
