@@ -336,7 +336,7 @@ fn scrape(url: &str) -> String {
 
 /// The sum of the samples of `metrics` whose line starts with `prefix` (a name, or a name and
 /// the start of its labels).
-fn metric_sum(metrics: &str, prefix: &str) -> f64 {
+pub(crate) fn metric_sum(metrics: &str, prefix: &str) -> f64 {
     metrics
         .lines()
         .filter(|l| l.starts_with(prefix) && !l.starts_with('#'))

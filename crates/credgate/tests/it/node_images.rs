@@ -15,6 +15,7 @@ use credgate_testbed::cri::*;
 use credgate_testbed::{eventually, oci_image_saying, push, Containerd, Registry};
 use prost::Message as _;
 
+use crate::node::metric_sum as metric;
 use crate::support::foreign::{build_go, go_call, Dial};
 use crate::support::{needs_containerd, proxy_agent_with, text, Agent};
 
@@ -58,14 +59,6 @@ fn remove(go: &Path, socket: &Path, image: &str) {
     .encode_to_vec();
     let answer = go_call(go, Dial::Localhost, socket, REMOVE_IMAGE, &request, 0);
     assert_eq!(answer.code, 0, "{image}: {answer:?}");
-}
-
-/// The value of the metric line that starts with `prefix` (0 when there is none).
-fn metric(text: &str, prefix: &str) -> f64 {
-    text.lines()
-        .filter(|l| l.starts_with(prefix))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
 }
 
 fn ctl(agent: &Agent, args: &[&str]) -> String {
