@@ -20,7 +20,9 @@ use parking_lot::Mutex;
 use tokio::sync::{OnceCell, Semaphore};
 
 use crate::guard::registry::{CredentialCheck, Verifier};
-use crate::refusal::Fingerprint;
+
+/// A credential's keyed fingerprint (never the secret).
+pub type Fingerprint = [u8; 32];
 
 /// The longest a confirmation may take, waiting for its turn included.
 pub const TIMEOUT: Duration = Duration::from_secs(5);

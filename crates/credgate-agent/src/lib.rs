@@ -18,6 +18,7 @@ mod listener;
 pub mod metrics;
 pub mod node;
 pub mod node_images;
+mod outcome;
 mod pull_log;
 mod refusal;
 pub mod renewal;

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::encoding::EncodeLabelSet;
 
-use crate::pull_log::{AuthLabel, PullResult};
+use crate::outcome::{AuthLabel, PullResult};
 use crate::saved_cache::DropReason;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -72,7 +72,7 @@ impl CriMethod {
     }
 }
 
-crate::pull_log::label_values!(CriMethod);
+crate::outcome::label_values!(CriMethod);
 
 /// The labels of `credgate_cri_calls_total`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
@@ -83,7 +83,7 @@ pub struct CriCallLabels {
 /// The labels of `credgate_cri_node_image_pulls_total`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct NodeImagePullLabels {
-    pub why: crate::node_images::Why,
+    pub why: crate::outcome::Why,
     pub result: PullResult,
 }
 

@@ -7,30 +7,11 @@ use std::time::{Duration, SystemTime};
 
 use parking_lot::Mutex;
 
-use crate::pull_log::{PullAuth, PullResult};
+pub use crate::outcome::Why;
+use crate::outcome::{PullAuth, PullResult};
 
 /// Images the node keeps at most (the sandbox image and the operator's).
 pub const MAX_NODE_IMAGES: usize = 32;
-
-/// Why the node keeps an image.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Why {
-    /// The runtime's sandbox image, which it pulls itself with no credential when a pod starts.
-    Sandbox,
-    /// The operator named it (`--cri-proxy-keep-image`).
-    Kept,
-}
-
-impl Why {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Why::Sandbox => "sandbox",
-            Why::Kept => "kept",
-        }
-    }
-}
-
-crate::pull_log::label_values!(Why);
 
 /// An image the node keeps, and where its name came from.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -25,6 +25,8 @@ use hmac::{Hmac, Mac};
 use secrecy::{ExposeSecret, SecretString};
 use sha2::Sha256;
 
+use crate::confirm::Fingerprint;
+use crate::outcome::Given;
 use crate::Agent;
 
 /// A refusal of a credential already refused this recently changes nothing.
@@ -33,49 +35,6 @@ pub const HOLDOFF: Duration = Duration::from_secs(30);
 const REMEMBERED: usize = 1024;
 /// How long a refused credential is remembered when its answer's expiry is unknown.
 const DEFAULT_MEMORY: Duration = Duration::from_secs(3600);
-
-/// The source that gave a credential.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Given {
-    /// A provider's cached answer (by provider name).
-    Provider(String),
-    /// A node-wide docker config file (by path).
-    DockerConfig(String),
-    /// The pull credential the CRI proxy captured for the repository (the pod's namespace).
-    Captured(String),
-}
-
-impl From<credgate_engine::Source> for Given {
-    fn from(source: credgate_engine::Source) -> Given {
-        match source {
-            credgate_engine::Source::Provider(name) => Given::Provider(name),
-            credgate_engine::Source::DockerConfig(file) => Given::DockerConfig(file),
-        }
-    }
-}
-
-impl Given {
-    /// Its kind, as metrics label it: `provider`, `docker_config`, `captured`.
-    pub fn label(&self) -> crate::pull_log::AuthLabel {
-        use crate::pull_log::AuthLabel;
-        match self {
-            Given::Provider(_) => AuthLabel::Provider,
-            Given::DockerConfig(_) => AuthLabel::DockerConfig,
-            Given::Captured(_) => AuthLabel::Captured,
-        }
-    }
-}
-
-impl std::fmt::Display for Given {
-    /// As the pull log names it: `provider:NAME`, `docker-config`, `captured`.
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Given::Provider(name) => write!(f, "provider:{name}"),
-            Given::DockerConfig(_) => f.write_str("docker-config"),
-            Given::Captured(_) => f.write_str("captured"),
-        }
-    }
-}
 
 /// What a refusal did.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -103,9 +62,6 @@ impl Refused {
         }
     }
 }
-
-/// A credential's keyed fingerprint (never the secret).
-pub type Fingerprint = [u8; 32];
 
 struct Remembered {
     given: Given,

@@ -8,7 +8,8 @@
 use std::time::Duration;
 
 use super::pulls::Pull;
-use crate::pull_log::{PullAuth, PullRecord, PullResult};
+use crate::outcome::{PullAuth, PullResult};
+use crate::pull_log::PullRecord;
 
 /// `(code, result)`: the runtime's gRPC code and what it means ([`PullResult::of`]); `given`:
 /// the sources that gave the pull's credential (`unknown` when it carried one none
@@ -17,7 +18,7 @@ use crate::pull_log::{PullAuth, PullRecord, PullResult};
 pub(super) fn log(
     agent: &crate::Agent,
     pull: &Pull,
-    given: &[crate::refusal::Given],
+    given: &[crate::outcome::Given],
     (code, result): (i32, PullResult),
     message: &str,
     took: Duration,
@@ -78,9 +79,9 @@ pub(super) fn log(
 
 /// When a provider that gave the pull's credential still answers a credential a registry
 /// refused (its backend has not caught up): says so.
-fn still_answers_refused(agent: &crate::Agent, given: &[crate::refusal::Given]) -> Option<String> {
+fn still_answers_refused(agent: &crate::Agent, given: &[crate::outcome::Given]) -> Option<String> {
     given.iter().find_map(|g| match g {
-        crate::refusal::Given::Provider(name) => agent
+        crate::outcome::Given::Provider(name) => agent
             .engine()
             .answers_refused_since(name)
             .map(|_| format!("provider {name} still answers the credential the registry refused: it is asked again every few seconds until its backend answers another")),

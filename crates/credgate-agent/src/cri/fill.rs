@@ -22,7 +22,7 @@ pub(super) async fn refreshed(
 ) -> Option<Bytes> {
     let sent = pull.credential.as_ref()?;
     let now = agent.clock().now();
-    let crate::refusal::Given::Provider(provider) =
+    let crate::outcome::Given::Provider(provider) =
         agent
             .refusals()
             .known(&sent.username, sent.password.expose_secret(), now)?
@@ -129,7 +129,7 @@ pub(super) async fn apply_policy(
 pub(super) async fn fill(
     agent: &crate::Agent,
     image: &str,
-) -> Option<(crate::refusal::Given, credgate_engine::Credential)> {
+) -> Option<(crate::outcome::Given, credgate_engine::Credential)> {
     let engine = agent.engine();
     let lookup = engine
         .lookup(&credgate_engine::LookupRequest {
@@ -142,6 +142,6 @@ pub(super) async fn fill(
         credgate_engine::Source::Provider(name) => !engine.keyed_by_service_account(name),
         credgate_engine::Source::DockerConfig(_) => true,
     })?;
-    let source = crate::refusal::Given::from(credential.source.clone());
+    let source = crate::outcome::Given::from(credential.source.clone());
     Some((source, credential))
 }

@@ -19,7 +19,7 @@ use super::pulls::{answered, pull_of, settle, Answered, Pulls, Whose};
 use super::runtime::{self, ask, exchange, framed, Caller};
 use super::MAX_PULL_MESSAGE;
 use crate::node_images::{backoff, NodeImage, OwnPull};
-use crate::pull_log::{PullAuth, PullResult};
+use crate::outcome::{PullAuth, PullResult};
 use crate::tasks::CancellationToken;
 
 /// The longest one of the node's own pulls may take (a sandbox image is small; a kept image
@@ -184,7 +184,7 @@ impl Keeper {
 
     /// The `PullImage` message of `image`, with the credential the agent's sources give for it
     /// (scoped as a pod's pull is), and the source that gave it.
-    async fn request(&self, image: &NodeImage) -> (Vec<u8>, Option<crate::refusal::Given>) {
+    async fn request(&self, image: &NodeImage) -> (Vec<u8>, Option<crate::outcome::Given>) {
         use prost::Message as _;
         let agent = &self.pulls.agent;
         let filled = fill(agent, &image.image).await;

@@ -38,7 +38,7 @@ pub(super) struct Pull {
     pub(super) server_address: String,
     /// The pull came without a credential and the proxy filled in the one this source of the
     /// agent gives (`provider:NAME`, `docker-config`), for a `--cri-proxy-fill` pattern.
-    pub(super) filled: Option<crate::refusal::Given>,
+    pub(super) filled: Option<crate::outcome::Given>,
     /// What the credential scope did with its `server_address`.
     pub(super) scope: &'static str,
     /// Every string the pull's `auth` carried (user name, password, `auth` and its decoded
@@ -46,7 +46,7 @@ pub(super) struct Pull {
     /// (containerd quotes a malformed `auth` whole).
     pub(super) carried: Vec<secrecy::SecretString>,
     /// The agent pulls the image itself, on the node's behalf (`keep.rs`), and why.
-    pub(super) node_image: Option<crate::node_images::Why>,
+    pub(super) node_image: Option<crate::outcome::Why>,
 }
 
 /// `now_ms`: when it is captured, by the agent's clock.
@@ -187,7 +187,7 @@ pub(super) enum Whose {
 
 /// Which of the agent's sources gave the pull's credential (or, when none does now, the one a
 /// refusal of it remembers), found once for the log, a refusal and capture; and whose it is.
-pub(super) fn sources_of(agent: &crate::Agent, pull: &Pull) -> (Vec<crate::refusal::Given>, Whose) {
+pub(super) fn sources_of(agent: &crate::Agent, pull: &Pull) -> (Vec<crate::outcome::Given>, Whose) {
     let Some(c) = &pull.credential else {
         return (Vec::new(), Whose::Caller);
     };
@@ -196,7 +196,7 @@ pub(super) fn sources_of(agent: &crate::Agent, pull: &Pull) -> (Vec<crate::refus
         crate::refusal::given_now(agent, &pull.image, &pull.repository, &c.username, password);
     let whose = if now
         .iter()
-        .any(|g| !matches!(g, crate::refusal::Given::Captured(_)))
+        .any(|g| !matches!(g, crate::outcome::Given::Captured(_)))
     {
         Whose::Node
     } else {
@@ -217,7 +217,7 @@ pub(super) fn sources_of(agent: &crate::Agent, pull: &Pull) -> (Vec<crate::refus
 pub(super) async fn refused(
     agent: &crate::Agent,
     pull: &Pull,
-    given: &[crate::refusal::Given],
+    given: &[crate::outcome::Given],
 ) -> (String, bool) {
     use crate::refusal::Report;
     let Some(c) = &pull.credential else {
@@ -256,7 +256,7 @@ pub(super) async fn refused(
     let provider = matches!(report, Report::Refused(_) | Report::Recently)
         && given
             .iter()
-            .any(|g| matches!(g, crate::refusal::Given::Provider(_)));
+            .any(|g| matches!(g, crate::outcome::Given::Provider(_)));
     (said, provider)
 }
 
@@ -435,9 +435,9 @@ pub(super) async fn answered(
     let message = redacted(&whole.message(), &pull.carried);
     let (given, whose) = sources_of(&pulls.agent, pull);
     let took = started.elapsed();
-    let result = crate::pull_log::PullResult::of(code, &message);
+    let result = crate::outcome::PullResult::of(code, &message);
     let (refusal, provider_refused) =
-        if pull.valid && result == crate::pull_log::PullResult::Unauthorized {
+        if pull.valid && result == crate::outcome::PullResult::Unauthorized {
             refused(&pulls.agent, pull, &given).await
         } else {
             (String::new(), false)

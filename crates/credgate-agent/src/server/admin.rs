@@ -235,7 +235,7 @@ impl Admin for Api {
                     pod_namespace: p.pod_namespace,
                     pod_name: p.pod_name,
                     auth: p.auth.to_string(),
-                    result: crate::pull_log::PullResult::of(p.code, &p.message)
+                    result: crate::outcome::PullResult::of(p.code, &p.message)
                         .as_str()
                         .to_owned(),
                     code: p.code,
