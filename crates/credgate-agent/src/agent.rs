@@ -16,7 +16,6 @@ use tokio::task::JoinHandle;
 use crate::guard::{Guard, GuardOptions};
 use crate::metrics::AgentMetrics;
 use crate::renewal::Renewer;
-use crate::saved_cache::DropReason;
 use credgate_engine::sources::{SourceError, Sources};
 
 /// How to run an agent.
@@ -44,73 +43,6 @@ pub struct AgentOptions {
 
 /// How long a Watch event may wait for room before its client is dropped.
 pub const WATCH_SEND_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
-
-/// What the sealed provider cache did: restored at start, dropped (by reason), saved since.
-#[derive(Debug, Clone, Default)]
-pub struct SavedCacheReport {
-    pub enabled: bool,
-    pub restored: u64,
-    pub dropped: std::collections::BTreeMap<DropReason, u64>,
-    pub consumers_restored: u64,
-    /// Entries in the last save, and when it was fsynced.
-    pub saved_entries: u64,
-    pub last_saved: Option<SystemTime>,
-}
-
-/// Opens the sealed provider cache in `dir` and puts back what may be served again: the
-/// answers into the engine's caches, the named consumers' refs into the renewer (which renews
-/// at once what became due meanwhile). Runs no plugin.
-fn restore_saved(
-    dir: Option<&std::path::Path>,
-    engine: &Engine,
-    renewer: &Renewer,
-    metrics: &AgentMetrics,
-) -> (Option<crate::saved_cache::SavedCache>, SavedCacheReport) {
-    let mut report = SavedCacheReport::default();
-    let Some(dir) = dir else {
-        return (None, report);
-    };
-    let cache = match crate::saved_cache::SavedCache::open(dir) {
-        Ok(c) => c,
-        Err(e) => {
-            tracing::warn!(error = %e, "provider answers are not kept across restarts");
-            return (None, report);
-        }
-    };
-    report.enabled = true;
-    let loaded = cache.load();
-    report.dropped = loaded.dropped;
-    let restored = engine.restore(loaded.entries);
-    report.restored = restored.restored;
-    for (why, n) in restored.dropped {
-        *report.dropped.entry(why.into()).or_default() += n;
-    }
-    for (consumer, refs) in loaded.consumers {
-        match renewer.restore(&consumer, &refs) {
-            Ok(_) => report.consumers_restored += 1,
-            Err(e) => {
-                tracing::warn!(consumer = %consumer, error = %e, "a saved consumer's refs not restored");
-                *report
-                    .dropped
-                    .entry(DropReason::ConsumerInvalid)
-                    .or_default() += 1;
-            }
-        }
-    }
-    metrics.cache_restored.inc_by(report.restored);
-    for (why, n) in &report.dropped {
-        metrics.cache_dropped(*why, *n);
-    }
-    if report.restored > 0 || !report.dropped.is_empty() {
-        tracing::info!(
-            restored = report.restored,
-            dropped = ?report.dropped,
-            consumers = report.consumers_restored,
-            "provider answers restored from the sealed cache"
-        );
-    }
-    (Some(cache), report)
-}
 
 /// The API's services, for per-service caller allowlists.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -242,18 +174,16 @@ struct Inner {
     tasks: crate::tasks::Tasks,
     /// Held during a reload; the fingerprint of the sources the running engine was built from.
     reload: Mutex<Option<[u8; 32]>>,
-    saved_cache: Option<crate::saved_cache::SavedCache>,
-    saved_report: Mutex<SavedCacheReport>,
+    /// The sealed provider cache's writer.
+    saver: crate::saver::Saver,
     /// The CRI proxy's recent pulls.
     pulls: Arc<crate::pull_log::PullLog>,
     /// The images the CRI proxy keeps present on the node's behalf.
     node_images: Arc<crate::node_images::NodeImages>,
-    /// Credentials registries refused.
-    refusals: crate::refusal::Refusals,
+    /// Credentials registries refused: found, confirmed and acted on.
+    refusal: Arc<crate::refusal::Refusal>,
     /// The CRI proxy's state: off until it serves; why it ended, when it ended early.
     proxy: Mutex<ProxyState>,
-    /// How registries are asked whether they refuse a credential before a refusal acts.
-    confirmations: crate::confirm::Confirmations,
     /// What the CRI proxy may change in a pull.
     pull_policy: crate::cri::policy::PullPolicy,
     /// When a uid other than root's and the agent's own last flushed.
@@ -317,22 +247,31 @@ impl Agent {
                 .with_engine(engine.clone())
                 .with_clock(clock.clone())
         });
-        let (saved_cache, saved_report) = restore_saved(
+        let saver = crate::saver::Saver::open(
             options.saved_cache.as_deref(),
-            &engine.load(),
-            &renewer,
-            &metrics,
+            engine.clone(),
+            renewer.clone(),
+            metrics.clone(),
+            clock.clone(),
+            tasks.clone(),
         );
+        let refusal = Arc::new(crate::refusal::Refusal::new(
+            verifier,
+            engine.clone(),
+            options.captured.clone(),
+            renewer.clone(),
+            saver.clone(),
+            metrics.clone(),
+            clock.clone(),
+        ));
         let now = clock.wall();
         Ok(Agent {
             inner: Arc::new(Inner {
-                saved_cache,
-                saved_report: Mutex::new(saved_report),
+                saver,
                 pulls: Arc::default(),
                 node_images: Arc::default(),
-                refusals: crate::refusal::Refusals::default(),
+                refusal,
                 proxy: Mutex::new(ProxyState::Off),
-                confirmations: crate::confirm::Confirmations::new(verifier),
                 pull_policy: options.pull_policy,
                 unprivileged_flush: Mutex::new(None),
                 sources: options.sources,
@@ -394,26 +333,14 @@ impl Agent {
         matches!(*self.inner.proxy.lock(), ProxyState::Serving)
     }
 
-    /// Credentials registries refused.
-    pub fn refusals(&self) -> &crate::refusal::Refusals {
-        &self.inner.refusals
+    /// Credentials registries refused: the service that finds, confirms and acts on them.
+    pub fn refusal(&self) -> &Arc<crate::refusal::Refusal> {
+        &self.inner.refusal
     }
 
-    /// A consumer says the registry refused a credential the agent gave it for `image`;
-    /// `first`: the caller is root or the agent's own uid (its confirmation goes first).
-    pub async fn report_refused(
-        &self,
-        image: &str,
-        username: &str,
-        password: &secrecy::SecretString,
-        first: bool,
-    ) -> Result<crate::refusal::Report, credgate_core::reference::ReferenceError> {
-        crate::refusal::report(self, image, username, password, first).await
-    }
-
-    /// The registry confirmations of refusals.
-    pub fn confirmations(&self) -> &crate::confirm::Confirmations {
-        &self.inner.confirmations
+    /// The sealed provider cache's writer (it writes nothing when the cache is off).
+    pub fn saver(&self) -> &crate::saver::Saver {
+        &self.inner.saver
     }
 
     /// Drops cached provider answers (of `provider`, or all; for `images`, or all) in memory
@@ -439,7 +366,7 @@ impl Agent {
         // A flush that dropped nothing (the answers the last one dropped are not back yet)
         // adds nothing: no write, no renewal, no plugin run.
         if !dropped.is_empty() {
-            self.save().await;
+            self.inner.saver.save().await;
             self.inner.renewer.refresh_all();
         }
         Ok(dropped)
@@ -477,7 +404,7 @@ impl Agent {
             .iter_mut()
             .filter(|s| s.kind == "docker-config")
         {
-            if let Some(r) = self.inner.refusals.docker_report(&source.name) {
+            if let Some(r) = self.inner.refusal.memory().docker_report(&source.name) {
                 source.dropped_unix_ms = crate::state::unix_ms(r.at);
                 source.dropped_reason = format!(
                     "a registry refused an entry of it at a pull of {}: credgate does not change that file; update it",
@@ -632,75 +559,6 @@ impl Agent {
             ) {
                 answer.guard_node_wide_decision =
                     format!("{} ({}): {}", c.answer.as_str(), c.reason, c.message);
-            }
-        }
-    }
-
-    /// What the sealed provider cache did.
-    pub fn saved_cache_report(&self) -> SavedCacheReport {
-        self.inner.saved_report.lock().clone()
-    }
-
-    /// Keeps the providers' answers and the tracked refs sealed on disk, off the lookup path:
-    /// checks every second whether either changed and writes them on a blocking thread (fsynced
-    /// before they count as kept); a last write when the agent's tasks stop. Nothing when the
-    /// sealed cache is off. The caller awaits it at shutdown.
-    pub fn spawn_saver(&self) -> JoinHandle<()> {
-        let agent = self.clone();
-        let shutdown = self.tasks().token().clone();
-        self.tasks().spawn(async move {
-            if agent.inner.saved_cache.is_none() {
-                return;
-            }
-            let mut last = None;
-            loop {
-                let stopping = tokio::select! {
-                    () = tokio::time::sleep(std::time::Duration::from_secs(1)) => false,
-                    () = shutdown.cancelled() => true,
-                };
-                let engine = agent.engine();
-                let now = (
-                    Arc::as_ptr(&engine) as usize,
-                    engine.generation(),
-                    agent.renewer().version(),
-                );
-                if last != Some(now) && agent.save().await {
-                    last = Some(now);
-                }
-                if stopping {
-                    return;
-                }
-            }
-        })
-    }
-
-    /// [`Agent::save_now`] on a blocking thread, off the threads that serve calls.
-    pub async fn save(&self) -> bool {
-        let saver = self.clone();
-        self.tasks()
-            .spawn_blocking(move || saver.save_now())
-            .await
-            .unwrap_or(false)
-    }
-
-    /// Writes the sealed provider cache now (blocking); whether it was written.
-    pub fn save_now(&self) -> bool {
-        let Some(cache) = &self.inner.saved_cache else {
-            return false;
-        };
-        let entries = self.engine().saved_entries();
-        let consumers = self.renewer().named_consumers();
-        match cache.save(entries, consumers) {
-            Ok(n) => {
-                self.inner.metrics.cache_persisted.inc_by(n as u64);
-                let mut report = self.inner.saved_report.lock();
-                report.saved_entries = n as u64;
-                report.last_saved = Some(self.inner.clock.wall());
-                true
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "provider answers not saved");
-                false
             }
         }
     }

@@ -24,6 +24,7 @@ mod refusal;
 pub mod renewal;
 mod rewrite;
 pub mod saved_cache;
+pub mod saver;
 pub mod scrape;
 pub mod server;
 pub mod socket;

@@ -219,7 +219,7 @@ impl Node {
             }
         });
         agent.spawn_renewal();
-        agent.spawn_saver();
+        agent.saver().spawn();
         if let Some(addr) = options.metrics_addr {
             Self::metrics(&agent, addr).await?;
         }

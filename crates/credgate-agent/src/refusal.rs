@@ -25,9 +25,16 @@ use hmac::{Hmac, Mac};
 use secrecy::{ExposeSecret, SecretString};
 use sha2::Sha256;
 
+use crate::captured::Captured;
 use crate::confirm::Fingerprint;
+use crate::metrics::AgentMetrics;
 use crate::outcome::Given;
-use crate::Agent;
+use crate::renewal::Renewer;
+use crate::saver::Saver;
+use arc_swap::ArcSwap;
+use credgate_engine::clock::Clock;
+use credgate_engine::Engine;
+use std::sync::Arc;
 
 /// A refusal of a credential already refused this recently changes nothing.
 pub const HOLDOFF: Duration = Duration::from_secs(30);
@@ -173,204 +180,323 @@ impl Refusals {
     }
 }
 
-/// Which of the agent's sources give `username`:`password` for `image` (of `repository`) now,
-/// in try-order: the captured credential of the repository, docker config entries, providers'
-/// cached answers. Empty: a credential none of them gives.
-pub fn given_now(
-    agent: &Agent,
-    image: &str,
-    repository: &str,
-    username: &str,
-    password: &str,
-) -> Vec<Given> {
-    let mut out = Vec::new();
-    if let Some(held) = agent
-        .captured()
-        .and_then(|c| c.for_repository(repository))
-        .filter(|c| c.username == username && c.password.expose_secret() == password)
-    {
-        out.push(Given::Captured(held.namespace));
+/// Refusals as a service: what it holds to find who gave a credential, confirm a refusal
+/// with the registry and act on it in each source. Cheap to share (`Arc`).
+pub struct Refusal {
+    memory: Refusals,
+    confirmations: crate::confirm::Confirmations,
+    engine: Arc<ArcSwap<Engine>>,
+    captured: Option<Arc<Captured>>,
+    renewer: Renewer,
+    saver: Saver,
+    metrics: AgentMetrics,
+    clock: Arc<dyn Clock>,
+}
+
+impl Refusal {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        verifier: crate::guard::registry::Verifier,
+        engine: Arc<ArcSwap<Engine>>,
+        captured: Option<Arc<Captured>>,
+        renewer: Renewer,
+        saver: Saver,
+        metrics: AgentMetrics,
+        clock: Arc<dyn Clock>,
+    ) -> Refusal {
+        Refusal {
+            memory: Refusals::default(),
+            confirmations: crate::confirm::Confirmations::new(verifier),
+            engine,
+            captured,
+            renewer,
+            saver,
+            metrics,
+            clock,
+        }
     }
-    out.extend(
-        agent
-            .engine()
-            .given_by(image, username, password)
+
+    /// The credentials registries refused, remembered.
+    pub fn memory(&self) -> &Refusals {
+        &self.memory
+    }
+
+    /// Which of the agent's sources give `username`:`password` for `image` (of `repository`) now,
+    /// in try-order: the captured credential of the repository, docker config entries, providers'
+    /// cached answers. Empty: a credential none of them gives.
+    pub fn given_now(
+        &self,
+        image: &str,
+        repository: &str,
+        username: &str,
+        password: &str,
+    ) -> Vec<Given> {
+        let mut out = Vec::new();
+        if let Some(held) = self
+            .captured
+            .as_ref()
+            .and_then(|c| c.for_repository(repository))
+            .filter(|c| c.username == username && c.password.expose_secret() == password)
+        {
+            out.push(Given::Captured(held.namespace));
+        }
+        out.extend(
+            self.engine
+                .load()
+                .given_by(image, username, password)
+                .into_iter()
+                .map(Given::from),
+        );
+        out
+    }
+
+    /// The sources that gave `username`:`password`: [`Refusal::given_now`], or, when none does any more,
+    /// the source that gave it before a registry refused it ([`Refusals::known`]). Empty: a
+    /// credential the agent never gave (a pod's own pull secret).
+    pub fn given_by(
+        &self,
+        image: &str,
+        repository: &str,
+        username: &str,
+        password: &str,
+    ) -> Vec<Given> {
+        self.or_known(
+            self.given_now(image, repository, username, password),
+            username,
+            password,
+        )
+    }
+
+    /// `now`, or when it is empty the source a refusal of `username`:`password` remembers.
+    pub fn or_known(&self, now: Vec<Given>, username: &str, password: &str) -> Vec<Given> {
+        if !now.is_empty() {
+            return now;
+        }
+        self.memory
+            .known(username, password, self.clock.now())
             .into_iter()
-            .map(Given::from),
-    );
-    out
-}
+            .collect()
+    }
 
-/// The sources that gave `username`:`password`: [`given_now`], or, when none does any more,
-/// the source that gave it before a registry refused it ([`Refusals::known`]). Empty: a
-/// credential the agent never gave (a pod's own pull secret).
-pub fn given_by(
-    agent: &Agent,
-    image: &str,
-    repository: &str,
-    username: &str,
-    password: &str,
-) -> Vec<Given> {
-    or_known(
-        agent,
-        given_now(agent, image, repository, username, password),
-        username,
-        password,
-    )
-}
+    /// The registry refused `username`:`password` for `image` (of `repository`), which the
+    /// sources `given` gave; `seen` says where (for the log and `explain`). Drops, forgets or
+    /// reports it in each, once per [`HOLDOFF`].
+    pub async fn refuse(
+        &self,
+        image: &str,
+        repository: &str,
+        username: &str,
+        password: &SecretString,
+        given: &[Given],
+        seen: &str,
+    ) -> Refused {
+        let refusals = &self.memory;
+        let now = self.clock.now();
+        let fp = refusals.fingerprint(username, password.expose_secret());
+        // Remembered under the provider that gave it, when one did: its answer of now replaces a
+        // client's stale copy.
+        let Some(primary) = given
+            .iter()
+            .find(|g| matches!(g, Given::Provider(_)))
+            .or(given.first())
+        else {
+            return Refused::NotGiven;
+        };
+        // Nothing is dropped again within the hold-off: a plugin that answers the same refused
+        // credential once more is not run again for every pull that carries it.
+        if refusals.recently_refused(&fp, now) {
+            return Refused::Recently;
+        }
+        let why = format!("refused by the registry ({seen} of {image})");
+        let mut dropped = Vec::new();
+        for g in given {
+            if let Given::Provider(name) = g {
+                dropped.extend(
+                    self.engine
+                        .load()
+                        .refuse(name, image, username, password.expose_secret(), &why)
+                        .unwrap_or_default(),
+                );
+            }
+        }
+        let until = dropped
+            .iter()
+            .filter_map(|d| d.expires)
+            .max()
+            .and_then(|t| t.duration_since(self.clock.wall()).ok())
+            .map_or(now + DEFAULT_MEMORY, |left| now + left);
+        if !refusals.note(fp, primary, now, until) {
+            return Refused::Recently;
+        }
+        for g in given {
+            self.metrics.refused(g.label());
+            self.act_on(g, image, repository, username, password, seen)
+                .await;
+        }
+        let by_provider = given.iter().any(|g| matches!(g, Given::Provider(_)));
+        let outcome = if by_provider {
+            Refused::Dropped(dropped.len())
+        } else if given.iter().any(|g| matches!(g, Given::Captured(_))) {
+            Refused::Forgotten
+        } else {
+            Refused::Reported
+        };
+        if by_provider {
+            self.renewer.refused(username, password.expose_secret());
+            // The sealed file loses the answer now, not at the saver's next tick.
+            self.saver.save().await;
+        }
+        outcome
+    }
 
-/// `now`, or when it is empty the source a refusal of `username`:`password` remembers.
-pub fn or_known(agent: &Agent, now: Vec<Given>, username: &str, password: &str) -> Vec<Given> {
-    if !now.is_empty() {
-        return now;
+    /// What a refusal does to one source that gave the credential (a provider's answers were
+    /// dropped already): logs it, forgets a captured credential, reports a docker config entry.
+    async fn act_on(
+        &self,
+        given: &Given,
+        image: &str,
+        repository: &str,
+        username: &str,
+        password: &SecretString,
+        seen: &str,
+    ) {
+        match given {
+            Given::Provider(name) => {
+                tracing::warn!(
+                    provider = %name,
+                    image = %image,
+                    seen = %seen,
+                    "the registry refused a credential of provider {name}: its cached answers holding it are dropped and its plugin runs again at the next lookup"
+                );
+            }
+            Given::Captured(namespace) => {
+                self.forget_captured(repository, username, password, namespace, seen)
+                    .await;
+            }
+            Given::DockerConfig(file) => {
+                self.memory.report_docker(
+                    file,
+                    DockerRefusal {
+                        at: self.clock.wall(),
+                        image: image.to_owned(),
+                    },
+                );
+                tracing::warn!(
+                    docker_config = %file,
+                    image = %image,
+                    seen = %seen,
+                    "the registry refused a credential of docker config {file}: credgate does not own that file; update or remove its entry"
+                );
+            }
+        }
     }
-    agent
-        .refusals()
-        .known(username, password, agent.clock().now())
-        .into_iter()
-        .collect()
-}
 
-/// The registry refused `username`:`password` for `image` (of `repository`), which the
-/// sources `given` gave; `seen` says where (for the log and `explain`). Drops, forgets or
-/// reports it in each, once per [`HOLDOFF`].
-pub async fn refuse(
-    agent: &Agent,
-    image: &str,
-    repository: &str,
-    username: &str,
-    password: &SecretString,
-    given: &[Given],
-    seen: &str,
-) -> Refused {
-    let refusals = agent.refusals();
-    let now = agent.clock().now();
-    let fp = refusals.fingerprint(username, password.expose_secret());
-    // Remembered under the provider that gave it, when one did: its answer of now replaces a
-    // client's stale copy.
-    let Some(primary) = given
-        .iter()
-        .find(|g| matches!(g, Given::Provider(_)))
-        .or(given.first())
-    else {
-        return Refused::NotGiven;
-    };
-    // Nothing is dropped again within the hold-off: a plugin that answers the same refused
-    // credential once more is not run again for every pull that carries it.
-    if refusals.recently_refused(&fp, now) {
-        return Refused::Recently;
-    }
-    let why = format!("refused by the registry ({seen} of {image})");
-    let mut dropped = Vec::new();
-    for g in given {
-        if let Given::Provider(name) = g {
-            dropped.extend(
-                agent
-                    .engine()
-                    .refuse(name, image, username, password.expose_secret(), &why)
-                    .unwrap_or_default(),
-            );
+    /// Drops the captured credential of `repository` if it still is the refused one.
+    async fn forget_captured(
+        &self,
+        repository: &str,
+        username: &str,
+        password: &SecretString,
+        namespace: &str,
+        seen: &str,
+    ) {
+        let Some(captured) = self.captured.clone() else {
+            return;
+        };
+        let (repo, user, pass) = (
+            repository.to_owned(),
+            username.to_owned(),
+            SecretString::from(password.expose_secret().to_owned()),
+        );
+        let forgot = tokio::task::spawn_blocking(move || {
+            captured.forget_refused(&repo, &user, pass.expose_secret())
+        })
+        .await;
+        match forgot {
+            Ok(Ok(true)) => {
+                tracing::warn!(repository = %repository, namespace = %namespace, seen = %seen, "the registry refused the captured pull credential: it is dropped");
+            }
+            Ok(Ok(false)) | Err(_) => {}
+            Ok(Err(e)) => {
+                tracing::error!(repository = %repository, error = %e, "the refused captured pull credential cannot be dropped");
+            }
         }
     }
-    let until = dropped
-        .iter()
-        .filter_map(|d| d.expires)
-        .max()
-        .and_then(|t| t.duration_since(agent.clock().wall()).ok())
-        .map_or(now + DEFAULT_MEMORY, |left| now + left);
-    if !refusals.note(fp, primary, now, until) {
-        return Refused::Recently;
-    }
-    for g in given {
-        agent.metrics().refused(g.label());
-        act_on(agent, g, image, repository, username, password, seen).await;
-    }
-    let by_provider = given.iter().any(|g| matches!(g, Given::Provider(_)));
-    let outcome = if by_provider {
-        Refused::Dropped(dropped.len())
-    } else if given.iter().any(|g| matches!(g, Given::Captured(_))) {
-        Refused::Forgotten
-    } else {
-        Refused::Reported
-    };
-    if by_provider {
-        agent.renewer().refused(username, password.expose_secret());
-        // The sealed file loses the answer now, not at the saver's next tick.
-        agent.save().await;
-    }
-    outcome
-}
 
-/// What a refusal does to one source that gave the credential (a provider's answers were
-/// dropped already): logs it, forgets a captured credential, reports a docker config entry.
-async fn act_on(
-    agent: &Agent,
-    given: &Given,
-    image: &str,
-    repository: &str,
-    username: &str,
-    password: &SecretString,
-    seen: &str,
-) {
-    match given {
-        Given::Provider(name) => {
-            tracing::warn!(
-                provider = %name,
-                image = %image,
-                seen = %seen,
-                "the registry refused a credential of provider {name}: its cached answers holding it are dropped and its plugin runs again at the next lookup"
-            );
+    /// Someone saw the registry refuse `username`:`password` for `image` (of `repository`), which
+    /// the sources `given` gave (empty: a pod's own secret, nothing is asked or done); `seen`
+    /// says where. Acts ([`Refusal::refuse`]) only once the registry's auth endpoint has refused that very
+    /// credential to the agent ([`crate::confirm`]); within [`HOLDOFF`] of the last refusal of it,
+    /// nothing is asked again. `first`: root's or the agent's own (its confirmation goes first).
+    #[allow(clippy::too_many_arguments)]
+    pub async fn confirm_and_refuse(
+        &self,
+        image: &str,
+        parsed: &credgate_core::reference::ImageRef<'_>,
+        username: &str,
+        password: &SecretString,
+        given: &[Given],
+        seen: &str,
+        first: bool,
+    ) -> Report {
+        if given.is_empty() {
+            return Report::NotGiven;
         }
-        Given::Captured(namespace) => {
-            forget_captured(agent, repository, username, password, namespace, seen).await;
+        let refusals = &self.memory;
+        let fp = refusals.fingerprint(username, password.expose_secret());
+        if refusals.recently_refused(&fp, self.clock.now()) {
+            return Report::Recently;
         }
-        Given::DockerConfig(file) => {
-            agent.refusals().report_docker(
-                file,
-                DockerRefusal {
-                    at: agent.clock().wall(),
-                    image: image.to_owned(),
-                },
-            );
-            tracing::warn!(
-                docker_config = %file,
-                image = %image,
-                seen = %seen,
-                "the registry refused a credential of docker config {file}: credgate does not own that file; update or remove its entry"
-            );
+        let confirmed = self
+            .confirmations
+            .confirm(
+                parsed.registry(),
+                parsed.path(),
+                fp,
+                username,
+                password.expose_secret(),
+                self.clock.now(),
+                first,
+            )
+            .await;
+        self.metrics.refusal_confirmation(confirmed.as_str());
+        match confirmed {
+            crate::confirm::Confirmed::Refused => Report::Refused(
+                self.refuse(image, parsed.name(), username, password, given, seen)
+                    .await,
+            ),
+            crate::confirm::Confirmed::Accepted => Report::Accepted,
+            crate::confirm::Confirmed::Unchecked => Report::Unchecked,
+            crate::confirm::Confirmed::Unknown(why) => Report::Unreachable(why),
         }
     }
-}
 
-/// Drops the captured credential of `repository` if it still is the refused one.
-async fn forget_captured(
-    agent: &Agent,
-    repository: &str,
-    username: &str,
-    password: &SecretString,
-    namespace: &str,
-    seen: &str,
-) {
-    let Some(captured) = agent.captured().cloned() else {
-        return;
-    };
-    let (repo, user, pass) = (
-        repository.to_owned(),
-        username.to_owned(),
-        SecretString::from(password.expose_secret().to_owned()),
-    );
-    let forgot = tokio::task::spawn_blocking(move || {
-        captured.forget_refused(&repo, &user, pass.expose_secret())
-    })
-    .await;
-    match forgot {
-        Ok(Ok(true)) => {
-            tracing::warn!(repository = %repository, namespace = %namespace, seen = %seen, "the registry refused the captured pull credential: it is dropped");
-        }
-        Ok(Ok(false)) | Err(_) => {}
-        Ok(Err(e)) => {
-            tracing::error!(repository = %repository, error = %e, "the refused captured pull credential cannot be dropped");
-        }
+    /// A consumer says the registry refused `username`:`password` for `image`. Acts only on a
+    /// credential the agent gives for the image, and only once the registry has shown, to the
+    /// agent itself, that it refuses the credential ([`Refusal::confirm_and_refuse`]). `first`: the caller
+    /// is root or the agent's own uid.
+    pub async fn report(
+        &self,
+        image: &str,
+        username: &str,
+        password: &SecretString,
+        first: bool,
+    ) -> Result<Report, credgate_core::reference::ReferenceError> {
+        let parsed = credgate_core::reference::ImageRef::parse(image)?;
+        let given = self.given_by(image, parsed.name(), username, password.expose_secret());
+        let outcome = self
+            .confirm_and_refuse(
+                image,
+                &parsed,
+                username,
+                password,
+                &given,
+                "a consumer's report",
+                first,
+            )
+            .await;
+        self.metrics.refusal_report(outcome.as_str());
+        Ok(outcome)
     }
 }
 
@@ -435,87 +561,6 @@ impl Report {
             }
         }
     }
-}
-
-/// Someone saw the registry refuse `username`:`password` for `image` (of `repository`), which
-/// the sources `given` gave (empty: a pod's own secret, nothing is asked or done); `seen`
-/// says where. Acts ([`refuse`]) only once the registry's auth endpoint has refused that very
-/// credential to the agent ([`crate::confirm`]); within [`HOLDOFF`] of the last refusal of it,
-/// nothing is asked again. `first`: root's or the agent's own (its confirmation goes first).
-#[allow(clippy::too_many_arguments)]
-pub async fn confirm_and_refuse(
-    agent: &Agent,
-    image: &str,
-    parsed: &credgate_core::reference::ImageRef<'_>,
-    username: &str,
-    password: &SecretString,
-    given: &[Given],
-    seen: &str,
-    first: bool,
-) -> Report {
-    if given.is_empty() {
-        return Report::NotGiven;
-    }
-    let refusals = agent.refusals();
-    let fp = refusals.fingerprint(username, password.expose_secret());
-    if refusals.recently_refused(&fp, agent.clock().now()) {
-        return Report::Recently;
-    }
-    let confirmed = agent
-        .confirmations()
-        .confirm(
-            parsed.registry(),
-            parsed.path(),
-            fp,
-            username,
-            password.expose_secret(),
-            agent.clock().now(),
-            first,
-        )
-        .await;
-    agent.metrics().refusal_confirmation(confirmed.as_str());
-    match confirmed {
-        crate::confirm::Confirmed::Refused => Report::Refused(
-            refuse(agent, image, parsed.name(), username, password, given, seen).await,
-        ),
-        crate::confirm::Confirmed::Accepted => Report::Accepted,
-        crate::confirm::Confirmed::Unchecked => Report::Unchecked,
-        crate::confirm::Confirmed::Unknown(why) => Report::Unreachable(why),
-    }
-}
-
-/// A consumer says the registry refused `username`:`password` for `image`. Acts only on a
-/// credential the agent gives for the image, and only once the registry has shown, to the
-/// agent itself, that it refuses the credential ([`confirm_and_refuse`]). `first`: the caller
-/// is root or the agent's own uid.
-pub async fn report(
-    agent: &Agent,
-    image: &str,
-    username: &str,
-    password: &SecretString,
-    first: bool,
-) -> Result<Report, credgate_core::reference::ReferenceError> {
-    let parsed = credgate_core::reference::ImageRef::parse(image)?;
-    let given = given_by(
-        agent,
-        image,
-        parsed.name(),
-        username,
-        password.expose_secret(),
-    );
-    let outcome = confirm_and_refuse(
-        agent,
-        image,
-        &parsed,
-        username,
-        password,
-        &given,
-        "a consumer's report",
-        first,
-    )
-    .await;
-    agent.metrics().refusal_report(outcome.as_str());
-    Ok(outcome)
 }
 
 #[cfg(test)]

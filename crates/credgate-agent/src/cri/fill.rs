@@ -24,7 +24,8 @@ pub(super) async fn refreshed(
     let now = agent.clock().now();
     let crate::outcome::Given::Provider(provider) =
         agent
-            .refusals()
+            .refusal()
+            .memory()
             .known(&sent.username, sent.password.expose_secret(), now)?
     else {
         return None;

@@ -192,8 +192,9 @@ pub(super) fn sources_of(agent: &crate::Agent, pull: &Pull) -> (Vec<crate::outco
         return (Vec::new(), Whose::Caller);
     };
     let password = c.password.expose_secret();
-    let now =
-        crate::refusal::given_now(agent, &pull.image, &pull.repository, &c.username, password);
+    let now = agent
+        .refusal()
+        .given_now(&pull.image, &pull.repository, &c.username, password);
     let whose = if now
         .iter()
         .any(|g| !matches!(g, crate::outcome::Given::Captured(_)))
@@ -202,16 +203,13 @@ pub(super) fn sources_of(agent: &crate::Agent, pull: &Pull) -> (Vec<crate::outco
     } else {
         Whose::Caller
     };
-    (
-        crate::refusal::or_known(agent, now, &c.username, password),
-        whose,
-    )
+    (agent.refusal().or_known(now, &c.username, password), whose)
 }
 
 /// The runtime answered the pull unauthorized. When the credential it carried is one of the
 /// agent's sources' (`given`) and containerd sent it to the image's registry, the registry is
 /// asked whether it refuses that credential itself, and only then is it refused
-/// ([`crate::refusal::confirm_and_refuse`]); a pod's own secret changes nothing and asks
+/// ([`crate::refusal::Refusal::confirm_and_refuse`]); a pod's own secret changes nothing and asks
 /// nothing. What became of it, for the pull log (empty when nothing was asked), and whether
 /// the registry refused a provider's credential.
 pub(super) async fn refused(
@@ -233,17 +231,18 @@ pub(super) async fn refused(
     {
         return (format!("not refused by this pull: {why}"), false);
     }
-    let report = crate::refusal::confirm_and_refuse(
-        agent,
-        &pull.image,
-        &parsed,
-        &c.username,
-        &c.password,
-        given,
-        "a pull through the CRI proxy",
-        false,
-    )
-    .await;
+    let report = agent
+        .refusal()
+        .confirm_and_refuse(
+            &pull.image,
+            &parsed,
+            &c.username,
+            &c.password,
+            given,
+            "a pull through the CRI proxy",
+            false,
+        )
+        .await;
     let said = report.describe(&pull.image);
     if report == Report::Accepted && agent.pulls().may_warn(&pull.image) {
         tracing::warn!(

@@ -23,7 +23,8 @@ impl Credentials for Api {
                     .privileged;
             let report = self
                 .agent
-                .report_refused(&req.image, &req.username, &password, first)
+                .refusal()
+                .report(&req.image, &req.username, &password, first)
                 .await
                 .map_err(ApiError::from)?;
             let message = report.describe(&req.image);

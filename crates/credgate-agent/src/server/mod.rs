@@ -284,7 +284,7 @@ impl Api {
     fn last_known_good(&self, image: &str) -> Option<Vec<pb::Credential>> {
         let value = self.agent.renewer().last_good(image)?;
         let now = self.agent.clock().now();
-        let refusals = self.agent.refusals();
+        let refusals = self.agent.refusal().memory();
         let kept = value
             .credentials
             .iter()
@@ -487,7 +487,7 @@ impl Api {
             started_unix_ms: unix_ms(Some(self.agent.started())),
             loaded_unix_ms: unix_ms(Some(self.agent.loaded())),
             saved_cache: Some({
-                let r = self.agent.saved_cache_report();
+                let r = self.agent.saver().report();
                 pb::SavedCacheStatus {
                     enabled: r.enabled,
                     restored: r.restored,
