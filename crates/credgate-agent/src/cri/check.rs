@@ -11,7 +11,6 @@ use credgate_api::cri as wire;
 use http_body_util::BodyExt as _;
 use hyper::body::{Bytes, Incoming};
 
-use super::pulls::Capture;
 use super::runtime::{
     self, ask, exchange, grpc_code, grpc_message, grpc_message_of, read_whole, Caller,
 };
@@ -37,7 +36,8 @@ pub(super) fn repositories(image: &wire::Image) -> Vec<String> {
 /// captured credential.
 pub(super) async fn remove(
     caller: &Caller,
-    capture: &Capture,
+    view: &ImageView,
+    captured: &std::sync::Arc<crate::captured::Captured>,
     request: hyper::Request<Incoming>,
 ) -> hyper::Response<Body> {
     use prost::Message as _;
@@ -69,7 +69,7 @@ pub(super) async fn remove(
     };
     if whole.code() == Some(0) && !before.is_empty() {
         // The runtime's image list is read from the proxy's own budget, not the caller's.
-        capture.view.forget_absent(&capture.captured, before).await;
+        view.forget_absent(captured, before).await;
     }
     whole.into_response()
 }

@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use super::pulls::Pull;
+use super::pull::Pull;
 use crate::outcome::{PullAuth, PullResult};
 use crate::pull_log::PullRecord;
 

@@ -15,7 +15,8 @@ use credgate_api::cri::{self as wire, PULL_IMAGE};
 use secrecy::ExposeSecret as _;
 
 use super::fill::fill;
-use super::pulls::{answered, pull_of, settle, Answered, Pulls, Whose};
+use super::pull::{pull_of, redacted};
+use super::pulls::{answered, settle, Answered, Pulls, Whose};
 use super::runtime::{self, ask, exchange, framed, Caller};
 use super::MAX_PULL_MESSAGE;
 use crate::node_images::{backoff, NodeImage, OwnPull};
@@ -150,7 +151,7 @@ impl Keeper {
             tracing::warn!(image = %image.image, why = image.why.as_str(), "{said}");
             return failed(auth, said.into());
         };
-        let said = super::pulls::redacted(&whole.message(), &pull.carried);
+        let said = redacted(&whole.message(), &pull.carried);
         let result = PullResult::of(whole.code().unwrap_or(2), &said);
         let said = crate::pull_log::capped(&said, crate::pull_log::MESSAGE);
         agent

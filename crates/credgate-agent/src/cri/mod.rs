@@ -27,6 +27,7 @@ mod decision;
 mod fill;
 mod keep;
 pub mod policy;
+mod pull;
 mod pulls;
 mod runtime;
 use budget::Budgets;
@@ -105,7 +106,7 @@ async fn forward(
         match (request.uri().path(), &pulls.capture) {
             (PULL_IMAGE | PULL_IMAGE_V1ALPHA2, _) => return pull(caller, pulls, request).await,
             (REMOVE_IMAGE | REMOVE_IMAGE_V1ALPHA2, Some(capture)) => {
-                return remove(caller, capture, request).await
+                return remove(caller, &capture.view, &capture.captured, request).await
             }
             _ => {}
         }
