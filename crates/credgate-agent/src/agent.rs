@@ -35,8 +35,6 @@ pub struct AgentOptions {
     /// Keep the providers' answers and the tracked refs sealed in this state directory across
     /// restarts (`--persist-cache`); off when `None`.
     pub saved_cache: Option<std::path::PathBuf>,
-    /// What the CRI proxy may change in a pull (fill, credential scope); off by default.
-    pub pull_policy: crate::cri::policy::PullPolicy,
     /// The pull credentials the CRI proxy captures, opened by the caller (it runs the proxy).
     pub captured: Option<Arc<crate::captured::Captured>>,
 }
@@ -184,8 +182,6 @@ struct Inner {
     refusal: Arc<crate::refusal::Refusal>,
     /// The CRI proxy's state: off until it serves; why it ended, when it ended early.
     proxy: Mutex<ProxyState>,
-    /// What the CRI proxy may change in a pull.
-    pull_policy: crate::cri::policy::PullPolicy,
     /// When a uid other than root's and the agent's own last flushed.
     unprivileged_flush: Mutex<Option<std::time::Instant>>,
 }
@@ -194,7 +190,8 @@ struct Inner {
 enum ProxyState {
     /// Not configured, or not started yet.
     Off,
-    Serving,
+    /// It serves, and explains what it would do with a pull.
+    Serving(Arc<dyn crate::explain::ExplainProxy>),
     /// It stopped while the agent serves, and why.
     Ended(String),
 }
@@ -272,7 +269,6 @@ impl Agent {
                 node_images: Arc::default(),
                 refusal,
                 proxy: Mutex::new(ProxyState::Off),
-                pull_policy: options.pull_policy,
                 unprivileged_flush: Mutex::new(None),
                 sources: options.sources,
                 engine,
@@ -303,9 +299,9 @@ impl Agent {
         &self.inner.node_images
     }
 
-    /// The CRI proxy serves from now on.
-    pub fn set_proxy_running(&self) {
-        *self.inner.proxy.lock() = ProxyState::Serving;
+    /// The CRI proxy serves from now on; `explain` asks it what it would do with a pull.
+    pub fn set_proxy_running(&self, proxy: Arc<dyn crate::explain::ExplainProxy>) {
+        *self.inner.proxy.lock() = ProxyState::Serving(proxy);
     }
 
     /// The CRI proxy ended while the agent serves (`why`): `Status` says so from now on.
@@ -318,19 +314,14 @@ impl Agent {
     pub fn proxy_state(&self) -> String {
         match &*self.inner.proxy.lock() {
             ProxyState::Off => "off".to_owned(),
-            ProxyState::Serving => "serving".to_owned(),
+            ProxyState::Serving(_) => "serving".to_owned(),
             ProxyState::Ended(why) => format!("ended: {why}"),
         }
     }
 
-    /// What the CRI proxy may change in a pull.
-    pub fn pull_policy(&self) -> &crate::cri::policy::PullPolicy {
-        &self.inner.pull_policy
-    }
-
     /// Whether the CRI proxy runs on this agent.
     pub fn proxy_running(&self) -> bool {
-        matches!(*self.inner.proxy.lock(), ProxyState::Serving)
+        matches!(*self.inner.proxy.lock(), ProxyState::Serving(_))
     }
 
     /// Credentials registries refused: the service that finds, confirms and acts on them.
@@ -419,8 +410,8 @@ impl Agent {
         if let Some(guard) = self.guard() {
             self.explain_guard(guard, image, &mut answer);
         }
-        if self.proxy_running() {
-            self.explain_proxy(&explained.image, &mut answer);
+        if let ProxyState::Serving(proxy) = &*self.inner.proxy.lock() {
+            proxy.explain(&explained.image, &mut answer);
         }
         if let Some(c) = self
             .captured()
@@ -442,61 +433,6 @@ impl Agent {
             );
         }
         Ok(answer)
-    }
-
-    /// What the CRI proxy's policy would do with a pull of `image` (a normalized name).
-    fn explain_proxy(&self, image: &str, answer: &mut credgate_api::v1::ExplainResponse) {
-        let policy = self.pull_policy();
-        // A source that can give a credential: a docker config entry, or a provider not
-        // keyed by service account whose cached answer (if any) holds one.
-        let can_fill = answer.sources.iter().any(|s| {
-            s.matched
-                && (s.kind == "docker-config"
-                    || (!self.engine().keyed_by_service_account(&s.name)
-                        && (!s.cached || s.cached_credentials > 0)))
-        });
-        answer.cri_fill = match policy.fill_pattern(image) {
-            Some(pattern) if can_fill => format!(
-                "filled: a pull through the CRI proxy that comes without a credential gets the first credential the sources above give ({pattern} of --cri-proxy-fill); never a service-account-keyed provider's or a captured one"
-            ),
-            Some(pattern) => format!(
-                "not filled: {pattern} of --cri-proxy-fill names the image, but no source above has a credential to fill it with (none matches, or what matches is keyed by service account or answered none); a pull without a credential goes as it came"
-            ),
-            None if policy.fills() => {
-                "not filled: no --cri-proxy-fill pattern names the image; a pull without a credential goes as it came".into()
-            }
-            None => "not filled: --cri-proxy-fill is not set".into(),
-        };
-        let registry = credgate_core::reference::ImageRef::parse(image)
-            .map(|r| r.registry().to_owned())
-            .unwrap_or_default();
-        answer.cri_mirror_trust = policy.scope(&registry).describe();
-        if let Some(last) = self
-            .pulls()
-            .list(Some(image))
-            .into_iter()
-            .find(|p| !p.refusal.is_empty())
-        {
-            let ago = self
-                .inner
-                .clock
-                .wall()
-                .duration_since(last.at)
-                .unwrap_or_default();
-            answer.cri_last_unauthorized =
-                format!("{} ({}s ago): {}", last.image, ago.as_secs(), last.refusal);
-        }
-        answer.cri_node_image = self
-            .node_images()
-            .list()
-            .iter()
-            .filter(|s| {
-                credgate_core::reference::ImageRef::parse(&s.image.image)
-                    .is_ok_and(|r| r.name() == image)
-            })
-            .map(crate::node_images::describe)
-            .collect::<Vec<_>>()
-            .join("; ");
     }
 
     /// The guard's records of `image` and its decision for node-wide credentials.
@@ -566,6 +502,11 @@ impl Agent {
     /// The engine in use now.
     pub fn engine(&self) -> Arc<Engine> {
         self.inner.engine.load_full()
+    }
+
+    /// The engine in use at each moment: a reload swaps what it holds.
+    pub fn engine_handle(&self) -> Arc<ArcSwap<Engine>> {
+        self.inner.engine.clone()
     }
 
     pub fn renewer(&self) -> &Renewer {

@@ -8,6 +8,13 @@ use credgate_core::wire::CacheKeyType;
 use credgate_engine::explain::Explanation;
 use credgate_engine::SourceKind;
 
+/// What the CRI proxy adds to an explanation when it serves (what it would do with a pull of
+/// the image): the proxy gives it to the agent ([`crate::Agent::set_proxy_running`]).
+pub trait ExplainProxy: Send + Sync {
+    /// Fills the answer's `cri_*` fields for `image` (a normalized name).
+    fn explain(&self, image: &str, answer: &mut pb::ExplainResponse);
+}
+
 fn ms(t: Option<SystemTime>) -> i64 {
     t.map_or(0, crate::state::unix_ms)
 }

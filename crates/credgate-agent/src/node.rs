@@ -37,6 +37,8 @@ pub struct ProxyConfig {
     /// The most of a `ListImages` answer the proxy reads for itself
     /// ([`crate::cri::MAX_LIST_MESSAGE`] unless a test lowers it).
     pub list_limit: usize,
+    /// What the proxy may change in a pull (fill, credential scope); off by default.
+    pub policy: crate::cri::policy::PullPolicy,
 }
 
 /// How to run a node agent.
@@ -275,6 +277,15 @@ impl Node {
             .map_err(|e| failed(e.to_string()))?;
         let runtime = crate::cri::endpoint_path(&config.runtime_endpoint);
         tracing::info!(socket = %config.socket.display(), runtime = %runtime.display(), "serving the CRI image-service proxy");
+        let context = crate::cri::Context {
+            clock: agent.clock().clone(),
+            metrics: agent.metrics().clone(),
+            engine: agent.engine_handle(),
+            refusal: agent.refusal().clone(),
+            pulls: agent.pulls().clone(),
+            node_images: agent.node_images().clone(),
+            policy: config.policy.clone(),
+        };
         let options = crate::cri::ProxyOptions {
             runtime,
             captured: agent.captured().cloned(),
@@ -285,7 +296,7 @@ impl Node {
             },
             check_every: config.check_every,
             registry: config.registry.clone(),
-            agent: agent.clone(),
+            context: context.clone(),
             node_images: config.node_images.clone(),
             keep_every: config.keep_every,
             list_limit: config.list_limit,
@@ -322,7 +333,7 @@ impl Node {
             Ok(Err(e)) => return Err(failed(e)),
             Err(_) => return Err(failed("its thread ended before it served".into())),
         }
-        agent.set_proxy_running();
+        agent.set_proxy_running(Arc::new(context));
         let stopping = agent.tasks().token().clone();
         let watched = agent.clone();
         agent.tasks().spawn_blocking(move || {

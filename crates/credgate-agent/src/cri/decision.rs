@@ -16,7 +16,7 @@ use crate::pull_log::PullRecord;
 /// gave: a pod's own pull secret the proxy has not captured); `refusal`: what became of that
 /// credential when the pull ended unauthorized (empty otherwise).
 pub(super) fn log(
-    agent: &crate::Agent,
+    ctx: &super::Context,
     pull: &Pull,
     given: &[crate::outcome::Given],
     (code, result): (i32, PullResult),
@@ -32,9 +32,9 @@ pub(super) fn log(
         (None, Some(_), Some(g)) => PullAuth::Given(g.clone()),
         (None, Some(_), None) => PullAuth::Unknown,
     };
-    agent.metrics().cri_pull(auth.label(), result);
+    ctx.metrics.cri_pull(auth.label(), result);
     if result == PullResult::Unauthorized {
-        if let Some(still) = still_answers_refused(agent, given) {
+        if let Some(still) = still_answers_refused(ctx, given) {
             if !refusal.is_empty() {
                 refusal.push_str("; ");
             }
@@ -60,10 +60,10 @@ pub(super) fn log(
         "pull"
     );
     if auth == PullAuth::None && result == PullResult::Unauthorized {
-        warn_if_a_source_would_have_answered(agent, pull);
+        warn_if_a_source_would_have_answered(ctx, pull);
     }
-    agent.pulls().push(PullRecord {
-        at: agent.clock().wall(),
+    ctx.pulls.push(PullRecord {
+        at: ctx.clock.wall(),
         image: pull.image.clone(),
         repository: pull.repository.clone(),
         pod_namespace: pull.pod_namespace.clone(),
@@ -79,9 +79,9 @@ pub(super) fn log(
 
 /// When a provider that gave the pull's credential still answers a credential a registry
 /// refused (its backend has not caught up): says so.
-fn still_answers_refused(agent: &crate::Agent, given: &[crate::outcome::Given]) -> Option<String> {
+fn still_answers_refused(ctx: &super::Context, given: &[crate::outcome::Given]) -> Option<String> {
     given.iter().find_map(|g| match g {
-        crate::outcome::Given::Provider(name) => agent
+        crate::outcome::Given::Provider(name) => ctx
             .engine()
             .answers_refused_since(name)
             .map(|_| format!("provider {name} still answers the credential the registry refused: it is asked again every few seconds until its backend answers another")),
@@ -101,9 +101,9 @@ enum Had {
 }
 
 /// Each source of the agent that matches `image`, and what it had for it.
-fn matching_sources(agent: &crate::Agent, image: &str) -> Vec<Had> {
+fn matching_sources(ctx: &super::Context, image: &str) -> Vec<Had> {
     use credgate_engine::SourceKind;
-    let Ok(explained) = agent.engine().explain(&credgate_engine::LookupRequest {
+    let Ok(explained) = ctx.engine().explain(&credgate_engine::LookupRequest {
         image,
         ..Default::default()
     }) else {
@@ -152,8 +152,8 @@ fn matching_sources(agent: &crate::Agent, image: &str) -> Vec<Had> {
 /// (its config or bin dir, or its copy of matchImages): warned once per image per interval and
 /// counted. Otherwise the warning says which case it is (a plugin that failed or answered
 /// nothing, a docker config the kubelet does not read), and nothing is counted.
-fn warn_if_a_source_would_have_answered(agent: &crate::Agent, pull: &Pull) {
-    let sources = matching_sources(agent, &pull.image);
+fn warn_if_a_source_would_have_answered(ctx: &super::Context, pull: &Pull) {
+    let sources = matching_sources(ctx, &pull.image);
     if sources.is_empty() {
         return;
     }
@@ -171,9 +171,9 @@ fn warn_if_a_source_would_have_answered(agent: &crate::Agent, pull: &Pull) {
     }
     // The kubelet did not ask the agent: it would have answered, or it was never asked.
     if !had.is_empty() || never_asked {
-        agent.metrics().cri_pulls_missed.inc();
+        ctx.metrics.cri_pulls_missed.inc();
     }
-    if !agent.pulls().may_warn(&pull.image) {
+    if !ctx.pulls.may_warn(&pull.image) {
         return;
     }
     if had.is_empty() {

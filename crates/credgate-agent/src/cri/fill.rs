@@ -16,21 +16,20 @@ use super::runtime::{framed, grpc_message};
 /// dropped), as a gRPC frame. `None`, and the request goes as it came, for any other pull, or
 /// when the provider has no other credential for the image.
 pub(super) async fn refreshed(
-    agent: &crate::Agent,
+    ctx: &super::Context,
     pull: &mut Pull,
     frame: &[u8],
 ) -> Option<Bytes> {
     let sent = pull.credential.as_ref()?;
-    let now = agent.clock().now();
+    let now = ctx.clock.now();
     let crate::outcome::Given::Provider(provider) =
-        agent
-            .refusal()
+        ctx.refusal
             .memory()
             .known(&sent.username, sent.password.expose_secret(), now)?
     else {
         return None;
     };
-    let lookup = agent
+    let lookup = ctx
         .engine()
         .lookup(&credgate_engine::LookupRequest {
             image: &pull.image,
@@ -68,12 +67,12 @@ pub(super) async fn refreshed(
 /// credential's `server_address` is scoped. `None`, and the request goes as it is, when the
 /// policy changes nothing.
 pub(super) async fn apply_policy(
-    agent: &crate::Agent,
+    ctx: &super::Context,
     pull: &mut Pull,
     frame: &[u8],
 ) -> Option<Bytes> {
     use prost::Message as _;
-    let policy = agent.pull_policy();
+    let policy = &ctx.policy;
     if policy.is_off() || pull.other_registry {
         // A credential named for another registry is not the image's: the runtime does not
         // use it, and the policy does not make it usable.
@@ -91,7 +90,7 @@ pub(super) async fn apply_policy(
         (None, _) if pull.sent_auth() => return None,
         (None, _) => {
             let pattern = policy.fill_pattern(parsed.name())?;
-            let Some((source, credential)) = fill(agent, &pull.image).await else {
+            let Some((source, credential)) = fill(ctx, &pull.image).await else {
                 tracing::info!(image = %pull.image, pattern, "a pull without credentials is not filled: no source of the agent gives a credential for it");
                 return None;
             };
@@ -128,10 +127,10 @@ pub(super) async fn apply_policy(
 /// keyed by service account (the CRI carries no identity to ask with). With the source's
 /// name for the log.
 pub(super) async fn fill(
-    agent: &crate::Agent,
+    ctx: &super::Context,
     image: &str,
 ) -> Option<(crate::outcome::Given, credgate_engine::Credential)> {
-    let engine = agent.engine();
+    let engine = ctx.engine();
     let lookup = engine
         .lookup(&credgate_engine::LookupRequest {
             image,

@@ -39,13 +39,13 @@ pub(super) struct Keeper {
 impl Keeper {
     /// Keeps the images present until `stop`.
     pub(super) async fn run(self, stop: CancellationToken) {
-        let agent = self.pulls.agent.clone();
-        let state = agent.node_images().clone();
+        let ctx = self.pulls.ctx.clone();
+        let state = ctx.node_images.clone();
         state.set(&self.images);
         loop {
             let mut wait = self.every;
             for (index, image) in self.images.iter().enumerate() {
-                let now = agent.clock().wall();
+                let now = ctx.clock.wall();
                 let due = state.list().get(index).and_then(|s| s.retry_at);
                 match due.and_then(|at| at.duration_since(now).ok()) {
                     Some(left) if !left.is_zero() => wait = wait.min(left),
@@ -59,8 +59,7 @@ impl Keeper {
                     return;
                 }
             }
-            agent
-                .metrics()
+            ctx.metrics
                 .cri_node_images_absent
                 .set(i64::try_from(state.absent()).unwrap_or(i64::MAX));
             tokio::select! {
@@ -75,8 +74,8 @@ impl Keeper {
     /// Asks the runtime whether it has `image` and pulls it when it does not; the time until
     /// it is tried again when the pull failed.
     async fn check(&self, index: usize, image: &NodeImage) -> Option<Duration> {
-        let agent = &self.pulls.agent;
-        let state = agent.node_images();
+        let ctx = &self.pulls.ctx;
+        let state = &ctx.node_images;
         let status = ask::<_, wire::ImageStatusResponse>(
             &self.own,
             wire::IMAGE_STATUS,
@@ -89,7 +88,7 @@ impl Keeper {
         )
         .await;
         let present = status.ok().map(|s| s.image.is_some());
-        let now = agent.clock().wall();
+        let now = ctx.clock.wall();
         state.update(index, |s| {
             s.present = present;
             s.checked = Some(now);
@@ -125,8 +124,8 @@ impl Keeper {
     /// recorded.
     async fn pull(&self, image: &NodeImage) -> OwnPull {
         let pulls = &self.pulls;
-        let agent = &pulls.agent;
-        let at = agent.clock().wall();
+        let ctx = &pulls.ctx;
+        let at = ctx.clock.wall();
         let failed = |auth: PullAuth, message: String| OwnPull {
             at,
             auth,
@@ -154,8 +153,7 @@ impl Keeper {
         let said = redacted(&whole.message(), &pull.carried);
         let result = PullResult::of(whole.code().unwrap_or(2), &said);
         let said = crate::pull_log::capped(&said, crate::pull_log::MESSAGE);
-        agent
-            .metrics()
+        ctx.metrics
             .cri_node_image_pulls
             .get_or_create(&crate::metrics::NodeImagePullLabels {
                 why: image.why,
@@ -187,15 +185,15 @@ impl Keeper {
     /// (scoped as a pod's pull is), and the source that gave it.
     async fn request(&self, image: &NodeImage) -> (Vec<u8>, Option<crate::outcome::Given>) {
         use prost::Message as _;
-        let agent = &self.pulls.agent;
-        let filled = fill(agent, &image.image).await;
+        let ctx = &self.pulls.ctx;
+        let filled = fill(ctx, &image.image).await;
         let registry = credgate_core::reference::ImageRef::parse(&image.image)
             .map(|r| r.registry().to_owned())
             .unwrap_or_default();
         let auth = filled.as_ref().map(|(_, c)| wire::AuthConfig {
             username: c.username.clone(),
             password: c.password.expose_secret().to_owned(),
-            server_address: agent.pull_policy().scope(&registry).server_address(""),
+            server_address: ctx.policy.scope(&registry).server_address(""),
             ..Default::default()
         });
         let message = wire::PullImageRequest {

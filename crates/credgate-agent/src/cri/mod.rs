@@ -23,6 +23,7 @@ use crate::status::ApiError;
 mod budget;
 mod capture;
 mod check;
+mod context;
 mod decision;
 mod fill;
 mod keep;
@@ -32,6 +33,7 @@ mod pulls;
 mod runtime;
 use budget::Budgets;
 use check::remove;
+pub use context::Context;
 use pulls::{pull, Capture, Pulls};
 use runtime::{broken_runtime, status, unreachable_runtime, Caller, Runtime};
 
@@ -92,8 +94,8 @@ async fn forward(
     let limit = deadline(request.headers());
     let runtime = &caller.runtime;
     pulls
-        .agent
-        .metrics()
+        .ctx
+        .metrics
         .cri_calls
         .get_or_create(&crate::metrics::CriCallLabels {
             method: crate::metrics::CriMethod::of(request.uri().path()),
@@ -150,8 +152,8 @@ pub struct ProxyOptions {
     pub check_every: Duration,
     /// How registries are reached to confirm a credential before it is captured.
     pub registry: crate::guard::registry::RegistryOptions,
-    /// The agent: its metrics, and the engine and pull log the pull decisions use.
-    pub agent: crate::Agent,
+    /// What the proxy uses of the agent.
+    pub context: Context,
     /// The images the node keeps present, pulled on its own behalf (decision 0022).
     pub node_images: Vec<crate::node_images::NodeImage>,
     /// How often the runtime is asked whether it has them.
@@ -206,7 +208,7 @@ pub const MAX_STREAMS: u32 = 64;
 /// is cancelled; then stops accepting and lets calls in flight finish for at most the
 /// shutdown deadline.
 pub async fn serve(listener: UnixListener, options: ProxyOptions, shutdown: CancellationToken) {
-    let metrics = options.agent.metrics().clone();
+    let metrics = options.context.metrics.clone();
     let proxy_budget = Budgets::proxy(metrics.cri_held_bytes.clone());
     let runtime = options.runtime.clone();
     let limits = options.limits.clone();
@@ -260,13 +262,13 @@ impl Background {
             guard,
             check_every,
             registry,
-            agent,
+            context,
             node_images,
             keep_every,
             list_limit,
             limits: _,
         } = options;
-        let metrics = agent.metrics().clone();
+        let metrics = context.metrics.clone();
         // The proxy's own calls use a runtime connection and a budget of their own.
         let own = std::sync::Arc::new(Caller {
             runtime: std::sync::Arc::new(Runtime::new(runtime)),
@@ -292,7 +294,7 @@ impl Background {
             None => (None, None),
         };
         let pulls = std::sync::Arc::new(Pulls {
-            agent,
+            ctx: context,
             guard,
             capture,
             removed: std::sync::Arc::default(),

@@ -31,13 +31,13 @@ pub(super) enum Whose {
 
 /// Which of the agent's sources gave the pull's credential (or, when none does now, the one a
 /// refusal of it remembers), found once for the log, a refusal and capture; and whose it is.
-pub(super) fn sources_of(agent: &crate::Agent, pull: &Pull) -> (Vec<crate::outcome::Given>, Whose) {
+pub(super) fn sources_of(ctx: &super::Context, pull: &Pull) -> (Vec<crate::outcome::Given>, Whose) {
     let Some(c) = &pull.credential else {
         return (Vec::new(), Whose::Caller);
     };
     let password = c.password.expose_secret();
-    let now = agent
-        .refusal()
+    let now = ctx
+        .refusal
         .given_now(&pull.image, &pull.repository, &c.username, password);
     let whose = if now
         .iter()
@@ -47,7 +47,7 @@ pub(super) fn sources_of(agent: &crate::Agent, pull: &Pull) -> (Vec<crate::outco
     } else {
         Whose::Caller
     };
-    (agent.refusal().or_known(now, &c.username, password), whose)
+    (ctx.refusal.or_known(now, &c.username, password), whose)
 }
 
 /// The runtime answered the pull unauthorized. When the credential it carried is one of the
@@ -57,7 +57,7 @@ pub(super) fn sources_of(agent: &crate::Agent, pull: &Pull) -> (Vec<crate::outco
 /// nothing. What became of it, for the pull log (empty when nothing was asked), and whether
 /// the registry refused a provider's credential.
 pub(super) async fn refused(
-    agent: &crate::Agent,
+    ctx: &super::Context,
     pull: &Pull,
     given: &[crate::outcome::Given],
 ) -> (String, bool) {
@@ -75,8 +75,8 @@ pub(super) async fn refused(
     {
         return (format!("not refused by this pull: {why}"), false);
     }
-    let report = agent
-        .refusal()
+    let report = ctx
+        .refusal
         .confirm_and_refuse(
             &pull.image,
             &parsed,
@@ -88,7 +88,7 @@ pub(super) async fn refused(
         )
         .await;
     let said = report.describe(&pull.image);
-    if report == Report::Accepted && agent.pulls().may_warn(&pull.image) {
+    if report == Report::Accepted && ctx.pulls.may_warn(&pull.image) {
         tracing::warn!(
             image = %pull.image,
             pod_namespace = %pull.pod_namespace,
@@ -165,14 +165,14 @@ pub(super) async fn pull(
             Ok(read) => read,
             Err(refused) => return refused,
         };
-    let now_ms = crate::state::unix_ms(pulls.agent.clock().wall());
+    let now_ms = crate::state::unix_ms(pulls.ctx.clock.wall());
     let mut asked = grpc_message(&bytes).and_then(|m| pull_of(m, now_ms));
     if let Some(pull) = asked.as_mut().filter(|p| p.valid) {
-        if let Some(frame) = refreshed(&pulls.agent, pull, &bytes).await {
+        if let Some(frame) = refreshed(&pulls.ctx, pull, &bytes).await {
             parts.headers.remove(hyper::header::CONTENT_LENGTH);
             bytes = frame;
         }
-        if let Some(frame) = apply_policy(&pulls.agent, pull, &bytes).await {
+        if let Some(frame) = apply_policy(&pulls.ctx, pull, &bytes).await {
             parts.headers.remove(hyper::header::CONTENT_LENGTH);
             bytes = frame;
         }
@@ -215,7 +215,7 @@ pub(super) async fn pull(
     // in its place): the same pull goes again, once, with the provider's answer of now, so the
     // caller sees the rotation succeed instead of failing once and backing off. Only when the
     // provider answers another credential.
-    if let Some(frame) = refreshed(&pulls.agent, &mut pull, &bytes).await {
+    if let Some(frame) = refreshed(&pulls.ctx, &mut pull, &bytes).await {
         return again(caller, pulls, pull, head, frame).await;
     }
     settle(pulls, pull, whose, &whole).await;
@@ -276,17 +276,17 @@ pub(super) async fn answered(
     let code = whole.code().unwrap_or(2);
     // What the caller sent is its own: the message keeps none of it past this point.
     let message = redacted(&whole.message(), &pull.carried);
-    let (given, whose) = sources_of(&pulls.agent, pull);
+    let (given, whose) = sources_of(&pulls.ctx, pull);
     let took = started.elapsed();
     let result = crate::outcome::PullResult::of(code, &message);
     let (refusal, provider_refused) =
         if pull.valid && result == crate::outcome::PullResult::Unauthorized {
-            refused(&pulls.agent, pull, &given).await
+            refused(&pulls.ctx, pull, &given).await
         } else {
             (String::new(), false)
         };
     decision::log(
-        &pulls.agent,
+        &pulls.ctx,
         pull,
         &given,
         (code, result),
@@ -315,7 +315,7 @@ pub(super) async fn settle(pulls: &Pulls, pull: Pull, whose: Whose, whole: &runt
         .filter(|r| !r.is_empty());
     if let Some(guard) = &pulls.guard {
         let accounts = match &pull.credential {
-            Some(c) if whose == Whose::Node => pulls.agent.engine().service_accounts_given(
+            Some(c) if whose == Whose::Node => pulls.ctx.engine().service_accounts_given(
                 &pull.image,
                 &c.username,
                 c.password.expose_secret(),
@@ -342,8 +342,8 @@ pub(super) async fn settle(pulls: &Pulls, pull: Pull, whose: Whose, whole: &runt
     };
     if pull.other_registry {
         pulls
-            .agent
-            .metrics()
+            .ctx
+            .metrics
             .capture(crate::metrics::CaptureResult::OtherRegistry);
         tracing::warn!(repository = %pull.repository, "pull credentials not captured: their server address names another registry");
         return;
@@ -353,8 +353,8 @@ pub(super) async fn settle(pulls: &Pulls, pull: Pull, whose: Whose, whole: &runt
         // or from a docker config): not a pod's secret, and a copy would outlive the
         // provider's rotation of it.
         pulls
-            .agent
-            .metrics()
+            .ctx
+            .metrics
             .capture(crate::metrics::CaptureResult::OwnSource);
         return;
     }
@@ -366,7 +366,7 @@ pub(super) async fn settle(pulls: &Pulls, pull: Pull, whose: Whose, whole: &runt
         // Acknowledged means kept: a crash right after the answer loses no confirmed capture.
         // A registry slow to confirm holds the answer only so long.
         if tokio::time::timeout(CAPTURE_WAIT, settled).await.is_err() {
-            pulls.agent.metrics().cri_captures_late.inc();
+            pulls.ctx.metrics.cri_captures_late.inc();
             tracing::warn!(repository = %repository, "the pull is answered before its credential's capture is confirmed: the registry did not confirm it within {CAPTURE_WAIT:?}; the capture goes on");
         }
     }
@@ -377,7 +377,7 @@ pub(super) async fn settle(pulls: &Pulls, pull: Pull, whose: Whose, whole: &runt
 /// captured credentials).
 pub(super) struct Pulls {
     /// Its metrics, and for the pull decision log its engine, clock and pull ring.
-    pub(super) agent: crate::Agent,
+    pub(super) ctx: super::Context,
     pub(super) guard: Option<crate::guard::Guard>,
     pub(super) capture: Option<Capture>,
     /// Notified after each `RemoveImage`: the node's kept images are checked again.

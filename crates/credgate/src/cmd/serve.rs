@@ -106,7 +106,6 @@ fn node_options(args: &ServeArgs) -> Result<NodeOptions> {
             callers,
             watch_send_timeout: Some(args.watch_send_timeout),
             saved_cache: args.persist_cache.then(|| state_dir.clone()),
-            pull_policy,
             captured: None,
         },
         state_dir,
@@ -135,6 +134,7 @@ fn node_options(args: &ServeArgs) -> Result<NodeOptions> {
             node_images: node_images.clone(),
             keep_every: args.cri_proxy_keep_interval,
             list_limit: args.cri_proxy_list_limit,
+            policy: pull_policy.clone(),
         }),
     })
 }
