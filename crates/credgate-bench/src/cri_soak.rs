@@ -32,29 +32,10 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde_json::json;
 
 use crate::cri::{Node, PASSWORD, USER};
-use crate::{emit, ms, percentile, Args};
+use crate::probe::Phase;
+use crate::{emit, Args};
 
 type Body = UnsyncBoxBody<Bytes, std::io::Error>;
-
-/// What one loop saw in one phase (the CRI soak's loops, the API soak's probes).
-#[derive(Default)]
-pub(crate) struct Phase {
-    pub(crate) ok: Vec<Duration>,
-    pub(crate) failed: u64,
-}
-
-impl Phase {
-    pub(crate) fn summary(&mut self) -> serde_json::Value {
-        let n = self.ok.len();
-        let (p50, max) = if n == 0 {
-            (Duration::ZERO, Duration::ZERO)
-        } else {
-            let max = *self.ok.iter().max().unwrap_or(&Duration::ZERO);
-            (percentile(&mut self.ok, 0.5), max)
-        };
-        json!({"ok": n, "failed": self.failed, "p50_ms": ms(p50), "max_ms": ms(max)})
-    }
-}
 
 pub fn cri_soak(args: &Args) -> Result<()> {
     let node = Node::start("cri-soak")?;
@@ -85,7 +66,7 @@ pub fn cri_soak(args: &Args) -> Result<()> {
         // A bridge-like caller of the API: Health on a new connection every 100 ms.
         let api = {
             let (attacking, stop) = (attacking.clone(), stop.clone());
-            tokio::spawn(crate::tenant::health_probe(
+            tokio::spawn(crate::probe::health(
                 api_socket.clone(),
                 Duration::from_millis(100),
                 move || phase(&attacking),

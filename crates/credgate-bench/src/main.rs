@@ -13,6 +13,7 @@ mod cri;
 mod cri_soak;
 mod guard;
 mod hostile_registry;
+mod probe;
 mod renewal_scale;
 mod rollout;
 mod rotation;

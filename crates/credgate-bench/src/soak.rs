@@ -87,7 +87,7 @@ struct Attacked {
     rate_during: f64,
     counts: Arc<crate::adversary::Counts>,
     tenants: Vec<serde_json::Value>,
-    probed: Option<[[crate::cri_soak::Phase; 2]; 2]>,
+    probed: Option<[[crate::probe::Phase; 2]; 2]>,
     files: Option<serde_json::Value>,
 }
 
@@ -255,7 +255,7 @@ fn start_attack(
 /// Stops the attack and gathers what it, the tenants and the probes saw.
 async fn end_attack(
     task: AttackTask,
-    probe: Option<tokio::task::JoinHandle<[[crate::cri_soak::Phase; 2]; 2]>>,
+    probe: Option<tokio::task::JoinHandle<[[crate::probe::Phase; 2]; 2]>>,
     args: &Args,
     elapsed: Duration,
     total_done: u64,

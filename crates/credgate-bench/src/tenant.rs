@@ -27,7 +27,7 @@ use credgate_api::v1::image_access_client::ImageAccessClient;
 use credgate_api::v1::{self as pb};
 use serde_json::json;
 
-use crate::cri_soak::Phase;
+use crate::probe::Phase;
 use crate::Args;
 
 pub fn tenant(args: &Args) -> Result<()> {
@@ -315,7 +315,7 @@ impl Tenants {
 pub async fn probe(socket: PathBuf, half: Duration, until: Instant) -> [[Phase; 2]; 2] {
     let started = Instant::now();
     let phase = move || usize::from(started.elapsed() >= half);
-    let health = tokio::spawn(health_probe(
+    let health = tokio::spawn(crate::probe::health(
         socket.clone(),
         Duration::from_millis(200),
         phase,
@@ -348,34 +348,6 @@ pub async fn probe(socket: PathBuf, half: Duration, until: Instant) -> [[Phase; 
         health.await.unwrap_or_default(),
         limited.await.unwrap_or_default(),
     ]
-}
-
-/// `Health` on a new connection every `every` (5 s at most each) while `running`, by the phase
-/// `phase` names (0 or 1): what the node's own callers see of the agent.
-pub(crate) async fn health_probe(
-    socket: PathBuf,
-    every: Duration,
-    phase: impl Fn() -> usize,
-    running: impl Fn() -> bool,
-) -> [Phase; 2] {
-    let mut seen: [Phase; 2] = Default::default();
-    while running() {
-        let (at, t) = (phase(), Instant::now());
-        let answer = tokio::time::timeout(Duration::from_secs(5), async {
-            let channel = credgate_api::connect(&socket).await.ok()?;
-            credgate_api::v1::admin_client::AdminClient::new(channel)
-                .health(pb::HealthRequest {})
-                .await
-                .ok()
-        })
-        .await;
-        match answer {
-            Ok(Some(_)) => seen[at].ok.push(t.elapsed()),
-            _ => seen[at].failed += 1,
-        }
-        tokio::time::sleep(every).await;
-    }
-    seen
 }
 
 /// The state directory's files and their caps, in bytes (a cap of 0: none of its own).
