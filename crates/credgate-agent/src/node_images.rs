@@ -1,6 +1,6 @@
 //! The images the node keeps present on its own behalf: the runtime's sandbox (pause) image and
 //! the images the operator names (`--cri-proxy-keep-image`). The CRI proxy's keeper
-//! (`cri/keep.rs`) checks and pulls them; this is what it knows of each, for `Status`,
+//! (`credgate-cri`'s `keep.rs`) checks and pulls them; this is what it knows of each, for `Status`,
 //! `explain`, the pull log and metrics (decision 0022).
 
 use std::time::{Duration, SystemTime};
@@ -87,7 +87,7 @@ impl NodeImages {
     }
 
     /// Changes what is known of the `index`-th image.
-    pub(crate) fn update(&self, index: usize, change: impl FnOnce(&mut Seen)) {
+    pub fn update(&self, index: usize, change: impl FnOnce(&mut Seen)) {
         if let Some(seen) = self.seen.lock().get_mut(index) {
             change(seen);
         }

@@ -10,16 +10,16 @@ use crate::outcome::PullAuth;
 /// Pulls kept.
 pub const RING: usize = 256;
 /// The longest runtime message kept with a pull.
-pub(crate) const MESSAGE: usize = 512;
+pub const MESSAGE: usize = 512;
 /// The longest image reference kept (a valid one is at most 1024 bytes).
-pub(crate) const IMAGE: usize = 1024;
+pub const IMAGE: usize = 1024;
 /// The longest namespace kept (Kubernetes: 63).
-pub(crate) const NAMESPACE: usize = 63;
+pub const NAMESPACE: usize = 63;
 /// The longest pod name kept (Kubernetes: 253).
-pub(crate) const POD_NAME: usize = 253;
+pub const POD_NAME: usize = 253;
 
-/// `s` as the pull log keeps and logs a field of at most `max` bytes: [`cut`].
-pub(crate) fn capped(s: &str, max: usize) -> String {
+/// `s` as the pull log keeps and logs a field of at most `max` bytes, cut on a character boundary and marked with `…`.
+pub fn capped(s: &str, max: usize) -> String {
     let mut s = s
         .get(..s.len().min(max + 4))
         .map_or_else(|| s.chars().take(max).collect::<String>(), str::to_owned);

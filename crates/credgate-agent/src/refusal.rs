@@ -3,7 +3,7 @@
 //! A refusal is seen at the CRI proxy (a `PullImage` that carried a credential one of the
 //! agent's sources gave, answered unauthorized by the runtime) or reported by a consumer
 //! (`ReportRefused`). Either way it acts only once the registry's auth endpoint has refused
-//! that very credential to the agent ([`crate::confirm`]): "unauthorized" for one image is
+//! that very credential to the agent (`confirm.rs`): "unauthorized" for one image is
 //! also what a typo'd repository, or one the credential may not read, gets. What it does depends on the source
 //! that gave the credential ([`Given`]): a provider's cached answers holding it are dropped
 //! (memory and sealed file; the plugin runs again at the next lookup, coalesced and under its
@@ -426,7 +426,7 @@ impl Refusal {
     /// Someone saw the registry refuse `username`:`password` for `image` (of `repository`), which
     /// the sources `given` gave (empty: a pod's own secret, nothing is asked or done); `seen`
     /// says where. Acts ([`Refusal::refuse`]) only once the registry's auth endpoint has refused that very
-    /// credential to the agent ([`crate::confirm`]); within [`HOLDOFF`] of the last refusal of it,
+    /// credential to the agent (`confirm.rs`); within [`HOLDOFF`] of the last refusal of it,
     /// nothing is asked again. `first`: root's or the agent's own (its confirmation goes first).
     #[allow(clippy::too_many_arguments)]
     pub async fn confirm_and_refuse(

@@ -201,10 +201,6 @@ mod tests {
                 source: load(),
             }),
             Box::new(TrackError::NoConsumer),
-            Box::new(crate::node::NodeError::Socket(SocketError::Untrusted(
-                trust(),
-            ))),
-            Box::new(crate::node::NodeError::Agent(SourceError::NoBinDir)),
             Box::new(crate::saved_cache::SavedError::Write {
                 path: "/x".into(),
                 error: io(),

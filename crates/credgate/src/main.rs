@@ -3,6 +3,7 @@
 //! failure, 2 usage error).
 
 mod cmd;
+mod node;
 mod opts;
 
 use std::process::ExitCode;

@@ -372,7 +372,7 @@ pub struct ServeArgs {
     pub cri_proxy_keep_interval: Duration,
     /// The most of a ListImages answer the proxy reads for itself (a runtime without
     /// StreamImages). For tests, which stand for a node whose list is larger than 16 MiB.
-    #[arg(long, value_name = "BYTES", hide = true, default_value_t = credgate_agent::cri::MAX_LIST_MESSAGE)]
+    #[arg(long, value_name = "BYTES", hide = true, default_value_t = credgate_cri::MAX_LIST_MESSAGE)]
     pub cri_proxy_list_limit: usize,
     /// The container runtime the CRI proxy forwards to.
     #[arg(

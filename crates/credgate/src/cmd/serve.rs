@@ -1,5 +1,5 @@
 //! `credgate serve`: the node agent. Parses the flags into a node
-//! ([`credgate_agent::node`]), which reads the sources (never running a plugin), binds the
+//! ([`crate::node`]), which reads the sources (never running a plugin), binds the
 //! sockets, starts renewal and metrics, and serves until SIGTERM or SIGINT; SIGHUP reloads the
 //! provider config.
 
@@ -8,9 +8,9 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use credgate_agent::socket::SocketAccess;
 
+use crate::node::{Node, NodeError, NodeOptions, ProxyConfig};
 use credgate_agent::guard::registry::RegistryOptions;
 use credgate_agent::guard::GuardOptions;
-use credgate_agent::node::{Node, NodeError, NodeOptions, ProxyConfig};
 use credgate_agent::{server, AgentOptions, CallerAllowlist};
 use credgate_core::guard::{Allowlist, Policy};
 use credgate_core::renewal::RenewalPolicy;
@@ -74,7 +74,7 @@ fn node_options(args: &ServeArgs) -> Result<NodeOptions> {
         )));
     }
     let sources = super::get::sources(&args.sources)?;
-    let pull_policy = credgate_agent::cri::policy::PullPolicy::new(
+    let pull_policy = credgate_cri::policy::PullPolicy::new(
         &args.cri_proxy_fill,
         args.cri_proxy_scope_credentials,
         &args.cri_proxy_trusted_mirror,

@@ -1143,7 +1143,7 @@ async fn slow_large_pulls_leave_room_for_the_next_pull() {
 async fn outside_text_cannot_forge_log_lines() {
     use credgate_testbed::fake_runtime::Answers;
     const FORGED: &str =
-        "2026-01-01T00:00:00.000000Z  INFO credgate_agent::cri::decision: pull image=forged";
+        "2026-01-01T00:00:00.000000Z  INFO credgate_cri::decision: pull image=forged";
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let (_fake, agent, proxy) = crate::support::fake_runtime_agent(

@@ -15,7 +15,7 @@ use super::runtime::{
     self, ask, exchange, grpc_code, grpc_message, grpc_message_of, read_whole, Caller,
 };
 use super::{Body, MAX_LIST_MESSAGE, MAX_PULL_MESSAGE};
-use crate::tasks::CancellationToken;
+use credgate_agent::tasks::CancellationToken;
 
 /// The repositories an image is known by (from its tags and digests).
 pub(super) fn repositories(image: &wire::Image) -> Vec<String> {
@@ -37,7 +37,7 @@ pub(super) fn repositories(image: &wire::Image) -> Vec<String> {
 pub(super) async fn remove(
     caller: &Caller,
     view: &ImageView,
-    captured: &std::sync::Arc<crate::captured::Captured>,
+    captured: &std::sync::Arc<credgate_agent::captured::Captured>,
     request: hyper::Request<Incoming>,
 ) -> hyper::Response<Body> {
     use prost::Message as _;
@@ -83,7 +83,7 @@ pub(super) async fn remove(
 pub(super) struct ImageView {
     pub(super) own: std::sync::Arc<Caller>,
     pub(super) limit: usize,
-    pub(super) metrics: crate::metrics::AgentMetrics,
+    pub(super) metrics: credgate_agent::metrics::AgentMetrics,
 }
 
 /// The longest reading the runtime's image list may take.
@@ -195,7 +195,7 @@ impl ImageView {
     /// more; when its image list cannot be read whole, nothing.
     pub(super) async fn forget_absent(
         &self,
-        captured: &std::sync::Arc<crate::captured::Captured>,
+        captured: &std::sync::Arc<credgate_agent::captured::Captured>,
         candidates: Vec<String>,
     ) {
         let remaining = match self.repositories().await {
@@ -284,7 +284,7 @@ fn ended(code: i32, headers: &hyper::HeaderMap, all: HashSet<String>, received: 
 pub(super) async fn every(
     period: Duration,
     view: std::sync::Arc<ImageView>,
-    captured: std::sync::Arc<crate::captured::Captured>,
+    captured: std::sync::Arc<credgate_agent::captured::Captured>,
     stop: CancellationToken,
 ) {
     loop {

@@ -7,7 +7,7 @@
 //! unreachable: `UNAVAILABLE` with what failed. A call never outlives the caller's own
 //! deadline (`grpc-timeout`).
 
-use crate::tasks::CancellationToken;
+use credgate_agent::tasks::CancellationToken;
 use std::convert::Infallible;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -17,8 +17,8 @@ use http_body_util::BodyExt;
 use hyper::body::{Bytes, Incoming};
 use tokio::net::UnixListener;
 
-use crate::listener::{Listener, ListenerLimits, OpenBody, Tracker};
-use crate::status::ApiError;
+use credgate_agent::listener::{Listener, ListenerLimits, OpenBody, Tracker};
+use credgate_agent::status::ApiError;
 
 mod budget;
 mod capture;
@@ -97,8 +97,8 @@ async fn forward(
         .ctx
         .metrics
         .cri_calls
-        .get_or_create(&crate::metrics::CriCallLabels {
-            method: crate::metrics::CriMethod::of(request.uri().path()),
+        .get_or_create(&credgate_agent::metrics::CriCallLabels {
+            method: credgate_agent::metrics::CriMethod::of(request.uri().path()),
         })
         .inc();
     let removal = matches!(request.uri().path(), REMOVE_IMAGE | REMOVE_IMAGE_V1ALPHA2);
@@ -142,20 +142,20 @@ pub struct ProxyOptions {
     /// The runtime's socket.
     pub runtime: PathBuf,
     /// Where pull credentials are captured; none captured when `None`.
-    pub captured: Option<std::sync::Arc<crate::captured::Captured>>,
+    pub captured: Option<std::sync::Arc<credgate_agent::captured::Captured>>,
     /// The image access guard the pulls are recorded in, when it is enabled.
-    pub guard: Option<crate::guard::Guard>,
+    pub guard: Option<credgate_agent::guard::Guard>,
     /// The listener's budget and deadlines (connections in all and per uid, handshake, idle,
     /// shutdown).
     pub limits: ListenerLimits,
     /// How often the runtime's image list is checked against the captured credentials.
     pub check_every: Duration,
     /// How registries are reached to confirm a credential before it is captured.
-    pub registry: crate::guard::registry::RegistryOptions,
+    pub registry: credgate_agent::guard::registry::RegistryOptions,
     /// What the proxy uses of the agent.
     pub context: Context,
     /// The images the node keeps present, pulled on its own behalf (decision 0022).
-    pub node_images: Vec<crate::node_images::NodeImage>,
+    pub node_images: Vec<credgate_agent::node_images::NodeImage>,
     /// How often the runtime is asked whether it has them.
     pub keep_every: Duration,
     /// The most of a `ListImages` answer the proxy reads for itself ([`MAX_LIST_MESSAGE`];
@@ -216,7 +216,8 @@ pub async fn serve(listener: UnixListener, options: ProxyOptions, shutdown: Canc
     let background = Background::start(options, &proxy_budget, &shutdown);
     let mut listener = Listener::new("cri-proxy", listener, limits, metrics);
     // The API's windows, send buffer and reset bounds.
-    let builder = crate::listener::http2_builder(listener.streams(), MAX_STREAMS, MAX_HEADER_LIST);
+    let builder =
+        credgate_agent::listener::http2_builder(listener.streams(), MAX_STREAMS, MAX_HEADER_LIST);
     while let Some(accepted) = listener.next(&shutdown).await {
         // Each caller has a connection to the runtime and a buffer budget of its own.
         let caller = std::sync::Arc::new(Caller {
@@ -236,6 +237,47 @@ pub async fn serve(listener: UnixListener, options: ProxyOptions, shutdown: Canc
     }
     listener.drain().await;
     background.stop(shutdown_timeout).await;
+}
+
+/// The proxy on its own thread and single-threaded runtime (a proxied call's tasks, the
+/// kubelet's connection, the call and the runtime's connection, wake each other on one
+/// thread instead of across workers), serving `listener` until `shutdown` is cancelled.
+/// Returns once it serves, with its thread, which the caller owns and joins.
+pub async fn start(
+    listener: std::os::unix::net::UnixListener,
+    options: ProxyOptions,
+    shutdown: CancellationToken,
+) -> Result<std::thread::JoinHandle<std::io::Result<()>>, String> {
+    let (started, serving) = tokio::sync::oneshot::channel();
+    let thread = std::thread::Builder::new()
+        .name("cri-proxy".into())
+        .spawn(move || -> std::io::Result<()> {
+            let ready = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .and_then(|runtime| {
+                    let _entered = runtime.enter();
+                    Ok((UnixListener::from_std(listener)?, runtime))
+                });
+            let (listener, runtime) = match ready {
+                Ok(ready) => {
+                    let _ = started.send(Ok(()));
+                    ready
+                }
+                Err(e) => {
+                    let _ = started.send(Err(e.to_string()));
+                    return Err(e);
+                }
+            };
+            runtime.block_on(serve(listener, options, shutdown));
+            Ok(())
+        })
+        .map_err(|e| format!("cannot start its thread: {e}"))?;
+    match serving.await {
+        Ok(Ok(())) => Ok(thread),
+        Ok(Err(e)) => Err(e),
+        Err(_) => Err("its thread ended before it served".into()),
+    }
 }
 
 /// What the proxy does besides forwarding: its own runtime connection and view of the

@@ -1,5 +1,5 @@
 //! What the proxy uses of the agent, and nothing else: the handles the composition root
-//! gives it (`node.rs`). The proxy never holds the agent itself.
+//! gives it (`credgate`'s `node.rs`). The proxy never holds the agent itself.
 
 use std::sync::Arc;
 
@@ -8,10 +8,10 @@ use credgate_engine::clock::Clock;
 use credgate_engine::Engine;
 
 use super::policy::PullPolicy;
-use crate::metrics::AgentMetrics;
-use crate::node_images::NodeImages;
-use crate::pull_log::PullLog;
-use crate::refusal::Refusal;
+use credgate_agent::metrics::AgentMetrics;
+use credgate_agent::node_images::NodeImages;
+use credgate_agent::pull_log::PullLog;
+use credgate_agent::refusal::Refusal;
 
 /// The proxy's handles on the agent.
 #[derive(Clone)]
@@ -37,7 +37,7 @@ impl Context {
     }
 }
 
-impl crate::explain::ExplainProxy for Context {
+impl credgate_agent::explain::ExplainProxy for Context {
     /// What the CRI proxy's policy would do with a pull of `image` (a normalized name).
     fn explain(&self, image: &str, answer: &mut credgate_api::v1::ExplainResponse) {
         let policy = &self.policy;
@@ -87,7 +87,7 @@ impl crate::explain::ExplainProxy for Context {
                 credgate_core::reference::ImageRef::parse(&s.image.image)
                     .is_ok_and(|r| r.name() == image)
             })
-            .map(crate::node_images::describe)
+            .map(credgate_agent::node_images::describe)
             .collect::<Vec<_>>()
             .join("; ");
     }

@@ -1,6 +1,6 @@
 //! The composition root: an agent with everything `credgate serve` runs around it (the API
-//! socket, renewal, the saver of the provider cache, metrics, the CRI proxy and its thread, the
-//! sweep of a dead agent's plugins, signals). Every task is the agent's ([`crate::tasks`]),
+//! socket, renewal, the saver of the provider cache, metrics, the CRI proxy of `credgate-cri`
+//! given its handles on the agent, the sweep of a dead agent's plugins, signals). Every task is the agent's ([`credgate_agent::tasks`]),
 //! stopped by its one token and waited for by [`Node::run`] under the shutdown deadline; the
 //! guard's store is closed last. A binary parses its flags into [`NodeOptions`], builds a
 //! [`Node`] and runs it until SIGTERM or SIGINT ([`Node::run_until_signalled`]).
@@ -10,13 +10,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::oneshot;
-
-use crate::captured::Captured;
-use crate::guard::registry::RegistryOptions;
-use crate::socket::{self, SocketAccess, SocketError, SocketId};
-use crate::tasks::Tasks;
-use crate::{metrics, scrape, server, Agent, AgentOptions, SourceError};
+use credgate_agent::captured::Captured;
+use credgate_agent::guard::registry::RegistryOptions;
+use credgate_agent::socket::{self, SocketAccess, SocketError, SocketId};
+use credgate_agent::{metrics, scrape, server, Agent, AgentOptions, SourceError};
 
 /// The CRI image-service proxy, when it runs.
 #[derive(Debug, Clone)]
@@ -32,13 +29,13 @@ pub struct ProxyConfig {
     pub registry: RegistryOptions,
     /// The images the node keeps present, pulled on its own behalf (the runtime's sandbox
     /// image, the operator's kept images: decision 0022), and how often they are checked.
-    pub node_images: Vec<crate::node_images::NodeImage>,
+    pub node_images: Vec<credgate_agent::node_images::NodeImage>,
     pub keep_every: Duration,
     /// The most of a `ListImages` answer the proxy reads for itself
-    /// ([`crate::cri::MAX_LIST_MESSAGE`] unless a test lowers it).
+    /// ([`credgate_cri::MAX_LIST_MESSAGE`] unless a test lowers it).
     pub list_limit: usize,
     /// What the proxy may change in a pull (fill, credential scope); off by default.
-    pub policy: crate::cri::policy::PullPolicy,
+    pub policy: credgate_cri::policy::PullPolicy,
 }
 
 /// How to run a node agent.
@@ -60,7 +57,7 @@ pub enum NodeError {
     #[error("refusing the state directory")]
     StateDir(#[source] credgate_api::trust::TrustError),
     #[error("the state directory is in use")]
-    Locked(#[source] crate::state::LockError),
+    Locked(#[source] credgate_agent::state::LockError),
     #[error("cannot build the agent")]
     Agent(#[from] SourceError),
     #[error("cannot serve the API")]
@@ -89,7 +86,7 @@ pub struct Node {
     proxy: Option<(PathBuf, Option<SocketId>)>,
     /// Held until the node has stopped (the guard's store closed last): no second agent
     /// uses the state directory meanwhile.
-    lock: Option<crate::state::StateLock>,
+    lock: Option<credgate_agent::state::StateLock>,
 }
 
 /// Descriptors the agent keeps for itself beyond its connections: plugin pipes, the store,
@@ -99,9 +96,9 @@ const RESERVED_DESCRIPTORS: usize = 256;
 /// `limits` with the API's connection budget fitting the open-file limit (raised to its hard
 /// maximum first): every listener has a budget of its own, and together they fit.
 fn fit_open_files(mut limits: server::Limits, proxy: bool) -> server::Limits {
-    let nofile = crate::conn::raise_nofile_limit();
+    let nofile = credgate_agent::conn::raise_nofile_limit();
     let proxy = if proxy {
-        crate::cri::default_limits().max_connections
+        credgate_cri::default_limits().max_connections
     } else {
         0
     };
@@ -132,8 +129,8 @@ fn fit_open_files(mut limits: server::Limits, proxy: bool) -> server::Limits {
 /// guard reports it, fails safe and tries again, and credentials keep being served meanwhile.
 /// The directory is then locked for this agent before anything in it is read or written: a
 /// second agent on it (a forgotten unit beside a DaemonSet) stops here, writing nothing.
-fn check_state_dir(dir: &Path) -> Result<Option<crate::state::StateLock>, NodeError> {
-    match crate::state::state_dir(dir) {
+fn check_state_dir(dir: &Path) -> Result<Option<credgate_agent::state::StateLock>, NodeError> {
+    match credgate_agent::state::state_dir(dir) {
         Ok(()) => {}
         Err(e @ credgate_api::trust::TrustError::Io { .. }) => {
             tracing::error!(dir = %dir.display(), error = %e, "cannot set up the state directory");
@@ -141,10 +138,10 @@ fn check_state_dir(dir: &Path) -> Result<Option<crate::state::StateLock>, NodeEr
         }
         Err(e) => return Err(NodeError::StateDir(e)),
     }
-    match crate::state::lock(dir) {
+    match credgate_agent::state::lock(dir) {
         Ok(lock) => Ok(Some(lock)),
-        Err(e @ crate::state::LockError::Io { .. }) => {
-            tracing::error!(dir = %dir.display(), error = %crate::error_chain(&e), "cannot lock the state directory");
+        Err(e @ credgate_agent::state::LockError::Io { .. }) => {
+            tracing::error!(dir = %dir.display(), error = %credgate_core::text::error_chain(&e), "cannot lock the state directory");
             Ok(None)
         }
         Err(e) => Err(NodeError::Locked(e)),
@@ -187,7 +184,7 @@ impl Node {
     pub async fn start(mut options: NodeOptions) -> Result<Node, NodeError> {
         let lock = check_state_dir(&options.state_dir)?;
         if options.agent.saved_cache.is_none() {
-            match crate::saved_cache::SavedCache::discard(&options.state_dir) {
+            match credgate_agent::saved_cache::SavedCache::discard(&options.state_dir) {
                 Ok(true) => tracing::info!("the provider cache is not kept (--persist-cache=false): the sealed cache of an earlier run was removed"),
                 Ok(false) => {}
                 Err(error) => {
@@ -259,10 +256,8 @@ impl Node {
         Ok(())
     }
 
-    /// The CRI proxy on its own thread and single-threaded runtime: a proxied call's tasks
-    /// (the kubelet's connection, the call, the runtime's connection) wake each other on one
-    /// thread instead of across workers. Returns once it serves; a task of the agent's waits
-    /// for the thread and logs when it ends early.
+    /// The CRI proxy ([`credgate_cri::start`]). Returns once it serves; a task of the agent's
+    /// waits for its thread and logs when it ends early.
     async fn proxy(
         agent: &Agent,
         config: &ProxyConfig,
@@ -275,9 +270,9 @@ impl Node {
         let listener = socket::bind(&config.socket, &SocketAccess { group: None })
             .await
             .map_err(|e| failed(e.to_string()))?;
-        let runtime = crate::cri::endpoint_path(&config.runtime_endpoint);
+        let runtime = credgate_cri::endpoint_path(&config.runtime_endpoint);
         tracing::info!(socket = %config.socket.display(), runtime = %runtime.display(), "serving the CRI image-service proxy");
-        let context = crate::cri::Context {
+        let context = credgate_cri::Context {
             clock: agent.clock().clone(),
             metrics: agent.metrics().clone(),
             engine: agent.engine_handle(),
@@ -286,13 +281,13 @@ impl Node {
             node_images: agent.node_images().clone(),
             policy: config.policy.clone(),
         };
-        let options = crate::cri::ProxyOptions {
+        let options = credgate_cri::ProxyOptions {
             runtime,
             captured: agent.captured().cloned(),
             guard: agent.guard().cloned(),
-            limits: crate::listener::ListenerLimits {
+            limits: credgate_agent::listener::ListenerLimits {
                 shutdown_timeout: limits.shutdown_timeout,
-                ..crate::cri::default_limits()
+                ..credgate_cri::default_limits()
             },
             check_every: config.check_every,
             registry: config.registry.clone(),
@@ -302,37 +297,9 @@ impl Node {
             list_limit: config.list_limit,
         };
         let listener = listener.into_std().map_err(|e| failed(e.to_string()))?;
-        let stop = agent.tasks().token().clone();
-        let (started, serving) = oneshot::channel();
-        let thread = std::thread::Builder::new()
-            .name("cri-proxy".into())
-            .spawn(move || -> std::io::Result<()> {
-                let runtime = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build();
-                let ready = runtime.and_then(|runtime| {
-                    let _entered = runtime.enter();
-                    Ok((tokio::net::UnixListener::from_std(listener)?, runtime))
-                });
-                let (listener, runtime) = match ready {
-                    Ok(ready) => {
-                        let _ = started.send(Ok(()));
-                        ready
-                    }
-                    Err(e) => {
-                        let _ = started.send(Err(e.to_string()));
-                        return Err(e);
-                    }
-                };
-                runtime.block_on(crate::cri::serve(listener, options, stop));
-                Ok(())
-            })
-            .map_err(|e| failed(format!("cannot start its thread: {e}")))?;
-        match serving.await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => return Err(failed(e)),
-            Err(_) => return Err(failed("its thread ended before it served".into())),
-        }
+        let thread = credgate_cri::start(listener, options, agent.tasks().token().clone())
+            .await
+            .map_err(failed)?;
         agent.set_proxy_running(Arc::new(context));
         let stopping = agent.tasks().token().clone();
         let watched = agent.clone();
@@ -352,11 +319,6 @@ impl Node {
 
     pub fn agent(&self) -> &Agent {
         &self.agent
-    }
-
-    /// What stops the node.
-    pub fn tasks(&self) -> &Tasks {
-        self.agent.tasks()
     }
 
     /// [`Node::run`] until SIGTERM or SIGINT; SIGHUP reloads the provider config meanwhile.
@@ -423,5 +385,29 @@ impl Node {
             store.close().await;
         }
         drop(lock);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::NodeError;
+    use credgate_agent::socket::SocketError;
+    use credgate_agent::SourceError;
+
+    /// A node's error says what failed and leaves the why to its source: printed as a chain,
+    /// nothing is said twice.
+    #[test]
+    fn node_errors_never_repeat_their_cause() {
+        let untrusted = credgate_api::trust::TrustError::Io {
+            path: "/x".into(),
+            error: std::io::Error::other("disk on fire"),
+        };
+        let errors: Vec<Box<dyn std::error::Error>> = vec![
+            Box::new(NodeError::Socket(SocketError::Untrusted(untrusted))),
+            Box::new(NodeError::Agent(SourceError::NoBinDir)),
+        ];
+        for e in &errors {
+            assert_eq!(credgate_core::text::repeated_cause(&**e), None, "{e}");
+        }
     }
 }

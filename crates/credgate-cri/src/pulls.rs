@@ -13,7 +13,7 @@ use super::fill::{apply_policy, refreshed};
 use super::pull::{pull_of, redacted, Pull};
 use super::runtime::{self, exchange, grpc_message, read_whole, Caller};
 use super::{decision, policy, Body, MAX_PULL_MESSAGE, MAX_PULL_REQUEST};
-use crate::guard::PullEnd;
+use credgate_agent::guard::PullEnd;
 
 /// How long a pull's answer waits for its capture to be confirmed by the registry and on
 /// disk; past it the answer goes back and the capture goes on (counted as late).
@@ -31,7 +31,10 @@ pub(super) enum Whose {
 
 /// Which of the agent's sources gave the pull's credential (or, when none does now, the one a
 /// refusal of it remembers), found once for the log, a refusal and capture; and whose it is.
-pub(super) fn sources_of(ctx: &super::Context, pull: &Pull) -> (Vec<crate::outcome::Given>, Whose) {
+pub(super) fn sources_of(
+    ctx: &super::Context,
+    pull: &Pull,
+) -> (Vec<credgate_agent::outcome::Given>, Whose) {
     let Some(c) = &pull.credential else {
         return (Vec::new(), Whose::Caller);
     };
@@ -41,7 +44,7 @@ pub(super) fn sources_of(ctx: &super::Context, pull: &Pull) -> (Vec<crate::outco
         .given_now(&pull.image, &pull.repository, &c.username, password);
     let whose = if now
         .iter()
-        .any(|g| !matches!(g, crate::outcome::Given::Captured(_)))
+        .any(|g| !matches!(g, credgate_agent::outcome::Given::Captured(_)))
     {
         Whose::Node
     } else {
@@ -53,15 +56,15 @@ pub(super) fn sources_of(ctx: &super::Context, pull: &Pull) -> (Vec<crate::outco
 /// The runtime answered the pull unauthorized. When the credential it carried is one of the
 /// agent's sources' (`given`) and containerd sent it to the image's registry, the registry is
 /// asked whether it refuses that credential itself, and only then is it refused
-/// ([`crate::refusal::Refusal::confirm_and_refuse`]); a pod's own secret changes nothing and asks
+/// ([`credgate_agent::refusal::Refusal::confirm_and_refuse`]); a pod's own secret changes nothing and asks
 /// nothing. What became of it, for the pull log (empty when nothing was asked), and whether
 /// the registry refused a provider's credential.
 pub(super) async fn refused(
     ctx: &super::Context,
     pull: &Pull,
-    given: &[crate::outcome::Given],
+    given: &[credgate_agent::outcome::Given],
 ) -> (String, bool) {
-    use crate::refusal::Report;
+    use credgate_agent::refusal::Report;
     let Some(c) = &pull.credential else {
         return (String::new(), false);
     };
@@ -99,7 +102,7 @@ pub(super) async fn refused(
     let provider = matches!(report, Report::Refused(_) | Report::Recently)
         && given
             .iter()
-            .any(|g| matches!(g, crate::outcome::Given::Provider(_)));
+            .any(|g| matches!(g, credgate_agent::outcome::Given::Provider(_)));
     (said, provider)
 }
 
@@ -115,9 +118,9 @@ pub(super) fn recorded_as(
     pull: &Pull,
     whose: Whose,
     accounts: &[(String, String, String)],
-    guard: &crate::guard::Guard,
-) -> Vec<crate::guard::CredentialIn> {
-    use crate::guard::CredentialIn;
+    guard: &credgate_agent::guard::Guard,
+) -> Vec<credgate_agent::guard::CredentialIn> {
+    use credgate_agent::guard::CredentialIn;
     use credgate_core::guard::Coords;
     match &pull.credential {
         None => vec![CredentialIn::NodeWide],
@@ -165,7 +168,7 @@ pub(super) async fn pull(
             Ok(read) => read,
             Err(refused) => return refused,
         };
-    let now_ms = crate::state::unix_ms(pulls.ctx.clock.wall());
+    let now_ms = credgate_agent::state::unix_ms(pulls.ctx.clock.wall());
     let mut asked = grpc_message(&bytes).and_then(|m| pull_of(m, now_ms));
     if let Some(pull) = asked.as_mut().filter(|p| p.valid) {
         if let Some(frame) = refreshed(&pulls.ctx, pull, &bytes).await {
@@ -180,7 +183,7 @@ pub(super) async fn pull(
     // The intent is on disk before the runtime starts pulling.
     if let (Some(guard), Some(pull)) = (&pulls.guard, asked.as_ref().filter(|p| p.valid)) {
         if let Err(e) = guard.record_intent(&pull.image).await {
-            tracing::error!(error = %crate::error_chain(&e), "pull intent not recorded");
+            tracing::error!(error = %credgate_core::text::error_chain(&e), "pull intent not recorded");
         }
     }
     // The request goes to the runtime as soon as the pull is forwarded: what it held of the
@@ -278,9 +281,9 @@ pub(super) async fn answered(
     let message = redacted(&whole.message(), &pull.carried);
     let (given, whose) = sources_of(&pulls.ctx, pull);
     let took = started.elapsed();
-    let result = crate::outcome::PullResult::of(code, &message);
+    let result = credgate_agent::outcome::PullResult::of(code, &message);
     let (refusal, provider_refused) =
-        if pull.valid && result == crate::outcome::PullResult::Unauthorized {
+        if pull.valid && result == credgate_agent::outcome::PullResult::Unauthorized {
             refused(&pulls.ctx, pull, &given).await
         } else {
             (String::new(), false)
@@ -332,7 +335,7 @@ pub(super) async fn settle(pulls: &Pulls, pull: Pull, whose: Whose, whole: &runt
         };
         for end in ends {
             if let Err(e) = guard.record_result(&pull.image, end).await {
-                tracing::error!(error = %crate::error_chain(&e), "pull result not recorded");
+                tracing::error!(error = %credgate_core::text::error_chain(&e), "pull result not recorded");
             }
         }
     }
@@ -344,7 +347,7 @@ pub(super) async fn settle(pulls: &Pulls, pull: Pull, whose: Whose, whole: &runt
         pulls
             .ctx
             .metrics
-            .capture(crate::metrics::CaptureResult::OtherRegistry);
+            .capture(credgate_agent::metrics::CaptureResult::OtherRegistry);
         tracing::warn!(repository = %pull.repository, "pull credentials not captured: their server address names another registry");
         return;
     }
@@ -355,7 +358,7 @@ pub(super) async fn settle(pulls: &Pulls, pull: Pull, whose: Whose, whole: &runt
         pulls
             .ctx
             .metrics
-            .capture(crate::metrics::CaptureResult::OwnSource);
+            .capture(credgate_agent::metrics::CaptureResult::OwnSource);
         return;
     }
     let repository = pull.repository.clone();
@@ -378,7 +381,7 @@ pub(super) async fn settle(pulls: &Pulls, pull: Pull, whose: Whose, whole: &runt
 pub(super) struct Pulls {
     /// Its metrics, and for the pull decision log its engine, clock and pull ring.
     pub(super) ctx: super::Context,
-    pub(super) guard: Option<crate::guard::Guard>,
+    pub(super) guard: Option<credgate_agent::guard::Guard>,
     pub(super) capture: Option<Capture>,
     /// Notified after each `RemoveImage`: the node's kept images are checked again.
     pub(super) removed: std::sync::Arc<tokio::sync::Notify>,
@@ -387,7 +390,7 @@ pub(super) struct Pulls {
 /// What the proxy captures with: where captures are kept, the task that confirms and writes
 /// them.
 pub(super) struct Capture {
-    pub(super) captured: std::sync::Arc<crate::captured::Captured>,
+    pub(super) captured: std::sync::Arc<credgate_agent::captured::Captured>,
     pub(super) capturer: Capturer,
     /// The proxy's own view of the runtime's images, on a budget of its own.
     pub(super) view: std::sync::Arc<super::check::ImageView>,
@@ -398,12 +401,12 @@ impl Capture {
     /// proxy's `own` runtime connection; and the task that confirms and writes, which ends
     /// once the last `Capture` is gone.
     pub(super) fn start(
-        captured: std::sync::Arc<crate::captured::Captured>,
-        registry: crate::guard::registry::RegistryOptions,
+        captured: std::sync::Arc<credgate_agent::captured::Captured>,
+        registry: credgate_agent::guard::registry::RegistryOptions,
         view: &std::sync::Arc<super::check::ImageView>,
-        metrics: &crate::metrics::AgentMetrics,
+        metrics: &credgate_agent::metrics::AgentMetrics,
     ) -> (Capture, tokio::task::JoinHandle<()>) {
-        let verifier = crate::guard::registry::Verifier::new(registry);
+        let verifier = credgate_agent::guard::registry::Verifier::new(registry);
         let (capturer, task) = Capturer::start(captured.clone(), verifier, metrics.clone());
         let capture = Capture {
             captured,

@@ -19,9 +19,9 @@ use super::pull::{pull_of, redacted};
 use super::pulls::{answered, settle, Answered, Pulls, Whose};
 use super::runtime::{self, ask, exchange, framed, Caller};
 use super::MAX_PULL_MESSAGE;
-use crate::node_images::{backoff, NodeImage, OwnPull};
-use crate::outcome::{PullAuth, PullResult};
-use crate::tasks::CancellationToken;
+use credgate_agent::node_images::{backoff, NodeImage, OwnPull};
+use credgate_agent::outcome::{PullAuth, PullResult};
+use credgate_agent::tasks::CancellationToken;
 
 /// The longest one of the node's own pulls may take (a sandbox image is small; a kept image
 /// may not be).
@@ -133,7 +133,7 @@ impl Keeper {
             message,
         };
         let (message, filled) = self.request(image).await;
-        let Some(mut pull) = pull_of(&message, crate::state::unix_ms(at)) else {
+        let Some(mut pull) = pull_of(&message, credgate_agent::state::unix_ms(at)) else {
             return failed(PullAuth::None, "the pull could not be encoded".into());
         };
         pull.filled = filled;
@@ -141,7 +141,7 @@ impl Keeper {
         let auth = pull.filled.clone().map_or(PullAuth::None, PullAuth::Filled);
         if let Some(guard) = &pulls.guard {
             if let Err(e) = guard.record_intent(&pull.image).await {
-                tracing::error!(error = %crate::error_chain(&e), "pull intent not recorded");
+                tracing::error!(error = %credgate_core::text::error_chain(&e), "pull intent not recorded");
             }
         }
         let started = std::time::Instant::now();
@@ -152,10 +152,10 @@ impl Keeper {
         };
         let said = redacted(&whole.message(), &pull.carried);
         let result = PullResult::of(whole.code().unwrap_or(2), &said);
-        let said = crate::pull_log::capped(&said, crate::pull_log::MESSAGE);
+        let said = credgate_agent::pull_log::capped(&said, credgate_agent::pull_log::MESSAGE);
         ctx.metrics
             .cri_node_image_pulls
-            .get_or_create(&crate::metrics::NodeImagePullLabels {
+            .get_or_create(&credgate_agent::metrics::NodeImagePullLabels {
                 why: image.why,
                 result,
             })
@@ -183,7 +183,10 @@ impl Keeper {
 
     /// The `PullImage` message of `image`, with the credential the agent's sources give for it
     /// (scoped as a pod's pull is), and the source that gave it.
-    async fn request(&self, image: &NodeImage) -> (Vec<u8>, Option<crate::outcome::Given>) {
+    async fn request(
+        &self,
+        image: &NodeImage,
+    ) -> (Vec<u8>, Option<credgate_agent::outcome::Given>) {
         use prost::Message as _;
         let ctx = &self.pulls.ctx;
         let filled = fill(ctx, &image.image).await;

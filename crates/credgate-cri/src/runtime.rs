@@ -13,8 +13,8 @@ use tokio::task::JoinSet;
 
 use super::budget::{self, Budgets, Refused, Taken};
 use super::Body;
-use crate::listener::Guarded;
-use crate::status::ApiError;
+use credgate_agent::listener::Guarded;
+use credgate_agent::status::ApiError;
 
 /// One HTTP/2 connection to the runtime, made on first use and again after it fails.
 pub(super) struct Runtime {

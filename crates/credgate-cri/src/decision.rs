@@ -8,8 +8,8 @@
 use std::time::Duration;
 
 use super::pull::Pull;
-use crate::outcome::{PullAuth, PullResult};
-use crate::pull_log::PullRecord;
+use credgate_agent::outcome::{PullAuth, PullResult};
+use credgate_agent::pull_log::PullRecord;
 
 /// `(code, result)`: the runtime's gRPC code and what it means ([`PullResult::of`]); `given`:
 /// the sources that gave the pull's credential (`unknown` when it carried one none
@@ -18,7 +18,7 @@ use crate::pull_log::PullRecord;
 pub(super) fn log(
     ctx: &super::Context,
     pull: &Pull,
-    given: &[crate::outcome::Given],
+    given: &[credgate_agent::outcome::Given],
     (code, result): (i32, PullResult),
     message: &str,
     took: Duration,
@@ -43,7 +43,7 @@ pub(super) fn log(
     }
     // The runtime's message is logged within the pull ring's bound (the pull's own fields
     // were cut when it was read).
-    use crate::pull_log::{capped, MESSAGE};
+    use credgate_agent::pull_log::{capped, MESSAGE};
     tracing::info!(
         image = %pull.image,
         pod_namespace = %pull.pod_namespace,
@@ -79,9 +79,12 @@ pub(super) fn log(
 
 /// When a provider that gave the pull's credential still answers a credential a registry
 /// refused (its backend has not caught up): says so.
-fn still_answers_refused(ctx: &super::Context, given: &[crate::outcome::Given]) -> Option<String> {
+fn still_answers_refused(
+    ctx: &super::Context,
+    given: &[credgate_agent::outcome::Given],
+) -> Option<String> {
     given.iter().find_map(|g| match g {
-        crate::outcome::Given::Provider(name) => ctx
+        credgate_agent::outcome::Given::Provider(name) => ctx
             .engine()
             .answers_refused_since(name)
             .map(|_| format!("provider {name} still answers the credential the registry refused: it is asked again every few seconds until its backend answers another")),

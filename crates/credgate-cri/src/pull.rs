@@ -12,7 +12,7 @@ pub(super) struct Pull {
     pub(super) image: String,
     pub(super) repository: String,
     /// `None`: a pull without credentials (anonymous or the runtime's own).
-    pub(super) credential: Option<crate::captured::Credential>,
+    pub(super) credential: Option<credgate_agent::captured::Credential>,
     /// Whether the pull came with a pod's sandbox config.
     pub(super) in_pod: bool,
     /// The credential names another registry (`server_address`) than the image's: the
@@ -30,7 +30,7 @@ pub(super) struct Pull {
     pub(super) server_address: String,
     /// The pull came without a credential and the proxy filled in the one this source of the
     /// agent gives (`provider:NAME`, `docker-config`), for a `--cri-proxy-fill` pattern.
-    pub(super) filled: Option<crate::outcome::Given>,
+    pub(super) filled: Option<credgate_agent::outcome::Given>,
     /// What the credential scope did with its `server_address`.
     pub(super) scope: &'static str,
     /// Every string the pull's `auth` carried (user name, password, `auth` and its decoded
@@ -38,12 +38,12 @@ pub(super) struct Pull {
     /// (containerd quotes a malformed `auth` whole).
     pub(super) carried: Vec<secrecy::SecretString>,
     /// The agent pulls the image itself, on the node's behalf (`keep.rs`), and why.
-    pub(super) node_image: Option<crate::outcome::Why>,
+    pub(super) node_image: Option<credgate_agent::outcome::Why>,
 }
 
 /// `now_ms`: when it is captured, by the agent's clock.
 pub(super) fn pull_of(message: &[u8], now_ms: i64) -> Option<Pull> {
-    use crate::pull_log::{capped, IMAGE, NAMESPACE, POD_NAME};
+    use credgate_agent::pull_log::{capped, IMAGE, NAMESPACE, POD_NAME};
     use prost::Message as _;
     let req = wire::PullImageRequest::decode(message).ok()?;
     // Every string a caller chose is kept (and logged) within what a real one needs: a longer
@@ -76,7 +76,7 @@ pub(super) fn pull_of(message: &[u8], now_ms: i64) -> Option<Pull> {
     );
     let carried = req.auth.as_ref().map(carried_by).unwrap_or_default();
     let credential = req.auth.and_then(|auth| {
-        crate::captured::from_auth(
+        credgate_agent::captured::from_auth(
             auth.username,
             auth.password,
             &auth.auth,
@@ -87,12 +87,14 @@ pub(super) fn pull_of(message: &[u8], now_ms: i64) -> Option<Pull> {
     Some(Pull {
         image,
         repository,
-        credential: credential.map(|(username, password)| crate::captured::Credential {
-            namespace: namespace.clone(),
-            username,
-            password,
-            captured_ms: now_ms,
-        }),
+        credential: credential.map(
+            |(username, password)| credgate_agent::captured::Credential {
+                namespace: namespace.clone(),
+                username,
+                password,
+                captured_ms: now_ms,
+            },
+        ),
         in_pod,
         other_registry,
         pod_namespace: namespace.clone(),

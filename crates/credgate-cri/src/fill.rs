@@ -22,7 +22,7 @@ pub(super) async fn refreshed(
 ) -> Option<Bytes> {
     let sent = pull.credential.as_ref()?;
     let now = ctx.clock.now();
-    let crate::outcome::Given::Provider(provider) =
+    let credgate_agent::outcome::Given::Provider(provider) =
         ctx.refusal
             .memory()
             .known(&sent.username, sent.password.expose_secret(), now)?
@@ -99,7 +99,7 @@ pub(super) async fn apply_policy(
                 password: credential.password.expose_secret().to_owned(),
                 ..Default::default()
             };
-            pull.credential = Some(crate::captured::Credential {
+            pull.credential = Some(credgate_agent::captured::Credential {
                 namespace: pull.pod_namespace.clone(),
                 username: credential.username,
                 password: credential.password,
@@ -129,7 +129,7 @@ pub(super) async fn apply_policy(
 pub(super) async fn fill(
     ctx: &super::Context,
     image: &str,
-) -> Option<(crate::outcome::Given, credgate_engine::Credential)> {
+) -> Option<(credgate_agent::outcome::Given, credgate_engine::Credential)> {
     let engine = ctx.engine();
     let lookup = engine
         .lookup(&credgate_engine::LookupRequest {
@@ -142,6 +142,6 @@ pub(super) async fn fill(
         credgate_engine::Source::Provider(name) => !engine.keyed_by_service_account(name),
         credgate_engine::Source::DockerConfig(_) => true,
     })?;
-    let source = crate::outcome::Given::from(credential.source.clone());
+    let source = credgate_agent::outcome::Given::from(credential.source.clone());
     Some((source, credential))
 }

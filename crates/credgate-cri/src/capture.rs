@@ -18,9 +18,9 @@ use secrecy::ExposeSecret;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
-use crate::captured::{CaptureError, Captured, Credential};
-use crate::guard::registry::{Target, Verifier};
-use crate::metrics::AgentMetrics;
+use credgate_agent::captured::{CaptureError, Captured, Credential};
+use credgate_agent::guard::registry::{Target, Verifier};
+use credgate_agent::metrics::AgentMetrics;
 
 /// Offers that may wait for the task.
 pub const QUEUE: usize = 64;
@@ -80,7 +80,8 @@ impl Capturer {
             settled: Some(tx),
         };
         if self.tx.try_send(offer).is_err() {
-            self.metrics.capture(crate::metrics::CaptureResult::Busy);
+            self.metrics
+                .capture(credgate_agent::metrics::CaptureResult::Busy);
             tracing::warn!("pull credentials not captured: too many captures waiting");
             return None;
         }
@@ -163,7 +164,7 @@ async fn run(
                     pending.push_back((slot_of(&offer), offer));
                 }
                 Some(_) => {
-                    metrics.capture(crate::metrics::CaptureResult::Busy);
+                    metrics.capture(credgate_agent::metrics::CaptureResult::Busy);
                     tracing::warn!("pull credentials not captured: too many captures waiting");
                 }
                 None => open = false,
@@ -194,8 +195,8 @@ async fn handle(offer: Offer, captured: Arc<Captured>, verifier: Verifier, metri
     } = offer;
     // Dropped (told) however the capture ends.
     let _settled = settled;
-    if let Err(e) = crate::captured::fits(&repository, &credential) {
-        metrics.capture(crate::metrics::CaptureResult::TooLarge);
+    if let Err(e) = credgate_agent::captured::fits(&repository, &credential) {
+        metrics.capture(credgate_agent::metrics::CaptureResult::TooLarge);
         tracing::warn!(repository = %repository, error = %e, "pull credentials not captured");
         return;
     }
@@ -203,11 +204,11 @@ async fn handle(offer: Offer, captured: Arc<Captured>, verifier: Verifier, metri
         .for_repository(&repository)
         .is_some_and(|held| held.same(&credential))
     {
-        metrics.capture(crate::metrics::CaptureResult::Unchanged);
+        metrics.capture(credgate_agent::metrics::CaptureResult::Unchanged);
         return;
     }
     let Ok(parsed) = ImageRef::parse(&image) else {
-        metrics.capture(crate::metrics::CaptureResult::Failed);
+        metrics.capture(credgate_agent::metrics::CaptureResult::Failed);
         return;
     };
     let target = Target::of(&parsed);
@@ -221,12 +222,12 @@ async fn handle(offer: Offer, captured: Arc<Captured>, verifier: Verifier, metri
     {
         Ok(true) => {}
         Ok(false) => {
-            metrics.capture(crate::metrics::CaptureResult::Unconfirmed);
+            metrics.capture(credgate_agent::metrics::CaptureResult::Unconfirmed);
             tracing::info!(repository = %repository, "pull credentials not captured: the registry did not check them (it serves the image anonymously) or refused them");
             return;
         }
         Err(why) => {
-            metrics.capture(crate::metrics::CaptureResult::Unreachable);
+            metrics.capture(credgate_agent::metrics::CaptureResult::Unreachable);
             tracing::warn!(repository = %repository, error = %why, "pull credentials not captured: the registry could not be asked to confirm them");
             return;
         }
@@ -237,20 +238,20 @@ async fn handle(offer: Offer, captured: Arc<Captured>, verifier: Verifier, metri
     };
     match written {
         Ok(Ok(dropped)) => {
-            metrics.capture(crate::metrics::CaptureResult::Captured);
+            metrics.capture(credgate_agent::metrics::CaptureResult::Captured);
             metrics.captured_dropped.inc_by(dropped as u64);
             tracing::info!(repository = %repository, dropped, "pull credentials captured");
         }
         Ok(Err(e @ CaptureError::TooLarge(_))) => {
-            metrics.capture(crate::metrics::CaptureResult::TooLarge);
+            metrics.capture(credgate_agent::metrics::CaptureResult::TooLarge);
             tracing::warn!(repository = %repository, error = %e, "pull credentials not captured");
         }
         Ok(Err(e)) => {
-            metrics.capture(crate::metrics::CaptureResult::Failed);
+            metrics.capture(credgate_agent::metrics::CaptureResult::Failed);
             tracing::error!(repository = %repository, error = %e, "pull credentials not captured");
         }
         Err(e) => {
-            metrics.capture(crate::metrics::CaptureResult::Failed);
+            metrics.capture(credgate_agent::metrics::CaptureResult::Failed);
             tracing::error!(repository = %repository, error = %e, "pull credentials not captured");
         }
     }
