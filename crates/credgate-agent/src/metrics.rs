@@ -16,7 +16,115 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
-type Labels = Vec<(&'static str, String)>;
+/// Whether a renewal or a reload succeeded (`result`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Done {
+    Success,
+    Failure,
+}
+
+impl Done {
+    pub fn of(success: bool) -> Done {
+        if success {
+            Done::Success
+        } else {
+            Done::Failure
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Done::Success => "success",
+            Done::Failure => "failure",
+        }
+    }
+}
+
+/// A gRPC code as a label: its canonical name ([`code_name`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Code(pub tonic::Code);
+
+impl Code {
+    pub fn as_str(self) -> &'static str {
+        code_name(self.0)
+    }
+}
+
+crate::outcome::label_values!(Done, Code, CaptureResult, DropReason);
+
+/// `result` of a renewal or a reload.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct DoneLabels {
+    pub result: Done,
+}
+
+/// `result` of a guard decision or a verification (the guard's own enums' names).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct ResultLabels {
+    pub result: &'static str,
+}
+
+/// `result` of a capture.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct CaptureLabels {
+    pub result: CaptureResult,
+}
+
+/// `caller` of a lookup ([`CALLERS`]).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct CallerLabels {
+    pub caller: &'static str,
+}
+
+/// `source` of a refused credential.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct SourceLabels {
+    pub source: AuthLabel,
+}
+
+/// `outcome` of a consumer's report of a refused credential.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    pub outcome: &'static str,
+}
+
+/// What a registry `said` when asked to confirm a refusal.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct SaidLabels {
+    pub said: &'static str,
+}
+
+/// `reason` a saved provider answer was not restored.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct DropLabels {
+    pub reason: DropReason,
+}
+
+/// The `listener` a connection came to (`api`, `metrics`, `cri-proxy`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct ListenerLabels {
+    pub listener: &'static str,
+}
+
+/// A connection the agent closed: its `listener` and `reason`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct ClosedLabels {
+    pub listener: &'static str,
+    pub reason: &'static str,
+}
+
+/// An API call's `method` and `code`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct RpcLabels {
+    pub method: &'static str,
+    pub code: Code,
+}
+
+/// An API call's `method`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct MethodLabels {
+    pub method: &'static str,
+}
 
 /// The labels of `credgate_cri_pulls_total`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
@@ -88,7 +196,7 @@ pub struct NodeImagePullLabels {
 }
 
 /// What became of a credential offered for capture (`credgate_cri_captures_total{result}`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum CaptureResult {
     Captured,
     /// The same credential was kept already.
@@ -181,7 +289,7 @@ struct MethodHandles {
 /// The agent's own families (the engine's are registered beside them).
 #[derive(Clone)]
 pub struct AgentMetrics {
-    pub renewals: Family<Labels, Counter>,
+    pub renewals: Family<DoneLabels, Counter>,
     pub tracked_refs: Gauge,
     /// Tracked refs within their renewal lead of expiry (renewal late), at the last scrape.
     pub tracked_refs_due: Gauge,
@@ -190,20 +298,20 @@ pub struct AgentMetrics {
     pub watchers: Gauge,
     /// Watch streams ended because their client did not read.
     pub watchers_dropped: Counter,
-    pub rpcs: Family<Labels, Counter>,
-    pub rpc_seconds: Family<Labels, Histogram, fn() -> Histogram>,
-    pub reloads: Family<Labels, Counter>,
-    pub guard_decisions: Family<Labels, Counter>,
+    pub rpcs: Family<RpcLabels, Counter>,
+    pub rpc_seconds: Family<MethodLabels, Histogram, fn() -> Histogram>,
+    pub reloads: Family<DoneLabels, Counter>,
+    pub guard_decisions: Family<ResultLabels, Counter>,
     pub guard_records: Gauge,
     /// Image names dropped from a record that held its most, the oldest first.
     pub guard_names_dropped: Counter,
     pub guard_intents: Gauge,
-    pub verifications: Family<Labels, Counter>,
+    pub verifications: Family<ResultLabels, Counter>,
     /// Lookups by caller kind (kubelet, docker-helper, api).
-    pub lookups: Family<Labels, Counter>,
+    pub lookups: Family<CallerLabels, Counter>,
     callers: Arc<[Counter; 3]>,
     /// Pull credentials offered for capture by the CRI proxy, by what became of them.
-    pub captures: Family<Labels, Counter>,
+    pub captures: Family<CaptureLabels, Counter>,
     /// Captured credentials dropped to stay within the limit of repositories.
     pub captured_dropped: Counter,
     /// Pulls through the CRI proxy by the credentials the kubelet sent and the result.
@@ -213,11 +321,11 @@ pub struct AgentMetrics {
     pub cri_pulls_missed: Counter,
     /// Credentials a registry refused, by the source that gave them (provider, captured,
     /// docker_config): what the agent dropped, forgot or reported.
-    pub credentials_refused: Family<Labels, Counter>,
+    pub credentials_refused: Family<SourceLabels, Counter>,
     /// Consumers' reports of a refused credential, by outcome.
-    pub refusal_reports: Family<Labels, Counter>,
+    pub refusal_reports: Family<OutcomeLabels, Counter>,
     /// Registry confirmations of a refusal (a pull's or a report's), by what the registry said.
-    pub refusal_confirmations: Family<Labels, Counter>,
+    pub refusal_confirmations: Family<SaidLabels, Counter>,
     /// Provider answers dropped by `ctl flush`.
     pub cache_flushed: Counter,
     /// Pull answers released before their capture was confirmed and on disk (the registry
@@ -236,14 +344,14 @@ pub struct AgentMetrics {
     /// Provider answers restored from the sealed cache at start.
     pub cache_restored: Counter,
     /// Saved provider answers not restored, by reason.
-    pub cache_dropped_total: Family<Labels, Counter>,
+    pub cache_dropped_total: Family<DropLabels, Counter>,
     /// Provider answers written to the sealed cache (each save counts what it wrote).
     pub cache_persisted: Counter,
     /// Open connections by listener (api, metrics).
-    pub connections: Family<Labels, Gauge>,
+    pub connections: Family<ListenerLabels, Gauge>,
     /// Connections closed at once or early, by listener and reason (limit, uid_limit,
     /// not_allowed, handshake_timeout, idle_timeout).
-    pub connections_closed: Family<Labels, Counter>,
+    pub connections_closed: Family<ClosedLabels, Counter>,
     methods: Arc<HashMap<&'static str, MethodHandles>>,
     decisions: Arc<HashMap<&'static str, Counter>>,
 }
@@ -258,43 +366,36 @@ fn rpc_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.000_05, 2.0, 18))
 }
 
-/// The counter of `family` labelled `result="<result>"` (a handle sharing its value).
-fn by_result(family: &Family<Labels, Counter>, result: &str) -> Counter {
-    family
-        .get_or_create(&vec![("result", result.to_owned())])
-        .clone()
-}
-
-fn rpc_labels(method: &str, code: Option<tonic::Code>) -> Labels {
-    let mut labels = vec![("method", method.to_owned())];
-    if let Some(code) = code {
-        labels.push(("code", code_name(code).to_owned()));
-    }
-    labels
-}
-
 impl Default for AgentMetrics {
     fn default() -> Self {
-        let rpcs: Family<Labels, Counter> = Family::default();
-        let rpc_seconds: Family<Labels, Histogram, fn() -> Histogram> =
+        let rpcs: Family<RpcLabels, Counter> = Family::default();
+        let rpc_seconds: Family<MethodLabels, Histogram, fn() -> Histogram> =
             Family::new_with_constructor(rpc_histogram as fn() -> Histogram);
         let methods = METHODS
             .iter()
             .map(|m| {
                 let handles = MethodHandles {
                     ok: rpcs
-                        .get_or_create(&rpc_labels(m, Some(tonic::Code::Ok)))
+                        .get_or_create(&RpcLabels {
+                            method: m,
+                            code: Code(tonic::Code::Ok),
+                        })
                         .clone(),
-                    seconds: rpc_seconds.get_or_create(&rpc_labels(m, None)).clone(),
+                    seconds: rpc_seconds
+                        .get_or_create(&MethodLabels { method: m })
+                        .clone(),
                 };
                 (*m, handles)
             })
             .collect();
-        let guard_decisions: Family<Labels, Counter> = Family::default();
-        let lookups: Family<Labels, Counter> = Family::default();
+        let guard_decisions: Family<ResultLabels, Counter> = Family::default();
+        let lookups: Family<CallerLabels, Counter> = Family::default();
         let decisions = DECISIONS
             .iter()
-            .map(|d| (*d, by_result(&guard_decisions, d)))
+            .map(|d| {
+                let counter = guard_decisions.get_or_create(&ResultLabels { result: d });
+                (*d, counter.clone())
+            })
             .collect();
         AgentMetrics {
             renewals: Family::default(),
@@ -311,16 +412,14 @@ impl Default for AgentMetrics {
             guard_names_dropped: Counter::default(),
             guard_intents: Gauge::default(),
             verifications: Family::default(),
-            callers: Arc::new(CALLERS.map(|c| {
-                lookups
-                    .get_or_create(&vec![("caller", c.to_owned())])
-                    .clone()
-            })),
+            callers: Arc::new(
+                CALLERS.map(|c| lookups.get_or_create(&CallerLabels { caller: c }).clone()),
+            ),
             lookups,
             captures: {
                 let f = Family::default();
-                for r in CaptureResult::ALL {
-                    let _ = by_result(&f, r.as_str());
+                for result in CaptureResult::ALL {
+                    let _ = f.get_or_create(&CaptureLabels { result });
                 }
                 f
             },
@@ -328,9 +427,9 @@ impl Default for AgentMetrics {
             cri_pulls: Family::default(),
             cri_pulls_missed: Counter::default(),
             credentials_refused: {
-                let f: Family<Labels, Counter> = Family::default();
+                let f = Family::default();
                 for source in REFUSED_SOURCES {
-                    let _ = f.get_or_create(&vec![("source", source.as_str().to_owned())]);
+                    let _ = f.get_or_create(&SourceLabels { source });
                 }
                 f
             },
@@ -559,27 +658,31 @@ impl AgentMetrics {
     /// Counts a credential a registry refused, by its source.
     pub fn refused(&self, source: AuthLabel) {
         self.credentials_refused
-            .get_or_create(&vec![("source", source.as_str().to_owned())])
+            .get_or_create(&SourceLabels { source })
             .inc();
     }
 
     /// Counts a consumer's report of a refused credential.
-    pub fn refusal_report(&self, outcome: &str) {
+    pub fn refusal_report(&self, outcome: &'static str) {
         self.refusal_reports
-            .get_or_create(&vec![("outcome", outcome.to_owned())])
+            .get_or_create(&OutcomeLabels { outcome })
             .inc();
     }
 
     /// Counts a registry's answer to a confirmation of a refusal.
-    pub fn refusal_confirmation(&self, said: &str) {
+    pub fn refusal_confirmation(&self, said: &'static str) {
         self.refusal_confirmations
-            .get_or_create(&vec![("said", said.to_owned())])
+            .get_or_create(&SaidLabels { said })
             .inc();
     }
 
     /// Counts a renewal.
     pub fn renewal(&self, success: bool) {
-        by_result(&self.renewals, if success { "success" } else { "failure" }).inc();
+        self.renewals
+            .get_or_create(&DoneLabels {
+                result: Done::of(success),
+            })
+            .inc();
     }
 
     /// Counts a guard decision.
@@ -589,7 +692,9 @@ impl AgentMetrics {
                 c.inc();
             }
             None => {
-                by_result(&self.guard_decisions, result).inc();
+                self.guard_decisions
+                    .get_or_create(&ResultLabels { result })
+                    .inc();
             }
         }
     }
@@ -604,18 +709,20 @@ impl AgentMetrics {
     /// Counts saved provider answers not restored.
     pub fn cache_dropped(&self, reason: DropReason, n: u64) {
         self.cache_dropped_total
-            .get_or_create(&vec![("reason", reason.as_str().to_owned())])
+            .get_or_create(&DropLabels { reason })
             .inc_by(n);
     }
 
     /// Counts what became of a credential offered for capture.
     pub fn capture(&self, result: CaptureResult) {
-        by_result(&self.captures, result.as_str()).inc();
+        self.captures.get_or_create(&CaptureLabels { result }).inc();
     }
 
     /// Counts a verification.
     pub fn verification(&self, result: &'static str) {
-        by_result(&self.verifications, result).inc();
+        self.verifications
+            .get_or_create(&ResultLabels { result })
+            .inc();
     }
 
     /// Counts a lookup by who asked: `kubelet`, `docker-helper`, anything else is `api`.
@@ -627,23 +734,24 @@ impl AgentMetrics {
     /// The gauge of open connections of `listener`.
     pub fn open_connections(&self, listener: &'static str) -> Gauge {
         self.connections
-            .get_or_create(&vec![("listener", listener.to_owned())])
+            .get_or_create(&ListenerLabels { listener })
             .clone()
     }
 
     /// Counts a connection the agent closed at once or early.
     pub fn connection_closed(&self, listener: &'static str, reason: &'static str) {
         self.connections_closed
-            .get_or_create(&vec![
-                ("listener", listener.to_owned()),
-                ("reason", reason.to_owned()),
-            ])
+            .get_or_create(&ClosedLabels { listener, reason })
             .inc();
     }
 
     /// Counts a reload.
     pub fn reload(&self, success: bool) {
-        by_result(&self.reloads, if success { "success" } else { "failure" }).inc();
+        self.reloads
+            .get_or_create(&DoneLabels {
+                result: Done::of(success),
+            })
+            .inc();
     }
 
     /// Counts a finished call.
@@ -654,17 +762,23 @@ impl AgentMetrics {
                     h.ok.inc();
                 } else {
                     self.rpcs
-                        .get_or_create(&rpc_labels(method, Some(code)))
+                        .get_or_create(&RpcLabels {
+                            method,
+                            code: Code(code),
+                        })
                         .inc();
                 }
                 h.seconds.observe(seconds);
             }
             None => {
                 self.rpcs
-                    .get_or_create(&rpc_labels(method, Some(code)))
+                    .get_or_create(&RpcLabels {
+                        method,
+                        code: Code(code),
+                    })
                     .inc();
                 self.rpc_seconds
-                    .get_or_create(&rpc_labels(method, None))
+                    .get_or_create(&MethodLabels { method })
                     .observe(seconds);
             }
         }
