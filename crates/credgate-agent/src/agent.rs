@@ -489,12 +489,16 @@ impl Agent {
             if let Ok(c) = guard.check(
                 image,
                 &image_ref,
-                true,
+                crate::guard::Presence::OnNode,
                 crate::guard::PullPolicy::IfNotPresent,
                 &[crate::guard::CredentialIn::NodeWide],
             ) {
-                answer.guard_node_wide_decision =
-                    format!("{} ({}): {}", c.answer.as_str(), c.reason, c.message);
+                answer.guard_node_wide_decision = format!(
+                    "{} ({}): {}",
+                    c.answer.as_str(),
+                    c.reason.as_str(),
+                    c.message
+                );
             }
         }
     }

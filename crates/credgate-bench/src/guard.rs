@@ -9,7 +9,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{ensure, Context as _, Result};
-use credgate_agent::guard::{Answer, CredentialIn, Guard, GuardOptions, PullEnd, PullPolicy};
+use credgate_agent::guard::{
+    Answer, CredentialIn, Guard, GuardOptions, Presence, PullEnd, PullPolicy,
+};
 use credgate_agent::metrics::AgentMetrics;
 use credgate_core::guard::{Coords, Policy};
 use secrecy::SecretString;
@@ -124,7 +126,13 @@ pub fn check(args: &Args) -> Result<()> {
                             k = (k + 1) % inputs.len();
                             let (image, image_ref, creds) = &inputs[k];
                             let a = g
-                                .check(image, image_ref, true, PullPolicy::IfNotPresent, creds)
+                                .check(
+                                    image,
+                                    image_ref,
+                                    Presence::OnNode,
+                                    PullPolicy::IfNotPresent,
+                                    creds,
+                                )
                                 .expect("valid input");
                             assert_eq!(a.answer, Answer::Allow);
                             n += 1;

@@ -50,7 +50,7 @@ pub(super) fn log(
         pod = %pull.pod_name,
         auth = %auth,
         replaced_refused = pull.replaced.is_some(),
-        scope = pull.scope,
+        scope = pull.scope.as_str(),
         code,
         result = result.as_str(),
         runtime_message = %capped(message, MESSAGE),

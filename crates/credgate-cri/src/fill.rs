@@ -109,13 +109,12 @@ pub(super) async fn apply_policy(
             auth
         }
     };
-    let scoped = policy.scope(parsed.registry());
-    pull.scope = scoped.as_str();
-    let address = scoped.server_address(&auth.server_address);
+    pull.scope = policy.scope(parsed.registry());
+    let address = pull.scope.server_address(&auth.server_address);
     if pull.filled.is_none() && address == auth.server_address {
         return None;
     }
-    if let policy::Scoped::Registry { why, .. } = &scoped {
+    if let policy::Scoped::Registry { why, .. } = &pull.scope {
         tracing::debug!(image = %pull.image, why = %why, "the pull's credential is scoped to its registry");
     }
     auth.server_address = address;

@@ -32,7 +32,7 @@ pub(super) struct Pull {
     /// agent gives (`provider:NAME`, `docker-config`), for a `--cri-proxy-fill` pattern.
     pub(super) filled: Option<credgate_agent::outcome::Given>,
     /// What the credential scope did with its `server_address`.
-    pub(super) scope: &'static str,
+    pub(super) scope: policy::Scoped,
     /// Every string the pull's `auth` carried (user name, password, `auth` and its decoded
     /// form, tokens): taken out of the runtime's message before it is logged, kept or shown
     /// (containerd quotes a malformed `auth` whole).
@@ -103,7 +103,7 @@ pub(super) fn pull_of(message: &[u8], now_ms: i64) -> Option<Pull> {
         valid,
         server_address,
         filled: None,
-        scope: policy::Scoped::AsSent.as_str(),
+        scope: policy::Scoped::AsSent,
         carried,
         node_image: None,
     })

@@ -180,6 +180,24 @@ impl<'a> Subject<'a> {
     }
 }
 
+/// Which sources a lookup merges: all of them, or only the provider it names (no docker
+/// config entry then).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Asked {
+    AllSources,
+    OneProvider,
+}
+
+impl Asked {
+    fn of(req: &LookupRequest<'_>) -> Asked {
+        if req.provider.is_some() {
+            Asked::OneProvider
+        } else {
+            Asked::AllSources
+        }
+    }
+}
+
 /// Which cache entry answered a lookup, for callers that keep credentials fresh (renewal
 /// groups refs by entry and renews each entry once).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -493,14 +511,7 @@ impl Engine {
                 Err(e) => errors.push(e),
             }
         }
-        let resolved = self.resolve(
-            name,
-            &target,
-            subject.default_registry(),
-            entries,
-            generation,
-            req.provider.is_none(),
-        );
+        let resolved = self.resolve(&subject, &target, entries, generation, Asked::of(req));
         if errors.is_empty() {
             self.remember(req, &resolved);
         }
@@ -549,14 +560,7 @@ impl Engine {
         for (i, _) in &entries {
             self.inner.providers[*i].metrics.hits.inc();
         }
-        let resolved = self.resolve(
-            name,
-            &target,
-            subject.default_registry(),
-            entries,
-            generation,
-            req.provider.is_none(),
-        );
+        let resolved = self.resolve(&subject, &target, entries, generation, Asked::of(req));
         self.remember(req, &resolved);
         Ok(Some(serve(&resolved)))
     }
@@ -642,23 +646,24 @@ impl Engine {
         }
     }
 
-    /// Orders the credentials of the static sources and the answering entries.
+    /// Orders the credentials of the static sources (unless one provider was asked) and the
+    /// answering entries, for `subject` (whose registry decides the Docker Hub fallback).
     fn resolve(
         &self,
-        name: &str,
+        subject: &Subject<'_>,
         target: &Target<'_>,
-        default_registry: bool,
         entries: SmallVec<[(usize, Arc<Entry>); 2]>,
         generation: u64,
-        with_statics: bool,
+        asked: Asked,
     ) -> Arc<Resolved> {
+        let (name, default_registry) = (subject.name(), subject.default_registry());
         let picks = {
             let statics = self
                 .inner
                 .statics
                 .iter()
                 .enumerate()
-                .filter(|_| with_statics)
+                .filter(|_| asked == Asked::AllSources)
                 .map(|(j, s)| (PickSource::Static(j), &s.auth));
             let dynamic = entries
                 .iter()

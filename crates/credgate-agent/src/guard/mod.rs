@@ -98,11 +98,54 @@ impl Answer {
     }
 }
 
+/// Why the guard answered as it did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CheckReason {
+    /// Pull policy Never, and the workload may not use the image as it is.
+    NotAvailable,
+    /// Pull policy Always: the pull authenticates.
+    PullPolicyAlways,
+    /// The image is not on the node.
+    NotPresent,
+    Allow(guard::AllowReason),
+    Authenticate(guard::AuthReason),
+}
+
+impl CheckReason {
+    /// The API's stable, machine-readable reason.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CheckReason::NotAvailable => "not_available",
+            CheckReason::PullPolicyAlways => "pull_policy_always",
+            CheckReason::NotPresent => "not_present",
+            CheckReason::Allow(r) => r.as_str(),
+            CheckReason::Authenticate(r) => r.as_str(),
+        }
+    }
+}
+
+/// Whether the image is on the node now, as the runtime says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Presence {
+    OnNode,
+    Absent,
+}
+
+impl Presence {
+    pub fn of(present: bool) -> Presence {
+        if present {
+            Presence::OnNode
+        } else {
+            Presence::Absent
+        }
+    }
+}
+
 /// An answer with its reason.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CheckAnswer {
     pub answer: Answer,
-    pub reason: &'static str,
+    pub reason: CheckReason,
     pub message: String,
 }
 
@@ -310,7 +353,7 @@ impl Guard {
         &self,
         image: &str,
         image_ref: &str,
-        present: bool,
+        presence: Presence,
         pull_policy: PullPolicy,
         credentials: &[CredentialIn],
     ) -> Result<CheckAnswer, GuardError> {
@@ -322,7 +365,7 @@ impl Guard {
             parsed.name(),
             image,
             image_ref,
-            present,
+            presence,
             pull_policy,
             credentials,
         );
@@ -335,13 +378,13 @@ impl Guard {
         name: &str,
         image: &str,
         image_ref: &str,
-        present: bool,
+        presence: Presence,
         pull_policy: PullPolicy,
         credentials: &[CredentialIn],
     ) -> CheckAnswer {
         let refuse = || CheckAnswer {
             answer: Answer::Refuse,
-            reason: "not_available",
+            reason: CheckReason::NotAvailable,
             message: format!(
                 "image {image} is not available to this workload with pull policy Never"
             ),
@@ -349,7 +392,7 @@ impl Guard {
         if pull_policy == PullPolicy::Always {
             return CheckAnswer {
                 answer: Answer::Pull,
-                reason: "pull_policy_always",
+                reason: CheckReason::PullPolicyAlways,
                 message: "pull policy Always: the pull authenticates".into(),
             };
         }
@@ -367,7 +410,7 @@ impl Guard {
         };
         let check = Check {
             name,
-            present,
+            present: presence == Presence::OnNode,
             policy: self.options.policy,
             allowlist: &self.options.allowlist,
             max_age_ms: self
@@ -384,18 +427,18 @@ impl Guard {
             Verdict::Pull if pull_policy == PullPolicy::Never => refuse(),
             Verdict::Pull => CheckAnswer {
                 answer: Answer::Pull,
-                reason: "not_present",
+                reason: CheckReason::NotPresent,
                 message: "the image is not on the node: pull it".into(),
             },
             Verdict::Allow(r) => CheckAnswer {
                 answer: Answer::Allow,
-                reason: r.as_str(),
+                reason: CheckReason::Allow(r),
                 message: allow_message(r).into(),
             },
             Verdict::Authenticate(_) if pull_policy == PullPolicy::Never => refuse(),
             Verdict::Authenticate(r) => CheckAnswer {
                 answer: Answer::MustAuthenticate,
-                reason: r.as_str(),
+                reason: CheckReason::Authenticate(r),
                 message: auth_message(r).into(),
             },
         }

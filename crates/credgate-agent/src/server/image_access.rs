@@ -8,7 +8,7 @@ use tonic::{Request, Response, Status};
 
 use super::{peer, Api};
 use crate::guard::store::PresentImage;
-use crate::guard::{Answer, CredentialIn, Guard, PullEnd, PullPolicy};
+use crate::guard::{Answer, CredentialIn, Guard, Presence, PullEnd, PullPolicy};
 use crate::status::{self, ApiError};
 
 /// Records and intents on a `ListRecords` page by default, and at most.
@@ -134,11 +134,17 @@ impl ImageAccess for Api {
             }
             let creds = credentials(req.credentials)?;
             let a = guard
-                .check(&req.image, &req.image_ref, req.present, policy, &creds)
+                .check(
+                    &req.image,
+                    &req.image_ref,
+                    Presence::of(req.present),
+                    policy,
+                    &creds,
+                )
                 .map_err(ApiError::from)?;
             Ok(Response::new(pb::CheckAccessResponse {
                 decision: decision(a.answer),
-                reason: a.reason.to_owned(),
+                reason: a.reason.as_str().to_owned(),
                 message: a.message,
             }))
         })

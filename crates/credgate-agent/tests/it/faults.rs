@@ -8,7 +8,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use credgate_agent::guard::{Answer, CredentialIn, Guard, GuardOptions, PullPolicy};
+use credgate_agent::guard::{Answer, CredentialIn, Guard, GuardOptions, Presence, PullPolicy};
 use credgate_agent::metrics::AgentMetrics;
 use credgate_core::guard::{Coords, Policy};
 use secrecy::SecretString;
@@ -103,7 +103,7 @@ fn answer(g: &Guard, i: usize, team: &str) -> Answer {
     g.check(
         &image(i),
         &image_ref(i),
-        true,
+        Presence::OnNode,
         PullPolicy::IfNotPresent,
         &[secret(team)],
     )
