@@ -22,6 +22,16 @@ impl From<credgate_engine::Source> for Given {
 }
 
 impl Given {
+    /// The API's kind of source and its name (provider, docker config path, namespace).
+    pub fn wire(&self) -> (credgate_api::v1::SourceKind, String) {
+        use credgate_api::v1::SourceKind;
+        match self {
+            Given::Provider(name) => (SourceKind::Provider, name.clone()),
+            Given::DockerConfig(file) => (SourceKind::DockerConfig, file.clone()),
+            Given::Captured(namespace) => (SourceKind::Captured, namespace.clone()),
+        }
+    }
+
     /// Its kind, as metrics label it: `provider`, `docker_config`, `captured`.
     pub fn label(&self) -> AuthLabel {
         match self {
@@ -69,6 +79,30 @@ impl std::fmt::Display for PullAuth {
 }
 
 impl PullAuth {
+    /// The API's form: what the pull went with, and the source that gave it (unspecified
+    /// and empty for none and unknown).
+    pub fn wire(
+        &self,
+    ) -> (
+        credgate_api::v1::PullAuth,
+        credgate_api::v1::SourceKind,
+        String,
+    ) {
+        use credgate_api::v1::{PullAuth as Wire, SourceKind};
+        match self {
+            PullAuth::None => (Wire::None, SourceKind::Unspecified, String::new()),
+            PullAuth::Given(g) => {
+                let (kind, name) = g.wire();
+                (Wire::Given, kind, name)
+            }
+            PullAuth::Filled(g) => {
+                let (kind, name) = g.wire();
+                (Wire::Filled, kind, name)
+            }
+            PullAuth::Unknown => (Wire::Unknown, SourceKind::Unspecified, String::new()),
+        }
+    }
+
     /// `credgate_cri_pulls_total`'s `auth` label: which kind of source, never its name.
     pub fn label(&self) -> AuthLabel {
         match self {
@@ -142,6 +176,17 @@ impl PullResult {
                     PullResult::Error
                 }
             }
+        }
+    }
+
+    /// The API's form.
+    pub fn wire(self) -> credgate_api::v1::PullResult {
+        use credgate_api::v1::PullResult as Wire;
+        match self {
+            PullResult::Ok => Wire::Ok,
+            PullResult::Unauthorized => Wire::Unauthorized,
+            PullResult::NotFound => Wire::NotFound,
+            PullResult::Error => Wire::Error,
         }
     }
 

@@ -520,7 +520,20 @@ pub enum Report {
 }
 
 impl Report {
-    /// The metric label and the API's outcome.
+    /// The API's outcome.
+    pub fn wire(&self) -> credgate_api::v1::RefusalOutcome {
+        use credgate_api::v1::RefusalOutcome as Wire;
+        match self {
+            Report::Refused(_) => Wire::Refused,
+            Report::Accepted => Wire::Accepted,
+            Report::Unchecked => Wire::Unchecked,
+            Report::NotGiven => Wire::NotGiven,
+            Report::Recently => Wire::AlreadyRefused,
+            Report::Unreachable(_) => Wire::Unreachable,
+        }
+    }
+
+    /// The metric label (the API's outcome's word).
     pub fn as_str(&self) -> &'static str {
         match self {
             Report::Refused(_) => "refused",

@@ -67,6 +67,7 @@ pub mod codec;
 pub mod cri;
 pub mod frame;
 pub mod hpack;
+pub mod names;
 mod redact;
 pub mod trust;
 pub mod unary;

@@ -229,23 +229,26 @@ impl Admin for Api {
                 .pulls()
                 .list(repository.as_deref())
                 .into_iter()
-                .map(|p| pb::Pull {
-                    at_unix_ms: unix_ms(Some(p.at)),
-                    image: p.image,
-                    pod_namespace: p.pod_namespace,
-                    pod_name: p.pod_name,
-                    auth: p.auth.to_string(),
-                    result: crate::outcome::PullResult::of(p.code, &p.message)
-                        .as_str()
-                        .to_owned(),
-                    code: p.code,
-                    message: p.message,
-                    duration_ms: u64::try_from(p.duration.as_millis()).unwrap_or(u64::MAX),
-                    refusal: p.refusal,
-                    node_image: p
-                        .node_image
-                        .map(|w| w.as_str().to_owned())
-                        .unwrap_or_default(),
+                .map(|p| {
+                    let (auth, source_kind, source) = p.auth.wire();
+                    pb::Pull {
+                        at_unix_ms: unix_ms(Some(p.at)),
+                        image: p.image,
+                        pod_namespace: p.pod_namespace,
+                        pod_name: p.pod_name,
+                        auth: auth as i32,
+                        source_kind: source_kind as i32,
+                        source,
+                        result: crate::outcome::PullResult::of(p.code, &p.message).wire() as i32,
+                        code: p.code,
+                        message: p.message,
+                        duration_ms: u64::try_from(p.duration.as_millis()).unwrap_or(u64::MAX),
+                        refusal: p.refusal,
+                        node_image: p
+                            .node_image
+                            .map(|w| w.as_str().to_owned())
+                            .unwrap_or_default(),
+                    }
                 })
                 .collect();
             Ok(Response::new(pb::ListPullsResponse { pulls }))

@@ -29,7 +29,7 @@ impl Credentials for Api {
                 .map_err(ApiError::from)?;
             let message = report.describe(&req.image);
             Ok(Response::new(pb::ReportRefusedResponse {
-                outcome: report.as_str().to_owned(),
+                outcome: report.wire() as i32,
                 message,
             }))
         })

@@ -41,7 +41,10 @@ pub fn credential(c: &Credential) -> pb::Credential {
 /// The wire form of a borrowed credential.
 pub fn credential_ref(c: &CredentialRef<'_>) -> pb::Credential {
     pb::Credential {
-        source_kind: c.kind.as_str().to_owned(),
+        source_kind: match c.kind {
+            credgate_engine::SourceKind::Provider => pb::SourceKind::Provider,
+            credgate_engine::SourceKind::DockerConfig => pb::SourceKind::DockerConfig,
+        } as i32,
         source: c.source.to_owned(),
         pattern: c.pattern.to_owned(),
         username: c.username.to_owned(),
@@ -54,7 +57,7 @@ pub fn credential_ref(c: &CredentialRef<'_>) -> pb::Credential {
 /// `captured`, the pod's namespace as its source.
 fn captured_credential(repository: &str, c: &crate::captured::Credential) -> pb::Credential {
     pb::Credential {
-        source_kind: "captured".into(),
+        source_kind: pb::SourceKind::Captured as i32,
         source: c.namespace.clone(),
         pattern: repository.to_owned(),
         username: c.username.clone(),

@@ -132,7 +132,7 @@ async fn lookup_serves_credentials_and_reports_failures_without_secrets() {
     assert_eq!(
         (
             c.source.as_str(),
-            c.source_kind.as_str(),
+            c.source_kind().word(),
             c.username.as_str(),
             c.password.as_str()
         ),

@@ -156,11 +156,12 @@ async fn report_refused(
         password: password.to_string(),
     }))
     .await?;
-    show(out, &r, |r| format!("{}: {}", r.outcome, r.message))?;
+    let outcome = pb::RefusalOutcome::try_from(r.outcome).unwrap_or_default();
+    show(out, &r, |r| format!("{}: {}", outcome.word(), r.message))?;
     // Exit 0 only when the credential is refused now (by this report or an earlier one): a
     // script that reports a refusal learns whether the agent will stop serving it.
-    Ok(match r.outcome.as_str() {
-        "refused" | "already_refused" => Outcome::Yes,
+    Ok(match outcome {
+        pb::RefusalOutcome::Refused | pb::RefusalOutcome::AlreadyRefused => Outcome::Yes,
         _ => Outcome::No,
     })
 }

@@ -247,15 +247,17 @@ pub(super) async fn pulls(
                         format!("{}/{}", p.pod_namespace, p.pod_name)
                     },
                     if p.node_image.is_empty() {
-                        p.auth.clone()
+                        pull_auth(p)
                     } else {
                         // The agent pulled it itself, on the node's behalf.
-                        format!("{} (node: {})", p.auth, p.node_image)
+                        format!("{} (node: {})", pull_auth(p), p.node_image)
                     },
                     if p.code == 0 {
                         "pulled".into()
                     } else {
-                        p.result.clone()
+                        pb::PullResult::try_from(p.result)
+                            .map_or("unspecified", pb::PullResult::word)
+                            .into()
                     },
                     tail(&p.message, 72),
                 ]
@@ -268,6 +270,22 @@ pub(super) async fn pulls(
         }
     }
     Ok(Outcome::Yes)
+}
+
+/// A pull's credential as the table names it: `none`, `unknown`, the source that gave it
+/// (`provider:NAME`, `docker-config`, `captured`), `filled:` and the source the proxy filled in.
+fn pull_auth(p: &pb::Pull) -> String {
+    let source = match pb::SourceKind::try_from(p.source_kind) {
+        Ok(pb::SourceKind::Provider) => format!("provider:{}", p.source),
+        Ok(kind) => kind.word().to_owned(),
+        Err(_) => "unspecified".to_owned(),
+    };
+    match pb::PullAuth::try_from(p.auth) {
+        Ok(pb::PullAuth::Given) => source,
+        Ok(pb::PullAuth::Filled) => format!("filled:{source}"),
+        Ok(other) => other.word().to_owned(),
+        Err(_) => "unspecified".to_owned(),
+    }
 }
 
 pub(super) async fn captured(admin: &mut AdminClient<Channel>, out: Output) -> Result<Outcome> {

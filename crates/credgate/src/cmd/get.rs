@@ -53,7 +53,9 @@ impl Row {
     pub fn from_wire(c: &credgate_api::v1::Credential) -> Row {
         Row {
             provider: c.source.clone(),
-            source: c.source_kind.clone(),
+            source: credgate_api::v1::SourceKind::try_from(c.source_kind)
+                .map_or("unspecified", credgate_api::v1::SourceKind::word)
+                .to_owned(),
             pattern: c.pattern.clone(),
             username: c.username.clone(),
             password: c.password.clone(),

@@ -21,34 +21,9 @@ pub fn show<T: Serialize>(out: Output, value: &T, text: impl FnOnce(&T) -> Strin
 }
 
 pub fn json(value: &impl Serialize) -> Result<()> {
-    let mut v = serde_json::to_value(value)?;
-    name_enums(&mut v);
-    println!("{}", serde_json::to_string_pretty(&v)?);
+    // The API's enums are serialized by their words (credgate_api::names).
+    println!("{}", serde_json::to_string_pretty(value)?);
     Ok(())
-}
-
-/// JSON is for programs: the API's enums by name (`"decision": "ALLOW"`), not by number.
-fn name_enums(v: &mut serde_json::Value) {
-    match v {
-        serde_json::Value::Object(fields) => {
-            for (key, field) in fields.iter_mut() {
-                let number = field.as_i64().and_then(|n| i32::try_from(n).ok());
-                match (key.as_str(), number) {
-                    ("decision", Some(n)) => {
-                        *field = decision_name(n).into();
-                    }
-                    ("pull_policy", Some(n)) => {
-                        *field = pb::PullPolicy::try_from(n)
-                            .map_or("UNSPECIFIED", |p| p.as_str_name())
-                            .into();
-                    }
-                    _ => name_enums(field),
-                }
-            }
-        }
-        serde_json::Value::Array(items) => items.iter_mut().for_each(name_enums),
-        _ => {}
-    }
 }
 
 /// The agent's status as a sentence: its message, which says what failed; the code's name
@@ -74,13 +49,7 @@ pub async fn answer<T>(
 
 /// A decision's name, as the API's enum spells it.
 pub fn decision_name(d: i32) -> &'static str {
-    match pb::Decision::try_from(d) {
-        Ok(pb::Decision::Allow) => "ALLOW",
-        Ok(pb::Decision::MustAuthenticate) => "MUST_AUTHENTICATE",
-        Ok(pb::Decision::Refuse) => "REFUSE",
-        Ok(pb::Decision::Pull) => "PULL",
-        _ => "UNSPECIFIED",
-    }
+    pb::Decision::try_from(d).map_or("UNSPECIFIED", pb::Decision::word)
 }
 
 pub fn rfc3339(t: SystemTime) -> String {

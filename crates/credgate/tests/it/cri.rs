@@ -399,7 +399,7 @@ printf '{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.ku
     let captured = |e: &WatchEvent| {
         e.credentials
             .iter()
-            .find(|c| c.source_kind == "captured")
+            .find(|c| c.source_kind() == credgate_api::v1::SourceKind::Captured)
             .map(|c| (c.username.clone(), c.password.clone(), c.source.clone()))
     };
     let first = crate::support::next_event(&mut stream).await;
@@ -414,7 +414,10 @@ printf '{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.ku
         captured(&second),
         Some((USER.into(), PASSWORD.into(), "team-a".into()))
     );
-    assert_eq!(second.credentials[0].source_kind, "captured");
+    assert_eq!(
+        second.credentials[0].source_kind(),
+        credgate_api::v1::SourceKind::Captured
+    );
     assert!(second.revision > first.revision);
 
     // The kubelet bridge serves it to a snapshotter that asks (`--captured`), keyed by the
@@ -976,7 +979,12 @@ async fn the_pull_decision_log_against_a_fake_runtime() {
     assert_eq!(pulled.image_ref, "sha256:feed");
     let v: serde_json::Value =
         serde_json::from_slice(&agent.credgate(&["ctl", "-o", "json", "pulls"]).stdout).unwrap();
-    assert_eq!(v["pulls"][0]["auth"], "provider:p", "{v}");
+    assert_eq!(v["pulls"][0]["auth"], "given", "{v}");
+    assert_eq!(
+        (&v["pulls"][0]["source_kind"], &v["pulls"][0]["source"]),
+        (&"provider".into(), &"p".into()),
+        "{v}"
+    );
     assert_eq!(v["pulls"][0]["code"], 0);
     assert_eq!(v["pulls"][1]["auth"], "none");
     assert_eq!(v["pulls"][1]["code"], 2);
