@@ -239,10 +239,9 @@ impl Agent {
                 .unwrap_or_default(),
         );
         let guard = options.guard.map(|g| {
-            Guard::open(g, metrics.clone())
+            Guard::open(g, metrics.clone(), clock.clone())
                 .with_tasks(tasks.clone())
                 .with_engine(engine.clone())
-                .with_clock(clock.clone())
         });
         let saver = crate::saver::Saver::open(
             options.saved_cache.as_deref(),

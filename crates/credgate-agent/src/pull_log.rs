@@ -97,17 +97,17 @@ impl PullLog {
             .collect()
     }
 
-    /// Whether a warning about `image` may be logged now (once per [`WARN_EVERY`]).
-    pub fn may_warn(&self, image: &str) -> bool {
-        let now = Instant::now();
+    /// Whether a warning about `image` may be logged at `now` (by the agent's clock; once per
+    /// [`WARN_EVERY`]).
+    pub fn may_warn(&self, image: &str, now: Instant) -> bool {
         let mut warned = self.warned.lock();
         if let Some(at) = warned.get(image) {
-            if now.duration_since(*at) < WARN_EVERY {
+            if now.saturating_duration_since(*at) < WARN_EVERY {
                 return false;
             }
         }
         if warned.len() >= WARNED {
-            warned.retain(|_, at| now.duration_since(*at) < WARN_EVERY);
+            warned.retain(|_, at| now.saturating_duration_since(*at) < WARN_EVERY);
             if warned.len() >= WARNED {
                 return false;
             }
@@ -154,8 +154,11 @@ mod tests {
         assert!(all[0].message.chars().count() <= MESSAGE + 1);
         let one = log.list(Some("reg.io/app-1"));
         assert!(!one.is_empty() && one.iter().all(|r| r.image.starts_with("reg.io/app-1:")));
-        assert!(log.may_warn("reg.io/app-1:v1"));
-        assert!(!log.may_warn("reg.io/app-1:v1"));
+        let now = Instant::now();
+        assert!(log.may_warn("reg.io/app-1:v1", now));
+        assert!(!log.may_warn("reg.io/app-1:v1", now + WARN_EVERY / 2));
+        assert!(log.may_warn("reg.io/app-2:v1", now + WARN_EVERY / 2));
+        assert!(log.may_warn("reg.io/app-1:v1", now + WARN_EVERY));
     }
 
     /// Pod names, namespaces and images are the caller's: 300 pulls with 1 MB pod names keep

@@ -43,6 +43,7 @@ fn guard(dir: &Path) -> Guard {
             ..Default::default()
         },
         AgentMetrics::default(),
+        std::sync::Arc::new(credgate_engine::clock::SystemClock::new()),
     )
 }
 

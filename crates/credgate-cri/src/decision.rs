@@ -176,7 +176,7 @@ fn warn_if_a_source_would_have_answered(ctx: &super::Context, pull: &Pull) {
     if !had.is_empty() || never_asked {
         ctx.metrics.cri_pulls_missed.inc();
     }
-    if !ctx.pulls.may_warn(&pull.image) {
+    if !ctx.pulls.may_warn(&pull.image, ctx.clock.now()) {
         return;
     }
     if had.is_empty() {

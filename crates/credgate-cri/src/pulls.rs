@@ -91,7 +91,7 @@ pub(super) async fn refused(
         )
         .await;
     let said = report.describe(&pull.image);
-    if report == Report::Accepted && ctx.pulls.may_warn(&pull.image) {
+    if report == Report::Accepted && ctx.pulls.may_warn(&pull.image, ctx.clock.now()) {
         tracing::warn!(
             image = %pull.image,
             pod_namespace = %pull.pod_namespace,

@@ -109,3 +109,47 @@ mod tests {
         assert!(clock.now() >= a + Duration::from_millis(20));
     }
 }
+
+/// A clock that moves only when told ([`ManualClock::advance`]): for tests of what waits on
+/// time (a retry interval, a throttle) without waiting, outside a paused tokio runtime.
+#[derive(Debug)]
+pub struct ManualClock {
+    origin: (Instant, SystemTime),
+    passed: std::sync::Mutex<Duration>,
+}
+
+impl Default for ManualClock {
+    fn default() -> Self {
+        ManualClock {
+            origin: (Instant::now(), SystemTime::now()),
+            passed: std::sync::Mutex::new(Duration::ZERO),
+        }
+    }
+}
+
+impl ManualClock {
+    /// Moves the clock `by` forward.
+    pub fn advance(&self, by: Duration) {
+        *self
+            .passed
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) += by;
+    }
+
+    fn passed(&self) -> Duration {
+        *self
+            .passed
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+impl Clock for ManualClock {
+    fn now(&self) -> Instant {
+        self.origin.0 + self.passed()
+    }
+
+    fn wall(&self) -> SystemTime {
+        self.origin.1 + self.passed()
+    }
+}

@@ -242,16 +242,23 @@ pub struct Guard {
 
 impl Guard {
     /// Opens the store and the key under the state directory. Never fails: problems are logged
-    /// and make decisions fail safe.
-    pub fn open(options: GuardOptions, metrics: AgentMetrics) -> Guard {
+    /// and make decisions fail safe. `clock` times decisions, records and the retries of a
+    /// store or key that could not be opened (the agent's; tests step it).
+    pub fn open(
+        options: GuardOptions,
+        metrics: AgentMetrics,
+        clock: Arc<dyn credgate_engine::clock::Clock>,
+    ) -> Guard {
         let dir = options.state_dir.clone();
         let store = Arc::new(Retrying::new(
             "guard store unavailable; every present image requires authentication",
+            clock.now(),
             move || Store::open(&dir),
         ));
         let dir = options.state_dir.clone();
         let key = Arc::new(Retrying::new(
             "node key unavailable; secrets cannot match records",
+            clock.now(),
             move || keys::NodeKey::load_or_create(&dir),
         ));
         let verifier = registry::Verifier::new(options.registry.clone());
@@ -262,17 +269,11 @@ impl Guard {
             metrics,
             verifier,
             engine: None,
-            clock: Arc::new(credgate_engine::clock::SystemClock::default()),
+            clock,
             tasks: crate::tasks::Tasks::new(),
         };
         guard.update_gauges();
         guard
-    }
-
-    /// Reads the time from `clock` instead of the system's.
-    pub fn with_clock(mut self, clock: Arc<dyn credgate_engine::clock::Clock>) -> Guard {
-        self.clock = clock;
-        self
     }
 
     /// Now, in milliseconds since the Unix epoch, by the guard's clock.
@@ -319,11 +320,13 @@ impl Guard {
 
     /// The store, or why it is unavailable.
     pub fn store(&self) -> Result<&Store, GuardError> {
-        self.store.get().map_err(GuardError::Unavailable)
+        self.store
+            .get(self.clock.now())
+            .map_err(GuardError::Unavailable)
     }
 
     fn update_gauges(&self) {
-        if let Ok(s) = self.store.get() {
+        if let Ok(s) = self.store.get(self.clock.now()) {
             let (records, intents) = s.counts();
             self.metrics.guard_records.set(records as i64);
             self.metrics.guard_intents.set(intents as i64);
@@ -338,10 +341,14 @@ impl Guard {
                     coords,
                     username,
                     password,
-                } => self.key.get().ok().map(|k| Presented::Secret {
-                    coords: coords.clone(),
-                    hash: k.hash(username, password.expose_secret()),
-                }),
+                } => self
+                    .key
+                    .get(self.clock.now())
+                    .ok()
+                    .map(|k| Presented::Secret {
+                        coords: coords.clone(),
+                        hash: k.hash(username, password.expose_secret()),
+                    }),
                 CredentialIn::ServiceAccount(sa) => Some(Presented::ServiceAccount(sa.clone())),
                 CredentialIn::NodeWide => Some(Presented::NodeWide),
             })
@@ -396,7 +403,7 @@ impl Guard {
                 message: "pull policy Always: the pull authenticates".into(),
             };
         }
-        let store = self.store.get();
+        let store = self.store.get(self.clock.now());
         let (record, intent) = match &store {
             Ok(s) => s.view(image_ref, name),
             Err(_) => (None, false),
@@ -472,7 +479,7 @@ impl Guard {
     ///
     /// [`NodeKey::name`]: keys::NodeKey::name
     pub fn unnamed_secret(&self, username: &str, password: &SecretString) -> Option<String> {
-        let key = self.key.get().ok()?;
+        let key = self.key.get(self.clock.now()).ok()?;
         Some(key.name(username, password.expose_secret()))
     }
 
@@ -659,7 +666,12 @@ struct Retrying<T, E> {
 }
 
 impl<T, E: std::error::Error + 'static> Retrying<T, E> {
-    fn new(what: &'static str, open: impl Fn() -> Result<T, E> + Send + Sync + 'static) -> Self {
+    /// Opens it now (`now` by the guard's clock).
+    fn new(
+        what: &'static str,
+        now: Instant,
+        open: impl Fn() -> Result<T, E> + Send + Sync + 'static,
+    ) -> Self {
         let value = OnceLock::new();
         let failure = match open() {
             Ok(v) => {
@@ -668,7 +680,7 @@ impl<T, E: std::error::Error + 'static> Retrying<T, E> {
             }
             Err(e) => {
                 tracing::error!(error = %crate::error_chain(&e), "{what}");
-                Some((Arc::new(e), Instant::now()))
+                Some((Arc::new(e), now))
             }
         };
         Retrying {
@@ -679,13 +691,15 @@ impl<T, E: std::error::Error + 'static> Retrying<T, E> {
         }
     }
 
-    fn get(&self) -> Result<&T, Arc<E>> {
+    /// The value; while it could not be opened, opened again when [`REOPEN_INTERVAL`] has
+    /// passed since the last try by `now`.
+    fn get(&self, now: Instant) -> Result<&T, Arc<E>> {
         if let Some(v) = self.value.get() {
             return Ok(v);
         }
         let mut failure = self.failure.lock();
         if let Some((e, at)) = failure.as_ref() {
-            if at.elapsed() < REOPEN_INTERVAL {
+            if now.saturating_duration_since(*at) < REOPEN_INTERVAL {
                 return Err(e.clone());
             }
         }
@@ -700,7 +714,7 @@ impl<T, E: std::error::Error + 'static> Retrying<T, E> {
             }
             Err(e) => {
                 let e = Arc::new(e);
-                *failure = Some((e.clone(), Instant::now()));
+                *failure = Some((e.clone(), now));
                 Err(e)
             }
         }

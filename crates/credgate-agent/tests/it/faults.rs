@@ -7,10 +7,12 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::Arc;
 
 use credgate_agent::guard::{Answer, CredentialIn, Guard, GuardOptions, Presence, PullPolicy};
 use credgate_agent::metrics::AgentMetrics;
 use credgate_core::guard::{Coords, Policy};
+use credgate_engine::clock::ManualClock;
 use secrecy::SecretString;
 
 /// A tmpfs mounted on a temp dir, unmounted on drop.
@@ -54,6 +56,10 @@ impl Drop for Tmpfs {
 }
 
 fn guard(state: &Path) -> Guard {
+    guard_with(state, Arc::new(ManualClock::default()))
+}
+
+fn guard_with(state: &Path, clock: Arc<ManualClock>) -> Guard {
     Guard::open(
         GuardOptions {
             policy: Policy::AlwaysVerify,
@@ -61,6 +67,7 @@ fn guard(state: &Path) -> Guard {
             ..Default::default()
         },
         AgentMetrics::default(),
+        clock,
     )
 }
 
@@ -203,7 +210,8 @@ async fn a_read_only_state_directory_fails_safe_until_writable() {
         g.store().unwrap().close().await;
     }
     fs.remount("ro");
-    let g = guard(&state);
+    let clock = Arc::new(ManualClock::default());
+    let g = guard_with(&state, clock.clone());
     let err = g.store().err().expect("unavailable").to_string();
     assert!(
         err.starts_with("the guard's records are unavailable"),
@@ -219,14 +227,12 @@ async fn a_read_only_state_directory_fails_safe_until_writable() {
     let refused = pull(&g, 2).await.unwrap_err();
     assert!(refused.to_lowercase().contains("read-only"), "{refused}");
 
-    // Writable again: the next call after the retry interval opens the store, no restart.
+    // Writable again: within the retry interval nothing is tried; the next call after it
+    // opens the store, no restart.
     fs.remount("rw");
-    credgate_testbed::eventually_async(
-        "the store reopens after its retry interval",
-        10 * credgate_agent::guard::REOPEN_INTERVAL,
-        || std::future::ready(answer(&g, 1, "team-a") == Answer::Allow),
-    )
-    .await;
+    assert_eq!(answer(&g, 1, "team-a"), Answer::MustAuthenticate);
+    clock.advance(credgate_agent::guard::REOPEN_INTERVAL);
+    assert_eq!(answer(&g, 1, "team-a"), Answer::Allow);
     assert_eq!(answer(&g, 1, "team-b"), Answer::MustAuthenticate);
     pull(&g, 2).await.expect("recording after recovery");
     assert_eq!(answer(&g, 2, "team-a"), Answer::Allow);
