@@ -357,7 +357,7 @@ impl Agent {
         // adds nothing: no write, no renewal, no plugin run.
         if !dropped.is_empty() {
             self.inner.saver.save().await;
-            self.inner.renewer.refresh_all();
+            self.inner.renewer.flushed(&dropped);
         }
         Ok(dropped)
     }

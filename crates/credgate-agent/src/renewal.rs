@@ -131,7 +131,11 @@ pub struct TrackedInfo {
     pub next_attempt: Option<SystemTime>,
     pub consecutive_failures: u32,
     pub credentials: usize,
+    /// `None` too once its cache entries were flushed, until a renewal succeeds.
     pub expires_at: Option<SystemTime>,
+    /// An operator flushed the cache entries its credentials came from (`ctl flush`): it is
+    /// renewed at once, and what it holds until then is last-known-good.
+    pub flushed: bool,
 }
 
 struct RefState {
@@ -146,6 +150,8 @@ struct RefState {
     next: Option<Instant>,
     /// Credentials of its value a registry refused since its last renewal.
     refused: Vec<(String, SecretString)>,
+    /// The cache entries its value came from were flushed since its last renewal.
+    flushed: bool,
 }
 
 impl RefState {
@@ -159,6 +165,7 @@ impl RefState {
             failures: 0,
             next: None,
             refused: Vec::new(),
+            flushed: false,
         }
     }
 }
@@ -671,7 +678,9 @@ impl Renewer {
                     expires_at: rs
                         .value
                         .as_ref()
+                        .filter(|_| !rs.flushed)
                         .and_then(|v| v.credentials.iter().filter_map(|c| c.expires_at).min()),
+                    flushed: rs.flushed,
                 })
             })
             .collect()
@@ -722,6 +731,27 @@ impl Renewer {
         }
         drop(st);
         self.shared.wake.notify_one();
+    }
+
+    /// An operator flushed these cache entries: a ref whose value holds a credential of one
+    /// of them (the same provider, the same expiry) is marked flushed until it is renewed, and
+    /// every ref is due now.
+    pub fn flushed(&self, dropped: &[credgate_engine::Dropped]) {
+        {
+            let mut st = self.lock();
+            for rs in st.refs.values_mut() {
+                let held = rs.value.as_ref().is_some_and(|v| {
+                    v.credentials.iter().any(|c| {
+                        dropped.iter().any(|d| {
+                            matches!(&c.source, credgate_engine::Source::Provider(p) if *p == d.provider)
+                                && d.expires == c.expires_at
+                        })
+                    })
+                });
+                rs.flushed |= held;
+            }
+        }
+        self.refresh_all();
     }
 
     /// Makes every ref due now (after a config reload).
@@ -908,6 +938,7 @@ impl Renewer {
             None => {
                 rs.failures = 0;
                 rs.last_error = None;
+                rs.flushed = false;
                 rs.last_success = Some(self.shared.clock.wall());
                 // At least a second apart, whatever a plugin answers: no hot loop.
                 let next = self.schedule(&image, &entries, now).max(now + MIN_INTERVAL);

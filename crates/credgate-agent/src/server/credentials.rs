@@ -126,6 +126,7 @@ impl Credentials for Api {
                     consecutive_failures: t.consecutive_failures,
                     credentials: count(t.credentials),
                     expires_at_unix_ms: unix_ms(t.expires_at),
+                    flushed: t.flushed,
                 })
                 .collect();
             Ok(Response::new(pb::ListTrackedResponse { refs }))

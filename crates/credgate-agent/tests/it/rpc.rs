@@ -520,6 +520,71 @@ async fn a_tracked_ref_is_served_its_last_good_credential_when_the_plugin_fails(
     assert!(r.credentials.is_empty() && !r.last_known_good);
 }
 
+/// A flushed answer's expiry is not shown for a tracked ref that still holds it: until its
+/// renewal succeeds, ListTracked says it was flushed (and `ctl list-tracked` prints so).
+#[tokio::test]
+async fn a_tracked_ref_whose_answer_was_flushed_says_so_until_it_is_renewed() {
+    let s = Server::start(|d| {
+        script(
+            d,
+            "flaky",
+            &format!(
+                "if [ -e \"$0.broken\" ]; then cat >/dev/null; exit 1; fi\n{}",
+                answer("alice", SECRET, "Image")
+            ),
+        );
+        config(d, &["flaky"])
+    })
+    .await;
+    let image = "reg.example.com/team/app:v1";
+    let channel = s.channel().await;
+    let mut creds = CredentialsClient::new(channel.clone());
+    let mut admin = AdminClient::new(channel);
+    creds
+        .track(pb::TrackRequest {
+            consumer: "mirror".into(),
+            refs: vec![image.into()],
+        })
+        .await
+        .unwrap();
+    let tracked = |mut creds: CredentialsClient<tonic::transport::Channel>| async move {
+        creds
+            .list_tracked(pb::ListTrackedRequest::default())
+            .await
+            .unwrap()
+            .into_inner()
+            .refs
+            .remove(0)
+    };
+    credgate_testbed::eventually_async("the ref is resolved", Duration::from_secs(10), || {
+        let creds = creds.clone();
+        async move { tracked(creds).await.credentials == 1 }
+    })
+    .await;
+    let before = tracked(creds.clone()).await;
+    assert!(
+        before.expires_at_unix_ms > 0 && !before.flushed,
+        "{before:?}"
+    );
+
+    // The plugin fails from now on: the renewal the flush starts cannot replace the answer.
+    std::fs::write(s.dir.path().join("flaky.broken"), "").unwrap();
+    let dropped = admin
+        .flush(pb::FlushRequest {
+            provider: "flaky".into(),
+            images: Vec::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .dropped;
+    assert_eq!(dropped.len(), 1);
+    let after = tracked(creds.clone()).await;
+    assert!(after.flushed, "{after:?}");
+    assert_eq!(after.expires_at_unix_ms, 0, "{after:?}");
+    assert_eq!(after.credentials, 1, "last-known-good is kept");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_watch_client_that_never_reads_is_dropped_and_others_carry_on() {
     // Every run answers a new 3 KB password valid for 2 s: renewal changes each of the 20

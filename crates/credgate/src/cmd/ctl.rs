@@ -224,7 +224,11 @@ pub(super) async fn list_tracked(
                         t.consumers.join(",")
                     },
                     t.credentials.to_string(),
-                    time_ms(t.expires_at_unix_ms),
+                    if t.flushed {
+                        "flushed".into()
+                    } else {
+                        time_ms(t.expires_at_unix_ms)
+                    },
                     time_ms(t.next_attempt_unix_ms),
                     t.consecutive_failures.to_string(),
                     if t.last_error.is_empty() {
