@@ -251,33 +251,42 @@ pub async fn start(
     let (started, serving) = tokio::sync::oneshot::channel();
     let thread = std::thread::Builder::new()
         .name("cri-proxy".into())
-        .spawn(move || -> std::io::Result<()> {
-            let ready = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .and_then(|runtime| {
-                    let _entered = runtime.enter();
-                    Ok((UnixListener::from_std(listener)?, runtime))
-                });
-            let (listener, runtime) = match ready {
-                Ok(ready) => {
-                    let _ = started.send(Ok(()));
-                    ready
-                }
-                Err(e) => {
-                    let _ = started.send(Err(e.to_string()));
-                    return Err(e);
-                }
-            };
-            runtime.block_on(serve(listener, options, shutdown));
-            Ok(())
-        })
+        .spawn(move || run(listener, options, shutdown, started))
         .map_err(|e| format!("cannot start its thread: {e}"))?;
     match serving.await {
         Ok(Ok(())) => Ok(thread),
         Ok(Err(e)) => Err(e),
         Err(_) => Err("its thread ended before it served".into()),
     }
+}
+
+/// The proxy's thread: its runtime, then [`serve`] until `shutdown`; says on `started` whether
+/// it got as far as serving.
+fn run(
+    listener: std::os::unix::net::UnixListener,
+    options: ProxyOptions,
+    shutdown: CancellationToken,
+    started: tokio::sync::oneshot::Sender<Result<(), String>>,
+) -> std::io::Result<()> {
+    let ready = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .and_then(|runtime| {
+            let _entered = runtime.enter();
+            Ok((UnixListener::from_std(listener)?, runtime))
+        });
+    let (listener, runtime) = match ready {
+        Ok(ready) => {
+            let _ = started.send(Ok(()));
+            ready
+        }
+        Err(e) => {
+            let _ = started.send(Err(e.to_string()));
+            return Err(e);
+        }
+    };
+    runtime.block_on(serve(listener, options, shutdown));
+    Ok(())
 }
 
 /// What the proxy does besides forwarding: its own runtime connection and view of the
