@@ -92,24 +92,6 @@ impl Clock for TokioClock {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn system_clock_is_never_behind() {
-        let clock = SystemClock::new();
-        for _ in 0..1000 {
-            let before = Instant::now();
-            let now = clock.now();
-            assert!(now >= before, "{now:?} < {before:?}");
-        }
-        let a = clock.now();
-        std::thread::sleep(Duration::from_millis(30));
-        assert!(clock.now() >= a + Duration::from_millis(20));
-    }
-}
-
 /// A clock that moves only when told ([`ManualClock::advance`]): for tests of what waits on
 /// time (a retry interval, a throttle) without waiting, outside a paused tokio runtime.
 #[derive(Debug)]
@@ -151,5 +133,23 @@ impl Clock for ManualClock {
 
     fn wall(&self) -> SystemTime {
         self.origin.1 + self.passed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn system_clock_is_never_behind() {
+        let clock = SystemClock::new();
+        for _ in 0..1000 {
+            let before = Instant::now();
+            let now = clock.now();
+            assert!(now >= before, "{now:?} < {before:?}");
+        }
+        let a = clock.now();
+        std::thread::sleep(Duration::from_millis(30));
+        assert!(clock.now() >= a + Duration::from_millis(20));
     }
 }
