@@ -854,6 +854,7 @@ for _ in range({n}):
     s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")
     s.setblocking(False)
     conns.append(s)
+print("connected", flush=True)
 closed = set()
 end = time.time() + {secs}
 while time.time() < end:
@@ -900,10 +901,19 @@ fn other_uids_cannot_take_roots_slots_and_pings_are_no_activity() {
             "2s",
         ],
     );
-    let holders: Vec<_> = (4242..4246)
-        .map(|uid| hold_connections(uid, &agent.socket, 4, 6.0))
+    // Each holder says when its connections are made, before root asks: the agent accepts
+    // in order, so root's connection comes after the 14 it lets the holders have.
+    let mut holders: Vec<_> = (4242..4246)
+        .map(|uid| {
+            use std::io::BufRead as _;
+            let mut child = hold_connections(uid, &agent.socket, 4, 6.0);
+            let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+            let mut line = String::new();
+            out.read_line(&mut line).unwrap();
+            assert_eq!(line.trim(), "connected", "uid {uid}");
+            (child, out)
+        })
         .collect();
-    std::thread::sleep(std::time::Duration::from_millis(800));
     // 16 connections asked for, 14 held (2 kept for root and the agent's uid): root gets in.
     for _ in 0..2 {
         let out = agent.credgate(&["ctl", "health"]);
@@ -916,9 +926,12 @@ fn other_uids_cannot_take_roots_slots_and_pings_are_no_activity() {
     }
     // Every held connection only PINGs: each is closed at the 2 s idle deadline.
     let mut closed = 0;
-    for h in holders {
-        let out = h.wait_with_output().unwrap();
-        closed += text(&out.stdout).trim().parse::<usize>().unwrap_or(0);
+    for (child, out) in &mut holders {
+        use std::io::Read as _;
+        let mut rest = String::new();
+        out.read_to_string(&mut rest).unwrap();
+        child.wait().unwrap();
+        closed += rest.trim().parse::<usize>().unwrap_or(0);
     }
     assert_eq!(closed, 16, "connections that only PING are idle");
 }
