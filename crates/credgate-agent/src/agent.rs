@@ -179,7 +179,7 @@ struct Inner {
     /// The images the CRI proxy keeps present on the node's behalf.
     node_images: Arc<crate::node_images::NodeImages>,
     /// Credentials registries refused: found, confirmed and acted on.
-    refusal: Arc<crate::refusal::Refusal>,
+    refusal: Arc<crate::refusal::Refuser>,
     /// The CRI proxy's state: off until it serves; why it ended, when it ended early.
     proxy: Mutex<ProxyState>,
     /// When a uid other than root's and the agent's own last flushed.
@@ -251,7 +251,7 @@ impl Agent {
             clock.clone(),
             tasks.clone(),
         );
-        let refusal = Arc::new(crate::refusal::Refusal::new(
+        let refusal = Arc::new(crate::refusal::Refuser::new(
             verifier,
             engine.clone(),
             options.captured.clone(),
@@ -324,7 +324,7 @@ impl Agent {
     }
 
     /// Credentials registries refused: the service that finds, confirms and acts on them.
-    pub fn refusal(&self) -> &Arc<crate::refusal::Refusal> {
+    pub fn refusal(&self) -> &Arc<crate::refusal::Refuser> {
         &self.inner.refusal
     }
 

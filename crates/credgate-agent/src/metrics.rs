@@ -18,24 +18,24 @@ use prometheus_client::registry::Registry;
 
 /// Whether a renewal or a reload succeeded (`result`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Done {
+pub enum AttemptResult {
     Success,
     Failure,
 }
 
-impl Done {
-    pub fn of(success: bool) -> Done {
+impl AttemptResult {
+    pub fn of(success: bool) -> AttemptResult {
         if success {
-            Done::Success
+            AttemptResult::Success
         } else {
-            Done::Failure
+            AttemptResult::Failure
         }
     }
 
     pub fn as_str(self) -> &'static str {
         match self {
-            Done::Success => "success",
-            Done::Failure => "failure",
+            AttemptResult::Success => "success",
+            AttemptResult::Failure => "failure",
         }
     }
 }
@@ -50,12 +50,12 @@ impl Code {
     }
 }
 
-crate::outcome::label_values!(Done, Code, CaptureResult, DropReason);
+crate::outcome::label_values!(AttemptResult, Code, CaptureResult, DropReason);
 
 /// `result` of a renewal or a reload.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
-pub struct DoneLabels {
-    pub result: Done,
+pub struct AttemptLabels {
+    pub result: AttemptResult,
 }
 
 /// `result` of a guard decision or a verification (the guard's own enums' names).
@@ -289,7 +289,7 @@ struct MethodHandles {
 /// The agent's own families (the engine's are registered beside them).
 #[derive(Clone)]
 pub struct AgentMetrics {
-    pub renewals: Family<DoneLabels, Counter>,
+    pub renewals: Family<AttemptLabels, Counter>,
     pub tracked_refs: Gauge,
     /// Tracked refs within their renewal lead of expiry (renewal late), at the last scrape.
     pub tracked_refs_due: Gauge,
@@ -300,7 +300,7 @@ pub struct AgentMetrics {
     pub watchers_dropped: Counter,
     pub rpcs: Family<RpcLabels, Counter>,
     pub rpc_seconds: Family<MethodLabels, Histogram, fn() -> Histogram>,
-    pub reloads: Family<DoneLabels, Counter>,
+    pub reloads: Family<AttemptLabels, Counter>,
     pub guard_decisions: Family<ResultLabels, Counter>,
     pub guard_records: Gauge,
     /// Image names dropped from a record that held its most, the oldest first.
@@ -679,8 +679,8 @@ impl AgentMetrics {
     /// Counts a renewal.
     pub fn renewal(&self, success: bool) {
         self.renewals
-            .get_or_create(&DoneLabels {
-                result: Done::of(success),
+            .get_or_create(&AttemptLabels {
+                result: AttemptResult::of(success),
             })
             .inc();
     }
@@ -748,8 +748,8 @@ impl AgentMetrics {
     /// Counts a reload.
     pub fn reload(&self, success: bool) {
         self.reloads
-            .get_or_create(&DoneLabels {
-                result: Done::of(success),
+            .get_or_create(&AttemptLabels {
+                result: AttemptResult::of(success),
             })
             .inc();
     }

@@ -182,7 +182,7 @@ impl Refusals {
 
 /// Refusals as a service: what it holds to find who gave a credential, confirm a refusal
 /// with the registry and act on it in each source. Cheap to share (`Arc`).
-pub struct Refusal {
+pub struct Refuser {
     memory: Refusals,
     confirmations: crate::confirm::Confirmations,
     engine: Arc<ArcSwap<Engine>>,
@@ -193,7 +193,7 @@ pub struct Refusal {
     clock: Arc<dyn Clock>,
 }
 
-impl Refusal {
+impl Refuser {
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         verifier: crate::guard::registry::Verifier,
@@ -203,8 +203,8 @@ impl Refusal {
         saver: Saver,
         metrics: AgentMetrics,
         clock: Arc<dyn Clock>,
-    ) -> Refusal {
-        Refusal {
+    ) -> Refuser {
+        Refuser {
             memory: Refusals::default(),
             confirmations: crate::confirm::Confirmations::new(verifier),
             engine,
@@ -250,7 +250,7 @@ impl Refusal {
         out
     }
 
-    /// The sources that gave `username`:`password`: [`Refusal::given_now`], or, when none does any more,
+    /// The sources that gave `username`:`password`: [`Refuser::given_now`], or, when none does any more,
     /// the source that gave it before a registry refused it ([`Refusals::known`]). Empty: a
     /// credential the agent never gave (a pod's own pull secret).
     pub fn given_by(
@@ -425,7 +425,7 @@ impl Refusal {
 
     /// Someone saw the registry refuse `username`:`password` for `image` (of `repository`), which
     /// the sources `given` gave (empty: a pod's own secret, nothing is asked or done); `seen`
-    /// says where. Acts ([`Refusal::refuse`]) only once the registry's auth endpoint has refused that very
+    /// says where. Acts ([`Refuser::refuse`]) only once the registry's auth endpoint has refused that very
     /// credential to the agent (`confirm.rs`); within [`HOLDOFF`] of the last refusal of it,
     /// nothing is asked again. `first`: root's or the agent's own (its confirmation goes first).
     #[allow(clippy::too_many_arguments)]
@@ -473,7 +473,7 @@ impl Refusal {
 
     /// A consumer says the registry refused `username`:`password` for `image`. Acts only on a
     /// credential the agent gives for the image, and only once the registry has shown, to the
-    /// agent itself, that it refuses the credential ([`Refusal::confirm_and_refuse`]). `first`: the caller
+    /// agent itself, that it refuses the credential ([`Refuser::confirm_and_refuse`]). `first`: the caller
     /// is root or the agent's own uid.
     pub async fn report(
         &self,

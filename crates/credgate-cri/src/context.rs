@@ -7,11 +7,11 @@ use arc_swap::ArcSwap;
 use credgate_engine::clock::Clock;
 use credgate_engine::Engine;
 
-use super::policy::PullPolicy;
+use super::policy::ProxyPolicy;
 use credgate_agent::metrics::AgentMetrics;
 use credgate_agent::node_images::NodeImages;
 use credgate_agent::pull_log::PullLog;
-use credgate_agent::refusal::Refusal;
+use credgate_agent::refusal::Refuser;
 
 /// The proxy's handles on the agent.
 #[derive(Clone)]
@@ -21,13 +21,13 @@ pub struct Context {
     /// The engine in use at each moment (a reload swaps it).
     pub engine: Arc<ArcSwap<Engine>>,
     /// Finds who gave a credential, confirms a refusal with the registry and acts on it.
-    pub refusal: Arc<Refusal>,
+    pub refusal: Arc<Refuser>,
     /// The pull decision log.
     pub pulls: Arc<PullLog>,
     /// What the proxy knows of the images the node keeps.
     pub node_images: Arc<NodeImages>,
     /// What the proxy may change in a pull (fill, credential scope).
-    pub policy: PullPolicy,
+    pub policy: ProxyPolicy,
 }
 
 impl Context {

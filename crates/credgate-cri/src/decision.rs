@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use super::pull::Pull;
+use super::pull_request::Pull;
 use credgate_agent::outcome::{PullAuth, PullResult};
 use credgate_agent::pull_log::PullRecord;
 

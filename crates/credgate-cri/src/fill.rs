@@ -7,7 +7,7 @@ use hyper::body::Bytes;
 use secrecy::ExposeSecret as _;
 
 use super::policy;
-use super::pull::Pull;
+use super::pull_request::Pull;
 use super::runtime::{framed, grpc_message};
 
 /// A pull that carries a credential its registry refused, from a provider of the agent (the

@@ -15,7 +15,7 @@ use credgate_api::cri::{self as wire, PULL_IMAGE};
 use secrecy::ExposeSecret as _;
 
 use super::fill::fill;
-use super::pull::{pull_of, redacted};
+use super::pull_request::{pull_of, redacted};
 use super::pulls::{answered, settle, Answered, Pulls, Whose};
 use super::runtime::{self, ask, exchange, framed, Caller};
 use super::MAX_PULL_MESSAGE;

@@ -28,7 +28,7 @@ mod decision;
 mod fill;
 mod keep;
 pub mod policy;
-mod pull;
+mod pull_request;
 mod pulls;
 mod runtime;
 use budget::Budgets;

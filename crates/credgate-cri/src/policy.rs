@@ -32,7 +32,7 @@ pub enum PolicyError {
 
 /// The proxy's credential policy; by default it changes nothing.
 #[derive(Debug, Clone, Default)]
-pub struct PullPolicy {
+pub struct ProxyPolicy {
     fill: Vec<Pattern>,
     scope: Option<Scope>,
 }
@@ -120,7 +120,7 @@ fn valid_host(h: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b"-.:[]".contains(&b))
 }
 
-impl PullPolicy {
+impl ProxyPolicy {
     /// `fill`: matchImages patterns; `scope`: the policy on; `trusted`: `REGISTRY=MIRROR,...`
     /// (scope on when any is given); `hosts_dir`: containerd's `config_path`.
     pub fn new(
@@ -128,7 +128,7 @@ impl PullPolicy {
         scope: bool,
         trusted: &[String],
         hosts_dir: Option<PathBuf>,
-    ) -> Result<PullPolicy, PolicyError> {
+    ) -> Result<ProxyPolicy, PolicyError> {
         let fill = fill
             .iter()
             .map(|p| {
@@ -159,7 +159,7 @@ impl PullPolicy {
                 .map(|d| std::env::split_paths(&d).collect())
                 .unwrap_or_default(),
         });
-        Ok(PullPolicy { fill, scope })
+        Ok(ProxyPolicy { fill, scope })
     }
 
     /// Whether the policy changes anything at all.
@@ -447,14 +447,14 @@ mod tests {
         }
     }
 
-    fn policy(trusted: &[&str], dir: Option<&Path>) -> PullPolicy {
+    fn policy(trusted: &[&str], dir: Option<&Path>) -> ProxyPolicy {
         let trusted: Vec<String> = trusted.iter().map(|s| (*s).to_owned()).collect();
-        PullPolicy::new(&[], true, &trusted, dir.map(Path::to_owned)).unwrap()
+        ProxyPolicy::new(&[], true, &trusted, dir.map(Path::to_owned)).unwrap()
     }
 
     #[test]
     fn off_by_default_and_as_sent() {
-        let p = PullPolicy::default();
+        let p = ProxyPolicy::default();
         assert!(p.is_off());
         assert_eq!(p.scope("r.example"), Scoped::AsSent);
         assert_eq!(Scoped::AsSent.server_address("x"), "x");
@@ -521,7 +521,7 @@ mod tests {
             std::fs::create_dir_all(root.join(sub)).unwrap();
             std::fs::write(root.join(sub).join("hosts.toml"), body).unwrap();
         };
-        let pinned = |p: &PullPolicy| !p.scope("r.example:5000").server_address("").is_empty();
+        let pinned = |p: &ProxyPolicy| !p.scope("r.example:5000").server_address("").is_empty();
         // The catch-all names an untrusted mirror, and the registry has no directory.
         write("_default", "[host.\"https://evil.example\"]\n");
         assert!(pinned(&p), "{}", p.scope("r.example:5000").describe());
@@ -576,16 +576,16 @@ mod tests {
 
     #[test]
     fn bad_flags_are_refused() {
-        assert!(PullPolicy::new(&[], false, &["nomirrors".into()], None).is_err());
-        assert!(PullPolicy::new(&[], false, &["r=m/x".into()], None).is_err());
-        assert!(PullPolicy::new(&["*.example.com:x:y".into()], false, &[], None).is_err());
-        let e = PullPolicy::new(&["https://r.example/team".into()], false, &[], None).unwrap_err();
+        assert!(ProxyPolicy::new(&[], false, &["nomirrors".into()], None).is_err());
+        assert!(ProxyPolicy::new(&[], false, &["r=m/x".into()], None).is_err());
+        assert!(ProxyPolicy::new(&["*.example.com:x:y".into()], false, &[], None).is_err());
+        let e = ProxyPolicy::new(&["https://r.example/team".into()], false, &[], None).unwrap_err();
         assert!(e.to_string().contains("drop https://"), "{e}");
     }
 
     #[test]
     fn fill_patterns_match_as_match_images() {
-        let p = PullPolicy::new(&["*.example.com/team".into()], false, &[], None).unwrap();
+        let p = ProxyPolicy::new(&["*.example.com/team".into()], false, &[], None).unwrap();
         assert_eq!(
             p.fill_pattern("r.example.com/team/app"),
             Some("*.example.com/team")
@@ -597,7 +597,7 @@ mod tests {
     /// `matchImages` compares paths as string prefixes; fill compares whole segments.
     #[test]
     fn fill_patterns_name_whole_path_segments() {
-        let p = PullPolicy::new(
+        let p = ProxyPolicy::new(
             &["r.example/team-p".into(), "q.example".into()],
             false,
             &[],

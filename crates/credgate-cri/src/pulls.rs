@@ -10,7 +10,7 @@ use secrecy::ExposeSecret as _;
 
 use super::capture::Capturer;
 use super::fill::{apply_policy, refreshed};
-use super::pull::{pull_of, redacted, Pull};
+use super::pull_request::{pull_of, redacted, Pull};
 use super::runtime::{self, exchange, grpc_message, read_whole, Caller};
 use super::{decision, policy, Body, MAX_PULL_MESSAGE, MAX_PULL_REQUEST};
 use credgate_agent::guard::PullEnd;
@@ -56,7 +56,7 @@ pub(super) fn sources_of(
 /// The runtime answered the pull unauthorized. When the credential it carried is one of the
 /// agent's sources' (`given`) and containerd sent it to the image's registry, the registry is
 /// asked whether it refuses that credential itself, and only then is it refused
-/// ([`credgate_agent::refusal::Refusal::confirm_and_refuse`]); a pod's own secret changes nothing and asks
+/// ([`credgate_agent::refusal::Refuser::confirm_and_refuse`]); a pod's own secret changes nothing and asks
 /// nothing. What became of it, for the pull log (empty when nothing was asked), and whether
 /// the registry refused a provider's credential.
 pub(super) async fn refused(

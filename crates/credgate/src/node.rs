@@ -35,7 +35,7 @@ pub struct ProxyConfig {
     /// ([`credgate_cri::MAX_LIST_MESSAGE`] unless a test lowers it).
     pub list_limit: usize,
     /// What the proxy may change in a pull (fill, credential scope); off by default.
-    pub policy: credgate_cri::policy::PullPolicy,
+    pub policy: credgate_cri::policy::ProxyPolicy,
 }
 
 /// How to run a node agent.

@@ -74,7 +74,7 @@ fn node_options(args: &ServeArgs) -> Result<NodeOptions> {
         )));
     }
     let sources = super::get::sources(&args.sources)?;
-    let pull_policy = credgate_cri::policy::PullPolicy::new(
+    let pull_policy = credgate_cri::policy::ProxyPolicy::new(
         &args.cri_proxy_fill,
         args.cri_proxy_scope_credentials,
         &args.cri_proxy_trusted_mirror,
