@@ -43,18 +43,18 @@ struct SlotState {
 
 /// Why a connection got no slot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Refused {
+pub enum NoSlot {
     /// Every slot is taken.
     Full,
     /// The caller's uid holds its share.
     UidFull,
 }
 
-impl Refused {
+impl NoSlot {
     pub fn as_str(self) -> &'static str {
         match self {
-            Refused::Full => "limit",
-            Refused::UidFull => "uid_limit",
+            NoSlot::Full => "limit",
+            NoSlot::UidFull => "uid_limit",
         }
     }
 }
@@ -91,20 +91,20 @@ impl Slots {
     }
 
     /// A slot for a connection of `uid` (`None` for TCP peers), if the budget has one.
-    pub fn try_take(&self, uid: Option<u32>) -> Result<Slot, Refused> {
+    pub fn try_take(&self, uid: Option<u32>) -> Result<Slot, NoSlot> {
         let mut state = self.inner.state.lock();
         if state.total >= self.inner.max {
-            return Err(Refused::Full);
+            return Err(NoSlot::Full);
         }
         let counted = uid.filter(|u| !self.inner.exempt.contains(u));
         let exempt = uid.is_some_and(|u| self.inner.exempt.contains(&u));
         if !exempt && state.total + self.inner.reserved >= self.inner.max {
-            return Err(Refused::Full);
+            return Err(NoSlot::Full);
         }
         if let Some(u) = counted {
             let n = state.by_uid.entry(u).or_default();
             if *n >= self.inner.per_uid {
-                return Err(Refused::UidFull);
+                return Err(NoSlot::UidFull);
             }
             *n += 1;
         }
@@ -364,12 +364,12 @@ mod tests {
         let slots = Slots::new(5, 2, vec![0]);
         let a = slots.try_take(Some(1000)).unwrap();
         let _b = slots.try_take(Some(1000)).unwrap();
-        assert_eq!(slots.try_take(Some(1000)).err(), Some(Refused::UidFull));
+        assert_eq!(slots.try_take(Some(1000)).err(), Some(NoSlot::UidFull));
         // Another uid and an exempt one still get in, up to the total.
         let _c = slots.try_take(Some(1001)).unwrap();
         let _d = slots.try_take(Some(0)).unwrap();
         let _e = slots.try_take(Some(0)).unwrap();
-        assert_eq!(slots.try_take(Some(0)).err(), Some(Refused::Full));
+        assert_eq!(slots.try_take(Some(0)).err(), Some(NoSlot::Full));
         assert_eq!(slots.in_use(), 5);
         drop(a);
         assert_eq!(slots.in_use(), 4);
@@ -385,11 +385,11 @@ mod tests {
         let others: Vec<Slot> = (0..14)
             .map(|i| slots.try_take(Some(1000 + i / 4)).unwrap())
             .collect();
-        assert_eq!(slots.try_take(Some(2000)).err(), Some(Refused::Full));
-        assert_eq!(slots.try_take(None).err(), Some(Refused::Full));
+        assert_eq!(slots.try_take(Some(2000)).err(), Some(NoSlot::Full));
+        assert_eq!(slots.try_take(None).err(), Some(NoSlot::Full));
         let root = slots.try_take(Some(0)).expect("root's reserved slot");
         let own = slots.try_take(Some(7)).expect("the agent's reserved slot");
-        assert_eq!(slots.try_take(Some(0)).err(), Some(Refused::Full));
+        assert_eq!(slots.try_take(Some(0)).err(), Some(NoSlot::Full));
         drop((others, root, own));
         assert_eq!(slots.in_use(), 0);
         assert_eq!((reserved(1), reserved(2), reserved(512)), (0, 1, 64));
@@ -400,7 +400,7 @@ mod tests {
         let slots = Slots::new(3, 1, vec![0]);
         let held: Vec<Slot> = (0..3).map(|_| slots.try_take(Some(0)).unwrap()).collect();
         assert_eq!(held.len(), 3);
-        assert_eq!(slots.try_take(None).err(), Some(Refused::Full));
+        assert_eq!(slots.try_take(None).err(), Some(NoSlot::Full));
     }
 
     #[test]

@@ -51,7 +51,7 @@ impl Drop for Taken {
 }
 
 /// Why a body was not read whole.
-pub enum Refused {
+pub enum Unread {
     /// Above the call's own limit.
     TooLarge,
     /// No room left in a budget.
@@ -77,19 +77,19 @@ impl Budgets {
         }
     }
 
-    fn take(&self, n: usize, taken: &mut Taken) -> Result<(), Refused> {
-        let n = u32::try_from(n).map_err(|_| Refused::TooLarge)?;
+    fn take(&self, n: usize, taken: &mut Taken) -> Result<(), Unread> {
+        let n = u32::try_from(n).map_err(|_| Unread::TooLarge)?;
         let connection = self
             .connection
             .clone()
             .try_acquire_many_owned(n)
-            .map_err(|_| Refused::Exhausted)?;
+            .map_err(|_| Unread::Exhausted)?;
         let proxy = self
             .proxy
             .budget
             .clone()
             .try_acquire_many_owned(n)
-            .map_err(|_| Refused::Exhausted)?;
+            .map_err(|_| Unread::Exhausted)?;
         merge(&mut taken.connection, connection);
         merge(&mut taken.proxy, proxy);
         let n = i64::from(n);
@@ -118,7 +118,7 @@ pub struct Collected {
 
 /// Reads `body` whole, at most `limit` bytes, taking each frame's bytes from `budgets` before
 /// keeping them.
-pub async fn collect<B>(mut body: B, limit: usize, budgets: &Budgets) -> Result<Collected, Refused>
+pub async fn collect<B>(mut body: B, limit: usize, budgets: &Budgets) -> Result<Collected, Unread>
 where
     B: Body<Data = Bytes> + Unpin,
 {
@@ -126,11 +126,11 @@ where
     let mut trailers = None;
     let mut taken = Taken::default();
     while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|_| Refused::Broken)?;
+        let frame = frame.map_err(|_| Unread::Broken)?;
         match frame.into_data() {
             Ok(chunk) => {
                 if data.len() + chunk.len() > limit {
-                    return Err(Refused::TooLarge);
+                    return Err(Unread::TooLarge);
                 }
                 budgets.take(chunk.len(), &mut taken)?;
                 data.extend_from_slice(&chunk);
@@ -171,7 +171,7 @@ mod tests {
         // The connection's own budget is nearly spent...
         assert!(matches!(
             collect(Full::new(Bytes::from(vec![1u8; 20])), 1000, &a).await,
-            Err(Refused::Exhausted)
+            Err(Unread::Exhausted)
         ));
         // ...and another connection may take what the proxy has left.
         let second = collect(Full::new(Bytes::from(vec![1u8; 50])), 1000, &b)
@@ -181,11 +181,11 @@ mod tests {
         assert_eq!(held.get(), 100, "the gauge counts what is held");
         assert!(matches!(
             collect(Full::new(Bytes::from(vec![1u8; 5])), 1000, &b).await,
-            Err(Refused::Exhausted)
+            Err(Unread::Exhausted)
         ));
         assert!(matches!(
             collect(Full::new(Bytes::from(vec![1u8; 50])), 10, &b).await,
-            Err(Refused::TooLarge)
+            Err(Unread::TooLarge)
         ));
         drop((first, second));
         assert_eq!(proxy.budget.available_permits(), 100);

@@ -11,7 +11,7 @@ use tokio::net::UnixStream;
 use tokio::sync::Mutex;
 use tokio::task::JoinSet;
 
-use super::budget::{self, Budgets, Refused, Taken};
+use super::budget::{self, Budgets, Taken, Unread};
 use super::Body;
 use credgate_agent::listener::Guarded;
 use credgate_agent::status::ApiError;
@@ -199,14 +199,14 @@ pub(super) async fn read_whole(
     let (parts, body) = request.into_parts();
     match budget::collect(body, limit, &caller.budgets).await {
         Ok(c) => Ok((parts, c.data, c.taken)),
-        Err(Refused::TooLarge) => Err(status(ApiError::TooLarge(format!(
+        Err(Unread::TooLarge) => Err(status(ApiError::TooLarge(format!(
             "credgate: a {what} request larger than {} KiB",
             limit >> 10
         )))),
-        Err(Refused::Exhausted) => Err(status(ApiError::TooLarge(format!(
+        Err(Unread::Exhausted) => Err(status(ApiError::TooLarge(format!(
             "credgate: too many unfinished requests held for this connection or for all callers; {what} refused"
         )))),
-        Err(Refused::Broken) => Err(status(ApiError::Cancelled(format!(
+        Err(Unread::Broken) => Err(status(ApiError::Cancelled(format!(
             "credgate: the {what} request ended before its message did"
         )))),
     }
@@ -240,11 +240,11 @@ pub(super) async fn exchange(
     let collected =
         match budget::collect(body, limit, &caller.budgets).await {
             Ok(c) => c,
-            Err(Refused::Exhausted) => return Err(status(ApiError::TooLarge(
+            Err(Unread::Exhausted) => return Err(status(ApiError::TooLarge(
                 "credgate: too many unfinished answers held for this connection or for all callers"
                     .into(),
             ))),
-            Err(Refused::TooLarge | Refused::Broken) => {
+            Err(Unread::TooLarge | Unread::Broken) => {
                 return Err(status(ApiError::Runtime(
                     "credgate: the runtime's answer was cut short or too large".into(),
                 )))
