@@ -21,7 +21,7 @@ pub const CONNECTION_BYTES: usize = 4 << 20;
 /// The proxy's budget, shared by every connection, and the gauge of what is taken from it
 /// (`credgate_cri_held_bytes`: the agent's own account of what the proxy holds).
 #[derive(Clone)]
-pub struct Proxy {
+pub struct ProxyBudget {
     budget: Arc<Semaphore>,
     held: Gauge,
 }
@@ -29,7 +29,7 @@ pub struct Proxy {
 /// The two budgets a connection's calls draw from.
 #[derive(Clone)]
 pub struct Budgets {
-    proxy: Proxy,
+    proxy: ProxyBudget,
     connection: Arc<Semaphore>,
 }
 
@@ -62,15 +62,15 @@ pub enum Unread {
 
 impl Budgets {
     /// The proxy's budget, shared by every connection; what is taken is counted in `held`.
-    pub fn proxy(held: Gauge) -> Proxy {
-        Proxy {
+    pub fn proxy(held: Gauge) -> ProxyBudget {
+        ProxyBudget {
             budget: Arc::new(Semaphore::new(PROXY_BYTES)),
             held,
         }
     }
 
     /// A new connection's budgets, drawing from `proxy` as well.
-    pub fn connection(proxy: &Proxy, bytes: usize) -> Budgets {
+    pub fn connection(proxy: &ProxyBudget, bytes: usize) -> Budgets {
         Budgets {
             proxy: proxy.clone(),
             connection: Arc::new(Semaphore::new(bytes)),
@@ -157,7 +157,7 @@ mod tests {
     #[tokio::test]
     async fn bodies_take_from_both_budgets_and_give_back_on_drop() {
         let held = Gauge::default();
-        let proxy = Proxy {
+        let proxy = ProxyBudget {
             budget: Arc::new(Semaphore::new(100)),
             held: held.clone(),
         };
