@@ -294,7 +294,7 @@ impl<L: Accept> Listener<L> {
     pub fn serve_http2<S, B>(
         &mut self,
         accepted: Accepted<L::Stream>,
-        tracker: OpenStreams,
+        tracker: ConnectionState,
         builder: &hyper::server::conn::http2::Builder<Streams>,
         service: S,
         max_header_list: u32,
@@ -342,14 +342,14 @@ impl<L: Accept> Listener<L> {
 /// What an HTTP/2 connection's deadlines watch: how much its peer sent and when, and how many
 /// of its streams are open.
 #[derive(Clone)]
-pub struct OpenStreams {
+pub struct ConnectionState {
     pub activity: Arc<Activity>,
     streams: Arc<AtomicUsize>,
 }
 
-impl OpenStreams {
+impl ConnectionState {
     pub fn new() -> Self {
-        OpenStreams {
+        ConnectionState {
             activity: Activity::new(),
             streams: Arc::new(AtomicUsize::new(0)),
         }
@@ -376,7 +376,7 @@ impl OpenStreams {
     }
 }
 
-impl Default for OpenStreams {
+impl Default for ConnectionState {
     fn default() -> Self {
         Self::new()
     }
@@ -435,7 +435,7 @@ impl<B: Body + Unpin, G: Unpin> Body for Guarded<B, G> {
 /// asked to finish: GOAWAY, calls in flight complete). Counts why the agent closed it early.
 async fn drive<I, S, B>(
     connection: hyper::server::conn::http2::Connection<I, S, Streams>,
-    tracker: OpenStreams,
+    tracker: ConnectionState,
     limits: ListenerLimits,
     held: Held,
     shutdown: CancellationToken,

@@ -17,7 +17,7 @@ use http_body_util::BodyExt;
 use hyper::body::{Bytes, Incoming};
 use tokio::net::UnixListener;
 
-use credgate_agent::listener::{Listener, ListenerLimits, OpenBody, OpenStreams};
+use credgate_agent::listener::{ConnectionState, Listener, ListenerLimits, OpenBody};
 use credgate_agent::status::ApiError;
 
 mod budget;
@@ -182,7 +182,7 @@ pub fn default_limits() -> ListenerLimits {
 fn service(
     caller: std::sync::Arc<Caller>,
     pulls: std::sync::Arc<Pulls>,
-    streams: OpenStreams,
+    streams: ConnectionState,
 ) -> impl hyper::service::Service<
     hyper::Request<Incoming>,
     Response = hyper::Response<OpenBody<Body>>,
@@ -224,7 +224,7 @@ pub async fn serve(listener: UnixListener, options: ProxyOptions, shutdown: Canc
             runtime: std::sync::Arc::new(Runtime::new(runtime.clone())),
             budgets: Budgets::connection(&proxy_budget, budget::CONNECTION_BYTES),
         });
-        let tracker = OpenStreams::new();
+        let tracker = ConnectionState::new();
         let service = service(caller, background.pulls.clone(), tracker.clone());
         listener.serve_http2(
             accepted,

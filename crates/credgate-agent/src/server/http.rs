@@ -18,7 +18,7 @@ use tonic::service::Routes;
 
 use super::{Limits, Peer};
 use crate::agent::CallerAllowlist;
-use crate::listener::{http2_builder, Listener, OpenBody, OpenStreams};
+use crate::listener::{http2_builder, ConnectionState, Listener, OpenBody};
 use crate::metrics::AgentMetrics;
 
 /// The largest header block a client may send.
@@ -45,7 +45,7 @@ pub(super) async fn serve(
         .keep_alive_interval(Some(limits.keepalive_interval))
         .keep_alive_timeout(limits.keepalive_timeout);
     while let Some(accepted) = listener.next(&shutdown).await {
-        let tracker = OpenStreams::new();
+        let tracker = ConnectionState::new();
         let service = CallService {
             routes: routes.clone(),
             peer: accepted.peer,
@@ -105,7 +105,7 @@ fn unknown_method_message<B>(path: &str, response: &mut hyper::Response<B>) {
 struct CallService {
     routes: Routes,
     peer: Peer,
-    tracker: OpenStreams,
+    tracker: ConnectionState,
     timeout: Duration,
 }
 
