@@ -145,7 +145,12 @@ async fn a_stalling_registry_holds_back_only_its_own_tenants_captures() {
         }));
     }
     // Their confirmations are under way (the pulls are answered after the capture wait).
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    credgate_testbed::eventually_async(
+        "the stalling registries are asked to confirm",
+        Duration::from_secs(20),
+        || std::future::ready(stalling.iter().map(StubRegistry::held).sum::<usize>() > 0),
+    )
+    .await;
     let good = StubRegistry::serving("bob", "bob-Pa55word");
     let image = format!("{}/team-b/app:v1", good.host());
     call::<_, PullImageResponse>(
@@ -219,7 +224,12 @@ fn roots_report_is_not_held_back_by_a_members_reports() {
         child
     };
     let members: Vec<_> = (0..40).map(|_| report(Some(4242))).collect();
-    std::thread::sleep(Duration::from_millis(300));
+    // The members' confirmations are under way before root reports.
+    credgate_testbed::eventually(
+        "the members' reports reach the registry",
+        Duration::from_secs(20),
+        || silent.held() > 0,
+    );
     let started = std::time::Instant::now();
     let root = report(None).wait_with_output().unwrap();
     let took = started.elapsed();

@@ -19,6 +19,8 @@ struct State {
     seen: Vec<(String, bool)>,
     /// Manifests are served to its users (a registry they may read).
     serves: bool,
+    /// Connections a silent stub holds.
+    held: usize,
 }
 
 pub struct StubRegistry {
@@ -65,6 +67,7 @@ impl StubRegistry {
                 let Ok(mut stream) = stream else { continue };
                 if !answers {
                     held.push(stream);
+                    st.lock().unwrap().held = held.len();
                     continue;
                 }
                 let st = st.clone();
@@ -89,6 +92,11 @@ impl StubRegistry {
     }
 
     /// Requests so far: (path, carried credentials).
+    /// Connections a silent stub accepted (and holds, never answering).
+    pub fn held(&self) -> usize {
+        self.state.lock().unwrap().held
+    }
+
     pub fn seen(&self) -> Vec<(String, bool)> {
         self.state.lock().unwrap().seen.clone()
     }
