@@ -226,9 +226,10 @@ pub async fn drain(
     }
 }
 
-/// How much a connection's peer sent, and when it last opened or ended a request.
+/// How much a connection's peer sent, and when it last opened or ended a request. Its time
+/// is tokio's, as the deadlines that read it are: a test on a paused runtime steps it.
 pub struct Activity {
-    origin: Instant,
+    origin: tokio::time::Instant,
     bytes: AtomicU64,
     last_ms: AtomicU64,
 }
@@ -236,7 +237,7 @@ pub struct Activity {
 impl Activity {
     pub fn new() -> Arc<Self> {
         Arc::new(Activity {
-            origin: Instant::now(),
+            origin: tokio::time::Instant::now(),
             bytes: AtomicU64::new(0),
             last_ms: AtomicU64::new(0),
         })
@@ -415,22 +416,25 @@ mod tests {
         assert_eq!(t.check(), Some(0));
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn counted_io_counts_what_it_reads_and_bytes_are_no_request() {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let (a, mut b) = tokio::io::duplex(64);
         let activity = Activity::new();
         let mut w = Watched::new(a, activity.clone());
         assert_eq!(activity.bytes(), 0);
-        std::thread::sleep(Duration::from_millis(30));
+        tokio::time::advance(Duration::from_millis(30)).await;
         b.write_all(b"hello").await.unwrap();
         let mut buf = [0u8; 5];
         w.read_exact(&mut buf).await.unwrap();
         assert_eq!(activity.bytes(), 5);
         // Bytes alone leave the connection quiet since it opened; a request ends that.
-        assert!(activity.quiet_for() >= Duration::from_millis(30));
+        assert_eq!(activity.quiet_for(), Duration::from_millis(30));
+        assert_eq!(activity.age(), Duration::from_millis(30));
         activity.requested();
-        assert!(activity.quiet_for() < Duration::from_millis(30));
+        assert_eq!(activity.quiet_for(), Duration::ZERO);
+        tokio::time::advance(Duration::from_millis(10)).await;
+        assert_eq!(activity.quiet_for(), Duration::from_millis(10));
         w.write_all(b"back").await.unwrap();
         let mut back = [0u8; 4];
         b.read_exact(&mut back).await.unwrap();
