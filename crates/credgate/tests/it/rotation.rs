@@ -118,6 +118,20 @@ pub(crate) fn kubelet_asks(agent: &Agent, image: &str) -> (String, String) {
     )
 }
 
+/// Whether `agent` saved its sealed cache after provider `rotating` last answered
+/// (`ctl status`: the save's time against the provider's last success).
+fn saved_after_last_answer(agent: &Agent) -> bool {
+    let out = agent.credgate(&["ctl", "-o", "json", "status"]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    let answered = v["providers"]
+        .as_array()
+        .and_then(|ps| ps.iter().find(|p| p["name"] == "rotating"))
+        .and_then(|p| p["last_success_unix_ms"].as_i64())
+        .unwrap_or(i64::MAX);
+    let saved = v["saved_cache"]["last_saved_unix_ms"].as_i64().unwrap_or(0);
+    answered > 0 && saved >= answered
+}
+
 /// Plugin runs of provider `rotating` by `agent` (`ctl status`).
 fn agent_runs(agent: &Agent) -> u64 {
     let out = agent.credgate(&["ctl", "-o", "json", "status"]);
@@ -300,10 +314,15 @@ async fn a_rotated_provider_credential_takes_effect_at_the_next_pull() {
 
     // A second rotation, and the agent killed right after the refusal: the refused answer is
     // not in the sealed cache any more, so the restarted agent runs the plugin. (The plugin
-    // fails meanwhile, so that no renewal puts a newer answer in the file first; the wait
-    // lets the saver, which writes every second, keep NEW before it is refused.)
+    // fails meanwhile, so that no renewal puts a newer answer in the file first; the saver,
+    // which writes every second, keeps NEW before it is refused.)
     backend.failing(true);
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    credgate_testbed::eventually_async(
+        "the sealed cache holds the provider's last answer",
+        Duration::from_secs(20),
+        || std::future::ready(saved_after_last_answer(&agent)),
+    )
+    .await;
     registry.set_password(USER, NEWER);
     backend.answer(NEWER);
     call::<_, PullImageResponse>(&proxy, PULL_IMAGE, pull(NEW))
