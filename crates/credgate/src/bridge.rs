@@ -262,11 +262,17 @@ fn kubelet_response(
 
 /// The provider run in this process, with the same engine, when the agent is away.
 mod fallback {
-    use super::*;
+    use std::path::Path;
+    use std::time::Duration;
+
     use credgate_core::renewal::RenewalPolicy;
-    use credgate_engine::Sources;
-    use credgate_engine::{LookupRequest, ServiceAccount};
-    use secrecy::SecretString;
+    use credgate_core::wire::bridge::{self, AuthEntry, KubeletRequest};
+    use credgate_core::wire::CacheKeyType;
+    use credgate_engine::{LookupRequest, ServiceAccount, Sources};
+    use secrecy::{ExposeSecret, SecretString};
+    use zeroize::Zeroizing;
+
+    use super::kubelet_response;
 
     pub fn answer(
         config: &Path,
