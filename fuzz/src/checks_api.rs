@@ -3,7 +3,7 @@
 /// HPACK header blocks: decoding never panics, the dynamic table carries over to a second
 /// block, and what was decoded, encoded again, decodes to the same fields.
 pub fn hpack_block(data: &[u8]) {
-    let mut decoder = credgate_api::hpack::Decoder::new(4096);
+    let mut decoder = credgate_api::hpack::HpackDecoder::new(4096);
     let mid = data.first().map_or(0, |&b| usize::from(b)).min(data.len());
     let mut fields: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
     for block in [&data[..mid], &data[mid..]] {
@@ -18,7 +18,7 @@ pub fn hpack_block(data: &[u8]) {
     }
     let block = credgate_api::hpack::encode(fields.iter().map(|(n, v)| (&n[..], &v[..])));
     let mut again = Vec::new();
-    credgate_api::hpack::Decoder::new(4096)
+    credgate_api::hpack::HpackDecoder::new(4096)
         .decode(&block, |n, v| again.push((n.to_vec(), v.to_vec())))
         .expect("our own encoding decodes");
     assert_eq!(again, fields);
@@ -49,7 +49,7 @@ pub fn authority_rewrite(data: &[u8]) {
     if whole_result.is_err() {
         return;
     }
-    let mut decoder = credgate_api::hpack::Decoder::new(4096);
+    let mut decoder = credgate_api::hpack::HpackDecoder::new(4096);
     let (mut rest, mut block, mut open) = (&whole[frame::PREFACE.len()..], Vec::new(), false);
     while let Some(head) = Head::peek(rest) {
         let Some(payload) = rest.get(frame::HEAD_LEN..frame::HEAD_LEN + head.len) else {

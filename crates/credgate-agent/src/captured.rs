@@ -30,7 +30,7 @@ const FILE: &str = KIND.file;
 
 /// One captured credential.
 #[derive(Clone)]
-pub struct Credential {
+pub struct PodCredential {
     /// The pod's namespace (empty when the pull carried no sandbox config).
     pub namespace: String,
     pub username: String,
@@ -39,9 +39,9 @@ pub struct Credential {
     pub captured_ms: i64,
 }
 
-impl std::fmt::Debug for Credential {
+impl std::fmt::Debug for PodCredential {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Credential")
+        f.debug_struct("PodCredential")
             .field("namespace", &self.namespace)
             .field("username", &self.username)
             .field("password", &"<redacted>")
@@ -50,9 +50,9 @@ impl std::fmt::Debug for Credential {
     }
 }
 
-impl Credential {
+impl PodCredential {
     /// Whether two credentials carry the same secret for the same namespace.
-    pub fn same(&self, other: &Credential) -> bool {
+    pub fn same(&self, other: &PodCredential) -> bool {
         self.namespace == other.namespace
             && self.username == other.username
             && self.password.expose_secret() == other.password.expose_secret()
@@ -72,7 +72,7 @@ struct Stored {
 impl Stored {
     /// `c` for `repository`, as the file holds it (its password in the clear: sealed before
     /// it is written, zeroed by the caller after).
-    fn of(repository: &str, c: &Credential) -> Stored {
+    fn of(repository: &str, c: &PodCredential) -> Stored {
         Stored {
             repository: repository.to_owned(),
             namespace: c.namespace.clone(),
@@ -84,7 +84,7 @@ impl Stored {
 }
 
 /// A change to the captured credentials: what it answers when it changed something.
-type Edit = Box<dyn FnOnce(&mut BTreeMap<String, Credential>) -> Option<usize> + Send>;
+type Edit = Box<dyn FnOnce(&mut BTreeMap<String, PodCredential>) -> Option<usize> + Send>;
 
 /// Where a change waiting for the writer gets its outcome.
 #[derive(Default)]
@@ -122,7 +122,7 @@ pub enum CaptureError {
 }
 
 /// The credentials of a sealed body.
-fn entries(plain: &[u8]) -> Option<BTreeMap<String, Credential>> {
+fn entries(plain: &[u8]) -> Option<BTreeMap<String, PodCredential>> {
     let stored: Vec<Stored> = serde_json::from_slice(plain).ok()?;
     Some(
         stored
@@ -130,7 +130,7 @@ fn entries(plain: &[u8]) -> Option<BTreeMap<String, Credential>> {
             .map(|s| {
                 (
                     s.repository,
-                    Credential {
+                    PodCredential {
                         namespace: s.namespace,
                         username: s.username,
                         password: SecretString::from(s.password),
@@ -153,7 +153,7 @@ pub const MAX_ENTRIES: usize = 1024;
 pub const MAX_ENTRIES_PER_NAMESPACE: usize = MAX_ENTRIES / 4;
 
 /// The namespace holding the most captures but `new`'s (of those, the one holding the oldest).
-fn largest_namespace(entries: &BTreeMap<String, Credential>, new: &str) -> String {
+fn largest_namespace(entries: &BTreeMap<String, PodCredential>, new: &str) -> String {
     let mut counts: std::collections::HashMap<&str, (usize, i64)> = Default::default();
     for c in entries
         .iter()
@@ -179,7 +179,7 @@ pub struct Captured {
     /// The agent's clock (ages of captures).
     clock: std::sync::Arc<dyn credgate_engine::clock::Clock>,
     /// What is served; held only to read or swap, never across the sealed write.
-    by_repository: Mutex<BTreeMap<String, Credential>>,
+    by_repository: Mutex<BTreeMap<String, PodCredential>>,
     /// Serializes writers (each seals the whole map, fsyncs, then swaps it in), so that a
     /// capture's fsync never holds up a `Lookup` reading the map.
     writer: Mutex<()>,
@@ -249,12 +249,12 @@ impl Captured {
         let _ = self.sealed.remove();
     }
 
-    fn lock(&self) -> parking_lot::MutexGuard<'_, BTreeMap<String, Credential>> {
+    fn lock(&self) -> parking_lot::MutexGuard<'_, BTreeMap<String, PodCredential>> {
         self.by_repository.lock()
     }
 
     /// Seals `entries` and replaces the file: written, fsynced, renamed, the directory fsynced.
-    fn persist(&self, entries: &BTreeMap<String, Credential>) -> Result<(), CaptureError> {
+    fn persist(&self, entries: &BTreeMap<String, PodCredential>) -> Result<(), CaptureError> {
         let stored: Vec<Stored> = entries
             .iter()
             .map(|(repository, c)| Stored::of(repository, c))
@@ -293,7 +293,11 @@ impl Captured {
     /// Keeps `credential` for `repository`, replacing what was there, on disk before it
     /// returns (a blocking write: call it where blocking is allowed). When that makes one
     /// more than the limit, the oldest captures are dropped: how many.
-    pub fn capture(&self, repository: &str, credential: Credential) -> Result<usize, CaptureError> {
+    pub fn capture(
+        &self,
+        repository: &str,
+        credential: PodCredential,
+    ) -> Result<usize, CaptureError> {
         fits(repository, &credential)?;
         let max = self.max_entries;
         let per_namespace = (max / 4).max(1);
@@ -462,7 +466,7 @@ impl Captured {
     }
 
     /// The credential captured for the repository `name` (a normalized image name).
-    pub fn for_repository(&self, name: &str) -> Option<Credential> {
+    pub fn for_repository(&self, name: &str) -> Option<PodCredential> {
         self.lock().get(name).cloned()
     }
 
@@ -472,7 +476,7 @@ impl Captured {
     }
 
     /// Every captured credential, by repository.
-    pub fn list(&self) -> Vec<(String, Credential)> {
+    pub fn list(&self) -> Vec<(String, PodCredential)> {
         self.lock()
             .iter()
             .map(|(r, c)| (r.clone(), c.clone()))
@@ -481,7 +485,7 @@ impl Captured {
 }
 
 /// Whether `credential` for `repository` is within [`MAX_CREDENTIAL`] as it is stored.
-pub fn fits(repository: &str, credential: &Credential) -> Result<(), CaptureError> {
+pub fn fits(repository: &str, credential: &PodCredential) -> Result<(), CaptureError> {
     let raw = repository.len()
         + credential.namespace.len()
         + credential.username.len()
@@ -498,7 +502,7 @@ pub fn fits(repository: &str, credential: &Credential) -> Result<(), CaptureErro
 }
 
 /// How many bytes one credential takes in the file's (sealed) body.
-fn stored_size(repository: &str, c: &Credential) -> usize {
+fn stored_size(repository: &str, c: &PodCredential) -> usize {
     let stored = Stored::of(repository, c);
     let n = serde_json::to_vec(&stored).map_or(usize::MAX, |v| Zeroizing::new(v).len());
     drop(Zeroizing::new(stored.password));
@@ -539,8 +543,8 @@ mod tests {
     use super::*;
     use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 
-    fn cred(ns: &str, user: &str, pass: &str, at: i64) -> Credential {
-        Credential {
+    fn cred(ns: &str, user: &str, pass: &str, at: i64) -> PodCredential {
+        PodCredential {
             namespace: ns.into(),
             username: user.into(),
             password: SecretString::from(pass.to_owned()),

@@ -29,7 +29,7 @@ use credgate_engine::{Credential, Engine, EntryInfo, LookupRequest};
 use secrecy::{ExposeSecret, SecretString};
 use tokio::sync::{watch, Notify};
 
-use crate::captured::Captured;
+use crate::captured::{Captured, PodCredential};
 use crate::metrics::AgentMetrics;
 use crate::tasks::Tasks;
 
@@ -87,15 +87,11 @@ pub struct Value {
     pub credentials: Vec<Credential>,
     /// The pull credential the CRI proxy captured for the ref's repository (tried before
     /// `credentials`), with that repository.
-    pub captured: Option<(String, CapturedCredential)>,
+    pub captured: Option<(String, PodCredential)>,
 }
 
 impl Value {
-    fn same(
-        &self,
-        credentials: &[Credential],
-        captured: &Option<(String, CapturedCredential)>,
-    ) -> bool {
+    fn same(&self, credentials: &[Credential], captured: &Option<(String, PodCredential)>) -> bool {
         same(&self.credentials, credentials)
             && match (&self.captured, captured) {
                 (None, None) => true,
@@ -104,8 +100,6 @@ impl Value {
             }
     }
 }
-
-type CapturedCredential = crate::captured::Credential;
 
 /// How far the first renewal checks of restored refs are spread.
 pub const RESTORE_JITTER: Duration = Duration::from_secs(10);
@@ -287,7 +281,7 @@ fn seed(x: &impl Hash) -> u64 {
 fn publish(
     rs: &mut RefState,
     credentials: Vec<Credential>,
-    captured: Option<(String, CapturedCredential)>,
+    captured: Option<(String, PodCredential)>,
 ) {
     if rs
         .value
@@ -791,7 +785,7 @@ impl Renewer {
     }
 
     /// The captured credential for `image`'s repository.
-    fn captured_for(&self, image: &str) -> Option<(String, CapturedCredential)> {
+    fn captured_for(&self, image: &str) -> Option<(String, PodCredential)> {
         let captured = self.shared.captured.as_ref()?;
         let name = ImageRef::parse(image).ok()?.name().to_string();
         let credential = captured.for_repository(&name)?;

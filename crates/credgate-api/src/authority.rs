@@ -17,7 +17,7 @@
 //! for why, and for what to remove once `h2` accepts such authorities.
 
 use crate::frame::{self, Head, CONTINUATION, END_HEADERS, END_STREAM, HEADERS, HEAD_LEN};
-use crate::hpack::{self, Decoder, HpackError};
+use crate::hpack::{self, HpackDecoder, HpackError};
 
 /// What every request's `:authority` becomes.
 pub const AUTHORITY: &[u8] = b"localhost";
@@ -80,7 +80,7 @@ struct Open {
 /// The client-to-server side of one connection; sans-IO: bytes in, bytes out.
 #[derive(Debug)]
 pub struct Rewriter {
-    decoder: Decoder,
+    decoder: HpackDecoder,
     max_block: usize,
     state: State,
     head: [u8; HEAD_LEN],
@@ -96,7 +96,7 @@ impl Rewriter {
     /// is above `max_block` bytes (the decoded size counted as HTTP/2 does: 32 more per field).
     pub fn new(max_block: usize) -> Self {
         Rewriter {
-            decoder: Decoder::new(HEADER_TABLE_SIZE),
+            decoder: HpackDecoder::new(HEADER_TABLE_SIZE),
             max_block,
             state: State::Preface(frame::PREFACE.len()),
             head: [0; HEAD_LEN],
@@ -326,7 +326,7 @@ mod tests {
     /// The fields of the re-encoded blocks, decoded as the server does, and a check that no
     /// representation would add to its dynamic table.
     fn server_fields(out: &[u8]) -> Vec<Vec<(String, String)>> {
-        let mut decoder = Decoder::new(4096);
+        let mut decoder = HpackDecoder::new(4096);
         let mut blocks = Vec::new();
         let mut block = Vec::new();
         for (kind, flags, _, payload) in frames(out) {
@@ -792,7 +792,7 @@ mod tests {
                 }
                 let mut out = Vec::new();
                 Rewriter::new(1 << 16).feed(&input, &mut out).unwrap();
-                let mut server = Decoder::new(4096);
+                let mut server = HpackDecoder::new(4096);
                 let mut got = Vec::new();
                 let mut heads = Vec::new();
                 let mut block = Vec::new();

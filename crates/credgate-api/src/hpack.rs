@@ -242,7 +242,7 @@ fn string(input: &mut &[u8]) -> Result<Vec<u8>, HpackError> {
 
 /// A header block decoder: one per connection, since the dynamic table lives across blocks.
 #[derive(Debug)]
-pub struct Decoder {
+pub struct HpackDecoder {
     /// Newest first.
     dynamic: VecDeque<(Vec<u8>, Vec<u8>)>,
     size: usize,
@@ -251,11 +251,11 @@ pub struct Decoder {
     allowed: usize,
 }
 
-impl Decoder {
+impl HpackDecoder {
     /// A decoder whose dynamic table may grow to `allowed` bytes (our
     /// `SETTINGS_HEADER_TABLE_SIZE`; 4,096 by default).
     pub fn new(allowed: usize) -> Self {
-        Decoder {
+        HpackDecoder {
             dynamic: VecDeque::new(),
             size: 0,
             max_size: allowed,
@@ -403,7 +403,7 @@ mod tests {
             .collect()
     }
 
-    fn fields(d: &mut Decoder, block: &[u8]) -> Result<Vec<(String, String)>, HpackError> {
+    fn fields(d: &mut HpackDecoder, block: &[u8]) -> Result<Vec<(String, String)>, HpackError> {
         let mut out = Vec::new();
         d.decode(block, |n, v| {
             out.push((
@@ -455,7 +455,7 @@ mod tests {
     // RFC 7541 Appendix C.4: requests with Huffman coding, one decoder across the three.
     #[test]
     fn rfc_requests_with_huffman() {
-        let mut d = Decoder::new(4096);
+        let mut d = HpackDecoder::new(4096);
         let c41 = hex("8286 8441 8cf1 e3c2 e5f2 3a6b a0ab 90f4 ff");
         assert_eq!(
             fields(&mut d, &c41).unwrap(),
@@ -497,7 +497,7 @@ mod tests {
     // entries are evicted.
     #[test]
     fn rfc_responses_with_huffman_and_eviction() {
-        let mut d = Decoder::new(256);
+        let mut d = HpackDecoder::new(256);
         let c61 = hex(
             "4882 6402 5885 aec3 771a 4b61 96d0 7abe 9410 54d4 44a8 2005 9504 0b81 66e0 82a6
              2d1b ff6e 919d 29ad 1718 63c7 8f0b 97c8 e9ae 82ae 43d3",
@@ -558,7 +558,7 @@ mod tests {
         ];
         let block = encode(list.iter().copied());
         let mut got = Vec::new();
-        Decoder::new(4096)
+        HpackDecoder::new(4096)
             .decode(&block, |n, v| got.push((n.to_vec(), v.to_vec())))
             .unwrap();
         let want: Vec<(Vec<u8>, Vec<u8>)> =
@@ -568,7 +568,7 @@ mod tests {
 
     #[test]
     fn malformed_blocks_are_errors() {
-        let mut d = Decoder::new(4096);
+        let mut d = HpackDecoder::new(4096);
         let cases: &[(&[u8], HpackError)] = &[
             (&[0x80], HpackError::Index(0)),
             (&[0xbe], HpackError::Index(62)),
@@ -597,7 +597,7 @@ mod tests {
 
     #[test]
     fn a_size_update_to_zero_empties_the_table() {
-        let mut d = Decoder::new(4096);
+        let mut d = HpackDecoder::new(4096);
         d.decode(
             &[0x40, 0x01, b'k', 0x01, b'v', 0x40, 0x01, b'l', 0x01, b'w'],
             |_, _| {},

@@ -181,7 +181,7 @@ struct Reader<'a, S> {
     replies: Vec<u8>,
     buf: Vec<u8>,
     start: usize,
-    hpack: crate::hpack::Decoder,
+    hpack: crate::hpack::HpackDecoder,
     block: Vec<u8>,
     in_block: bool,
     block_ends_stream: bool,
@@ -391,7 +391,7 @@ fn exchange<S: Read + Write>(
     io.write_all(&request_bytes(method, message))
         .map_err(CallError::Io)?;
     // Our SETTINGS keep the default header table size; the agent may not use more.
-    let hpack = crate::hpack::Decoder::new(4096);
+    let hpack = crate::hpack::HpackDecoder::new(4096);
     Reader {
         io,
         replies: Vec::new(),

@@ -8,14 +8,14 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Result;
-use credgate_agent::captured::{Captured, Credential};
+use credgate_agent::captured::{Captured, PodCredential};
 use secrecy::SecretString;
 use serde_json::json;
 
 use crate::{emit, Args, TempDir};
 
-fn credential(i: usize) -> Credential {
-    Credential {
+fn credential(i: usize) -> PodCredential {
+    PodCredential {
         namespace: format!("ns-{}", i % 200),
         username: format!("user-{i}"),
         password: SecretString::from("p".repeat(11 << 10)),

@@ -18,7 +18,7 @@ use secrecy::ExposeSecret;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
-use credgate_agent::captured::{CaptureError, Captured, Credential};
+use credgate_agent::captured::{CaptureError, Captured, PodCredential};
 use credgate_agent::guard::registry::{Target, Verifier};
 use credgate_agent::metrics::AgentMetrics;
 
@@ -39,7 +39,7 @@ pub struct Offer {
     pub image: String,
     /// The normalized repository it is kept for.
     pub repository: String,
-    pub credential: Credential,
+    pub credential: PodCredential,
     /// Told when the offer is settled (captured and fsynced, or not kept), whatever became
     /// of it.
     pub settled: Option<tokio::sync::oneshot::Sender<()>>,
@@ -70,7 +70,7 @@ impl Capturer {
         &self,
         image: String,
         repository: String,
-        credential: Credential,
+        credential: PodCredential,
     ) -> Option<tokio::sync::oneshot::Receiver<()>> {
         let (tx, rx) = tokio::sync::oneshot::channel();
         let offer = Offer {

@@ -12,7 +12,7 @@ use http_body_util::BodyExt as _;
 use hyper::body::{Bytes, Incoming};
 
 use super::runtime::{
-    self, ask, exchange, grpc_code, grpc_message, grpc_message_of, read_whole, Caller,
+    self, ask, exchange, grpc_code, grpc_message, grpc_message_of, read_whole, CallerConn,
 };
 use super::{Body, MAX_LIST_MESSAGE, MAX_PULL_MESSAGE};
 use credgate_agent::tasks::CancellationToken;
@@ -35,7 +35,7 @@ pub(super) fn repositories(image: &wire::Image) -> Vec<String> {
 /// when the runtime removed it, a repository of which it has no image left loses its
 /// captured credential.
 pub(super) async fn remove(
-    caller: &Caller,
+    caller: &CallerConn,
     view: &ImageView,
     captured: &std::sync::Arc<credgate_agent::captured::Captured>,
     request: hyper::Request<Incoming>,
@@ -81,7 +81,7 @@ pub(super) async fn remove(
 /// be read whole is never acted on: the check says so (a warning and
 /// `credgate_cri_image_list_incomplete_total`) and drops nothing.
 pub(super) struct ImageView {
-    pub(super) own: std::sync::Arc<Caller>,
+    pub(super) own: std::sync::Arc<CallerConn>,
     pub(super) limit: usize,
     pub(super) metrics: credgate_agent::metrics::AgentMetrics,
 }

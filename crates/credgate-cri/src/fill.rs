@@ -99,7 +99,7 @@ pub(super) async fn apply_policy(
                 password: credential.password.expose_secret().to_owned(),
                 ..Default::default()
             };
-            pull.credential = Some(credgate_agent::captured::Credential {
+            pull.credential = Some(credgate_agent::captured::PodCredential {
                 namespace: pull.pod_namespace.clone(),
                 username: credential.username,
                 password: credential.password,

@@ -17,7 +17,7 @@ use secrecy::ExposeSecret as _;
 use super::fill::fill;
 use super::pull_request::{pull_of, redacted};
 use super::pulls::{answered, settle, Answered, Pulls, Whose};
-use super::runtime::{self, ask, exchange, framed, Caller};
+use super::runtime::{self, ask, exchange, framed, CallerConn};
 use super::MAX_PULL_MESSAGE;
 use credgate_agent::node_images::{backoff, NodeImage, OwnPull};
 use credgate_agent::outcome::{PullAuth, PullResult};
@@ -32,7 +32,7 @@ pub(super) struct Keeper {
     pub(super) images: Vec<NodeImage>,
     pub(super) pulls: Arc<Pulls>,
     /// The proxy's own runtime connection.
-    pub(super) own: Arc<Caller>,
+    pub(super) own: Arc<CallerConn>,
     pub(super) every: Duration,
 }
 

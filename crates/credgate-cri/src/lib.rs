@@ -35,7 +35,7 @@ use budget::Budgets;
 use check::remove;
 pub use context::Context;
 use pulls::{pull, Capture, Pulls};
-use runtime::{broken_runtime, status, unreachable_runtime, Caller, Runtime};
+use runtime::{broken_runtime, status, unreachable_runtime, CallerConn, Runtime};
 
 /// A body of either side.
 type Body =
@@ -87,7 +87,7 @@ pub const MAX_LIST_MESSAGE: usize = 16 << 20;
 
 /// Forwards one call to the runtime.
 async fn forward(
-    caller: &Caller,
+    caller: &CallerConn,
     pulls: &Pulls,
     request: hyper::Request<Incoming>,
 ) -> hyper::Response<Body> {
@@ -180,7 +180,7 @@ pub fn default_limits() -> ListenerLimits {
 /// One caller connection's calls, each forwarded and counted as an open stream until its
 /// answer's body ends.
 fn service(
-    caller: std::sync::Arc<Caller>,
+    caller: std::sync::Arc<CallerConn>,
     pulls: std::sync::Arc<Pulls>,
     streams: ConnectionState,
 ) -> impl hyper::service::Service<
@@ -220,7 +220,7 @@ pub async fn serve(listener: UnixListener, options: ProxyOptions, shutdown: Canc
         credgate_agent::listener::http2_builder(listener.streams(), MAX_STREAMS, MAX_HEADER_LIST);
     while let Some(accepted) = listener.next(&shutdown).await {
         // Each caller has a connection to the runtime and a buffer budget of its own.
-        let caller = std::sync::Arc::new(Caller {
+        let caller = std::sync::Arc::new(CallerConn {
             runtime: std::sync::Arc::new(Runtime::new(runtime.clone())),
             budgets: Budgets::connection(&proxy_budget, budget::CONNECTION_BYTES),
         });
@@ -294,7 +294,7 @@ fn run(
 /// images.
 struct Background {
     pulls: std::sync::Arc<Pulls>,
-    own: std::sync::Arc<Caller>,
+    own: std::sync::Arc<CallerConn>,
     /// The sweeper and the keeper, ended when the listener drained.
     periodic: Vec<tokio::task::JoinHandle<()>>,
     /// Ends once the last capturer is gone, after the offers it took.
@@ -321,7 +321,7 @@ impl Background {
         } = options;
         let metrics = context.metrics.clone();
         // The proxy's own calls use a runtime connection and a budget of their own.
-        let own = std::sync::Arc::new(Caller {
+        let own = std::sync::Arc::new(CallerConn {
             runtime: std::sync::Arc::new(Runtime::new(runtime)),
             budgets: Budgets::connection(proxy_budget, budget::PROXY_BYTES),
         });

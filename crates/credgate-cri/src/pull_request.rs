@@ -12,7 +12,7 @@ pub(super) struct Pull {
     pub(super) image: String,
     pub(super) repository: String,
     /// `None`: a pull without credentials (anonymous or the runtime's own).
-    pub(super) credential: Option<credgate_agent::captured::Credential>,
+    pub(super) credential: Option<credgate_agent::captured::PodCredential>,
     /// Whether the pull came with a pod's sandbox config.
     pub(super) in_pod: bool,
     /// The credential names another registry (`server_address`) than the image's: the
@@ -87,14 +87,14 @@ pub(super) fn pull_of(message: &[u8], now_ms: i64) -> Option<Pull> {
     Some(Pull {
         image,
         repository,
-        credential: credential.map(
-            |(username, password)| credgate_agent::captured::Credential {
+        credential: credential.map(|(username, password)| {
+            credgate_agent::captured::PodCredential {
                 namespace: namespace.clone(),
                 username,
                 password,
                 captured_ms: now_ms,
-            },
-        ),
+            }
+        }),
         in_pod,
         other_registry,
         pod_namespace: namespace.clone(),

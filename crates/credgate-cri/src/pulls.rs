@@ -11,7 +11,7 @@ use secrecy::ExposeSecret as _;
 use super::capture::Capturer;
 use super::fill::{apply_policy, refreshed};
 use super::pull_request::{pull_of, redacted, Pull};
-use super::runtime::{self, exchange, grpc_message, read_whole, Caller};
+use super::runtime::{self, exchange, grpc_message, read_whole, CallerConn};
 use super::{decision, policy, Body, MAX_PULL_MESSAGE, MAX_PULL_REQUEST};
 use credgate_agent::guard::PullEnd;
 
@@ -159,7 +159,7 @@ pub(super) fn recorded_as(
 /// succeeded, the credential it carried for the image's registry offered for capture (when
 /// capture is on; confirmed with the registry and written after the answer goes back).
 pub(super) async fn pull(
-    caller: &Caller,
+    caller: &CallerConn,
     pulls: &Pulls,
     request: hyper::Request<Incoming>,
 ) -> hyper::Response<Body> {
@@ -231,7 +231,7 @@ type Head = (hyper::Method, hyper::Uri, hyper::Version, hyper::HeaderMap);
 /// The pull sent again with `frame` (its credential replaced): logged, settled and answered
 /// as the runtime answers it, whatever that is (never a third attempt).
 async fn again(
-    caller: &Caller,
+    caller: &CallerConn,
     pulls: &Pulls,
     pull: Pull,
     (method, uri, version, headers): Head,

@@ -63,7 +63,7 @@ impl Runtime {
 /// a caller that stops reading its answers fills only its own flow-control windows and holds
 /// back only its own calls, and its share of what the proxy may buffer. Dropped with the
 /// caller's connection, which closes its runtime connection.
-pub(super) struct Caller {
+pub(super) struct CallerConn {
     pub(super) runtime: std::sync::Arc<Runtime>,
     pub(super) budgets: Budgets,
 }
@@ -94,7 +94,7 @@ pub(super) fn own_call(
 /// One unary call of our own to the runtime: its answer's message when it succeeded and fit
 /// in `limit` bytes; why not, otherwise (the runtime's status, or the proxy's own).
 pub(super) async fn ask<M: prost::Message, R: prost::Message + Default>(
-    caller: &Caller,
+    caller: &CallerConn,
     method: &str,
     message: &M,
     limit: usize,
@@ -191,7 +191,7 @@ impl Whole {
 /// A request body read whole, within the bound and the caller's budgets; an answer to give
 /// instead when it is over.
 pub(super) async fn read_whole(
-    caller: &Caller,
+    caller: &CallerConn,
     request: hyper::Request<Incoming>,
     what: &str,
     limit: usize,
@@ -216,7 +216,7 @@ pub(super) async fn read_whole(
 /// bytes); an answer to give instead when the runtime cannot be reached or its answer is too
 /// large.
 pub(super) async fn exchange(
-    caller: &Caller,
+    caller: &CallerConn,
     parts: hyper::http::request::Parts,
     bytes: Bytes,
     limit: usize,

@@ -55,7 +55,7 @@ pub fn credential_ref(c: &CredentialRef<'_>) -> pb::Credential {
 
 /// The wire form of a pull credential the CRI proxy captured for `repository`: source kind
 /// `captured`, the pod's namespace as its source.
-fn captured_credential(repository: &str, c: &crate::captured::Credential) -> pb::Credential {
+fn captured_credential(repository: &str, c: &crate::captured::PodCredential) -> pb::Credential {
     pb::Credential {
         source_kind: pb::SourceKind::Captured as i32,
         source: c.namespace.clone(),

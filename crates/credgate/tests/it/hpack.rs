@@ -8,7 +8,7 @@ use std::process::{Command, Stdio};
 
 use credgate_api::authority::{Rewriter, AUTHORITY};
 use credgate_api::frame::{self, Head};
-use credgate_api::hpack::Decoder;
+use credgate_api::hpack::HpackDecoder;
 
 use crate::support::foreign::build_go_program;
 
@@ -90,7 +90,7 @@ fn every_huffman_code_go_writes_decodes_to_its_byte() {
     assert_eq!(lines.len(), 257);
     for (byte, code) in lines[..256].iter().enumerate() {
         let mut got = Vec::new();
-        Decoder::new(4096)
+        HpackDecoder::new(4096)
             .decode(&huffman_field(code), |_, v| got.push(v.to_vec()))
             .unwrap_or_else(|e| panic!("byte {byte}: {e}"));
         assert_eq!(got, vec![vec![byte as u8]], "byte {byte}");
@@ -106,7 +106,7 @@ fn every_huffman_code_go_writes_decodes_to_its_byte() {
     block.push(rest as u8);
     block.extend_from_slice(all);
     let mut got = Vec::new();
-    Decoder::new(4096)
+    HpackDecoder::new(4096)
         .decode(&block, |_, v| got.push(v.to_vec()))
         .unwrap();
     assert_eq!(got, vec![(0..=255).collect::<Vec<u8>>()]);
@@ -129,7 +129,7 @@ fn malformed_huffman_strings_are_refused_by_both() {
     let go_answers = go_decode(&go, &blocks);
     for (((code, _), block), go_answer) in cases.iter().zip(&blocks).zip(&go_answers) {
         let mut ours = Vec::new();
-        let decoded = Decoder::new(4096).decode(block, |_, v| ours.push(v.to_vec()));
+        let decoded = HpackDecoder::new(4096).decode(block, |_, v| ours.push(v.to_vec()));
         match go_answer {
             Ok(fields) => {
                 assert!(
@@ -173,7 +173,7 @@ fn go_reads_what_the_rewriter_passes_on() {
     ])
     .collect();
     // What credgate reads of the originals, with the never-indexed marks.
-    let mut decoder = Decoder::new(4096);
+    let mut decoder = HpackDecoder::new(4096);
     let mut expected = Vec::new();
     for block in &client_blocks {
         let mut fields = Vec::new();
