@@ -104,26 +104,33 @@ impl Streams {
 /// The HTTP/2 server settings every gRPC listener of the agent shares: at most `max_streams`
 /// open streams and `max_header_list` bytes of headers per request, the windows and send
 /// buffer above, and bounds on streams a client resets or makes fail; the streams run as
-/// tasks of `streams` (the listener's: [`Listener::streams`]).
-pub fn http2_builder(
-    streams: Streams,
-    max_streams: u32,
+/// tasks of the listener that made it ([`Listener::http2`]). The header bound is kept beside
+/// the builder, as the `:authority` rewriter in front of each connection needs it too.
+pub struct Http2 {
+    pub builder: hyper::server::conn::http2::Builder<Streams>,
     max_header_list: u32,
-) -> hyper::server::conn::http2::Builder<Streams> {
-    let mut b = hyper::server::conn::http2::Builder::new(streams);
-    b.timer(hyper_util::rt::TokioTimer::new())
-        .max_concurrent_streams(max_streams)
-        .initial_stream_window_size(STREAM_WINDOW)
-        .initial_connection_window_size(CONNECTION_WINDOW)
-        .max_send_buf_size(STREAM_SEND_BUFFER)
-        .max_header_list_size(max_header_list)
-        .max_pending_accept_reset_streams(Some(32))
-        .max_local_error_reset_streams(Some(256))
-        // What the `:authority` rewriter in front of every connection assumes of the server:
-        // pinned, not left to hyper's defaults.
-        .max_frame_size(credgate_api::authority::MAX_FRAME as u32)
-        .header_table_size(credgate_api::authority::HEADER_TABLE_SIZE as u32);
-    b
+}
+
+impl Http2 {
+    fn new(streams: Streams, max_streams: u32, max_header_list: u32) -> Self {
+        let mut b = hyper::server::conn::http2::Builder::new(streams);
+        b.timer(hyper_util::rt::TokioTimer::new())
+            .max_concurrent_streams(max_streams)
+            .initial_stream_window_size(STREAM_WINDOW)
+            .initial_connection_window_size(CONNECTION_WINDOW)
+            .max_send_buf_size(STREAM_SEND_BUFFER)
+            .max_header_list_size(max_header_list)
+            .max_pending_accept_reset_streams(Some(32))
+            .max_local_error_reset_streams(Some(256))
+            // What the `:authority` rewriter in front of every connection assumes of the
+            // server: pinned, not left to hyper's defaults.
+            .max_frame_size(credgate_api::authority::MAX_FRAME as u32)
+            .header_table_size(credgate_api::authority::HEADER_TABLE_SIZE as u32);
+        Http2 {
+            builder: b,
+            max_header_list,
+        }
+    }
 }
 
 /// A listener's budget and deadlines.
@@ -225,9 +232,10 @@ impl<L: Accept> Listener<L> {
         }
     }
 
-    /// The executor of this listener's streams, for its [`http2_builder`].
-    pub fn streams(&self) -> Streams {
-        self.streams.clone()
+    /// The shared HTTP/2 settings ([`Http2`]) for this listener's connections, their streams
+    /// run as its tasks.
+    pub fn http2(&self, max_streams: u32, max_header_list: u32) -> Http2 {
+        Http2::new(self.streams.clone(), max_streams, max_header_list)
     }
 
     /// Closes at once the connections of callers `admit` says no to.
@@ -295,9 +303,8 @@ impl<L: Accept> Listener<L> {
         &mut self,
         accepted: Accepted<L::Stream>,
         tracker: ConnectionState,
-        builder: &hyper::server::conn::http2::Builder<Streams>,
+        http2: &Http2,
         service: S,
-        max_header_list: u32,
         shutdown: CancellationToken,
     ) where
         S: hyper::service::HttpService<Incoming, ResBody = B> + Send + 'static,
@@ -310,9 +317,9 @@ impl<L: Accept> Listener<L> {
     {
         let io = hyper_util::rt::TokioIo::new(crate::rewrite::Rewritten::new(
             conn::Watched::new(accepted.stream, tracker.activity.clone()),
-            4 * max_header_list as usize,
+            4 * http2.max_header_list as usize,
         ));
-        let connection = builder.serve_connection(io, service);
+        let connection = http2.builder.serve_connection(io, service);
         let task = drive(
             connection,
             tracker,

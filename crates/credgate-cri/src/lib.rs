@@ -216,8 +216,7 @@ pub async fn serve(listener: UnixListener, options: ProxyOptions, shutdown: Canc
     let background = Background::start(options, &proxy_budget, &shutdown);
     let mut listener = Listener::new("cri-proxy", listener, limits, metrics);
     // The API's windows, send buffer and reset bounds.
-    let builder =
-        credgate_agent::listener::http2_builder(listener.streams(), MAX_STREAMS, MAX_HEADER_LIST);
+    let http2 = listener.http2(MAX_STREAMS, MAX_HEADER_LIST);
     while let Some(accepted) = listener.next(&shutdown).await {
         // Each caller has a connection to the runtime and a buffer budget of its own.
         let caller = std::sync::Arc::new(CallerConn {
@@ -226,14 +225,7 @@ pub async fn serve(listener: UnixListener, options: ProxyOptions, shutdown: Canc
         });
         let tracker = ConnectionState::new();
         let service = service(caller, background.pulls.clone(), tracker.clone());
-        listener.serve_http2(
-            accepted,
-            tracker,
-            &builder,
-            service,
-            MAX_HEADER_LIST,
-            shutdown.clone(),
-        );
+        listener.serve_http2(accepted, tracker, &http2, service, shutdown.clone());
     }
     listener.drain().await;
     background.stop(shutdown_timeout).await;

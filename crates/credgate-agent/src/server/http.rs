@@ -18,7 +18,7 @@ use tonic::service::Routes;
 
 use super::{Limits, Peer};
 use crate::agent::CallerAllowlist;
-use crate::listener::{http2_builder, ConnectionState, Listener, OpenBody};
+use crate::listener::{ConnectionState, Listener, OpenBody};
 use crate::metrics::AgentMetrics;
 
 /// The largest header block a client may send.
@@ -40,8 +40,9 @@ pub(super) async fn serve(
     // to do here and is closed at once, holding nothing.
     let mut listener = Listener::new("api", listener, limits.listener(), metrics)
         .admit(move |uid| callers.admits_any(uid));
-    let mut builder = http2_builder(listener.streams(), limits.max_streams, MAX_HEADER_LIST);
-    builder
+    let mut http2 = listener.http2(limits.max_streams, MAX_HEADER_LIST);
+    http2
+        .builder
         .keep_alive_interval(Some(limits.keepalive_interval))
         .keep_alive_timeout(limits.keepalive_timeout);
     while let Some(accepted) = listener.next(&shutdown).await {
@@ -52,14 +53,7 @@ pub(super) async fn serve(
             tracker: tracker.clone(),
             timeout: limits.request_timeout,
         };
-        listener.serve_http2(
-            accepted,
-            tracker,
-            &builder,
-            service,
-            MAX_HEADER_LIST,
-            shutdown.clone(),
-        );
+        listener.serve_http2(accepted, tracker, &http2, service, shutdown.clone());
     }
     // Connections saw the same shutdown signal and are finishing their calls.
     listener.drain().await;
