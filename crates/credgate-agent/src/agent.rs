@@ -392,7 +392,7 @@ impl Agent {
         for source in answer
             .sources
             .iter_mut()
-            .filter(|s| s.kind == "docker-config")
+            .filter(|s| s.kind == credgate_engine::SourceKind::DockerConfig.as_str())
         {
             if let Some(r) = self.inner.refusal.memory().docker_report(&source.name) {
                 source.dropped_unix_ms = crate::state::unix_ms(r.at);

@@ -6,7 +6,6 @@ use std::time::SystemTime;
 use credgate_api::v1 as pb;
 use credgate_core::wire::CacheKeyType;
 use credgate_engine::explain::Explanation;
-use credgate_engine::SourceKind;
 
 /// What the CRI proxy adds to an explanation when it serves (what it would do with a pull of
 /// the image): the proxy gives it to the agent ([`crate::Agent::set_proxy_running`]).
@@ -26,11 +25,7 @@ pub fn to_wire(e: &Explanation, now: SystemTime) -> pb::ExplainResponse {
         .iter()
         .map(|s| {
             let mut out = pb::ExplainedSource {
-                kind: match s.kind {
-                    SourceKind::DockerConfig => "docker-config",
-                    SourceKind::Provider => "provider",
-                }
-                .into(),
+                kind: s.kind.as_str().into(),
                 name: s.name.clone(),
                 matched: s.matched,
                 pattern: s.pattern.clone().unwrap_or_default(),

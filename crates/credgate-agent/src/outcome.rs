@@ -190,13 +190,9 @@ impl PullResult {
         }
     }
 
+    /// The metric label: the API's word for it.
     pub fn as_str(self) -> &'static str {
-        match self {
-            PullResult::Ok => "ok",
-            PullResult::Unauthorized => "unauthorized",
-            PullResult::NotFound => "not_found",
-            PullResult::Error => "error",
-        }
+        self.wire().word()
     }
 }
 

@@ -535,14 +535,7 @@ impl Report {
 
     /// The metric label (the API's outcome's word).
     pub fn as_str(&self) -> &'static str {
-        match self {
-            Report::Refused(_) => "refused",
-            Report::Accepted => "accepted",
-            Report::Unchecked => "unchecked",
-            Report::NotGiven => "not_given",
-            Report::Recently => "already_refused",
-            Report::Unreachable(_) => "unreachable",
-        }
+        self.wire().word()
     }
 
     /// One sentence for the pull log, `explain` and the API; never a secret.

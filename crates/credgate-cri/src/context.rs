@@ -45,7 +45,7 @@ impl credgate_agent::explain::ExplainProxy for Context {
         // keyed by service account whose cached answer (if any) holds one.
         let can_fill = answer.sources.iter().any(|s| {
             s.matched
-                && (s.kind == "docker-config"
+                && (s.kind == credgate_engine::SourceKind::DockerConfig.as_str()
                     || (!self.engine().keyed_by_service_account(&s.name)
                         && (!s.cached || s.cached_credentials > 0)))
         });
