@@ -61,31 +61,42 @@ fn main() -> ExitCode {
             env!("CARGO_PKG_VERSION")
         ))),
         "help" | "--help" | "-h" => {
-            println!("{HELP}");
-            return ExitCode::SUCCESS;
+            return answer(HELP, ExitCode::SUCCESS);
         }
         _ => {
-            eprintln!("{HELP}");
+            warn(HELP);
             return ExitCode::from(2);
         }
     };
     // The protocol reads answers and errors alike from stdout.
-    let mut out = std::io::stdout().lock();
     match result {
-        Ok(text) => {
-            if !text.is_empty() {
-                let _ = writeln!(out, "{}", *text);
-            }
-            ExitCode::SUCCESS
-        }
+        Ok(text) if text.is_empty() => ExitCode::SUCCESS,
+        Ok(text) => answer(&text, ExitCode::SUCCESS),
         Err(text) => {
-            let _ = writeln!(out, "{text}");
             if text != NOT_FOUND {
-                eprintln!("{text}");
+                warn(&text);
             }
+            answer(&text, ExitCode::from(1))
+        }
+    }
+}
+
+/// Writes `text` and a newline to stdout and exits with `code`; a reader that went away (a
+/// closed pipe) is a clean exit 1 with a line on stderr, never a panic.
+fn answer(text: &str, code: ExitCode) -> ExitCode {
+    let mut out = std::io::stdout().lock();
+    match writeln!(out, "{text}").and_then(|()| out.flush()) {
+        Ok(()) => code,
+        Err(e) => {
+            warn(&format!("credgate: cannot write the answer to stdout: {e}"));
             ExitCode::from(1)
         }
     }
+}
+
+/// A line on stderr, best effort: a closed stderr is no reason to fail (`eprintln!` panics).
+fn warn(text: &str) {
+    let _ = writeln!(std::io::stderr().lock(), "{text}");
 }
 
 /// `CREDGATE_HELPER_ERASE=ignore`: `erase` succeeds and changes nothing.
@@ -100,10 +111,10 @@ fn erase_ignored() -> bool {
         "ignore" | "1" | "true" | "yes"
     );
     if !on && !v.is_empty() {
-        eprintln!(
+        warn(&format!(
             "credgate: CREDGATE_HELPER_ERASE={} is not understood (ignore, 1, true, yes): erase refused",
             credgate_core::text::Quoted(&v)
-        );
+        ));
     }
     on
 }
@@ -161,10 +172,10 @@ fn get() -> Result<Zeroizing<String>, String> {
                 &answer.matched_reasons
             };
             if !reasons.is_empty() {
-                eprintln!(
+                warn(&format!(
                     "credgate: no credentials for {host}: {}",
                     reasons.join("; ")
-                );
+                ));
             }
             return Err(NOT_FOUND.into());
         }

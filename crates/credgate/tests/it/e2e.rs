@@ -307,3 +307,49 @@ fn helper_refuses_bad_input_before_calling_the_agent() {
         assert!(msg.starts_with(want), "{msg}");
     }
 }
+
+/// A reader that goes away before the answer (a closed pipe on stdout, and on stderr too) is a
+/// clean exit 1 with a line on stderr where there is one, never a panic (exit 101). The read
+/// ends are closed before the helper starts, so every write meets the broken pipe.
+#[test]
+fn a_closed_pipe_is_a_clean_exit() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("nobody-here.sock");
+    for (verb, input) in [
+        ("version", &b""[..]),
+        ("list", b""),
+        ("--help", b""),
+        ("get", b"registry.example.com"),
+        ("erase", b"registry.example.com"),
+    ] {
+        for stderr_closed in [false, true] {
+            let (closed_read, closed_write) = rustix::pipe::pipe().unwrap();
+            drop(closed_read);
+            let mut cmd =
+                std::process::Command::new(env!("CARGO_BIN_EXE_docker-credential-credgate"));
+            cmd.arg(verb)
+                .env("CREDGATE_SOCKET", &socket)
+                .env_remove("CREDGATE_HELPER_ERASE")
+                .stdout(std::process::Stdio::from(closed_write.try_clone().unwrap()));
+            if stderr_closed {
+                cmd.stderr(std::process::Stdio::from(closed_write));
+            } else {
+                cmd.stderr(std::process::Stdio::piped());
+            }
+            let mut child = cmd.stdin(std::process::Stdio::piped()).spawn().unwrap();
+            {
+                use std::io::Write;
+                let _ = child.stdin.take().unwrap().write_all(input);
+            }
+            let out = child.wait_with_output().unwrap();
+            assert_eq!(out.status.code(), Some(1), "{verb}: {}", text(&out.stderr));
+            if !stderr_closed {
+                assert!(
+                    text(&out.stderr).contains("cannot write the answer to stdout"),
+                    "{verb}: {}",
+                    text(&out.stderr)
+                );
+            }
+        }
+    }
+}
