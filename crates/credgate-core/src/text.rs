@@ -60,6 +60,24 @@ pub fn escape_controls(line: &str) -> std::borrow::Cow<'_, str> {
     std::borrow::Cow::Owned(out)
 }
 
+/// `value` with every control character escaped, a final line feed too: outside text (a
+/// runtime's message quoting a registry's body, a plugin's error, a pod's name) printed as one
+/// field of a line cannot end that line, forge another, or reach the terminal as an escape
+/// sequence.
+pub fn escape_field(value: &str) -> std::borrow::Cow<'_, str> {
+    match escape_controls(value) {
+        std::borrow::Cow::Borrowed(v) if !v.ends_with('\n') => std::borrow::Cow::Borrowed(v),
+        escaped => {
+            let mut s = escaped.into_owned();
+            if s.ends_with('\n') {
+                s.pop();
+                s.push_str("\\n");
+            }
+            std::borrow::Cow::Owned(s)
+        }
+    }
+}
+
 /// `outer: inner: root`, one line: an error and its causes as operators read them.
 pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
     let mut parts = vec![e.to_string()];
@@ -88,6 +106,17 @@ pub fn repeated_cause(e: &(dyn std::error::Error + 'static)) -> Option<String> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_field_keeps_no_control_character_not_even_a_final_line_feed() {
+        use super::escape_field;
+        assert_eq!(escape_field("plain"), "plain");
+        assert_eq!(escape_field("a\n"), "a\\n");
+        assert_eq!(
+            escape_field("401\n\u{1b}]0;title\u{7}\u{1b}[2J\u{2028}x"),
+            "401\\n\\u{1b}]0;title\\u{7}\\u{1b}[2J\\u{2028}x"
+        );
+    }
+
     #[test]
     fn control_characters_are_escaped_but_the_line_end() {
         use super::escape_controls;

@@ -9,7 +9,7 @@ use tokio_stream::StreamExt;
 use tonic::transport::Channel;
 
 use super::get::{print_rows, Row};
-use super::print::{answer, json, print_table, show, status_error, time_ms};
+use super::print::{answer, json, plain, print_table, show, status_error, time_ms};
 use crate::opts::{CtlArgs, CtlCall, Output};
 use crate::Outcome;
 
@@ -110,7 +110,7 @@ async fn lookup(
     } else {
         let rows: Vec<Row> = r.credentials.iter().map(Row::from_wire).collect();
         for f in &r.failures {
-            eprintln!("warning: {}", f.message);
+            eprintln!("warning: {}", plain(&f.message));
         }
         if r.last_known_good {
             eprintln!("warning: serving the last known good credentials of a tracked ref");
@@ -118,7 +118,7 @@ async fn lookup(
         print_rows(&rows, out)?;
         if rows.is_empty() {
             // As `get` says it: an empty table alone reads as a hang or a crash.
-            eprintln!("no credentials for {}", r.image);
+            eprintln!("no credentials for {}", plain(&r.image));
         }
     }
     Ok(if r.credentials.is_empty() {
@@ -157,7 +157,9 @@ async fn report_refused(
     }))
     .await?;
     let outcome = pb::RefusalOutcome::try_from(r.outcome).unwrap_or_default();
-    show(out, &r, |r| format!("{}: {}", outcome.word(), r.message))?;
+    show(out, &r, |r| {
+        format!("{}: {}", outcome.word(), plain(&r.message))
+    })?;
     // Exit 0 only when the credential is refused now (by this report or an earlier one): a
     // script that reports a refusal learns whether the agent will stop serving it.
     Ok(match outcome {
@@ -271,11 +273,11 @@ pub(super) async fn watch(
             let users: Vec<String> = event
                 .credentials
                 .iter()
-                .map(|c| format!("{}@{}", c.username, c.source))
+                .map(|c| format!("{}@{}", plain(&c.username), plain(&c.source)))
                 .collect();
             println!(
                 "{} revision {}: {}",
-                event.r#ref,
+                plain(&event.r#ref),
                 event.revision,
                 users.join(", ")
             );

@@ -5,7 +5,7 @@ use credgate_api::v1::admin_client::AdminClient;
 use credgate_api::v1::{self as pb};
 use tonic::transport::Channel;
 
-use super::print::{answer, json, print_table, time_ms};
+use super::print::{answer, json, plain, print_table, render_table, time_ms};
 use crate::opts::Output;
 use crate::Outcome;
 
@@ -18,7 +18,7 @@ pub(super) async fn status(admin: &mut AdminClient<Channel>, out: Output) -> Res
             if s.is_empty() {
                 "none".to_owned()
             } else {
-                s.to_owned()
+                plain(s).into_owned()
             }
         };
         println!("config:         {}", or_none(&r.config_path));
@@ -52,9 +52,9 @@ pub(super) async fn status(admin: &mut AdminClient<Channel>, out: Output) -> Res
         for p in r.providers.iter().filter(|p| p.last_dropped_unix_ms != 0) {
             println!(
                 "dropped:        provider {}'s cached answers at {}: {}",
-                p.name,
+                plain(&p.name),
                 time_ms(p.last_dropped_unix_ms),
-                p.last_dropped_reason
+                plain(&p.last_dropped_reason)
             );
         }
         for p in r
@@ -64,7 +64,7 @@ pub(super) async fn status(admin: &mut AdminClient<Channel>, out: Output) -> Res
         {
             println!(
                 "refused:        provider {} still answers the credential the registry refused (since {}): asked again every few seconds until its backend answers another",
-                p.name,
+                plain(&p.name),
                 time_ms(p.answers_refused_since_unix_ms)
             );
         }
@@ -90,8 +90,12 @@ pub(super) async fn status(admin: &mut AdminClient<Channel>, out: Output) -> Res
 /// The images the node keeps, below the providers: whether each is there, and how the agent
 /// last pulled it.
 fn print_node_images(images: &[pb::NodeImageStatus]) {
+    print!("{}", node_images_text(images));
+}
+
+fn node_images_text(images: &[pb::NodeImageStatus]) -> String {
     if images.is_empty() {
-        return;
+        return String::new();
     }
     let rows: Vec<Vec<String>> = images
         .iter()
@@ -121,8 +125,8 @@ fn print_node_images(images: &[pb::NodeImageStatus]) {
             ]
         })
         .collect();
-    println!();
-    print_table(
+    let mut out = String::from("\n");
+    out.push_str(&render_table(
         &[
             "NODE_IMAGE",
             "WHY",
@@ -132,10 +136,16 @@ fn print_node_images(images: &[pb::NodeImageStatus]) {
             "NAMED_BY",
         ],
         &rows,
-    );
+    ));
+    // The runtime's message quotes the registry's body: outside text, one escaped line each.
     for i in images.iter().filter(|i| !i.pull_message.is_empty()) {
-        println!("{}: {}", i.image, i.pull_message);
+        out.push_str(&format!(
+            "{}: {}\n",
+            plain(&i.image),
+            plain(&i.pull_message)
+        ));
     }
+    out
 }
 
 fn print_saved_cache(cache: Option<&pb::SavedCacheStatus>) {
@@ -318,4 +328,36 @@ pub(super) async fn captured(admin: &mut AdminClient<Channel>, out: Output) -> R
         );
     }
     Ok(Outcome::Yes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A runtime's message that quotes a hostile registry's body (newlines, a forged log line,
+    /// a window title and a clear screen) reaches the terminal as one escaped line.
+    #[test]
+    fn a_runtimes_message_is_printed_escaped() {
+        let images = [pb::NodeImageStatus {
+            image: "registry.example/pause:3.10".into(),
+            why: "sandbox".into(),
+            state: "ABSENT".into(),
+            pulled_unix_ms: 1,
+            pull_message:
+                "401 Unauthorized\n2026-01-01T00:00:00Z  INFO forged\u{1b}]0;owned\u{7}\u{1b}[2J\r"
+                    .into(),
+            ..Default::default()
+        }];
+        let text = node_images_text(&images);
+        assert!(
+            !text.contains('\u{1b}') && !text.contains('\r') && !text.contains('\u{7}'),
+            "{text:?}"
+        );
+        let last = text.lines().last().unwrap();
+        assert!(
+            last.starts_with("registry.example/pause:3.10: 401 Unauthorized\\n2026"),
+            "{text}"
+        );
+        assert!(!text.lines().any(|l| l.starts_with("2026")), "{text}");
+    }
 }

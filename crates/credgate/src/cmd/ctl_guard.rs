@@ -8,7 +8,7 @@ use credgate_api::v1::pull_credential::Kind;
 use credgate_api::v1::{self as pb};
 use tonic::transport::Channel;
 
-use super::print::{answer, decision_name, json, print_table, show, time_ms};
+use super::print::{answer, decision_name, json, plain, print_table, show, time_ms};
 use crate::opts::{CredentialArgs, CtlCall, Output, PullPolicyArg};
 use crate::{usage, Outcome};
 
@@ -152,7 +152,12 @@ fn image_id(id: &str) -> Result<()> {
 
 /// `ALLOW (secret_match): ...`: a decision, its reason and its message on one line.
 fn decision_line(decision: i32, reason: &str, message: &str) -> String {
-    format!("{} ({reason}): {message}", decision_name(decision))
+    format!(
+        "{} ({}): {}",
+        decision_name(decision),
+        plain(reason),
+        plain(message)
+    )
 }
 
 fn print_record(r: &pb::PullRecord) {
@@ -411,7 +416,7 @@ async fn list_records(guard: &mut Client, out: Output) -> Result<Outcome> {
         for i in &r.intents {
             println!(
                 "intent: {} (x{}) since {}",
-                i.image,
+                plain(&i.image),
                 i.count,
                 time_ms(i.created_unix_ms)
             );

@@ -10,7 +10,7 @@ use credgate_api::v1::{self as pb};
 
 use super::get::{agent_socket, build_engine};
 use super::print::rfc3339;
-use super::print::{answer, json};
+use super::print::{answer, json, plain};
 use crate::opts::{ExplainArgs, Output};
 use crate::{usage, Outcome};
 
@@ -87,7 +87,7 @@ pub async fn run(args: ExplainArgs) -> Result<Outcome> {
     if args.output == Output::Json {
         json(&explained)?;
     } else {
-        println!("view:    {view}");
+        println!("view:    {}", plain(&view));
         print!("{}", text(&explained));
     }
     Ok(Outcome::Yes)
@@ -104,15 +104,16 @@ fn at(ms: i64) -> String {
 fn text(e: &pb::ExplainResponse) -> String {
     let mut out = format!(
         "image:   {}\nverdict: {}\n\nsources, in try-order:\n",
-        e.image, e.verdict
+        plain(&e.image),
+        plain(&e.verdict)
     );
     if e.captured {
         out.push_str(&format!(
             "  captured pod credential: namespace {}, captured {}\n",
             if e.captured_namespace.is_empty() {
-                "-"
+                "-".into()
             } else {
-                &e.captured_namespace
+                plain(&e.captured_namespace)
             },
             at(e.captured_unix_ms)
         ));
@@ -126,28 +127,29 @@ fn text(e: &pb::ExplainResponse) -> String {
     if !e.guard_records.is_empty() {
         out.push_str("\nimage access guard:\n");
         for r in &e.guard_records {
-            out.push_str(&format!("  {r}\n"));
+            out.push_str(&format!("  {}\n", plain(r)));
         }
         if !e.guard_node_wide_decision.is_empty() {
             out.push_str(&format!(
                 "  a workload with node-wide credentials only: {}\n",
-                e.guard_node_wide_decision
+                plain(&e.guard_node_wide_decision)
             ));
         }
     }
     if !e.cri_fill.is_empty() || !e.cri_mirror_trust.is_empty() {
         out.push_str(&format!(
             "\nCRI proxy:\n  fill: {}\n  mirrors: {}\n",
-            e.cri_fill, e.cri_mirror_trust
+            plain(&e.cri_fill),
+            plain(&e.cri_mirror_trust)
         ));
         if !e.cri_last_unauthorized.is_empty() {
             out.push_str(&format!(
                 "  last unauthorized pull: {}\n",
-                e.cri_last_unauthorized
+                plain(&e.cri_last_unauthorized)
             ));
         }
         if !e.cri_node_image.is_empty() {
-            out.push_str(&format!("  node image: {}\n", e.cri_node_image));
+            out.push_str(&format!("  node image: {}\n", plain(&e.cri_node_image)));
         }
     }
     out
@@ -155,19 +157,19 @@ fn text(e: &pb::ExplainResponse) -> String {
 
 /// One source's lines: whether it matches and, for a provider, its cache, runs and last error.
 fn source(out: &mut String, s: &pb::ExplainedSource) {
-    let head = format!("  {} {}", s.kind, s.name);
+    let head = format!("  {} {}", plain(&s.kind), plain(&s.name));
     if !s.matched {
         out.push_str(&format!(
             "{head}: does not match{}\n",
             if s.pattern.is_empty() {
                 String::new()
             } else {
-                format!(" (closest: {}: {})", s.pattern, s.why_not)
+                format!(" (closest: {}: {})", plain(&s.pattern), plain(&s.why_not))
             }
         ));
         return;
     }
-    out.push_str(&format!("{head}: matches {}\n", s.pattern));
+    out.push_str(&format!("{head}: matches {}\n", plain(&s.pattern)));
     if s.dropped_unix_ms > 0 {
         let what = if s.kind == "provider" {
             "cached answers dropped"
@@ -177,7 +179,7 @@ fn source(out: &mut String, s: &pb::ExplainedSource) {
         out.push_str(&format!(
             "      {what} {}: {}\n",
             at(s.dropped_unix_ms),
-            s.dropped_reason
+            plain(&s.dropped_reason)
         ));
     }
     if s.kind != "provider" {
@@ -190,7 +192,7 @@ fn source(out: &mut String, s: &pb::ExplainedSource) {
         out.push_str(&format!(
             "      cache: {} credential(s), key {}, expires {}, fetched {} ago\n",
             s.cached_credentials,
-            s.cache_key_type,
+            plain(&s.cache_key_type),
             at(s.cache_expires_unix_ms),
             credgate_core::duration::Rounded(Duration::from_millis(s.cache_age_ms))
         ));
@@ -218,7 +220,7 @@ fn source(out: &mut String, s: &pb::ExplainedSource) {
     if !s.last_error.is_empty() {
         out.push_str(&format!(
             "      last error: {} (the plugin's stderr is in the agent's log at debug level: CREDGATE_LOG=debug)\n",
-            s.last_error
+            plain(&s.last_error)
         ));
     }
 }
@@ -317,5 +319,35 @@ CRI proxy:
   mirrors: none
 ";
         assert_eq!(text(&e), expected);
+    }
+
+    /// Outside text in the answer (a runtime's message, a plugin's error, a registry's refusal)
+    /// cannot end a line, forge another or reach the terminal as an escape sequence.
+    #[test]
+    fn outside_text_is_printed_escaped() {
+        let forged = "401\n2026-01-01T00:00:00Z  INFO forged\u{1b}]0;owned\u{7}\u{1b}[2J";
+        let e = pb::ExplainResponse {
+            image: "registry.example/team/app".into(),
+            verdict: forged.into(),
+            sources: vec![pb::ExplainedSource {
+                kind: "provider".into(),
+                name: "p".into(),
+                matched: true,
+                pattern: "registry.example".into(),
+                dropped_unix_ms: 1,
+                dropped_reason: forged.into(),
+                last_error: forged.into(),
+                ..Default::default()
+            }],
+            cri_fill: forged.into(),
+            cri_last_unauthorized: forged.into(),
+            cri_node_image: forged.into(),
+            guard_records: vec![forged.into()],
+            ..Default::default()
+        };
+        let out = text(&e);
+        assert!(!out.contains('\u{1b}') && !out.contains('\u{7}'), "{out:?}");
+        assert!(!out.lines().any(|l| l.starts_with("2026")), "{out}");
+        assert_eq!(out.matches("401\\n2026").count(), 7, "{out}");
     }
 }

@@ -136,11 +136,11 @@ pub async fn run(args: GetArgs) -> Result<Outcome> {
         }
     };
     for w in &warnings {
-        eprintln!("warning: {w}");
+        eprintln!("warning: {}", super::print::plain(w));
     }
     print_rows(&rows, args.output)?;
     if rows.is_empty() {
-        eprintln!("no credentials for {image}");
+        eprintln!("no credentials for {}", super::print::plain(&image));
         return Ok(Outcome::No);
     }
     Ok(Outcome::Yes)

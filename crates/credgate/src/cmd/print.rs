@@ -80,21 +80,17 @@ pub(super) fn whole_seconds(t: &str) -> String {
 /// cut, and `-o json` shows them whole.
 const CELL_MAX: usize = 80;
 
+/// Outside text (what the agent relays from a runtime, a registry, a plugin, a pod) as one
+/// field of a printed line: every control character escaped, a line feed too.
+pub use credgate_core::text::escape_field as plain;
+
 /// A value as a table shows it: control characters escaped, cut after [`CELL_MAX`] characters.
 fn cell(value: &str) -> String {
-    let mut out = String::new();
-    for (n, c) in value.chars().enumerate() {
-        if n == CELL_MAX {
-            out.push('\u{2026}');
-            break;
-        }
-        if c.is_control() {
-            out.extend(c.escape_default());
-        } else {
-            out.push(c);
-        }
+    let escaped = plain(value);
+    match escaped.char_indices().nth(CELL_MAX) {
+        None => escaped.into_owned(),
+        Some((cut, _)) => format!("{}\u{2026}", &escaped[..cut]),
     }
-    out
 }
 
 /// Aligned columns, one line per row; empty when there are no rows.
