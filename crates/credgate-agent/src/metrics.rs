@@ -397,8 +397,20 @@ impl Default for AgentMetrics {
                 (*d, counter.clone())
             })
             .collect();
+        // Both results exist from the start at 0: an alert that compares failures with
+        // successes, or takes the increase of the first failure, needs both series before
+        // either happens.
+        let renewals: Family<AttemptLabels, Counter> = Family::default();
+        let reloads: Family<AttemptLabels, Counter> = Family::default();
+        for success in [true, false] {
+            let labels = AttemptLabels {
+                result: AttemptResult::of(success),
+            };
+            let _ = renewals.get_or_create(&labels);
+            let _ = reloads.get_or_create(&labels);
+        }
         AgentMetrics {
-            renewals: Family::default(),
+            renewals,
             tracked_refs: Gauge::default(),
             tracked_refs_due: Gauge::default(),
             guard_store_available: Gauge::default(),
@@ -406,7 +418,7 @@ impl Default for AgentMetrics {
             watchers_dropped: Counter::default(),
             rpcs,
             rpc_seconds,
-            reloads: Family::default(),
+            reloads,
             guard_decisions,
             guard_records: Gauge::default(),
             guard_names_dropped: Counter::default(),

@@ -125,6 +125,77 @@ fn alerting_rules_and_the_dashboard_name_metrics_the_agent_exports() {
     }
 }
 
+/// Every alert the shipped rules define is shown by `promtool test rules` to fire on the
+/// series that should raise it and to stay quiet on those that should not
+/// (`deploy/tests/prometheus-rules.test.yaml`, which operators can run as well).
+#[test]
+fn every_alert_fires_and_stays_quiet_under_promtool() {
+    let rules = std::fs::read_to_string(repo().join("deploy/prometheus-rules.yaml")).unwrap();
+    let alerts: BTreeSet<&str> = rules
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("- alert: "))
+        .collect();
+    assert!(alerts.len() >= 8, "{alerts:?}");
+    let tests_file = repo().join("deploy/tests/prometheus-rules.test.yaml");
+    let tests = std::fs::read_to_string(&tests_file).unwrap();
+    // Each `alertname:` line and whether its `exp_alerts` expects none.
+    let (mut fires, mut quiet) = (BTreeSet::new(), BTreeSet::new());
+    let lines: Vec<&str> = tests.lines().map(str::trim).collect();
+    for (i, l) in lines.iter().enumerate() {
+        let Some(name) = l.strip_prefix("alertname: ") else {
+            continue;
+        };
+        match lines.get(i + 1) {
+            Some(&"exp_alerts: []") => quiet.insert(name),
+            Some(&"exp_alerts:") => fires.insert(name),
+            other => panic!("{name}: exp_alerts expected after alertname, got {other:?}"),
+        };
+    }
+    for alert in &alerts {
+        assert!(fires.contains(alert), "no case where {alert} fires");
+        assert!(quiet.contains(alert), "no case where {alert} stays quiet");
+    }
+    let out = match Command::new("promtool")
+        .args(["test", "rules"])
+        .arg(&tests_file)
+        .output()
+    {
+        Ok(out) => out,
+        Err(e) => panic!(
+            "promtool cannot run ({e}): apt-get install prometheus (scripts/test does as root)"
+        ),
+    };
+    assert!(
+        out.status.success(),
+        "{}{}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+}
+
+/// The DaemonSet advertises a scrape of its pod's address (the node's, with hostNetwork), so
+/// its agent's metrics must listen there and not on loopback alone.
+#[test]
+fn the_daemonsets_scrape_annotation_reaches_its_metrics_listener() {
+    let ds = std::fs::read_to_string(repo().join("deploy/daemonset.yaml")).unwrap();
+    assert!(ds.contains("prometheus.io/scrape: \"true\""), "{ds}");
+    let port = ds
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("prometheus.io/port: "))
+        .expect("a prometheus.io/port annotation")
+        .trim_matches('"');
+    let addr = ds
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("- --metrics-addr="))
+        .expect("--metrics-addr in the agent's args");
+    assert_eq!(
+        addr,
+        format!("$(POD_IP):{port}"),
+        "the agent listens where the annotation says"
+    );
+    assert!(ds.contains("hostNetwork: true") && ds.contains("fieldPath: status.podIP"));
+}
+
 /// The image (deploy/Containerfile through scripts/image) builds with Debian's podman from the
 /// test build's binaries and holds everything they need to run: `podman run IMAGE --version`,
 /// or, where the sandbox's container runtime cannot start a container (crun refused to set
