@@ -249,6 +249,30 @@ fn the_image_builds_and_its_binaries_run() {
         let _ = podman(&["image", "unmount", &tag]);
         v
     };
+    // The bridge the DaemonSet copies onto the host needs no loader and no shared library:
+    // it starts whatever the host's glibc.
+    let mounted = podman(&["image", "mount", &tag]);
+    assert!(mounted.status.success(), "{}", text(&mounted.stderr));
+    let bridge =
+        Path::new(text(&mounted.stdout).trim()).join("usr/local/bin/credgate-credential-provider");
+    for (flag, dynamic) in [("-l", "INTERP"), ("-d", "NEEDED")] {
+        let elf = Command::new("readelf")
+            .arg(flag)
+            .arg(&bridge)
+            .output()
+            .unwrap();
+        assert!(
+            elf.status.success(),
+            "readelf {flag}: {}",
+            text(&elf.stderr)
+        );
+        assert!(
+            !text(&elf.stdout).contains(dynamic),
+            "the image's bridge is dynamically linked ({dynamic}): {}",
+            text(&elf.stdout)
+        );
+    }
+    let _ = podman(&["image", "unmount", &tag]);
     let _ = podman(&["rmi", "-f", &tag]);
     assert_eq!(
         version.trim(),

@@ -40,6 +40,17 @@ pub fn bridge_bin() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_credgate-credential-provider")))
 }
 
+/// The kubelet bridge linked statically, as `cargo build-bridge` links it: scripts/test builds
+/// it (in the test profile) before the suite and names it in CREDGATE_TEST_STATIC_BRIDGE.
+pub fn static_bridge() -> PathBuf {
+    match std::env::var_os("CREDGATE_TEST_STATIC_BRIDGE") {
+        Some(p) => PathBuf::from(p),
+        None => panic!(
+            "CREDGATE_TEST_STATIC_BRIDGE is unset: run scripts/test, which builds the static bridge first (cargo rustc -p credgate --bin credgate-credential-provider -- -C target-feature=+crt-static)"
+        ),
+    }
+}
+
 pub fn path_with_helper() -> String {
     format!(
         "{}:{}",
@@ -325,6 +336,7 @@ pub fn credgate_image(storage: &Path, tag: &str) -> Vec<String> {
     let built = Command::new(repo.join("scripts/image"))
         .arg(bin_dir())
         .arg(tag)
+        .env("BRIDGE", static_bridge())
         .env("PODMAN_OPTS", options.join(" "))
         .output()
         .unwrap();
