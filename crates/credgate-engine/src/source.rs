@@ -32,6 +32,10 @@ pub enum LoadError {
         path: PathBuf,
         error: DockerConfigError,
     },
+    /// A docker config (it holds credentials the agent hands out) that another user could
+    /// write or replace.
+    #[error(transparent)]
+    Untrusted(#[from] credgate_trust::TrustError),
 }
 
 /// The largest config file read (a provider config file, a docker config): far above any real
@@ -120,8 +124,10 @@ pub fn load_provider_config(path: &Path) -> Result<ProviderConfig, LoadError> {
 }
 
 /// Loads a docker `config.json` as a static source; keys that do not parse are logged and left
-/// out.
+/// out. The file, what it links to and every directory above them must be this user's or
+/// root's and writable by nobody else (`credgate_trust::check_file_chain`).
 pub fn load_docker_config(path: &Path) -> Result<StaticSource, LoadError> {
+    credgate_trust::check_file_chain(path)?;
     let bytes = read(path)?;
     let items = dockerconfig::parse(&bytes).map_err(|error| LoadError::DockerConfig {
         path: path.to_owned(),

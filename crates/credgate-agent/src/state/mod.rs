@@ -152,7 +152,8 @@ pub fn unix_ms(t: SystemTime) -> i64 {
 }
 
 /// Creates the state directory (0700) when it is absent, and refuses it unless it is the
-/// agent's own: not a link, owned by the agent's uid, writable by nobody else.
+/// agent's own: not a link, owned by the agent's uid, writable by nobody else, and every
+/// directory above it root's or the agent's and writable by nobody else.
 pub fn state_dir(dir: &std::path::Path) -> Result<(), credgate_api::trust::TrustError> {
     use std::os::unix::fs::DirBuilderExt;
     if std::fs::symlink_metadata(dir).is_err() {
@@ -161,7 +162,8 @@ pub fn state_dir(dir: &std::path::Path) -> Result<(), credgate_api::trust::Trust
             .mode(0o700)
             .create(dir);
     }
-    credgate_api::trust::check_dir(dir, credgate_api::trust::Owner::Me)
+    credgate_api::trust::check_dir(dir, credgate_api::trust::Owner::Me)?;
+    credgate_api::trust::check_ancestors(dir)
 }
 
 /// The file in the state directory whose lock the one agent that uses the directory holds;

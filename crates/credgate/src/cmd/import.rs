@@ -338,6 +338,11 @@ fn write_secret(path: &Path, bytes: &[u8], force: bool) -> Result<()> {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),
     };
+    // Another user who can write the directory, or one above it, could replace the file the
+    // agent then reads credentials from.
+    credgate_api::trust::check_dir(dir, credgate_api::trust::Owner::MeOrRoot)
+        .and_then(|()| credgate_api::trust::check_ancestors(path))
+        .with_context(|| format!("not writing {}", path.display()))?;
     let written = if force {
         write_atomically(dir, file, &[bytes])
     } else {
@@ -486,14 +491,33 @@ version = 3
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
     }
 
-    /// In a directory everyone can write, the name a writer would once have used (the output's
-    /// name, its PID, `.tmp`), planted in advance as a file open to all, receives nothing: the
-    /// output is a new 0600 file of its own.
+    /// The output is refused in a directory others can write, or below one.
+    #[test]
+    fn the_output_is_refused_in_a_shared_directory() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = tempfile::tempdir().unwrap();
+        let shared = dir.path().join("shared");
+        let below = shared.join("below");
+        std::fs::create_dir_all(&below).unwrap();
+        std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o777)).unwrap();
+        for out in [shared.join("config.json"), below.join("config.json")] {
+            let e = write_secret(&out, b"{}", true).unwrap_err();
+            assert!(
+                format!("{e:#}").contains("can be written by other users"),
+                "{e:#}"
+            );
+            assert!(!out.exists());
+        }
+    }
+
+    /// In a sticky directory everyone can add to (`/tmp`), the name a writer would once have
+    /// used (the output's name, its PID, `.tmp`), planted in advance as a file open to all,
+    /// receives nothing: the output is a new 0600 file of its own.
     #[test]
     fn planted_temporary_names_receive_nothing() {
         use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
         let dir = tempfile::tempdir().unwrap();
-        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o1777)).unwrap();
         let planted = dir
             .path()
             .join(format!("config.json.{}.tmp", std::process::id()));

@@ -1,6 +1,9 @@
 //! Whether a path may be trusted: a socket a client is about to send secrets to or take
-//! credentials from, a directory the agent keeps its key and records in. A path is trusted
-//! when it is not a symbolic link, its owner is one we trust, and nobody else can write it.
+//! credentials from, a directory the agent keeps its key and records in, a file it reads
+//! credentials or instructions from (a docker config, containerd's config). A path is trusted
+//! when it is not a symbolic link, its owner is one we trust, and nobody else can write it;
+//! and, for a file the agent reads or writes, the same of every directory above it
+//! ([`check_ancestors`]): whoever can write a directory can replace what is in it.
 
 use std::io;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
@@ -48,16 +51,7 @@ pub fn check(path: &Path, meta: &std::fs::Metadata, owner: Owner) -> Result<(), 
     if meta.file_type().is_symlink() {
         return Err(TrustError::Symlink(path.to_owned()));
     }
-    let uid = euid();
-    let root_too = owner == Owner::MeOrRoot;
-    if meta.uid() != uid && !(root_too && meta.uid() == 0) {
-        return Err(TrustError::NotOwned {
-            path: path.to_owned(),
-            owner: meta.uid(),
-            uid,
-            root_too,
-        });
-    }
+    owned(path, meta, owner)?;
     let mode = meta.permissions().mode() & 0o7777;
     // A sticky directory (`/tmp`) lets others add entries but not replace ours.
     let sticky_dir = meta.is_dir() && mode & 0o1000 != 0;
@@ -85,6 +79,78 @@ pub fn check_dir(path: &Path, owner: Owner) -> Result<(), TrustError> {
         return Err(TrustError::WrongKind {
             path: path.to_owned(),
             want: "directory",
+        });
+    }
+    Ok(())
+}
+
+/// Every directory above `path`, up to `/`: owned by this uid or root and writable by nobody
+/// else (a sticky directory such as `/tmp` passes: others may add entries there, not replace
+/// ours). Checked along the path as written (a link on the way must be this uid's or root's,
+/// in a directory that passes) and along the path the kernel resolves, so neither a link nor a
+/// directory on the way can be swapped by another user.
+pub fn check_ancestors(path: &Path) -> Result<(), TrustError> {
+    let absolute = if path.is_absolute() {
+        path.to_owned()
+    } else {
+        std::env::current_dir()
+            .map_err(|error| TrustError::Io {
+                path: path.to_owned(),
+                error,
+            })?
+            .join(path)
+    };
+    let Some(parent) = absolute.parent() else {
+        return Ok(());
+    };
+    for dir in parent.ancestors() {
+        let meta = metadata(dir)?;
+        if meta.file_type().is_symlink() {
+            owned(dir, &meta, Owner::MeOrRoot)?;
+        } else {
+            check(dir, &meta, Owner::MeOrRoot)?;
+        }
+    }
+    let resolved = parent.canonicalize().map_err(|error| TrustError::Io {
+        path: parent.to_owned(),
+        error,
+    })?;
+    if resolved != parent {
+        for dir in resolved.ancestors() {
+            check(dir, &metadata(dir)?, Owner::MeOrRoot)?;
+        }
+    }
+    Ok(())
+}
+
+/// A file the agent reads credentials or instructions from, where it may be a link (a docker
+/// config mounted from a Secret is one): the file it resolves to owned by this uid or root and
+/// writable by nobody else, every directory above the path and above what it resolves to
+/// likewise, and every link on the way this uid's or root's.
+pub fn check_file_chain(path: &Path) -> Result<(), TrustError> {
+    check_ancestors(path)?;
+    let meta = metadata(path)?;
+    if !meta.file_type().is_symlink() {
+        return check(path, &meta, Owner::MeOrRoot);
+    }
+    owned(path, &meta, Owner::MeOrRoot)?;
+    let resolved = path.canonicalize().map_err(|error| TrustError::Io {
+        path: path.to_owned(),
+        error,
+    })?;
+    check_ancestors(&resolved)?;
+    check(&resolved, &metadata(&resolved)?, Owner::MeOrRoot)
+}
+
+fn owned(path: &Path, meta: &std::fs::Metadata, owner: Owner) -> Result<(), TrustError> {
+    let uid = euid();
+    let root_too = owner == Owner::MeOrRoot;
+    if meta.uid() != uid && !(root_too && meta.uid() == 0) {
+        return Err(TrustError::NotOwned {
+            path: path.to_owned(),
+            owner: meta.uid(),
+            uid,
+            root_too,
         });
     }
     Ok(())
@@ -153,9 +219,6 @@ mod tests {
         let errors: Vec<Box<dyn std::error::Error>> = vec![
             Box::new(inspect()),
             Box::new(TrustError::Symlink("/x".into())),
-            Box::new(crate::unary::CallError::Connect(io())),
-            Box::new(crate::unary::CallError::Io(io())),
-            Box::new(crate::unary::CallError::Untrusted(inspect())),
         ];
         for e in &errors {
             assert_eq!(repeated_cause(&**e), None, "{e}");
@@ -187,6 +250,65 @@ mod tests {
         assert!(matches!(
             check_dir(&file, Owner::Me),
             Err(TrustError::WrongKind { .. })
+        ));
+    }
+
+    /// A file in a directory another user can write, or below one, is refused; a sticky
+    /// directory on the way is not; a link is followed only when it and what it leads to pass.
+    #[test]
+    fn a_file_below_a_shared_directory_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let top = dir.path().join("top");
+        let sub = top.join("sub");
+        std::fs::create_dir_all(&sub).unwrap();
+        let file = sub.join("config.json");
+        std::fs::write(&file, "{}").unwrap();
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+        for d in [&top, &sub] {
+            std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        check_file_chain(&file).unwrap();
+        check_ancestors(&file).unwrap();
+        // The file's own directory writable by others.
+        std::fs::set_permissions(&sub, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let e = check_file_chain(&file).unwrap_err();
+        assert!(
+            matches!(&e, TrustError::WritableByOthers { path, .. } if path == &sub),
+            "{e}"
+        );
+        std::fs::set_permissions(&sub, std::fs::Permissions::from_mode(0o755)).unwrap();
+        // A directory further up (whoever can rename `sub` can replace the file).
+        std::fs::set_permissions(&top, std::fs::Permissions::from_mode(0o775)).unwrap();
+        let e = check_ancestors(&file).unwrap_err();
+        assert!(
+            matches!(&e, TrustError::WritableByOthers { path, .. } if path == &top),
+            "{e}"
+        );
+        // Sticky: others may add, not replace.
+        std::fs::set_permissions(&top, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        check_file_chain(&file).unwrap();
+        std::fs::set_permissions(&top, std::fs::Permissions::from_mode(0o755)).unwrap();
+        // A link to a file in a shared directory is refused; to a trusted one, followed.
+        let shared = dir.path().join("shared");
+        std::fs::create_dir(&shared).unwrap();
+        std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let planted = shared.join("config.json");
+        std::fs::write(&planted, "{}").unwrap();
+        std::fs::set_permissions(&planted, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let link = top.join("link.json");
+        std::os::unix::fs::symlink(&planted, &link).unwrap();
+        assert!(matches!(
+            check_file_chain(&link),
+            Err(TrustError::WritableByOthers { .. })
+        ));
+        std::fs::remove_file(&link).unwrap();
+        std::os::unix::fs::symlink(&file, &link).unwrap();
+        check_file_chain(&link).unwrap();
+        // A file others can write is refused wherever it is.
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o666)).unwrap();
+        assert!(matches!(
+            check_file_chain(&file),
+            Err(TrustError::WritableByOthers { .. })
         ));
     }
 
