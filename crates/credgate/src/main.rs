@@ -5,6 +5,7 @@
 mod cmd;
 mod node;
 mod opts;
+mod runtime_config;
 
 use std::process::ExitCode;
 

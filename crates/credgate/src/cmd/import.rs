@@ -9,7 +9,6 @@
 //! `identitytoken`) and the older `auths."URL"` of the same fields. All are read.
 
 use std::collections::BTreeMap;
-use std::io::Read as _;
 use std::path::Path;
 
 use anyhow::{Context as _, Result};
@@ -17,9 +16,6 @@ use secrecy::{ExposeSecret as _, SecretString};
 
 use crate::opts::ImportContainerdArgs;
 use crate::Outcome;
-
-/// Largest config read.
-const MAX_CONFIG: u64 = 1 << 20;
 
 /// Why a containerd config gave nothing to import. Never carries credential content.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -110,50 +106,6 @@ fn table(text: &str) -> Result<toml::Table, ImportError> {
         })
 }
 
-/// The sandbox (pause) image a containerd config names, and the setting that names it:
-/// `pinned_images.sandbox` of `plugins."io.containerd.cri.v1.images"` (version 3, containerd
-/// 2.x), `sandbox_image` of `plugins."io.containerd.grpc.v1.cri"` (version 2, containerd 1.x)
-/// or of `plugins.cri` (version 1). `None` when it names none: containerd then pulls its
-/// built-in default, a public image.
-pub fn sandbox_image(text: &str) -> Result<Option<(String, &'static str)>, ImportError> {
-    let doc = table(text)?;
-    let plugin = |name: &str| {
-        doc.get("plugins")
-            .and_then(|p| p.get(name))
-            .and_then(|p| p.as_table())
-    };
-    let named = [
-        (
-            plugin("io.containerd.cri.v1.images")
-                .and_then(|p| p.get("pinned_images"))
-                .and_then(|p| p.get("sandbox")),
-            "plugins.\"io.containerd.cri.v1.images\".pinned_images.sandbox",
-        ),
-        (
-            plugin("io.containerd.grpc.v1.cri").and_then(|p| p.get("sandbox_image")),
-            "plugins.\"io.containerd.grpc.v1.cri\".sandbox_image",
-        ),
-        (
-            plugin("cri").and_then(|p| p.get("sandbox_image")),
-            "plugins.cri.sandbox_image",
-        ),
-    ];
-    for (value, setting) in named {
-        let Some(value) = value else { continue };
-        let image = value.as_str().ok_or_else(|| ImportError::NotAString {
-            table: setting
-                .rsplit_once('.')
-                .map_or(setting, |(t, _)| t)
-                .to_owned(),
-            field: setting.rsplit('.').next().unwrap_or(setting).to_owned(),
-        })?;
-        if !image.is_empty() {
-            return Ok(Some((image.to_owned(), setting)));
-        }
-    }
-    Ok(None)
-}
-
 /// A registry `host[:port]`: letters, digits, `.`, `-`, `_`, and a port, or an IPv6 literal in
 /// brackets. Anything else (a newline, a quote, a space) is no
 /// registry, and would be printed into the suggested command.
@@ -230,7 +182,7 @@ pub fn docker_config(entries: &[Entry]) -> String {
 
 pub fn containerd(args: ImportContainerdArgs) -> Result<Outcome> {
     let path = &args.config;
-    let text = read_config(path)?;
+    let text = crate::runtime_config::read_config(path)?;
     let entries =
         parse(&text).with_context(|| format!("nothing imported from {}", path.display()))?;
     write_secret(&args.output, docker_config(&entries).as_bytes(), args.force)?;
@@ -242,41 +194,6 @@ pub fn containerd(args: ImportContainerdArgs) -> Result<Outcome> {
         summary(&absolute(path), &absolute(&args.output), &socket, &entries)
     );
     Ok(Outcome::Yes)
-}
-
-/// containerd's config at `path`: a regular file of at most [`MAX_CONFIG`] bytes that root or
-/// this user owns and nobody else can write (it names what the agent pulls with the node's
-/// credentials, and holds them).
-pub fn read_config(path: &Path) -> Result<String> {
-    use std::os::unix::fs::OpenOptionsExt as _;
-    // Never waits on a FIFO or a device: opened without blocking, read only if regular.
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK)
-        .open(path)
-        .with_context(|| format!("cannot read containerd's config {}", path.display()))?;
-    let meta = file
-        .metadata()
-        .with_context(|| format!("cannot read containerd's config {}", path.display()))?;
-    if !meta.is_file() {
-        anyhow::bail!(
-            "containerd's config {} is not a regular file",
-            path.display()
-        );
-    }
-    credgate_api::trust::check(path, &meta, credgate_api::trust::Owner::MeOrRoot)
-        .with_context(|| format!("containerd's config {}", path.display()))?;
-    let mut text = String::new();
-    file.take(MAX_CONFIG + 1)
-        .read_to_string(&mut text)
-        .with_context(|| format!("cannot read containerd's config {}", path.display()))?;
-    if text.len() as u64 > MAX_CONFIG {
-        anyhow::bail!(
-            "containerd's config {} is over {MAX_CONFIG} bytes: not a containerd config",
-            path.display()
-        );
-    }
-    Ok(text)
 }
 
 /// The socket containerd's config serves its CRI on (`[grpc] address`), or containerd's
@@ -391,33 +308,6 @@ version = 2
         let parsed = credgate_core::dockerconfig::parse(config.as_bytes()).unwrap();
         assert_eq!(parsed.len(), 3);
         assert_eq!(parsed[2].1.password.expose_secret(), "s3cret-v2");
-    }
-
-    /// The sandbox image where each containerd generation keeps it; a config that names none
-    /// (containerd's public default) gives none, a non-string is an error.
-    #[test]
-    fn the_sandbox_image_is_read_from_every_config_version() {
-        let v3 = "version = 3\n[plugins.\"io.containerd.cri.v1.images\".pinned_images]\n  sandbox = \"r.example/mirror/pause:3.10\"\n";
-        let v2 = "version = 2\n[plugins.\"io.containerd.grpc.v1.cri\"]\n  sandbox_image = \"r.example/pause:3.6\"\n";
-        let v1 = "[plugins.cri]\n  sandbox_image = \"r.example/pause:3.1\"\n";
-        let got = |t| sandbox_image(t).unwrap();
-        assert_eq!(
-            got(v3),
-            Some((
-                "r.example/mirror/pause:3.10".to_owned(),
-                "plugins.\"io.containerd.cri.v1.images\".pinned_images.sandbox"
-            ))
-        );
-        assert_eq!(got(v2).unwrap().0, "r.example/pause:3.6");
-        assert_eq!(got(v1).unwrap().1, "plugins.cri.sandbox_image");
-        assert_eq!(got(V2), None);
-        assert_eq!(got("version = 3\n"), None);
-        let bad = "[plugins.\"io.containerd.grpc.v1.cri\"]\n  sandbox_image = 3\n";
-        assert!(matches!(
-            sandbox_image(bad),
-            Err(ImportError::NotAString { .. })
-        ));
-        assert!(matches!(sandbox_image("[x"), Err(ImportError::Toml { .. })));
     }
 
     #[test]

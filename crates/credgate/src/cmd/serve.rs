@@ -145,11 +145,12 @@ fn node_images(args: &ServeArgs) -> Result<Vec<credgate_agent::node_images::Node
     let sandbox = match (&args.cri_sandbox_image, &args.cri_runtime_config) {
         (Some(image), _) => Some((image.clone(), "--cri-sandbox-image".to_owned())),
         (None, Some(path)) => {
-            let text = super::import::read_config(path)?;
-            let named = super::import::sandbox_image(&text)
+            let config = crate::runtime_config::RuntimeConfig::load(path)?;
+            let named = config
+                .sandbox_image()
                 .with_context(|| format!("cannot read the sandbox image of {}", path.display()))?;
             if named.is_none() {
-                tracing::info!(config = %path.display(), "containerd's config names no sandbox image: containerd pulls its default, a public image, itself");
+                tracing::info!(config = %path.display(), files = config.files.len(), "containerd's config and its imports name no sandbox image: containerd pulls its default, a public image, itself");
             }
             named.map(|(image, setting)| (image, format!("{setting} in {}", path.display())))
         }
