@@ -84,6 +84,11 @@ pub enum BuildError {
     PluginMissing { provider: String, path: PathBuf },
     #[error("plugin binary {path} for provider {provider} is not an executable file")]
     PluginNotExecutable { provider: String, path: PathBuf },
+    /// The provider's plugin is credgate's own kubelet bridge (the kubelet's plugin directory
+    /// given to the agent after the migration): the agent would ask itself, and every lookup
+    /// would wait the plugin timeout and fail.
+    #[error("plugin binary {path} for provider {provider} is credgate's kubelet bridge, which asks this agent: give the agent the real plugins' directory (--image-credential-provider-bin-dir) and config, not the kubelet's")]
+    PluginIsTheBridge { provider: String, path: PathBuf },
     #[error("a timeout or minimum cache duration is set for provider {0}, which the config does not have")]
     UnknownProvider(String),
 }
@@ -439,7 +444,48 @@ fn check_binary(provider: &str, path: &Path) -> Result<(), BuildError> {
             path: path.to_owned(),
         });
     }
+    if is_the_bridge(path, meta.len()) {
+        return Err(BuildError::PluginIsTheBridge {
+            provider: provider.to_owned(),
+            path: path.to_owned(),
+        });
+    }
     Ok(())
+}
+
+/// The most of an executable searched for the bridge's mark: far above the bridge (about
+/// 3 MB static); a larger plugin is no bridge.
+const MARK_SEARCH_MAX: u64 = 256 << 20;
+
+/// Whether the executable at `path` (of `len` bytes) is credgate's kubelet bridge: it holds
+/// [`credgate_core::wire::bridge::BRIDGE_MARK`] whole. Read in chunks, never whole; a file that
+/// cannot be read is left to the run to report.
+fn is_the_bridge(path: &Path, len: u64) -> bool {
+    use std::io::Read as _;
+    if len > MARK_SEARCH_MAX {
+        return false;
+    }
+    let mark = credgate_core::wire::bridge::BRIDGE_MARK
+        .concat()
+        .into_bytes();
+    let Ok(mut file) = std::fs::File::open(path) else {
+        return false;
+    };
+    let mut buf = vec![0u8; 64 << 10];
+    // The last mark.len() - 1 bytes of a chunk are searched again with the next one.
+    let mut kept = 0;
+    loop {
+        let n = match file.read(&mut buf[kept..]) {
+            Ok(0) | Err(_) => return false,
+            Ok(n) => n,
+        };
+        let filled = kept + n;
+        if buf[..filled].windows(mark.len()).any(|w| w == mark) {
+            return true;
+        }
+        kept = (mark.len() - 1).min(filled);
+        buf.copy_within(filled - kept..filled, 0);
+    }
 }
 
 struct Inner {

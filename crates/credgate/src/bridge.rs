@@ -35,6 +35,11 @@ use credgate_api::methods::LOOKUP;
 const TIMEOUT: Duration = Duration::from_secs(90);
 const NAME: &str = "credgate-credential-provider";
 
+/// The bridge's mark ([`bridge::BRIDGE_MARK`] whole), kept in the binary so that the agent can
+/// tell the bridge from a plugin and refuse to run it as one.
+#[used]
+static MARK: [u8; 48] = *b"credgate-kubelet-bridge:executable-mark:2f9c41e7";
+
 #[derive(Parser)]
 #[command(
     name = NAME,

@@ -14,6 +14,13 @@ use super::{CacheKeyType, REQUEST_KIND, RESPONSE_KIND};
 use crate::config::WireVersion;
 use crate::duration::GoDuration;
 
+/// What marks credgate's kubelet bridge executable, in two halves: the bridge keeps the whole
+/// (a `#[used]` static, contiguous in its binary, whatever its name or however it was copied),
+/// and the agent joins the halves only at run time to look for it in a provider's executable,
+/// so that no other credgate binary holds the whole. A provider whose plugin is the bridge
+/// would make the agent ask itself: every lookup would wait its plugin timeout and fail.
+pub const BRIDGE_MARK: [&str; 2] = ["credgate-kubelet-bridge:", "executable-mark:2f9c41e7"];
+
 /// The most the bridge reads from stdin: an image, a service-account token and annotations.
 pub const MAX_REQUEST: usize = 256 << 10;
 

@@ -574,3 +574,82 @@ fn the_bridge_and_credgate_get_agree_on_order() {
         }
     }
 }
+
+/// After README's migration the kubelet's plugin directory holds the bridge under each
+/// provider's name: given that directory, the agent would run its own bridge as the plugin,
+/// which asks the agent, which joins its own run, and every lookup would wait the plugin
+/// timeout. The agent refuses such a provider at start and on reload (the old config keeps
+/// serving), `check-config` reports it, and `explain` in-process refuses it, whatever the
+/// bridge's file is called (a link or a copy).
+#[test]
+fn a_provider_whose_plugin_is_the_bridge_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let kubelet_dir = d.join("kubelet-plugins");
+    std::fs::create_dir_all(&kubelet_dir).unwrap();
+    std::fs::copy(
+        crate::support::bridge_bin(),
+        kubelet_dir.join("credgate-credential-provider"),
+    )
+    .unwrap();
+    std::os::unix::fs::symlink(
+        kubelet_dir.join("credgate-credential-provider"),
+        kubelet_dir.join("p"),
+    )
+    .unwrap();
+    let providers = [("p", "reg.example", V1, "")];
+    std::fs::create_dir_all(d.join("plugins")).unwrap();
+    plugin(d, "p", "Registry", "reg.example", "p-user");
+    let config = config(d, &providers);
+    let refused = |out: &Output| {
+        let err = text(&out.stderr);
+        assert!(!out.status.success(), "{err}");
+        assert!(err.contains("credgate's kubelet bridge"), "{err}");
+    };
+    let out = Command::new(env!("CARGO_BIN_EXE_credgate"))
+        .args(["serve", "--no-docker-config", "--socket"])
+        .arg(d.join("loop.sock"))
+        .arg("--state-dir")
+        .arg(d.join("loop-state"))
+        .arg("--image-credential-provider-config")
+        .arg(&config)
+        .arg("--image-credential-provider-bin-dir")
+        .arg(&kubelet_dir)
+        .output()
+        .unwrap();
+    refused(&out);
+    let credgate = |args: &[&std::ffi::OsStr]| {
+        Command::new(env!("CARGO_BIN_EXE_credgate"))
+            .args(args)
+            .env_remove("CREDGATE_SOCKET")
+            .output()
+            .unwrap()
+    };
+    refused(&credgate(&[
+        "check-config".as_ref(),
+        config.as_os_str(),
+        "--image-credential-provider-bin-dir".as_ref(),
+        kubelet_dir.as_os_str(),
+    ]));
+    refused(&credgate(&[
+        "explain".as_ref(),
+        "reg.example/app".as_ref(),
+        "--image-credential-provider-config".as_ref(),
+        config.as_os_str(),
+        "--image-credential-provider-bin-dir".as_ref(),
+        kubelet_dir.as_os_str(),
+    ]));
+    // A copy under the provider's own name in the agent's directory, found on reload.
+    let agent = start(d, &providers);
+    std::fs::remove_file(d.join("plugins/p")).unwrap();
+    std::fs::copy(crate::support::bridge_bin(), d.join("plugins/p")).unwrap();
+    std::fs::write(
+        &config,
+        std::fs::read_to_string(&config).unwrap() + "# changed\n",
+    )
+    .unwrap();
+    let out = agent.credgate(&["ctl", "reload"]);
+    refused(&out);
+    assert!(agent.log_text().contains("credgate's kubelet bridge"));
+    assert!(agent.stop().success());
+}

@@ -196,6 +196,64 @@ fn the_daemonsets_scrape_annotation_reaches_its_metrics_listener() {
     assert!(ds.contains("hostNetwork: true") && ds.contains("fieldPath: status.podIP"));
 }
 
+/// One host layout: the unit and the DaemonSet start the agent on the same provider config and
+/// plugin directory, the DaemonSet's init container writes the kubelet's config where README's
+/// migration does, and README's migration names them all; neither gives the agent the kubelet's
+/// plugin directory, which holds the bridge.
+#[test]
+fn the_unit_the_daemonset_and_readme_share_one_layout() {
+    let read = |f: &str| std::fs::read_to_string(repo().join(f)).unwrap();
+    let (unit, ds, readme) = (
+        read("deploy/credgate.service"),
+        read("deploy/daemonset.yaml"),
+        read("README.md"),
+    );
+    let flag = |text: &str, name: &str| -> Vec<String> {
+        text.lines()
+            .filter_map(|l| {
+                let l = l.trim().trim_start_matches("- ").trim_end_matches(" \\");
+                l.strip_prefix(&format!("--{name}=")).map(str::to_owned)
+            })
+            .collect()
+    };
+    let config = flag(&unit, "image-credential-provider-config");
+    let bin_dir = flag(&unit, "image-credential-provider-bin-dir");
+    assert_eq!(config, ["/etc/credgate/providers.yaml"], "{unit}");
+    assert_eq!(bin_dir, ["/usr/libexec/credgate/plugins"], "{unit}");
+    // The init container and the agent, both on the same two.
+    assert_eq!(
+        flag(&ds, "image-credential-provider-config"),
+        [config[0].as_str(); 2]
+    );
+    assert_eq!(
+        flag(&ds, "image-credential-provider-bin-dir"),
+        [bin_dir[0].as_str(); 2]
+    );
+    let kubelet_config = flag(&ds, "output");
+    assert_eq!(kubelet_config, ["/etc/credgate/kubelet-providers.yaml"]);
+    let kubelet_dir = "/usr/libexec/kubernetes/kubelet-plugins/credential-provider/exec";
+    assert!(ds.contains(&format!("path: {kubelet_dir}")), "{ds}");
+    let start = readme
+        .find("Migrating a kubelet")
+        .expect("README's migration");
+    let migration = &readme[start..start + readme[start..].find("\n```\n\n").unwrap()];
+    for path in [&config[0], &bin_dir[0], &kubelet_config[0]] {
+        assert!(
+            migration.contains(path.as_str()),
+            "README's migration lacks {path}"
+        );
+    }
+    assert!(
+        migration.contains(&format!("--link-dir {kubelet_dir}")),
+        "{migration}"
+    );
+    assert!(migration.contains(&format!(
+        "--image-credential-provider-config={}",
+        kubelet_config[0]
+    )));
+    assert!(!unit.contains(kubelet_dir) && !config.contains(&kubelet_dir.to_owned()));
+}
+
 /// The image (deploy/Containerfile through scripts/image) builds with Debian's podman from the
 /// test build's binaries and holds everything they need to run: `podman run IMAGE --version`,
 /// or, where the sandbox's container runtime cannot start a container (crun refused to set
