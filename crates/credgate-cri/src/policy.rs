@@ -201,7 +201,9 @@ impl ProxyPolicy {
                 mirrors: trusted.clone(),
             };
         }
-        match configured_mirrors(&scope.hosts_dirs, key) {
+        // The directory containerd reads is its reference's host, Docker Hub's
+        // `registry-1.docker.io` unfolded: only `index.docker.io` becomes `docker.io` there.
+        match configured_mirrors(&scope.hosts_dirs, registry) {
             Err(e) => Scoped::Registry {
                 address,
                 why: format!("where containerd finds its hosts is not certain: {e}"),
@@ -234,11 +236,22 @@ impl ProxyPolicy {
 /// Largest `hosts.toml` read.
 const MAX_HOSTS_FILE: u64 = 256 << 10;
 
+/// The host containerd looks up in its `config_path` for an image of `registry`: the host of
+/// the reference as its CRI normalizes it (distribution's `ParseDockerRef`), which folds only
+/// `index.docker.io` into `docker.io`; `registry-1.docker.io` stays itself and so reads
+/// `registry-1.docker.io/` and then `_default/`, never `docker.io/`.
+pub fn containerd_host(registry: &str) -> &str {
+    match registry {
+        "index.docker.io" => "docker.io",
+        r => r,
+    }
+}
+
 /// The directories containerd (1.6 through 2.4: `hostPaths`) tries for `registry` under one
 /// root of its `config_path`, in its order: `HOST_PORT_` when the name has a port, `HOST[:PORT]`,
 /// then the catch-all `_default`.
 pub fn host_dirs(root: &Path, registry: &str) -> Vec<PathBuf> {
-    let host = registry_key(registry);
+    let host = containerd_host(registry);
     let mut out = Vec::new();
     if let Some(i) = host.rfind(':').filter(|&i| i > 0) {
         out.push(root.join(format!("{}_{}_", &host[..i], &host[i + 1..])));
@@ -301,19 +314,42 @@ fn mirrors_of_dir(dir: &Path, registry: &str) -> Result<Vec<String>, String> {
     mirrors_in(&text, registry).map_err(|e| format!("{}: {e}", path.display()))
 }
 
-/// The mirrors a `hosts.toml` names for `registry`.
+/// The one value of `key` in `table` as containerd's TOML readers find it: go-toml v2
+/// (containerd 2.x) matches a field's name whatever its case, go-toml v1 (1.6) retries it in
+/// title case. Every spelling is read; two spellings of one key are refused (which one
+/// containerd takes is not certain).
+fn field<'t>(table: &'t toml::Table, key: &str) -> Result<Option<&'t toml::Value>, String> {
+    let mut found = table.iter().filter(|(k, _)| k.eq_ignore_ascii_case(key));
+    let first = found.next();
+    if let Some((other, _)) = found.next() {
+        return Err(format!(
+            "both {:?} and {:?}: which one containerd reads is not certain",
+            first.map_or("", |(k, _)| k.as_str()),
+            other
+        ));
+    }
+    Ok(first.map(|(_, v)| v))
+}
+
+/// The mirrors a `hosts.toml` names for `registry`: `server` and every `[host."URL"]`, their
+/// keys in any case (as containerd reads them). A value of the wrong kind is an error
+/// (containerd refuses the file).
 pub fn mirrors_in(text: &str, registry: &str) -> Result<Vec<String>, String> {
     let table: toml::Table = text
         .parse()
         .map_err(|e: toml::de::Error| e.message().to_owned())?;
     let own = [registry_key(registry), runtime_host(registry)];
     let mut out: Vec<String> = Vec::new();
-    let server = table.get("server").and_then(|s| s.as_str());
-    let hosts = table
-        .get("host")
-        .and_then(|h| h.as_table())
-        .map(|t| t.keys().map(String::as_str).collect::<Vec<_>>())
-        .unwrap_or_default();
+    let server = match field(&table, "server")? {
+        None => None,
+        Some(toml::Value::String(s)) => Some(s.as_str()),
+        Some(_) => return Err("server is not a string".into()),
+    };
+    let hosts = match field(&table, "host")? {
+        None => Vec::new(),
+        Some(toml::Value::Table(t)) => t.keys().map(String::as_str).collect::<Vec<_>>(),
+        Some(_) => return Err("host is not a table".into()),
+    };
     for url in server.into_iter().chain(hosts) {
         let host = host_of(url);
         if !own.contains(&host) && !out.iter().any(|o| o == host) {
@@ -566,6 +602,98 @@ mod tests {
                 PathBuf::from("/d/_default")
             ]
         );
+    }
+
+    /// Docker Hub's spellings read the directories containerd reads: `docker.io` and
+    /// `index.docker.io` (which its reference folds into `docker.io`) read `docker.io/`;
+    /// `registry-1.docker.io` reads `registry-1.docker.io/` and then `_default/`, never
+    /// `docker.io/`; a port reads `HOST_PORT_/` first. Trust of `docker.io`'s mirrors never
+    /// clears the address of a pull whose directory names another.
+    #[test]
+    fn docker_hubs_spellings_read_the_directories_containerd_reads() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        let write = |sub: &str, body: &str| {
+            std::fs::create_dir_all(root.join(sub)).unwrap();
+            std::fs::write(root.join(sub).join("hosts.toml"), body).unwrap();
+        };
+        write("docker.io", "[host.\"http://trusted.example\"]\n");
+        write("_default", "[host.\"http://evil.example\"]\n");
+        let p = policy(&["docker.io=trusted.example"], Some(root));
+        for (registry, cleared) in [
+            ("docker.io", true),
+            ("index.docker.io", true),
+            ("registry-1.docker.io", false),
+            ("registry-1.docker.io:443", false),
+            ("docker.io:443", false),
+            ("index.docker.io:443", false),
+        ] {
+            let scoped = p.scope(registry);
+            assert_eq!(
+                scoped.server_address("").is_empty(),
+                cleared,
+                "{registry}: {}",
+                scoped.describe()
+            );
+        }
+        assert_eq!(
+            p.scope("registry-1.docker.io").server_address(""),
+            "https://registry-1.docker.io"
+        );
+        assert!(p
+            .scope("registry-1.docker.io")
+            .describe()
+            .contains("evil.example"));
+        assert_eq!(
+            host_dirs(root, "registry-1.docker.io:443"),
+            [
+                root.join("registry-1.docker.io_443_"),
+                root.join("registry-1.docker.io:443"),
+                root.join("_default")
+            ]
+        );
+        assert_eq!(
+            host_dirs(root, "index.docker.io")[0],
+            root.join("docker.io")
+        );
+        // registry-1.docker.io's own directory, naming only the trusted mirror, is read.
+        write(
+            "registry-1.docker.io",
+            "[host.\"http://trusted.example\"]\n",
+        );
+        assert!(p
+            .scope("registry-1.docker.io")
+            .server_address("")
+            .is_empty());
+    }
+
+    /// containerd reads hosts.toml's keys whatever their case (go-toml v2; v1's title-case
+    /// retry): so does credgate, and two spellings of one key are not guessed at.
+    #[test]
+    fn hosts_toml_keys_are_read_in_any_case() {
+        for text in [
+            "SERVER = \"http://evil.example\"\n",
+            "Server = \"http://evil.example\"\n",
+            "server = \"http://evil.example\"\n",
+            "[HOST.\"http://evil.example\"]\n",
+            "[Host.\"http://evil.example\"]\n",
+        ] {
+            assert_eq!(
+                mirrors_in(text, "r.example").unwrap(),
+                ["evil.example"],
+                "{text}"
+            );
+        }
+        assert!(mirrors_in(
+            "server = \"https://r.example\"\nSERVER = \"http://evil.example\"\n",
+            "r.example"
+        )
+        .is_err());
+        assert!(mirrors_in("server = 3\n", "r.example").is_err());
+        assert!(mirrors_in("host = \"x\"\n", "r.example").is_err());
+        assert!(mirrors_in("Server = \"https://r.example\"\n", "r.example")
+            .unwrap()
+            .is_empty());
     }
 
     #[test]

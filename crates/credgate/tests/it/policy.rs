@@ -192,6 +192,132 @@ fn mirror_trust_decides_which_hosts_receive_a_pods_credential_on_containerd_2() 
     mirror_trust_on(&binary);
 }
 
+/// Every spelling of Docker Hub's name and of hosts.toml's keys, against Debian's containerd
+/// (1.6, go-toml v1) and containerd 2.4 (go-toml v2): a pod's credential reaches a mirror only
+/// where the directory containerd reads names trusted mirrors alone.
+#[test]
+#[ignore = "needs root"]
+fn every_spelling_of_a_host_and_of_hosts_toml_reaches_only_trusted_mirrors() {
+    needs_containerd();
+    spellings_on(std::path::Path::new("containerd"));
+}
+
+#[test]
+#[ignore = "needs root"]
+fn every_spelling_of_a_host_and_of_hosts_toml_reaches_only_trusted_mirrors_on_containerd_2() {
+    needs_containerd();
+    let binary = Containerd::v2_binary().unwrap_or_else(|why| panic!("{why}"));
+    spellings_on(&binary);
+}
+
+/// `docker.io/` names only the trusted mirror T, `_default/` an untrusted logging mirror M;
+/// registry R's own hosts.toml names M as its `server` or a `host` in other cases.
+fn spellings_on(binary: &std::path::Path) {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let [untrusted, trusted, own] = ["m", "t", "r"].map(|n| {
+        let rd = d.join(n);
+        std::fs::create_dir_all(&rd).unwrap();
+        Registry::start(&rd, POD_USER, POD_PASSWORD)
+    });
+    oci_image(d);
+    for r in [&untrusted, &trusted, &own] {
+        push(d, r, "library/busybox", POD_USER, POD_PASSWORD);
+    }
+    let containerd = Containerd::start_binary(binary, d, &[]);
+    let hosts = |sub: &str, body: String| {
+        let at = containerd.certs.join(sub);
+        std::fs::create_dir_all(&at).unwrap();
+        std::fs::write(at.join("hosts.toml"), body).unwrap();
+    };
+    let host_table = |m: &Registry| {
+        format!(
+            "[host.\"http://{}\"]\n  capabilities = [\"pull\", \"resolve\"]\n",
+            m.host()
+        )
+    };
+    hosts("docker.io", host_table(&trusted));
+    hosts("_default", host_table(&untrusted));
+    let go = build_go();
+    let certs = containerd.certs.display().to_string();
+    let reached = |name: &str, image: &str, trust: &str| {
+        remove(&go, &containerd, image);
+        let flags = [
+            "--cri-proxy-trusted-mirror".to_owned(),
+            trust.to_owned(),
+            "--cri-proxy-hosts-dir".into(),
+            certs.clone(),
+            "--cri-proxy-capture=false".into(),
+        ];
+        let (agent, proxy) = agent_in(&d.join(name), &containerd.socket, &flags);
+        let (m, t) = (untrusted.settled_log().len(), trusted.settled_log().len());
+        let answer = pull(&go, &proxy, image, Some((POD_USER, POD_PASSWORD)));
+        let explained = text(&agent.credgate(&["explain", image]).stdout);
+        let log = agent.log_text();
+        agent.stop();
+        assert!(!log.contains(POD_PASSWORD), "a secret reached the log");
+        (
+            untrusted.saw_user(POD_USER, m),
+            trusted.saw_user(POD_USER, t),
+            format!("{image}: {explained}\n{}", answer.message),
+        )
+    };
+    let hub = "docker.io=".to_owned() + &trusted.host();
+    // containerd reads docker.io/ for these: the trusted mirror receives the credential.
+    for (n, image) in [
+        "docker.io/library/busybox:v1",
+        "index.docker.io/library/busybox:v1",
+    ]
+    .iter()
+    .enumerate()
+    {
+        let (to_m, to_t, said) = reached(&format!("hub-{n}"), image, &hub);
+        assert!(!to_m && to_t, "{said}");
+    }
+    // And registry-1.docker.io/ then _default/ for these, with and without a port: the
+    // untrusted mirror never receives it.
+    for (n, image) in [
+        "registry-1.docker.io/library/busybox:v1",
+        "registry-1.docker.io:443/library/busybox:v1",
+        "docker.io:443/library/busybox:v1",
+    ]
+    .iter()
+    .enumerate()
+    {
+        let (to_m, _, said) = reached(&format!("alias-{n}"), image, &hub);
+        assert!(
+            !to_m,
+            "the untrusted mirror received the pod's credential: {said}"
+        );
+        // Trust of docker.io's mirrors covers registry-1.docker.io: explain names the one
+        // _default/ adds. (With a port, no trust applies and the registry keeps it anyway.)
+        assert!(
+            n > 0 || said.contains(&untrusted.host()),
+            "explain names it: {said}"
+        );
+    }
+    // R's hosts.toml naming M in keys of any case: M never receives the credential.
+    let image = format!("{}/library/busybox:v1", own.host());
+    let trust_r = format!("{}={}", own.host(), trusted.host());
+    for (n, body) in [
+        format!("SERVER = \"http://{}\"\n", untrusted.host()),
+        format!("Server = \"http://{}\"\n", untrusted.host()),
+        format!(
+            "server = \"http://{}\"\n[HOST.\"http://{}\"]\n  capabilities = [\"pull\", \"resolve\"]\n",
+            own.host(),
+            untrusted.host()
+        ),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        hosts(&own.host(), body.clone());
+        let (to_m, _, said) = reached(&format!("keys-{n}"), &image, &trust_r);
+        assert!(!to_m, "{body}: the untrusted mirror received the pod's credential: {said}");
+        assert!(said.contains(&untrusted.host()), "{body}: explain names it: {said}");
+    }
+}
+
 /// Which hosts receive a pod's credential through the proxy, with each policy, in front of
 /// the containerd at `binary`.
 fn mirror_trust_on(binary: &std::path::Path) {
