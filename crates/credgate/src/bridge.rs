@@ -237,11 +237,24 @@ fn respond(
             password: &c.password,
         })
         .collect();
+    // A pod's captured credential is its repository's alone: an answer that holds one is kept
+    // for this image only. Under the provider's Registry or Global key the kubelet's cache (and
+    // nydus-snapshotter's, which is the kubelet's) would hand it to other images of the
+    // registry whose paths its key prefixes (`app-evil`, `app/sub`, `application`).
+    let captured = answer
+        .credentials
+        .iter()
+        .any(|c| c.source_kind == pb::SourceKind::Captured as i32);
+    let key_type = if captured {
+        CacheKeyType::Image
+    } else {
+        answer.cache_key_type.parse().unwrap_or(CacheKeyType::Image)
+    };
     kubelet_response(
         request,
         answer.failures.first().map(|f| f.message.clone()),
         &auth,
-        answer.cache_key_type.parse().unwrap_or(CacheKeyType::Image),
+        key_type,
         Duration::from_millis(answer.cache_for_ms.max(0).unsigned_abs()).min(max_cache),
     )
 }

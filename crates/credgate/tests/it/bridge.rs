@@ -653,3 +653,99 @@ fn a_provider_whose_plugin_is_the_bridge_is_refused() {
     assert!(agent.log_text().contains("credgate's kubelet bridge"));
     assert!(agent.stop().success());
 }
+
+/// An answer that holds a pod's captured credential (`kubelet-config --captured-images`) is
+/// keyed by image: nydus-snapshotter's own credential code (pkg/auth, v0.16.1, whose cache
+/// is the kubelet's: image, then registry, then global keys, and matches auth keys by path
+/// prefix), run on that config, hands the captured password to its repository's image only,
+/// never to `app-evil`, `app/sub` or `application` of the same registry, which get the node's.
+/// Needs root (containerd, for the capture).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn answers_with_a_captured_credential_are_keyed_by_image() {
+    use credgate_testbed::cri::{call, pull_request, PullImageResponse, PULL_IMAGE};
+    crate::support::needs_containerd();
+    const POD_PASSWORD: &str = "pod-Pa55word-not-for-logs";
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let (registry, containerd) =
+        crate::support::registry_and_containerd(d, "pod-user", POD_PASSWORD);
+    let host = registry.host();
+    // The node's provider for the whole registry, keyed by registry.
+    std::fs::create_dir_all(d.join("plugins")).unwrap();
+    plugin(d, "node", "Registry", &host, "node-user");
+    let config = config(d, &[("node", &host, V1, "")]);
+    let (agent, proxy) = crate::support::proxy_agent_with(
+        d,
+        &containerd.socket,
+        &[
+            "--image-credential-provider-config",
+            config.to_str().unwrap(),
+            "--image-credential-provider-bin-dir",
+            d.join("plugins").to_str().unwrap(),
+        ],
+    );
+    let image = format!("{host}/team/app:v1");
+    let _: PullImageResponse = call(
+        &proxy,
+        PULL_IMAGE,
+        pull_request(&image, Some(("pod-user", POD_PASSWORD)), "team-a"),
+    )
+    .await
+    .expect("the pod's pull succeeds and is captured");
+    let snapshotter = d.join("nydus");
+    let out = agent.credgate(&[
+        "kubelet-config",
+        "--image-credential-provider-config",
+        config.to_str().unwrap(),
+        "--image-credential-provider-bin-dir",
+        d.join("plugins").to_str().unwrap(),
+        "--captured-images",
+        &host,
+        "--bridge",
+        crate::support::bridge_bin().to_str().unwrap(),
+        "--link-dir",
+        snapshotter.join("bin").to_str().unwrap(),
+        "--output",
+        snapshotter.join("config.yaml").to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let nydus = crate::support::foreign::built(
+        &Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/kubelet-cache")
+            .display()
+            .to_string(),
+    )
+    .join("nydusauth");
+    let refs = [
+        image.clone(),
+        format!("{host}/team/app-evil:v1"),
+        format!("{host}/team/app/sub:v1"),
+        format!("{host}/team/application:v1"),
+        image.clone(),
+    ];
+    let out = Command::new(nydus)
+        .arg(snapshotter.join("config.yaml"))
+        .arg(snapshotter.join("bin"))
+        .args(&refs)
+        .env("CREDGATE_SOCKET", &agent.socket)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let got: Vec<String> = text(&out.stdout).lines().map(str::to_owned).collect();
+    let want: Vec<String> = refs
+        .iter()
+        .zip([
+            "pod-user",
+            "node-user",
+            "node-user",
+            "node-user",
+            "pod-user",
+        ])
+        .map(|(r, u)| format!("{r} {u}"))
+        .collect();
+    assert_eq!(got, want, "{}", text(&out.stderr));
+    let log = agent.log_text();
+    assert!(!log.contains(POD_PASSWORD) && !log.contains(SECRET));
+    assert!(agent.stop().success());
+}
