@@ -12,7 +12,8 @@ use http_body_util::BodyExt as _;
 use hyper::body::{Bytes, Incoming};
 
 use super::runtime::{
-    self, ask, exchange, grpc_code, grpc_message, grpc_message_of, read_whole, CallerConn,
+    self, ask, ask_bytes, exchange, grpc_code, grpc_message, grpc_message_of, read_whole,
+    CallerConn,
 };
 use super::{Body, MAX_LIST_MESSAGE, MAX_PULL_MESSAGE};
 use credgate_agent::tasks::CancellationToken;
@@ -80,19 +81,23 @@ pub(super) async fn remove(
 /// [`MAX_LIST_MESSAGE`], the whole list within [`LIST_TIMEOUT`]. A list that cannot
 /// be read whole is never acted on: the check says so (a warning and
 /// `credgate_cri_image_list_incomplete_total`) and drops nothing.
+///
+/// A reading keeps only which of its candidates (the repositories it asks about: a removed
+/// image's, the captured ones) the list names, never the list: the images are decoded one at a
+/// time from the answer's bytes. One reading at a time, whoever asks (a removal, the periodic
+/// check), so all readers together hold at most one answer (`limit` bytes) or one batch.
 pub(super) struct ImageView {
     pub(super) own: std::sync::Arc<CallerConn>,
     pub(super) limit: usize,
     pub(super) metrics: credgate_agent::metrics::AgentMetrics,
+    pub(super) reading: tokio::sync::Mutex<()>,
 }
 
 /// The longest reading the runtime's image list may take.
 const LIST_TIMEOUT: Duration = Duration::from_secs(60);
-/// The most repositories a list may name (each kept only as long as the check runs).
-const MAX_REPOSITORIES: usize = 1 << 20;
-
 /// What a `StreamImages` call gave.
 enum Streamed {
+    /// The candidates the list names.
     All(HashSet<String>),
     /// The runtime does not serve it (containerd before 2.4): `ListImages` instead.
     Unimplemented,
@@ -100,13 +105,17 @@ enum Streamed {
 }
 
 impl ImageView {
-    /// The repositories the runtime has an image of; why not, when its list could not be read
-    /// whole.
-    pub(super) async fn repositories(&self) -> Result<HashSet<String>, String> {
+    /// Which of `candidates` the runtime has an image of; why not, when its list could not be
+    /// read whole.
+    pub(super) async fn present(
+        &self,
+        candidates: &HashSet<String>,
+    ) -> Result<HashSet<String>, String> {
+        let _one_at_a_time = self.reading.lock().await;
         let read = async {
-            match self.stream().await {
-                Streamed::All(all) => Ok(all),
-                Streamed::Unimplemented => self.unary().await,
+            match self.stream(candidates).await {
+                Streamed::All(found) => Ok(found),
+                Streamed::Unimplemented => self.unary(candidates).await,
                 Streamed::Incomplete(why) => Err(why),
             }
         };
@@ -120,7 +129,7 @@ impl ImageView {
     }
 
     /// `StreamImages`, read batch by batch.
-    async fn stream(&self) -> Streamed {
+    async fn stream(&self, candidates: &HashSet<String>) -> Streamed {
         let runtime = &self.own.runtime;
         let frame = credgate_api::unary::grpc_message(&wire::StreamImagesRequest {});
         let Some(parts) = runtime::own_call(wire::STREAM_IMAGES, Some(LIST_TIMEOUT)) else {
@@ -145,7 +154,7 @@ impl ImageView {
             return ended(code, &parts.headers, HashSet::new(), false);
         }
         let mut buffer = Vec::new();
-        let mut all = HashSet::new();
+        let mut found = HashSet::new();
         let mut received = false;
         loop {
             let frame = match body.frame().await {
@@ -161,11 +170,11 @@ impl ImageView {
                     if !buffer.is_empty() {
                         return Streamed::Incomplete("the stream ended inside a message".into());
                     }
-                    return ended(code, &trailers, all, received);
+                    return ended(code, &trailers, found, received);
                 }
             };
             buffer.extend_from_slice(&data);
-            match take_batches(&mut buffer, &mut all) {
+            match take_batches(&mut buffer, candidates, &mut found) {
                 Ok(0) => {}
                 Ok(_) => received = true,
                 Err(why) => return Streamed::Incomplete(why),
@@ -173,22 +182,25 @@ impl ImageView {
         }
     }
 
-    /// `ListImages`, read whole within the limit.
-    async fn unary(&self) -> Result<HashSet<String>, String> {
-        let list = ask::<_, wire::ListImagesResponse>(
+    /// `ListImages`, read whole within the limit, its images decoded one at a time.
+    async fn unary(&self, candidates: &HashSet<String>) -> Result<HashSet<String>, String> {
+        let why = |why: String| {
+            format!(
+                "ListImages (the runtime serves no StreamImages; at most {} bytes are read): {why}",
+                self.limit
+            )
+        };
+        let list = ask_bytes(
             &self.own,
             wire::LIST_IMAGES,
             &wire::ListImagesRequest {},
             self.limit,
         )
         .await
-        .map_err(|why| {
-            format!(
-                "ListImages (the runtime serves no StreamImages; at most {} bytes are read): {why}",
-                self.limit
-            )
-        })?;
-        Ok(list.images.iter().flat_map(repositories).collect())
+        .map_err(why)?;
+        let mut found = HashSet::new();
+        each_image(&list, |image| named(&image, candidates, &mut found)).map_err(why)?;
+        Ok(found)
     }
 
     /// Drops the captured credentials of those `candidates` the runtime has no image of any
@@ -198,7 +210,8 @@ impl ImageView {
         captured: &std::sync::Arc<credgate_agent::captured::Captured>,
         candidates: Vec<String>,
     ) {
-        let remaining = match self.repositories().await {
+        let asked: HashSet<String> = candidates.iter().cloned().collect();
+        let remaining = match self.present(&asked).await {
             Ok(remaining) => remaining,
             Err(why) => {
                 self.metrics.cri_image_list_incomplete.inc();
@@ -231,10 +244,76 @@ impl ImageView {
     }
 }
 
-/// Takes the whole `StreamImagesResponse` messages at the start of `buffer`, their images'
-/// repositories into `all`; how many it took, or why the stream cannot be read whole.
-fn take_batches(buffer: &mut Vec<u8>, all: &mut HashSet<String>) -> Result<usize, String> {
+/// Adds to `found` those of `candidates` that `image` is known by.
+fn named(image: &wire::Image, candidates: &HashSet<String>, found: &mut HashSet<String>) {
+    for repo in repositories(image) {
+        if candidates.contains(&repo) {
+            found.insert(repo);
+        }
+    }
+}
+
+/// Calls `f` with each `Image` of a `ListImagesResponse` or `StreamImagesResponse` (both
+/// `repeated Image images = 1`), decoded one at a time from the message's bytes: a list of a
+/// million images is never held decoded. Other fields are skipped as protobuf skips them.
+fn each_image(mut buf: &[u8], mut f: impl FnMut(wire::Image)) -> Result<(), String> {
     use prost::Message as _;
+    fn varint(buf: &mut &[u8]) -> Result<u64, String> {
+        let mut value = 0u64;
+        for shift in (0..64).step_by(7) {
+            let (&byte, rest) = buf.split_first().ok_or("a truncated image list")?;
+            *buf = rest;
+            value |= u64::from(byte & 0x7f) << shift;
+            if byte & 0x80 == 0 {
+                return Ok(value);
+            }
+        }
+        Err("an image list with a malformed varint".into())
+    }
+    fn take<'a>(buf: &mut &'a [u8], len: u64) -> Result<&'a [u8], String> {
+        let len = usize::try_from(len).map_err(|_| "a field too long")?;
+        if len > buf.len() {
+            return Err("a truncated image list".into());
+        }
+        let (field, rest) = buf.split_at(len);
+        *buf = rest;
+        Ok(field)
+    }
+    while !buf.is_empty() {
+        let key = varint(&mut buf)?;
+        match (key >> 3, key & 7) {
+            (1, 2) => {
+                let len = varint(&mut buf)?;
+                let bytes = take(&mut buf, len)?;
+                f(wire::Image::decode(bytes).map_err(|_| "an image that does not decode")?);
+            }
+            (_, 0) => {
+                varint(&mut buf)?;
+            }
+            (_, 1) => {
+                take(&mut buf, 8)?;
+            }
+            (_, 2) => {
+                let len = varint(&mut buf)?;
+                take(&mut buf, len)?;
+            }
+            (_, 5) => {
+                take(&mut buf, 4)?;
+            }
+            _ => return Err("an image list with an unknown wire type".into()),
+        }
+    }
+    Ok(())
+}
+
+/// Takes the whole `StreamImagesResponse` messages at the start of `buffer`, adding to `found`
+/// those of `candidates` their images are known by; how many it took, or why the stream cannot
+/// be read whole.
+fn take_batches(
+    buffer: &mut Vec<u8>,
+    candidates: &HashSet<String>,
+    found: &mut HashSet<String>,
+) -> Result<usize, String> {
     let mut taken = 0;
     while let Some(len) = next_message(buffer) {
         if buffer.first().is_some_and(|&flag| flag != 0) {
@@ -248,14 +327,12 @@ fn take_batches(buffer: &mut Vec<u8>, all: &mut HashSet<String>) -> Result<usize
         if buffer.len() < 5 + len {
             break;
         }
-        let batch = wire::StreamImagesResponse::decode(&buffer[5..5 + len])
-            .map_err(|_| "a StreamImages message that does not decode".to_owned())?;
+        each_image(&buffer[5..5 + len], |image| {
+            named(&image, candidates, found)
+        })
+        .map_err(|why| format!("a StreamImages message that does not decode: {why}"))?;
         buffer.drain(..5 + len);
         taken += 1;
-        all.extend(batch.images.iter().flat_map(repositories));
-        if all.len() > MAX_REPOSITORIES {
-            return Err(format!("more than {MAX_REPOSITORIES} repositories"));
-        }
     }
     Ok(taken)
 }
@@ -267,9 +344,14 @@ fn next_message(buffer: &[u8]) -> Option<usize> {
 }
 
 /// What a stream that ended with `code` gave.
-fn ended(code: i32, headers: &hyper::HeaderMap, all: HashSet<String>, received: bool) -> Streamed {
+fn ended(
+    code: i32,
+    headers: &hyper::HeaderMap,
+    found: HashSet<String>,
+    received: bool,
+) -> Streamed {
     match code {
-        0 => Streamed::All(all),
+        0 => Streamed::All(found),
         // UNIMPLEMENTED before any batch: a runtime without StreamImages.
         12 if !received => Streamed::Unimplemented,
         _ => Streamed::Incomplete(format!(
@@ -301,7 +383,7 @@ pub(super) async fn every(
 
 #[cfg(test)]
 mod tests {
-    use super::{take_batches, wire, MAX_LIST_MESSAGE};
+    use super::{each_image, take_batches, wire, MAX_LIST_MESSAGE};
     use std::collections::HashSet;
 
     fn frame(tags: &[&str]) -> Vec<u8> {
@@ -320,34 +402,84 @@ mod tests {
         out
     }
 
-    /// Batches split anywhere are taken whole once they are in; a compressed or oversized one
-    /// ends the reading with why.
+    fn set(names: &[&str]) -> HashSet<String> {
+        names.iter().map(|n| (*n).to_owned()).collect()
+    }
+
+    /// Batches split anywhere are taken whole once they are in, and only the candidates they
+    /// name are kept; a compressed or oversized one ends the reading with why.
     #[test]
     fn batches_are_taken_whole_and_bad_ones_refused() {
         let mut stream = frame(&["r.io/a:v1", "r.io/a:v2"]);
         stream.extend(frame(&["r.io/b:v1"]));
-        let mut all = HashSet::new();
+        let candidates = set(&["r.io/a", "r.io/b", "r.io/gone"]);
+        let mut found = HashSet::new();
         let mut buffer = Vec::new();
         let mut taken = 0;
         for chunk in stream.chunks(7) {
             buffer.extend_from_slice(chunk);
-            taken += take_batches(&mut buffer, &mut all).unwrap();
+            taken += take_batches(&mut buffer, &candidates, &mut found).unwrap();
         }
         assert_eq!((taken, buffer.len()), (2, 0));
-        let mut names: Vec<&str> = all.iter().map(String::as_str).collect();
-        names.sort();
-        assert_eq!(names, ["r.io/a", "r.io/b"]);
+        assert_eq!(found, set(&["r.io/a", "r.io/b"]));
         let mut compressed = frame(&["r.io/c:v1"]);
         compressed[0] = 1;
-        assert!(take_batches(&mut compressed, &mut all)
+        assert!(take_batches(&mut compressed, &candidates, &mut found)
             .unwrap_err()
             .contains("compressed"));
         let mut huge = vec![0];
         huge.extend_from_slice(&(MAX_LIST_MESSAGE as u32 + 1).to_be_bytes());
-        assert!(take_batches(&mut huge, &mut all)
+        assert!(take_batches(&mut huge, &candidates, &mut found)
             .unwrap_err()
             .contains("more than"));
         let mut garbage = vec![0, 0, 0, 0, 2, 0xff, 0xff];
-        assert!(take_batches(&mut garbage, &mut all).is_err());
+        assert!(take_batches(&mut garbage, &candidates, &mut found).is_err());
+    }
+
+    /// A list of a million names (16 MiB and more as encoded) is read keeping only the
+    /// candidates it names: what a reading holds does not grow with the list (before, every
+    /// reader built a set of the whole list: 844 MB for three readers of such a list).
+    #[test]
+    fn a_million_name_list_keeps_only_the_candidates() {
+        use prost::Message as _;
+        let images: Vec<wire::Image> = (0..1_000_000)
+            .map(|i| wire::Image {
+                id: format!("sha256:{i:064}"),
+                repo_tags: vec![format!("r.io/team-{}/app-{i}:v1", i % 1000)],
+                repo_digests: Vec::new(),
+            })
+            .collect();
+        let list = wire::ListImagesResponse { images }.encode_to_vec();
+        let candidates = set(&["r.io/team-7/app-7", "r.io/team-7/app-999999", "r.io/gone"]);
+        let mut found = HashSet::new();
+        let mut seen = 0;
+        each_image(&list, |image| {
+            seen += 1;
+            super::named(&image, &candidates, &mut found);
+        })
+        .unwrap();
+        assert_eq!(seen, 1_000_000);
+        assert_eq!(found, set(&["r.io/team-7/app-7"]));
+        assert!(found.capacity() <= 2 * candidates.len() + 4);
+        // Unknown fields are skipped as protobuf skips them; a cut list is an error.
+        let small = wire::ListImagesResponse {
+            images: vec![wire::Image {
+                id: "sha256:1".into(),
+                repo_tags: vec!["r.io/gone:v1".into()],
+                repo_digests: Vec::new(),
+            }],
+        }
+        .encode_to_vec();
+        // Field 2 (varint), field 3 (bytes), field 4 (fixed64), field 5 (fixed32), then the list.
+        let mut with_unknown = vec![0x10, 0x05, 0x1a, 0x01, 0x00, 0x21, 1, 2, 3, 4, 5, 6, 7, 8];
+        with_unknown.extend_from_slice(&[0x2d, 1, 2, 3, 4]);
+        with_unknown.extend_from_slice(&small);
+        let mut found = HashSet::new();
+        each_image(&with_unknown, |image| {
+            super::named(&image, &candidates, &mut found)
+        })
+        .unwrap();
+        assert_eq!(found, set(&["r.io/gone"]));
+        assert!(each_image(&list[..list.len() - 3], |_| {}).is_err());
     }
 }

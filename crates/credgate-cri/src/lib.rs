@@ -321,6 +321,7 @@ impl Background {
             own: own.clone(),
             limit: list_limit,
             metrics: metrics.clone(),
+            reading: tokio::sync::Mutex::new(()),
         });
         let mut periodic = Vec::new();
         // Removals that bypass the proxy (crictl rmi, the runtime's own garbage collection):

@@ -99,6 +99,17 @@ pub(super) async fn ask<M: prost::Message, R: prost::Message + Default>(
     message: &M,
     limit: usize,
 ) -> Result<R, String> {
+    let answer = ask_bytes(caller, method, message, limit).await?;
+    R::decode(answer).map_err(|_| "an answer that does not decode".to_owned())
+}
+
+/// [`ask`], the answer's message left as bytes (for a reader that decodes it in parts).
+pub(super) async fn ask_bytes<M: prost::Message>(
+    caller: &CallerConn,
+    method: &str,
+    message: &M,
+    limit: usize,
+) -> Result<Bytes, String> {
     let frame = credgate_api::unary::grpc_message(message);
     let head = own_call(method, None).ok_or("the request could not be built")?;
     let whole = exchange(caller, head, Bytes::from(frame), limit)
@@ -112,9 +123,8 @@ pub(super) async fn ask<M: prost::Message, R: prost::Message + Default>(
             whole.message()
         ));
     }
-    grpc_message(&whole.data)
-        .and_then(|m| R::decode(m).ok())
-        .ok_or_else(|| "an answer that does not decode".to_owned())
+    let message = grpc_message(&whole.data).ok_or("an answer that does not decode")?;
+    Ok(whole.data.slice_ref(message))
 }
 
 /// `grpc-status` of a head or trailers.
