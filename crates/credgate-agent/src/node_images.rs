@@ -45,6 +45,9 @@ pub struct Seen {
     pub last_pull: Option<OwnPull>,
     /// Pulls that failed in a row; the next is not tried before `retry_at`.
     pub failures: u32,
+    /// Successful pulls in a row, each soon after the last (the image removed again and again):
+    /// the next is not tried before `retry_at` either.
+    pub repulls: u32,
     pub retry_at: Option<SystemTime>,
 }
 
@@ -76,6 +79,7 @@ impl NodeImages {
                 checked: None,
                 last_pull: None,
                 failures: 0,
+                repulls: 0,
                 retry_at: None,
             })
             .collect();

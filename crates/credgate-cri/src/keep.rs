@@ -3,9 +3,11 @@
 //! `--cri-proxy-keep-image`s) are checked with `ImageStatus` at start, every check period and
 //! after each `RemoveImage` through the proxy, and an absent one is pulled through the
 //! runtime's CRI with the credential the agent's sources give for it (never a pod's captured
-//! one), logged, counted and recorded by the guard as the node's. A failed pull is tried again
-//! after a backoff. Only images the operator configured or the runtime's config names are ever
-//! pulled so (decision 0022).
+//! one), logged, counted and recorded by the guard as the node's. Each image has its own loop,
+//! so a slow registry delays only its own image. A failed pull is tried again after a backoff,
+//! and so is a re-pull soon after the last one (a removal storm costs a bounded number of
+//! pulls). Only images the operator configured or the runtime's config names are ever pulled so
+//! (decision 0022).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,6 +29,24 @@ use credgate_agent::tasks::CancellationToken;
 /// may not be).
 const PULL_TIMEOUT: Duration = Duration::from_secs(600);
 
+/// A successful pull within this long of the previous successful pull of the same image is a
+/// re-pull in a row (a removal storm): the next waits [`backoff`] of their count.
+const REPULL_WINDOW: Duration = Duration::from_secs(600);
+
+/// Runs `loops` together in the calling task until every one has ended (each ends at the
+/// stop): a hand-written `join_all`, since the loops borrow the keeper.
+async fn all<F: std::future::Future<Output = ()> + Unpin>(mut loops: Vec<F>) {
+    std::future::poll_fn(|cx| {
+        loops.retain_mut(|f| std::pin::Pin::new(f).poll(cx).is_pending());
+        if loops.is_empty() {
+            std::task::Poll::Ready(())
+        } else {
+            std::task::Poll::Pending
+        }
+    })
+    .await;
+}
+
 /// What the keeper works with.
 pub(super) struct Keeper {
     pub(super) images: Vec<NodeImage>,
@@ -37,43 +57,64 @@ pub(super) struct Keeper {
 }
 
 impl Keeper {
-    /// Keeps the images present until `stop`.
+    /// Keeps the images present until `stop`: one loop an image, all in this task, so that one
+    /// registry's slowness (a pull may take 10 minutes) holds only its own image, never the
+    /// sandbox image's (the first) nor another kept image's.
     pub(super) async fn run(self, stop: CancellationToken) {
-        let ctx = self.pulls.ctx.clone();
-        let state = ctx.node_images.clone();
-        state.set(&self.images);
+        self.pulls.ctx.node_images.set(&self.images);
+        let loops: Vec<_> = (0..self.images.len())
+            .map(|index| Box::pin(self.keep(index, &stop)))
+            .collect();
+        all(loops).await;
+    }
+
+    /// The loop of the `index`-th image: checked at start, every period and after each
+    /// removal through the proxy; pulled when absent, unless its hold-off (after a failure, or
+    /// after re-pulls in a row) has not passed.
+    async fn keep(&self, index: usize, stop: &CancellationToken) {
+        let ctx = &self.pulls.ctx;
+        let state = &ctx.node_images;
+        let image = &self.images[index];
+        let mut removed = self.pulls.removed.subscribe();
         loop {
-            let mut wait = self.every;
-            for (index, image) in self.images.iter().enumerate() {
-                let now = ctx.clock.wall();
-                let due = state.list().get(index).and_then(|s| s.retry_at);
-                match due.and_then(|at| at.duration_since(now).ok()) {
-                    Some(left) if !left.is_zero() => wait = wait.min(left),
-                    _ => {
-                        if let Some(left) = self.check(index, image).await {
-                            wait = wait.min(left);
-                        }
-                    }
-                }
-                if stop.is_cancelled() {
-                    return;
-                }
-            }
+            let now = ctx.clock.wall();
+            let held = state
+                .list()
+                .get(index)
+                .and_then(|s| s.retry_at)
+                .and_then(|at| at.duration_since(now).ok())
+                .filter(|left| !left.is_zero());
+            // Held off: asked whether it is there (for status), not pulled. A pull under way
+            // is given up at the stop (the runtime goes on with its own).
+            let checked = tokio::select! {
+                hold = self.check(index, image, held.is_none()) => hold,
+                () = stop.cancelled() => return,
+            };
+            let wait = held
+                .or(checked)
+                .map_or(self.every, |left| left.min(self.every));
             ctx.metrics
                 .cri_node_images_absent
                 .set(i64::try_from(state.absent()).unwrap_or(i64::MAX));
             tokio::select! {
                 () = tokio::time::sleep(wait) => {}
                 // After each RemoveImage through the proxy.
-                () = self.pulls.removed.notified() => {}
+                changed = removed.changed() => {
+                    if changed.is_err() {
+                        return;
+                    }
+                }
                 () = stop.cancelled() => return,
+            }
+            if stop.is_cancelled() {
+                return;
             }
         }
     }
 
-    /// Asks the runtime whether it has `image` and pulls it when it does not; the time until
-    /// it is tried again when the pull failed.
-    async fn check(&self, index: usize, image: &NodeImage) -> Option<Duration> {
+    /// Asks the runtime whether it has `image` and, when it does not and `may_pull`, pulls it;
+    /// the time until it may be pulled again when the pull failed or was a re-pull.
+    async fn check(&self, index: usize, image: &NodeImage, may_pull: bool) -> Option<Duration> {
         let ctx = &self.pulls.ctx;
         let state = &ctx.node_images;
         let status = ask::<_, wire::ImageStatusResponse>(
@@ -92,31 +133,46 @@ impl Keeper {
         state.update(index, |s| {
             s.present = present;
             s.checked = Some(now);
-            if present == Some(true) {
+            if present == Some(true) && s.failures > 0 {
                 s.failures = 0;
                 s.retry_at = None;
             }
         });
-        if present != Some(false) {
+        if present != Some(false) || !may_pull {
             return None;
         }
         let done = self.pull(image).await;
         let ok = done.result == PullResult::Ok;
-        let mut retry = None;
+        let mut hold = None;
         state.update(index, |s| {
             s.present = Some(ok);
             if ok {
                 s.failures = 0;
-                s.retry_at = None;
+                // A re-pull soon after the last one (a removal storm, the image GC taking it
+                // again and again) holds the next off as failures do: 5 s, 10 s, ... 5 min.
+                let in_a_row = s
+                    .last_pull
+                    .as_ref()
+                    .filter(|p| p.result == PullResult::Ok)
+                    .and_then(|p| done.at.duration_since(p.at).ok())
+                    .is_some_and(|since| since < REPULL_WINDOW);
+                s.repulls = if in_a_row {
+                    s.repulls.saturating_add(1)
+                } else {
+                    0
+                };
+                let after = backoff(s.repulls);
+                s.retry_at = Some(done.at + after);
+                hold = Some(after);
             } else {
                 s.failures = s.failures.saturating_add(1);
                 let after = backoff(s.failures);
                 s.retry_at = Some(done.at + after);
-                retry = Some(after);
+                hold = Some(after);
             }
             s.last_pull = Some(done);
         });
-        retry
+        hold
     }
 
     /// One pull of `image` through the runtime's CRI, with the first credential the agent's

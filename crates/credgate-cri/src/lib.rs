@@ -132,7 +132,7 @@ async fn forward(
     };
     if removal {
         // The runtime answered the removal: a kept image it took is pulled again.
-        pulls.removed.notify_one();
+        pulls.removed.send_modify(|n| *n = n.wrapping_add(1));
     }
     answer
 }
@@ -341,7 +341,7 @@ impl Background {
             ctx: context,
             guard,
             capture,
-            removed: std::sync::Arc::default(),
+            removed: tokio::sync::watch::Sender::new(0),
         });
         if !node_images.is_empty() {
             let keeper = keep::Keeper {

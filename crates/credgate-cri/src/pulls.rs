@@ -383,8 +383,9 @@ pub(super) struct Pulls {
     pub(super) ctx: super::Context,
     pub(super) guard: Option<credgate_agent::guard::Guard>,
     pub(super) capture: Option<Capture>,
-    /// Notified after each `RemoveImage`: the node's kept images are checked again.
-    pub(super) removed: std::sync::Arc<tokio::sync::Notify>,
+    /// Counts the `RemoveImage`s the runtime answered: each of the node's kept images is
+    /// checked again (every image's loop sees each change, even one made while it pulled).
+    pub(super) removed: tokio::sync::watch::Sender<u64>,
 }
 
 /// What the proxy captures with: where captures are kept, the task that confirms and writes

@@ -22,6 +22,8 @@ pub struct Answers {
     pub pull: Result<String, (i32, String)>,
     /// How long a `PullImage` takes (a registry that stalls).
     pub pull_delay: std::time::Duration,
+    /// How long a `PullImage` of one image takes instead (one slow registry among others).
+    pub slow_image: Option<(String, std::time::Duration)>,
 }
 
 impl Default for Answers {
@@ -30,6 +32,7 @@ impl Default for Answers {
             list_bytes: 16,
             pull: Ok(format!("sha256:{}", "0123456789abcdef".repeat(4))),
             pull_delay: std::time::Duration::ZERO,
+            slow_image: None,
         }
     }
 }
@@ -37,6 +40,9 @@ impl Default for Answers {
 /// A running fake; stops when dropped.
 pub struct FakeRuntime {
     pub answers: Arc<Mutex<Answers>>,
+    /// The image of every `PullImage` it was asked, in order (`ImageStatus` always answers
+    /// that it has no image).
+    pub pulled: Arc<Mutex<Vec<String>>>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -120,20 +126,38 @@ fn answer(path: &str, answers: &Answers) -> hyper::Response<Body> {
 pub async fn start(socket: &Path, answers: Answers) -> FakeRuntime {
     let listener = UnixListener::bind(socket).unwrap();
     let answers = Arc::new(Mutex::new(answers));
-    let shared = answers.clone();
+    let pulled = Arc::new(Mutex::new(Vec::new()));
+    let (shared, record) = (answers.clone(), pulled.clone());
     let task = tokio::spawn(async move {
         let mut connections = tokio::task::JoinSet::new();
         while let Ok((stream, _)) = listener.accept().await {
-            let answers = shared.clone();
+            let (answers, record) = (shared.clone(), record.clone());
             connections.spawn(async move {
                 let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
-                    let answers = answers.clone();
+                    let (answers, record) = (answers.clone(), record.clone());
                     async move {
+                        use prost::Message as _;
                         let path = req.uri().path().to_owned();
-                        let _ = req.into_body().collect().await;
+                        let body = req
+                            .into_body()
+                            .collect()
+                            .await
+                            .map(|b| b.to_bytes())
+                            .unwrap_or_default();
                         let now = answers.lock().clone();
                         if path.ends_with("/PullImage") {
-                            tokio::time::sleep(now.pull_delay).await;
+                            let image = body
+                                .get(5..)
+                                .and_then(|m| credgate_api::cri::PullImageRequest::decode(m).ok())
+                                .and_then(|r| r.image)
+                                .map(|i| i.image)
+                                .unwrap_or_default();
+                            record.lock().push(image.clone());
+                            let delay = match &now.slow_image {
+                                Some((slow, delay)) if *slow == image => *delay,
+                                _ => now.pull_delay,
+                            };
+                            tokio::time::sleep(delay).await;
                         }
                         Ok::<_, std::convert::Infallible>(answer(&path, &now))
                     }
@@ -145,5 +169,9 @@ pub async fn start(socket: &Path, answers: Answers) -> FakeRuntime {
             });
         }
     });
-    FakeRuntime { answers, task }
+    FakeRuntime {
+        answers,
+        pulled,
+        task,
+    }
 }

@@ -112,6 +112,9 @@ fn node_images_text(images: &[pb::NodeImageStatus]) -> String {
             };
             let retry = if i.retry_unix_ms == 0 {
                 "-".to_owned()
+            } else if i.failures == 0 {
+                // Pulled, and held off before another pull: it was removed again soon.
+                format!("{} (re-pulls held off)", time_ms(i.retry_unix_ms))
             } else {
                 format!("{} (failure {})", time_ms(i.retry_unix_ms), i.failures)
             };

@@ -341,3 +341,103 @@ async fn the_image_check_streams_past_the_unary_cap_and_never_acts_on_half_a_lis
         assert!(agent.stop().success());
     }
 }
+
+/// Pulls of `image` the fake runtime was asked for.
+fn pulls_of(fake: &credgate_testbed::fake_runtime::FakeRuntime, image: &str) -> usize {
+    fake.pulled.lock().iter().filter(|i| *i == image).count()
+}
+
+/// A removal storm costs a bounded number of pulls (decision 0022): 30 `RemoveImage`s of a
+/// kept image through the proxy, against a runtime that never has it, make a re-pull wait as a
+/// failure does (5 s, 5 s, 10 s, ... 5 minutes), not one pull each (before: 30 pulls).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removal_storm_of_a_kept_image_costs_a_bounded_number_of_pulls() {
+    let dir = tempfile::tempdir().unwrap();
+    let kept = "registry.example/team/app:v1";
+    let (fake, agent, proxy) = crate::support::fake_runtime_agent(
+        dir.path(),
+        Default::default(),
+        &[
+            "--cri-proxy-keep-image",
+            kept,
+            "--cri-proxy-keep-interval",
+            "1h",
+        ],
+    )
+    .await;
+    eventually(
+        "the kept image is pulled at start",
+        Duration::from_secs(20),
+        || pulls_of(&fake, kept) == 1,
+    );
+    let started = std::time::Instant::now();
+    for _ in 0..30 {
+        let _: Result<Empty, _> = call(
+            &proxy,
+            REMOVE_IMAGE,
+            RemoveImageRequest {
+                image: Some(ImageSpec { image: kept.into() }),
+            },
+        )
+        .await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let elapsed = started.elapsed();
+    let pulls = pulls_of(&fake, kept);
+    // n re-pulls in a row wait at least 5 + 5 + 10 + ... seconds: however slow the machine,
+    // no more fit in the time the storm took (plus one under way as it ended).
+    let mut most = 1;
+    let mut waited = Duration::ZERO;
+    while waited <= elapsed {
+        waited += credgate_agent::node_images::backoff(most as u32 - 1);
+        most += 1;
+    }
+    assert!(
+        pulls <= most,
+        "{pulls} pulls for 30 removals in {elapsed:?}: at most {most} with the hold-off"
+    );
+    let status = text(&agent.credgate(&["ctl", "status"]).stdout);
+    assert!(status.contains("re-pulls held off"), "{status}");
+    assert!(agent.stop().success());
+}
+
+/// One registry's slowness delays only its own image: a kept image whose pull never ends
+/// (the runtime holds it for 10 minutes) does not keep the sandbox image, nor another kept
+/// image, from being pulled (before: one pull at a time, the others waited behind it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_kept_image_does_not_hold_the_others() {
+    use credgate_testbed::fake_runtime::Answers;
+    let dir = tempfile::tempdir().unwrap();
+    let (slow, other, sandbox) = (
+        "slow.example/team/big:v1",
+        "registry.example/team/app:v1",
+        "registry.example/pause:3.10",
+    );
+    let (fake, agent, _proxy) = crate::support::fake_runtime_agent(
+        dir.path(),
+        Answers {
+            slow_image: Some((slow.into(), Duration::from_secs(600))),
+            ..Default::default()
+        },
+        &[
+            "--cri-sandbox-image",
+            sandbox,
+            "--cri-proxy-keep-image",
+            slow,
+            "--cri-proxy-keep-image",
+            other,
+        ],
+    )
+    .await;
+    eventually(
+        "the sandbox image and the other kept image are pulled while the slow one is",
+        Duration::from_secs(30),
+        || pulls_of(&fake, sandbox) >= 1 && pulls_of(&fake, other) >= 1,
+    );
+    assert_eq!(pulls_of(&fake, slow), 1, "the slow pull is still under way");
+    assert_eq!(
+        fake.pulled.lock().first().map(String::as_str),
+        Some(sandbox)
+    );
+    assert!(agent.stop().success());
+}
