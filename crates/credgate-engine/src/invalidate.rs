@@ -164,7 +164,7 @@ impl Engine {
             |e| e.covers_image(name, registry) && e.holds(username, password),
             why,
         );
-        p.remember_refused(username, password);
+        p.remember_refused(registry, username, password);
         Ok(removed.iter().map(|e| Dropped::of(provider, e)).collect())
     }
 

@@ -62,5 +62,7 @@ pub use engine::{
 };
 pub use error::ProviderError;
 pub use invalidate::{Dropped, FlushError};
-pub use provider::{BackoffPolicy, ProviderStatus, ServiceAccount};
+pub use provider::{
+    BackoffPolicy, ProviderStatus, ServiceAccount, FOLLOW_FIRST, FOLLOW_MAX, FOLLOW_SHARED,
+};
 pub use sources::{SourceError, Sources};

@@ -148,6 +148,11 @@ const REFUSED_MEMORY: Duration = Duration::from_secs(3600);
 /// seconds, without a run per lookup.
 pub const FOLLOW_FIRST: Duration = Duration::from_secs(1);
 pub const FOLLOW_MAX: Duration = Duration::from_secs(4);
+/// The longest an answer keyed `Global` (it serves every registry) is kept when it holds a
+/// credential some registry refused: one registry's refusal, which may be a hostile
+/// registry's (decision 0025), costs the others at most a plugin run a minute, never answers
+/// of seconds. An answer for another registry's images keeps its own duration.
+pub const FOLLOW_SHARED: Duration = Duration::from_secs(60);
 
 #[derive(Default)]
 struct RunState {
@@ -157,8 +162,9 @@ struct RunState {
     last_success: Option<SystemTime>,
     last_error: Option<String>,
     last_dropped: Option<(SystemTime, String)>,
-    /// Refused credentials: user name, password, remembered until.
-    refused: Vec<(String, SecretString, Instant)>,
+    /// Refused credentials: the registry that refused it, user name, password, remembered
+    /// until.
+    refused: Vec<(String, String, SecretString, Instant)>,
     /// Answers holding a refused credential in a row, and since when.
     answering_refused: Option<(u32, SystemTime)>,
 }
@@ -630,7 +636,7 @@ impl Provider {
             .unwrap_or(self.spec.default_cache_duration)
             .max(self.min_cache);
         let ttl = self
-            .follow_refused(&auth)
+            .follow_refused(&auth, &job.registry, response.cache_key_type)
             .map_or(ttl, |short| short.min(ttl));
         let (now, wall) = (self.clock.now(), self.clock.wall());
         let cached = !ttl.is_zero();
@@ -695,16 +701,18 @@ impl Provider {
         removed
     }
 
-    /// A registry refused `username`:`password`, which an answer of this provider held: its
-    /// next answers that hold it are kept seconds only ([`FOLLOW_FIRST`]).
-    pub fn remember_refused(&self, username: &str, password: &str) {
+    /// Registry `registry` refused `username`:`password`, which an answer of this provider held:
+    /// its next answers that hold it, for that registry's images, are kept seconds only
+    /// ([`FOLLOW_FIRST`]); keyed `Global` (they serve every registry), a minute at most
+    /// ([`FOLLOW_SHARED`]); for another registry's images, their whole duration.
+    pub fn remember_refused(&self, registry: &str, username: &str, password: &str) {
         let now = self.clock.now();
         let mut state = self.state.lock();
-        state.refused.retain(|(_, _, until)| now < *until);
+        state.refused.retain(|(_, _, _, until)| now < *until);
         if state
             .refused
             .iter()
-            .any(|(u, p, _)| u == username && p.expose_secret() == password)
+            .any(|(r, u, p, _)| r == registry && u == username && p.expose_secret() == password)
         {
             return;
         }
@@ -712,22 +720,34 @@ impl Provider {
             state.refused.remove(0);
         }
         state.refused.push((
+            registry.to_owned(),
             username.to_owned(),
             SecretString::from(password.to_owned()),
             now + REFUSED_MEMORY,
         ));
     }
 
-    /// How long to keep an answer of `auth`: `Some` (seconds, doubling per such answer in a row,
-    /// up to [`FOLLOW_MAX`]) when it holds a credential a registry refused; `None`, and the
-    /// provider no longer counts as answering a refused credential, otherwise.
-    fn follow_refused(&self, auth: &AuthSet) -> Option<Duration> {
+    /// How long at most to keep an answer of `auth` fetched for an image of `registry` and
+    /// keyed `key_type`, when it holds a credential a registry refused: keyed `Global`,
+    /// [`FOLLOW_SHARED`]; else, if `registry` refused it, seconds (doubling per such answer in
+    /// a row, up to [`FOLLOW_MAX`]), and if only others did, its own duration (`None`). `None`,
+    /// and the provider no longer counts as answering a refused credential, when it holds none.
+    fn follow_refused(
+        &self,
+        auth: &AuthSet,
+        registry: &str,
+        key_type: credgate_core::wire::CacheKeyType,
+    ) -> Option<Duration> {
         let now = self.clock.now();
         let mut state = self.state.lock();
-        state.refused.retain(|(_, _, until)| now < *until);
+        state.refused.retain(|(_, _, _, until)| now < *until);
+        let mut refused_here = false;
         let holds = (0..auth.len()).filter_map(|i| auth.get(i)).any(|a| {
-            state.refused.iter().any(|(u, p, _)| {
-                a.auth.username == *u && a.auth.password.expose_secret() == p.expose_secret()
+            state.refused.iter().any(|(r, u, p, _)| {
+                let same =
+                    a.auth.username == *u && a.auth.password.expose_secret() == p.expose_secret();
+                refused_here |= same && r == registry;
+                same
             })
         });
         if !holds {
@@ -736,9 +756,22 @@ impl Provider {
             }
             return None;
         }
+        let global = key_type == credgate_core::wire::CacheKeyType::Global;
+        if !refused_here && !global {
+            // Another registry's refusal is not this one's: its answer keeps its duration.
+            return None;
+        }
         let wall = self.clock.wall();
         let (streak, _) = state.answering_refused.get_or_insert((0, wall));
         *streak += 1;
+        if global {
+            tracing::warn!(
+                plugin = %self.spec.name,
+                keep_seconds = FOLLOW_SHARED.as_secs(),
+                "the plugin still answers a credential one registry refused: its answer for others is kept a minute at most"
+            );
+            return Some(FOLLOW_SHARED);
+        }
         let keep = FOLLOW_FIRST
             .saturating_mul(1 << (*streak - 1).min(8))
             .min(FOLLOW_MAX);

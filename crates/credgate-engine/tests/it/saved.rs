@@ -237,3 +237,71 @@ async fn refused_and_flushed_answers_make_the_plugin_run_again() {
     assert_eq!(e.flush(None, &[], "x").unwrap().len(), 2);
     assert!(e.saved_entries().is_empty());
 }
+
+/// Seconds until `expires` (0 when unset or past).
+fn left(expires: Option<SystemTime>) -> Duration {
+    expires
+        .and_then(|t| t.duration_since(SystemTime::now()).ok())
+        .unwrap_or_default()
+}
+
+/// One registry's refusal bounds what it can do to the others (decision 0025): a credential
+/// that registry `h` refused, answered again by the plugin, is kept seconds for `h`'s images
+/// only; a `Registry`-keyed answer for `r`'s images keeps its whole hour, and a `Global` one a
+/// minute at most (before: seconds for every registry sharing the credential, for an hour).
+#[tokio::test]
+async fn a_refusal_shortens_only_the_refusing_registrys_answers() {
+    let dir = tempfile::tempdir().unwrap();
+    let (h, r) = ("h.example/team/app:v1", "r.example/team/app:v1");
+    counting_plugin(
+        dir.path(),
+        "p",
+        &response(
+            WIRE_V1,
+            "Registry",
+            Some("1h"),
+            &[("h.example", "shared", "pw"), ("r.example", "shared", "pw")],
+        ),
+    );
+    let e = engine(
+        config(&[("p", &["h.example", "r.example"], "1h", WIRE_V1)]),
+        dir.path(),
+    );
+    e.lookup(&req(h)).await.unwrap();
+    e.refuse("p", h, "shared", "pw", "refused by h").unwrap();
+    // r's answer, fetched after h's refusal: its own hour.
+    let got = e.lookup(&req(r)).await.unwrap();
+    assert!(left(got.credentials[0].expires_at) > Duration::from_secs(3000));
+    // h's, fetched again: seconds, the plugin asked again soon.
+    let got = e.lookup(&req(h)).await.unwrap();
+    assert!(left(got.credentials[0].expires_at) <= credgate_engine::FOLLOW_MAX);
+    assert_eq!(runs_of(dir.path(), "p"), 3);
+
+    // Keyed Global, it serves every registry: a minute at most, never seconds, whoever asks.
+    let global = tempfile::tempdir().unwrap();
+    counting_plugin(
+        global.path(),
+        "g",
+        &response(
+            WIRE_V1,
+            "Global",
+            Some("1h"),
+            &[("*.example", "shared", "pw")],
+        ),
+    );
+    let e = engine(
+        config(&[("g", &["*.example"], "1h", WIRE_V1)]),
+        global.path(),
+    );
+    e.lookup(&req(h)).await.unwrap();
+    e.refuse("g", h, "shared", "pw", "refused by h").unwrap();
+    for image in [r, h] {
+        e.flush(None, &[], "test").unwrap();
+        let got = e.lookup(&req(image)).await.unwrap();
+        let kept = left(got.credentials[0].expires_at);
+        assert!(
+            kept > credgate_engine::FOLLOW_MAX && kept <= credgate_engine::FOLLOW_SHARED,
+            "{image}: {kept:?}"
+        );
+    }
+}
