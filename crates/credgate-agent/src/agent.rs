@@ -243,8 +243,19 @@ impl Agent {
                 .with_tasks(tasks.clone())
                 .with_engine(engine.clone())
         });
+        // What was refused and handed out, keyed by the node key and kept beside the provider
+        // cache, so that a restart still knows the kubelet's stale copies (issue 49).
+        let (memory, memory_file) = match options
+            .saved_cache
+            .as_deref()
+            .and_then(|dir| crate::memory::MemoryFile::open(dir, clock.now(), clock.wall()))
+        {
+            Some((file, memory)) => (Arc::new(memory), Some(file)),
+            None => (Arc::new(crate::memory::Refusals::default()), None),
+        };
         let saver = crate::saver::Saver::open(
             options.saved_cache.as_deref(),
+            (memory.clone(), memory_file),
             engine.clone(),
             renewer.clone(),
             metrics.clone(),
@@ -252,6 +263,7 @@ impl Agent {
             tasks.clone(),
         );
         let refusal = Arc::new(crate::refusal::Refuser::new(
+            memory,
             verifier,
             engine.clone(),
             options.captured.clone(),

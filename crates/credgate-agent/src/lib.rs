@@ -14,6 +14,7 @@ pub mod conn;
 pub mod explain;
 pub mod guard;
 pub mod listener;
+pub mod memory;
 pub mod metrics;
 pub mod node_images;
 pub mod outcome;

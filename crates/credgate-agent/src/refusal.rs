@@ -17,16 +17,12 @@
 //! per interval, and the proxy knows a client's stale copy (the kubelet caches what the bridge
 //! gave it) for what it is ([`Refusals::known`]).
 
-use parking_lot::Mutex;
-use std::collections::{BTreeMap, HashMap};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::Duration;
 
-use hmac::{Hmac, Mac};
 use secrecy::{ExposeSecret, SecretString};
-use sha2::Sha256;
 
 use crate::captured::Captured;
-use crate::confirm::Fingerprint;
+pub use crate::memory::{DockerRefusal, Refusals, HOLDOFF};
 use crate::metrics::AgentMetrics;
 use crate::outcome::Given;
 use crate::renewal::Renewer;
@@ -35,13 +31,6 @@ use arc_swap::ArcSwap;
 use credgate_engine::clock::Clock;
 use credgate_engine::Engine;
 use std::sync::Arc;
-
-/// A refusal of a credential already refused this recently changes nothing.
-pub const HOLDOFF: Duration = Duration::from_secs(30);
-/// Refused credentials remembered (the oldest is forgotten first).
-const REMEMBERED: usize = 1024;
-/// How long a refused credential is remembered when its answer's expiry is unknown.
-const DEFAULT_MEMORY: Duration = Duration::from_secs(3600);
 
 /// What a refusal did.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -70,120 +59,13 @@ impl Refused {
     }
 }
 
-struct Remembered {
-    given: Given,
-    at: Instant,
-    until: Instant,
-}
-
-/// A docker config entry a registry refused, for `explain` and `ctl status`.
-#[derive(Debug, Clone)]
-pub struct DockerRefusal {
-    pub at: SystemTime,
-    pub image: String,
-}
-
-#[derive(Default)]
-struct State {
-    refused: HashMap<Fingerprint, Remembered>,
-    /// Docker config files by path: the last refusal of one of their entries.
-    docker: BTreeMap<String, DockerRefusal>,
-}
-
-/// The agent's memory of refused credentials.
-pub struct Refusals {
-    key: [u8; 32],
-    state: Mutex<State>,
-}
-
-impl Default for Refusals {
-    fn default() -> Self {
-        Refusals {
-            key: random_key(),
-            state: Mutex::default(),
-        }
-    }
-}
-
-/// A key for this process's fingerprints, from the operating system's random source (as the
-/// sealed files' nonces are).
-fn random_key() -> [u8; 32] {
-    use chacha20poly1305::aead::{KeyInit, OsRng};
-    chacha20poly1305::ChaCha20Poly1305::generate_key(&mut OsRng).into()
-}
-
-impl Refusals {
-    fn lock(&self) -> parking_lot::MutexGuard<'_, State> {
-        self.state.lock()
-    }
-
-    pub(crate) fn fingerprint(&self, username: &str, password: &str) -> Fingerprint {
-        let mut mac = Hmac::<Sha256>::new_from_slice(&self.key).expect("any key length");
-        mac.update(&(username.len() as u64).to_be_bytes());
-        mac.update(username.as_bytes());
-        mac.update(password.as_bytes());
-        mac.finalize().into_bytes().into()
-    }
-
-    /// The source of a refused credential the agent still remembers (until the answer it
-    /// came from would have expired).
-    pub fn known(&self, username: &str, password: &str, now: Instant) -> Option<Given> {
-        let fp = self.fingerprint(username, password);
-        self.lock()
-            .refused
-            .get(&fp)
-            .filter(|r| now < r.until)
-            .map(|r| r.given.clone())
-    }
-
-    /// Whether it was refused within [`HOLDOFF`] of `now`.
-    fn recently_refused(&self, fp: &Fingerprint, now: Instant) -> bool {
-        self.lock()
-            .refused
-            .get(fp)
-            .is_some_and(|r| now < r.at + HOLDOFF)
-    }
-
-    /// Remembers a refusal; false when it was refused within [`HOLDOFF`] already.
-    fn note(&self, fp: Fingerprint, given: &Given, now: Instant, until: Instant) -> bool {
-        let mut st = self.lock();
-        if st.refused.get(&fp).is_some_and(|r| now < r.at + HOLDOFF) {
-            return false;
-        }
-        st.refused.retain(|_, r| now < r.until);
-        if st.refused.len() >= REMEMBERED {
-            if let Some(oldest) = st.refused.iter().min_by_key(|(_, r)| r.at).map(|(k, _)| *k) {
-                st.refused.remove(&oldest);
-            }
-        }
-        st.refused.insert(
-            fp,
-            Remembered {
-                given: given.clone(),
-                at: now,
-                until: until.max(now + HOLDOFF),
-            },
-        );
-        true
-    }
-
-    /// The last refusal of an entry of docker config `file`.
-    pub fn docker_report(&self, file: &str) -> Option<DockerRefusal> {
-        self.lock().docker.get(file).cloned()
-    }
-
-    fn report_docker(&self, file: &str, report: DockerRefusal) {
-        let mut st = self.lock();
-        if st.docker.len() < REMEMBERED || st.docker.contains_key(file) {
-            st.docker.insert(file.to_owned(), report);
-        }
-    }
-}
+/// How long a refused credential is remembered when its answer's expiry is unknown.
+const DEFAULT_MEMORY: Duration = Duration::from_secs(3600);
 
 /// Refusals as a service: what it holds to find who gave a credential, confirm a refusal
 /// with the registry and act on it in each source. Cheap to share (`Arc`).
 pub struct Refuser {
-    memory: Refusals,
+    memory: Arc<Refusals>,
     confirmations: crate::confirm::Confirmations,
     engine: Arc<ArcSwap<Engine>>,
     captured: Option<Arc<Captured>>,
@@ -196,6 +78,7 @@ pub struct Refuser {
 impl Refuser {
     #[allow(clippy::too_many_arguments)]
     pub fn new(
+        memory: Arc<Refusals>,
         verifier: crate::guard::registry::Verifier,
         engine: Arc<ArcSwap<Engine>>,
         captured: Option<Arc<Captured>>,
@@ -205,7 +88,7 @@ impl Refuser {
         clock: Arc<dyn Clock>,
     ) -> Refuser {
         Refuser {
-            memory: Refusals::default(),
+            memory,
             confirmations: crate::confirm::Confirmations::new(verifier),
             engine,
             captured,
@@ -267,13 +150,16 @@ impl Refuser {
         )
     }
 
-    /// `now`, or when it is empty the source a refusal of `username`:`password` remembers.
+    /// `now`, or when it is empty the source a refusal of `username`:`password` remembers, or
+    /// the provider that handed it to the kubelet's bridge while the kubelet may hold it (the
+    /// provider has another answer since: a rotation).
     pub fn or_known(&self, now: Vec<Given>, username: &str, password: &str) -> Vec<Given> {
         if !now.is_empty() {
             return now;
         }
         self.memory
             .known(username, password, self.clock.now())
+            .or_else(|| self.memory.handed(username, password, self.clock.wall()))
             .into_iter()
             .collect()
     }
@@ -325,7 +211,7 @@ impl Refuser {
             .max()
             .and_then(|t| t.duration_since(self.clock.wall()).ok())
             .map_or(now + DEFAULT_MEMORY, |left| now + left);
-        if !refusals.note(fp, primary, now, until) {
+        if !refusals.note(fp, primary, now, until, self.clock.wall()) {
             return Refused::Recently;
         }
         for g in given {
@@ -566,51 +452,5 @@ impl Report {
                 format!("the registry could not confirm the refusal ({why}): nothing changes")
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_refusal_is_remembered_and_held_off() {
-        let r = Refusals::default();
-        let now = Instant::now();
-        let fp = r.fingerprint("u", "p");
-        let given = Given::Provider("ecr".into());
-        assert!(r.known("u", "p", now).is_none());
-        assert!(r.note(fp, &given, now, now + Duration::from_secs(600)));
-        assert_eq!(r.known("u", "p", now), Some(given.clone()));
-        assert!(r.known("u", "other", now).is_none());
-        assert!(r.known("other", "p", now).is_none());
-        assert!(!r.note(fp, &given, now + Duration::from_secs(1), now));
-        let later = now + HOLDOFF + Duration::from_secs(1);
-        assert!(r.note(fp, &given, later, later + Duration::from_secs(60)));
-        assert!(r.known("u", "p", later + Duration::from_secs(61)).is_none());
-    }
-
-    #[test]
-    fn the_memory_is_bounded() {
-        let r = Refusals::default();
-        let now = Instant::now();
-        let given = Given::Provider("p".into());
-        for i in 0..(REMEMBERED + 10) {
-            let fp = r.fingerprint("u", &i.to_string());
-            let at = now + Duration::from_millis(i as u64);
-            assert!(r.note(fp, &given, at, at + Duration::from_secs(3600)));
-        }
-        assert_eq!(r.lock().refused.len(), REMEMBERED);
-        assert!(r.known("u", "0", now).is_none(), "the oldest is forgotten");
-    }
-
-    #[test]
-    fn fingerprints_separate_user_from_password() {
-        let r = Refusals::default();
-        assert_ne!(r.fingerprint("ab", "c"), r.fingerprint("a", "bc"));
-        assert_ne!(
-            r.fingerprint("u", "p"),
-            Refusals::default().fingerprint("u", "p")
-        );
     }
 }

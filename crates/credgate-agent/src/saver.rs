@@ -92,6 +92,9 @@ pub struct Saver {
 struct Inner {
     /// `None`: the sealed cache is off, and nothing is written.
     cache: Option<SavedCache>,
+    /// The credential memory and its file (kept with the cache: off when it is off).
+    memory: Arc<crate::memory::Refusals>,
+    memory_file: Option<crate::memory::MemoryFile>,
     report: Mutex<SavedCacheReport>,
     engine: Arc<ArcSwap<Engine>>,
     renewer: Renewer,
@@ -105,6 +108,10 @@ impl Saver {
     /// into the engine in use and the renewer. Runs no plugin.
     pub fn open(
         dir: Option<&std::path::Path>,
+        memory: (
+            Arc<crate::memory::Refusals>,
+            Option<crate::memory::MemoryFile>,
+        ),
         engine: Arc<ArcSwap<Engine>>,
         renewer: Renewer,
         metrics: AgentMetrics,
@@ -115,6 +122,8 @@ impl Saver {
         Saver {
             inner: Arc::new(Inner {
                 cache,
+                memory: memory.0,
+                memory_file: memory.1,
                 report: Mutex::new(report),
                 engine,
                 renewer,
@@ -152,6 +161,7 @@ impl Saver {
                     Arc::as_ptr(&engine) as usize,
                     engine.generation(),
                     saver.inner.renewer.version(),
+                    saver.inner.memory.version(),
                 );
                 if last != Some(now) && saver.save().await {
                     last = Some(now);
@@ -173,11 +183,18 @@ impl Saver {
             .unwrap_or(false)
     }
 
-    /// Writes the sealed provider cache now (blocking); whether it was written.
+    /// Writes the sealed provider cache and the credential memory now (blocking); whether both
+    /// were written.
     pub fn save_now(&self) -> bool {
         let Some(cache) = &self.inner.cache else {
             return false;
         };
+        if let Some(file) = &self.inner.memory_file {
+            if let Err(e) = file.save(&self.inner.memory, self.inner.clock.wall()) {
+                tracing::warn!(error = %e, "refused and handed-out credentials not saved");
+                return false;
+            }
+        }
         let entries = self.inner.engine.load().saved_entries();
         let consumers = self.inner.renewer.named_consumers();
         match cache.save(entries, consumers) {

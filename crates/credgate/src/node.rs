@@ -184,6 +184,7 @@ impl Node {
     pub async fn start(mut options: NodeOptions) -> Result<Node, NodeError> {
         let lock = check_state_dir(&options.state_dir)?;
         if options.agent.saved_cache.is_none() {
+            let _ = credgate_agent::memory::MemoryFile::discard(&options.state_dir);
             match credgate_agent::saved_cache::SavedCache::discard(&options.state_dir) {
                 Ok(true) => tracing::info!("the provider cache is not kept (--persist-cache=false): the sealed cache of an earlier run was removed"),
                 Ok(false) => {}

@@ -42,9 +42,14 @@ impl Credentials for Api {
     ) -> Result<Response<pb::LookupResponse>, Status> {
         let peer = peer(&request);
         let request = request.into_inner();
+        let bridge = request.caller == "kubelet";
         self.observed(peer, "Lookup", async {
             self.may_claim_identity(peer, request.service_account.as_ref())?;
-            self.lookup_inner(request, peer).await
+            let answer = self.lookup_inner(request, peer).await?;
+            if bridge {
+                self.handed_out(&answer);
+            }
+            Ok(answer)
         })
         .await
         .map(Response::new)

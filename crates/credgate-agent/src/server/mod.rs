@@ -301,6 +301,22 @@ impl Api {
         Some(kept)
     }
 
+    /// Remembers the providers' credentials of an answer to the kubelet's bridge for as long
+    /// as the kubelet may hold them: after a rotation, and after a restart, the CRI proxy still
+    /// knows whose credential the kubelet's stale copy is ([`crate::memory`]).
+    fn handed_out(&self, answer: &pb::LookupResponse) {
+        let cache_for = std::time::Duration::from_millis(answer.cache_for_ms.max(0).unsigned_abs());
+        let memory = self.agent.refusal().memory();
+        let now = self.agent.clock().wall();
+        for c in answer
+            .credentials
+            .iter()
+            .filter(|c| c.source_kind == pb::SourceKind::Provider as i32)
+        {
+            memory.hand_out(&c.source, &c.username, &c.password, cache_for, now);
+        }
+    }
+
     async fn lookup_inner(
         &self,
         mut req: pb::LookupRequest,

@@ -416,3 +416,80 @@ async fn a_registry_that_does_not_answer_changes_nothing() {
     );
     assert!(!agent.log_text().contains("credgate does not own that file"));
 }
+
+/// The kubelet's copy of a provider's credential that the bridge handed it, after a rotation
+/// and a restart of the agent (issue 49): the provider has moved on to the new credential, the
+/// agent restarted (SIGTERM, then SIGKILL), and the kubelet still sends the old one. The proxy
+/// knows it for the provider's (the memory of what was handed out, and then of what the
+/// registry refused, sealed in the state directory), has the registry confirm the refusal and
+/// sends the provider's answer of now instead (before: `auth=unknown`, taken for a pod's own
+/// secret, never confirmed nor replaced).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_still_knows_the_credentials_it_handed_to_the_kubelet() {
+    const OLD: &str = "old-Pa55word-not-for-logs";
+    const NEW: &str = "new-Pa55word-not-for-logs";
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let stub = StubRegistry::start(USER, OLD);
+    let host = stub.host();
+    let backend = Backend::new(d, &host, OLD);
+    let image = format!("{host}/team-p/app:v1");
+    let (fake, agent, _) = with_provider(d, &backend, unauthorized(&image, &host)).await;
+    // The kubelet asks the bridge, and keeps its answer.
+    let request = format!(
+        r#"{{"kind":"CredentialProviderRequest","apiVersion":"credentialprovider.kubelet.k8s.io/v1","image":"{image}"}}"#
+    );
+    let answered = crate::support::output_with_stdin(
+        std::process::Command::new(crate::support::bridge_bin())
+            .args(["--provider", "rotating"])
+            .env("CREDGATE_SOCKET", &agent.socket),
+        request.as_bytes(),
+    );
+    assert!(answered.status.success());
+    assert!(text(&answered.stdout).contains(OLD));
+    // Rotated at the registry and in the backend; the agent's cache moves on.
+    stub.set_password(USER, NEW);
+    backend.answer(NEW);
+    assert!(agent.credgate(&["ctl", "flush"]).status.success());
+    assert_eq!(looked_up(&agent, &image), NEW);
+    // Restarted: what it handed out is on disk (the saver's last write at the stop).
+    assert!(agent.stop().success());
+    drop(fake);
+    std::fs::remove_file(d.join("fake-runtime.sock")).unwrap();
+    let (fake, agent, proxy) = with_provider(d, &backend, unauthorized(&image, &host)).await;
+    let stale = || pull_request(&image, Some((USER, OLD)), "default");
+    let before = confirmations(&stub);
+    let _ = pull(&proxy, stale()).await;
+    assert!(
+        confirmations(&stub) > before,
+        "the stale copy was confirmed with the registry: {:?}",
+        stub.seen()
+    );
+    let pulls = text(&agent.credgate(&["ctl", "pulls"]).stdout);
+    assert!(pulls.contains("provider:rotating"), "{pulls}");
+    assert!(!pulls.contains("unknown"), "{pulls}");
+    assert_eq!(refused_count(&agent), 1);
+    // The provider's answer of now went to the runtime in its place.
+    assert!(
+        fake.pulled.lock().len() >= 2,
+        "the pull was sent again with the provider's answer"
+    );
+    // Killed, and started again: the refusal itself is remembered, and the stale copy is
+    // replaced before it reaches the runtime.
+    agent.signal(libc::SIGKILL);
+    drop(agent);
+    drop(fake);
+    std::fs::remove_file(d.join("fake-runtime.sock")).unwrap();
+    let (_fake, agent, proxy) = with_provider(d, &backend, unauthorized(&image, &host)).await;
+    let _ = pull(&proxy, stale()).await;
+    // (The fake runtime refuses the new credential too; the registry accepts it: nothing more
+    // is refused.)
+    assert_eq!(refused_count(&agent), 0);
+    let log = agent.log_text();
+    assert!(
+        log.contains("a pull carried a credential the registry refused"),
+        "{log}"
+    );
+    assert!(!log.contains(OLD) && !log.contains(NEW));
+    assert!(agent.stop().success());
+}
