@@ -804,6 +804,75 @@ fn after_a_rotation_the_next_pod_runs_and_the_kubelet_sees_no_failed_pull() {
     );
 }
 
+/// Issue 49.1 on the real node: after a rotation, one pod runs (the proxy replaces the
+/// kubelet's refused copy of the bridge's answer), then credgate restarts (SIGTERM, and again
+/// with SIGKILL) and three more pods of new tags start while the kubelet still holds the old
+/// answer: every one runs, with at most one refused attempt each inside the proxy and none the
+/// kubelet sees (before: all failing with 401, `auth=unknown`, until the kubelet's cache
+/// expired).
+#[test]
+#[ignore = "needs root"]
+fn after_a_rotation_and_a_restart_the_kubelets_stale_copy_is_replaced() {
+    let node = Node::up();
+    let old = node.env("REGISTRY_PASSWORD").to_owned();
+    for tag in ["v2", "v3", "v4", "v5", "v6", "v7", "v8"] {
+        node.push("team-p/app:v1", &format!("team-p/app:{tag}"), &old);
+    }
+    node.pod(
+        "default",
+        "before",
+        &node.image("team-p/app:v1"),
+        &NO_SECRET,
+    );
+    node.wait_running("default", "before", POD);
+    let new = "rotated-password-49";
+    let htpasswd = node.env("REGISTRY_HTPASSWD").to_owned();
+    let out = Command::new("htpasswd")
+        .args(["-bB", "-C", "4", &htpasswd, "alice", new])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    std::fs::write(node.env("PROVIDER_PASSWORD_FILE"), format!("{new}\n")).unwrap();
+    node.pod("default", "after", &node.image("team-p/app:v2"), &NO_SECRET);
+    node.wait_running("default", "after", POD);
+    for (kill, tags) in [(false, ["v3", "v4", "v5"]), (true, ["v6", "v7", "v8"])] {
+        node.restart("credgate", kill);
+        for tag in tags {
+            let name = format!("restarted-{tag}");
+            node.pod(
+                "default",
+                &name,
+                &node.image(&format!("team-p/app:{tag}")),
+                &NO_SECRET,
+            );
+        }
+        for tag in tags {
+            let name = format!("restarted-{tag}");
+            node.wait_running("default", &name, POD);
+            let pulls = node.pulls_of("default", &name);
+            let failed = pulls.iter().filter(|l| !l.contains(" pulled")).count();
+            assert!(failed <= 1, "{name}: {failed} refused attempts: {pulls:?}");
+            assert!(
+                !pulls
+                    .iter()
+                    .any(|l| l.split_whitespace().any(|w| w == "unknown")),
+                "{name}: the kubelet's copy taken for a pod's own secret: {pulls:?}"
+            );
+            let events = node.kubectl_ok(&[
+                "get",
+                "events",
+                "--field-selector",
+                &format!("involvedObject.name={name}"),
+                "-o",
+                "jsonpath={.items[*].reason}",
+            ]);
+            assert!(!events.contains("Failed"), "{name}: {events}");
+        }
+    }
+    let log = node.credgate_log();
+    assert!(!log.contains(new) && !log.contains(&old));
+}
+
 #[test]
 #[ignore = "needs root"]
 fn credgate_killed_during_a_start_burst_loses_no_pod_and_no_capture() {
