@@ -127,7 +127,13 @@ pub fn load_provider_config(path: &Path) -> Result<ProviderConfig, LoadError> {
 /// out. The file, what it links to and every directory above them must be this user's or
 /// root's and writable by nobody else (`credgate_trust::check_file_chain`).
 pub fn load_docker_config(path: &Path) -> Result<StaticSource, LoadError> {
-    credgate_trust::check_file_chain(path)?;
+    match credgate_trust::check_file_chain(path) {
+        // A missing file is read's to report, as it always was.
+        Err(credgate_trust::TrustError::Io { error, .. })
+            if error.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e.into()),
+        Ok(()) => {}
+    }
     let bytes = read(path)?;
     let items = dockerconfig::parse(&bytes).map_err(|error| LoadError::DockerConfig {
         path: path.to_owned(),

@@ -29,9 +29,17 @@ pub fn run(args: CheckArgs) -> Result<Outcome> {
             plugin_dir: dir,
             ..Default::default()
         };
-        if let Err(e) = Engine::builder().config(config).options(options).build() {
-            eprintln!("{e}");
-            return Ok(Outcome::No);
+        match Engine::builder().config(config).options(options).build() {
+            // Right for the kubelet's config (its plugins are the bridge), never for the
+            // agent's, which refuses it: said, not failed.
+            Err(e @ credgate_engine::BuildError::PluginIsTheBridge { .. }) => {
+                eprintln!("note: {e} (right in the kubelet's config, refused in the agent's)");
+            }
+            Err(e) => {
+                eprintln!("{e}");
+                return Ok(Outcome::No);
+            }
+            Ok(_) => {}
         }
     }
     println!("ok: {count} provider(s), config {identity}");

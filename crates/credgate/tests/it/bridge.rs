@@ -579,8 +579,8 @@ fn the_bridge_and_credgate_get_agree_on_order() {
 /// provider's name: given that directory, the agent would run its own bridge as the plugin,
 /// which asks the agent, which joins its own run, and every lookup would wait the plugin
 /// timeout. The agent refuses such a provider at start and on reload (the old config keeps
-/// serving), `check-config` reports it, and `explain` in-process refuses it, whatever the
-/// bridge's file is called (a link or a copy).
+/// serving), `check-config` reports it (and passes: in the kubelet's config it is right), and
+/// `explain` in-process refuses it, whatever the bridge's file is called (a link or a copy).
 #[test]
 fn a_provider_whose_plugin_is_the_bridge_is_refused() {
     let dir = tempfile::tempdir().unwrap();
@@ -625,12 +625,20 @@ fn a_provider_whose_plugin_is_the_bridge_is_refused() {
             .output()
             .unwrap()
     };
-    refused(&credgate(&[
+    // check-config reports it (the kubelet's config is rightly the bridge's), exit 0.
+    let checked = credgate(&[
         "check-config".as_ref(),
         config.as_os_str(),
         "--image-credential-provider-bin-dir".as_ref(),
         kubelet_dir.as_os_str(),
-    ]));
+    ]);
+    assert!(checked.status.success(), "{}", text(&checked.stderr));
+    assert!(
+        text(&checked.stderr).contains("credgate's kubelet bridge")
+            && text(&checked.stderr).contains("refused in the agent's"),
+        "{}",
+        text(&checked.stderr)
+    );
     refused(&credgate(&[
         "explain".as_ref(),
         "reg.example/app".as_ref(),
