@@ -1041,8 +1041,11 @@ int main(void) {{
             socket.display()
         ),
     );
+    // The scrape address: the pod's (the node's) in the manifest; a free loopback port here,
+    // where other tests' nodes may hold 9464.
     let metrics = format!("127.0.0.1:{}", crate::support::free_port());
-    manifest = manifest.replace("127.0.0.1:9464", &metrics);
+    assert!(manifest.contains("--metrics-addr=$(POD_IP):9464"));
+    manifest = manifest.replace("$(POD_IP):9464", &metrics);
     node.apply(&manifest);
     let until = Instant::now() + Duration::from_secs(120);
     loop {
