@@ -2,6 +2,7 @@
 //! library; `main` maps outcomes to exit codes in one place (0 success, 1 negative answer or
 //! failure, 2 usage error).
 
+mod activation;
 mod cmd;
 mod node;
 mod opts;
@@ -37,6 +38,19 @@ fn main() -> ExitCode {
         _ => ("error", false),
     };
     init_logs(cli.verbose, default_level, json);
+    // The sockets a service manager hands over, taken before any thread starts (their
+    // variables are removed).
+    let handed = if matches!(cli.command, Command::Serve(_)) {
+        match activation::Handed::from_env() {
+            Ok(handed) => handed,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::from(1);
+            }
+        }
+    } else {
+        activation::Handed::default()
+    };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -44,7 +58,7 @@ fn main() -> ExitCode {
         .expect("tokio runtime starts");
     let result = runtime.block_on(async {
         match cli.command {
-            Command::Serve(args) => cmd::serve::run(*args).await,
+            Command::Serve(args) => cmd::serve::run(*args, handed).await,
             Command::Ctl(args) => cmd::ctl::run(args).await,
             Command::Get(args) => cmd::get::run(args).await,
             Command::Explain(args) => cmd::explain::run(args).await,

@@ -49,6 +49,8 @@ pub struct NodeOptions {
     pub limits: server::Limits,
     pub metrics_addr: Option<SocketAddr>,
     pub proxy: Option<ProxyConfig>,
+    /// The sockets a service manager handed over (none: each is bound).
+    pub handed: crate::activation::Handed,
 }
 
 /// Why a node could not start.
@@ -69,6 +71,8 @@ pub enum NodeError {
     },
     #[error("cannot serve the CRI proxy on {path}: {error}")]
     Proxy { path: PathBuf, error: String },
+    #[error("refusing the sockets the service manager handed over")]
+    Handed(#[source] crate::activation::ActivationError),
     #[error(
         "the sealed provider cache is off, but {path} of an earlier run cannot be removed: {error}"
     )]
@@ -204,10 +208,37 @@ impl Node {
         options.agent.captured = open_captured(options.proxy.as_ref(), &options.state_dir, &clock)?;
         let limits = fit_open_files(options.limits, options.proxy.is_some());
         let agent = Agent::new(options.agent)?;
-        let listener = socket::bind(&options.socket, &options.socket_access)
-            .await
-            .map_err(NodeError::Socket)?;
-        let bound = socket::identity(&options.socket);
+        let mut handed = options.handed;
+        let (listener, bound) = match handed
+            .take("api", &options.socket, "--socket")
+            .map_err(NodeError::Handed)?
+        {
+            // The service manager's: it stays when this process goes, never removed.
+            Some(inherited) => (
+                tokio::net::UnixListener::from_std({
+                    inherited.set_nonblocking(true).map_err(|e| {
+                        NodeError::Socket(SocketError::Io {
+                            path: options.socket.clone(),
+                            source: e,
+                        })
+                    })?;
+                    inherited
+                })
+                .map_err(|e| {
+                    NodeError::Socket(SocketError::Io {
+                        path: options.socket.clone(),
+                        source: e,
+                    })
+                })?,
+                None,
+            ),
+            None => {
+                let listener = socket::bind(&options.socket, &options.socket_access)
+                    .await
+                    .map_err(NodeError::Socket)?;
+                (listener, socket::identity(&options.socket))
+            }
+        };
         // Plugins of an agent that was killed (SIGKILL, OOM) outlive it; this one ends them.
         agent.tasks().spawn_blocking(|| {
             let n = credgate_engine::sweep::orphans();
@@ -224,9 +255,17 @@ impl Node {
             Self::metrics(&agent, addr).await?;
         }
         let proxy = match &options.proxy {
-            Some(p) => Some(Self::proxy(&agent, p, &limits).await?),
+            Some(p) => {
+                let inherited = handed
+                    .take("cri", &p.socket, "--cri-proxy-socket")
+                    .map_err(NodeError::Handed)?;
+                Some(Self::proxy(&agent, p, &limits, inherited).await?)
+            }
             None => None,
         };
+        for name in handed.left() {
+            tracing::warn!(name, "a socket was handed over that no flag serves (the CRI proxy's needs --cri-proxy-socket): left unserved");
+        }
         Ok(Node {
             agent,
             api: (listener, options.socket, bound),
@@ -263,14 +302,22 @@ impl Node {
         agent: &Agent,
         config: &ProxyConfig,
         limits: &server::Limits,
+        inherited: Option<std::os::unix::net::UnixListener>,
     ) -> Result<(PathBuf, Option<SocketId>), NodeError> {
         let failed = |error: String| NodeError::Proxy {
             path: config.socket.clone(),
             error,
         };
-        let listener = socket::bind(&config.socket, &SocketAccess { group: None })
-            .await
-            .map_err(|e| failed(e.to_string()))?;
+        let (listener, id) = match inherited {
+            Some(l) => (l, None),
+            None => {
+                let l = socket::bind(&config.socket, &SocketAccess { group: None })
+                    .await
+                    .map_err(|e| failed(e.to_string()))?;
+                let l = l.into_std().map_err(|e| failed(e.to_string()))?;
+                (l, socket::identity(&config.socket))
+            }
+        };
         let runtime = credgate_cri::endpoint_path(&config.runtime_endpoint);
         tracing::info!(socket = %config.socket.display(), runtime = %runtime.display(), "serving the CRI image-service proxy");
         let context = credgate_cri::Context {
@@ -297,7 +344,6 @@ impl Node {
             keep_every: config.keep_every,
             list_limit: config.list_limit,
         };
-        let listener = listener.into_std().map_err(|e| failed(e.to_string()))?;
         let thread = credgate_cri::start(listener, options, agent.tasks().token().clone())
             .await
             .map_err(failed)?;
@@ -315,7 +361,7 @@ impl Node {
             tracing::error!(why = %why, "the CRI proxy ended: the kubelet's image calls fail until the agent is restarted");
             watched.set_proxy_ended(why);
         });
-        Ok((config.socket.clone(), socket::identity(&config.socket)))
+        Ok((config.socket.clone(), id))
     }
 
     pub fn agent(&self) -> &Agent {
@@ -369,7 +415,9 @@ impl Node {
             .await;
         // The API ends on the stop, or on a panic: either way everything else stops too.
         agent.tasks().stop();
-        socket::remove_if_ours(&socket_path, bound);
+        if bound.is_some() {
+            socket::remove_if_ours(&socket_path, bound);
+        }
         // The saver's last write runs after the API drained; the deadline bounds the rest.
         if !agent.tasks().wait(deadline + Duration::from_secs(1)).await {
             // Not ended here: they are dropped with the runtime, which the process shuts down
@@ -379,7 +427,8 @@ impl Node {
                 "tasks still running at the shutdown deadline: the process exits without waiting for them"
             );
         }
-        if let Some((path, id)) = proxy {
+        // A socket the service manager handed over (no id) stays: the next process serves it.
+        if let Some((path, id @ Some(_))) = proxy {
             socket::remove_if_ours(&path, id);
         }
         if let Some(store) = agent.guard().and_then(|g| g.store().ok()) {

@@ -31,7 +31,7 @@ fn default_state_dir() -> PathBuf {
     PathBuf::from(home).join(".local/state/credgate")
 }
 
-pub async fn run(args: ServeArgs) -> Result<Outcome> {
+pub async fn run(args: ServeArgs, handed: crate::activation::Handed) -> Result<Outcome> {
     // No core dumps and no ptrace by other processes of the same user: the agent's memory
     // holds credentials.
     if let Err(e) =
@@ -39,7 +39,8 @@ pub async fn run(args: ServeArgs) -> Result<Outcome> {
     {
         tracing::warn!(error = %e, "cannot mark the agent not dumpable");
     }
-    let options = node_options(&args)?;
+    let mut options = node_options(&args)?;
+    options.handed = handed;
     let (socket, state_dir) = (options.socket.clone(), options.state_dir.clone());
     let node = Node::start(options).await.map_err(|e| match e {
         // A bad config reads as it always did: the config's own error, not "cannot build".
@@ -124,6 +125,7 @@ fn node_options(args: &ServeArgs) -> Result<NodeOptions> {
             ..server::Limits::default()
         },
         metrics_addr: args.metrics_addr,
+        handed: crate::activation::Handed::default(),
         proxy: args.cri_proxy_socket.clone().map(|socket| ProxyConfig {
             socket,
             runtime_endpoint: args.cri_runtime_endpoint.clone(),

@@ -125,6 +125,46 @@ fn alerting_rules_and_the_dashboard_name_metrics_the_agent_exports() {
     }
 }
 
+/// The dashboard's first row says at a glance whether this node's pulls are healthy: the share
+/// of pulls failing, refused credentials, the runtime unreachable, plugin errors; each a stat
+/// with thresholds. The agent says which version runs (`credgate_build_info`).
+#[test]
+fn the_dashboards_first_row_says_whether_pulls_are_healthy() {
+    let dashboard: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(repo().join("deploy/grafana-dashboard.json")).unwrap(),
+    )
+    .unwrap();
+    let first: Vec<&serde_json::Value> = dashboard["panels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| p["gridPos"]["y"] == 0)
+        .collect();
+    let exprs: Vec<String> = first
+        .iter()
+        .map(|p| {
+            assert_eq!(p["type"], "stat", "{p}");
+            let steps = p["fieldConfig"]["defaults"]["thresholds"]["steps"]
+                .as_array()
+                .map_or(0, Vec::len);
+            assert!(steps >= 2, "{} has no thresholds", p["title"]);
+            p["targets"][0]["expr"].as_str().unwrap().to_owned()
+        })
+        .collect();
+    for metric in [
+        "credgate_cri_pulls_total",
+        "credgate_credentials_refused_total",
+        "credgate_cri_runtime_unreachable_total",
+        "credgate_plugin_errors_total",
+    ] {
+        assert!(
+            exprs.iter().any(|e| e.contains(metric)),
+            "{metric}: {exprs:?}"
+        );
+    }
+    assert!(exported().contains("credgate_build_info"));
+}
+
 /// Every alert the shipped rules define is shown by `promtool test rules` to fire on the
 /// series that should raise it and to stay quiet on those that should not
 /// (`deploy/tests/prometheus-rules.test.yaml`, which operators can run as well).
@@ -196,18 +236,21 @@ fn the_daemonsets_scrape_annotation_reaches_its_metrics_listener() {
     assert!(ds.contains("hostNetwork: true") && ds.contains("fieldPath: status.podIP"));
 }
 
-/// One host layout: the unit and the DaemonSet start the agent on the same provider config and
-/// plugin directory, the DaemonSet's init container writes the kubelet's config where README's
-/// migration does, and README's migration names them all; neither gives the agent the kubelet's
+/// One host layout: the unit (its /etc/default/credgate) and the DaemonSet start the agent on the same provider config and
+/// plugin directory, the DaemonSet's init container writes the kubelet's config where the
+/// migration (docs/kubelet.md) does, and the migration names them all; neither gives the agent the kubelet's
 /// plugin directory, which holds the bridge.
 #[test]
 fn the_unit_the_daemonset_and_readme_share_one_layout() {
     let read = |f: &str| std::fs::read_to_string(repo().join(f)).unwrap();
-    let (unit, ds, readme) = (
-        read("deploy/credgate.service"),
-        read("deploy/daemonset.yaml"),
-        read("README.md"),
-    );
+    // The unit takes the providers' flags from /etc/default/credgate, whose example names them.
+    let unit = read("deploy/systemd/credgate.default")
+        .lines()
+        .find_map(|l| l.strip_prefix("#CREDGATE_ARGS=\""))
+        .expect("credgate.default's example of the providers' flags")
+        .trim_end_matches('"')
+        .replace(' ', "\n");
+    let (ds, readme) = (read("deploy/daemonset.yaml"), read("docs/kubelet.md"));
     let flag = |text: &str, name: &str| -> Vec<String> {
         text.lines()
             .filter_map(|l| {
