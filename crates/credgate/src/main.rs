@@ -66,6 +66,7 @@ fn main() -> ExitCode {
             Command::KubeletConfig(args) => cmd::kubelet_config::run(args),
             Command::Match(args) => cmd::matching::run(args),
             Command::Import(opts::ImportCommand::Containerd(args)) => cmd::import::containerd(args),
+            Command::Man(args) => man(&args.dir),
         }
     });
     // What is still running (a task past the agent's shutdown deadline, a blocking thread of
@@ -84,6 +85,14 @@ fn main() -> ExitCode {
             }
         }
     }
+}
+
+/// Writes credgate(1) and a page a subcommand (credgate-serve(1), ...) into `dir`.
+fn man(dir: &std::path::Path) -> anyhow::Result<Outcome> {
+    use clap::CommandFactory as _;
+    std::fs::create_dir_all(dir)?;
+    clap_mangen::generate_to(opts::Cli::command(), dir)?;
+    Ok(Outcome::Yes)
 }
 
 /// An error in what the user typed that clap cannot see (the inside of a flag's value): exits

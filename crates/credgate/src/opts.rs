@@ -62,6 +62,10 @@ pub enum Command {
         after_help = "Examples:\n  credgate match '*.dkr.ecr.*.amazonaws.com' 123456789012.dkr.ecr.us-east-1.amazonaws.com/app:v1\n  credgate match docker.io nginx:1.25\n  credgate match 'registry.io:5000/team' registry.io:5000/teams/app"
     )]
     Match(MatchArgs),
+    /// Write the manual pages (credgate(1) and one a subcommand) into a directory: what the
+    /// package installs.
+    #[command(hide = true, after_help = "Examples:\n  credgate man target/man")]
+    Man(ManArgs),
     /// Move registry credentials from another program's config into a docker config the
     /// agent reads.
     #[command(
@@ -711,6 +715,13 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let d = GoDuration::parse(s).map_err(|e| e.to_string())?;
     d.to_std()
         .ok_or_else(|| format!("duration {s:?} must not be negative"))
+}
+
+/// `credgate man DIR`.
+#[derive(Args)]
+pub struct ManArgs {
+    /// Where the pages are written (created when missing).
+    pub dir: PathBuf,
 }
 
 #[cfg(test)]

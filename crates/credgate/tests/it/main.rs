@@ -18,6 +18,7 @@ mod hpack;
 mod lazy;
 mod node;
 mod node_images;
+mod package;
 mod policy;
 mod refusal;
 mod rotation;
