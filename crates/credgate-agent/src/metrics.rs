@@ -52,6 +52,12 @@ impl Code {
 
 crate::outcome::label_values!(AttemptResult, Code, CaptureResult, DropReason);
 
+/// `version` of the running agent.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct BuildLabels {
+    pub version: &'static str,
+}
+
 /// `result` of a renewal or a reload.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct AttemptLabels {
@@ -341,6 +347,11 @@ pub struct AgentMetrics {
     pub cri_node_images_absent: Gauge,
     /// Checks of the runtime's image list that could not read it whole (and acted on nothing).
     pub cri_image_list_incomplete: Counter,
+    /// Calls the CRI proxy could not forward: the container runtime could not be reached or
+    /// its connection failed.
+    pub cri_runtime_unreachable: Counter,
+    /// 1, labelled with the agent's version: what runs where (`credgate_build_info`).
+    pub build_info: Family<BuildLabels, Gauge>,
     /// Provider answers restored from the sealed cache at start.
     pub cache_restored: Counter,
     /// Saved provider answers not restored, by reason.
@@ -453,6 +464,15 @@ impl Default for AgentMetrics {
             cri_calls: Family::default(),
             cri_node_image_pulls: Family::default(),
             cri_node_images_absent: Gauge::default(),
+            cri_runtime_unreachable: Counter::default(),
+            build_info: {
+                let f: Family<BuildLabels, Gauge> = Family::default();
+                f.get_or_create(&BuildLabels {
+                    version: env!("CARGO_PKG_VERSION"),
+                })
+                .set(1);
+                f
+            },
             cri_image_list_incomplete: Counter::default(),
             cache_restored: Counter::default(),
             cache_dropped_total: Family::default(),
@@ -537,6 +557,16 @@ impl AgentMetrics {
             "cri_node_image_pulls",
             "Pulls the CRI proxy made on the node's behalf (no caller asked), by why (sandbox: the runtime's sandbox image; kept: --cri-proxy-keep-image) and result (ok, unauthorized, not_found, error)",
             self.cri_node_image_pulls.clone(),
+        );
+        r.register(
+            "cri_runtime_unreachable",
+            "Calls the CRI proxy could not forward because the container runtime could not be reached or its connection failed",
+            self.cri_runtime_unreachable.clone(),
+        );
+        r.register(
+            "build_info",
+            "The running agent's version (value 1)",
+            self.build_info.clone(),
         );
         r.register(
             "cri_node_images_absent",

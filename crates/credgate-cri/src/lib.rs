@@ -121,7 +121,7 @@ async fn forward(
             hyper::Request::from_parts(parts, body.map_err(|e| Box::new(e) as _).boxed_unsync());
         match sender.send_request(outbound).await {
             Ok(answer) => answer.map(|b| b.map_err(|e| Box::new(e) as _).boxed_unsync()),
-            Err(e) => broken_runtime(&e),
+            Err(e) => broken_runtime(runtime, &e),
         }
     };
     let answer = match tokio::time::timeout(limit, call).await {
@@ -214,13 +214,14 @@ pub async fn serve(listener: UnixListener, options: ProxyOptions, shutdown: Canc
     let limits = options.limits.clone();
     let shutdown_timeout = limits.shutdown_timeout;
     let background = Background::start(options, &proxy_budget, &shutdown);
+    let unreachable = metrics.cri_runtime_unreachable.clone();
     let mut listener = Listener::new("cri-proxy", listener, limits, metrics);
     // The API's windows, send buffer and reset bounds.
     let http2 = listener.http2(MAX_STREAMS, MAX_HEADER_LIST);
     while let Some(accepted) = listener.next(&shutdown).await {
         // Each caller has a connection to the runtime and a buffer budget of its own.
         let caller = std::sync::Arc::new(CallerConn {
-            runtime: std::sync::Arc::new(Runtime::new(runtime.clone())),
+            runtime: std::sync::Arc::new(Runtime::new(runtime.clone(), unreachable.clone())),
             budgets: Budgets::connection(&proxy_budget, budget::CONNECTION_BYTES),
         });
         let tracker = ConnectionState::new();
@@ -314,7 +315,10 @@ impl Background {
         let metrics = context.metrics.clone();
         // The proxy's own calls use a runtime connection and a budget of their own.
         let own = std::sync::Arc::new(CallerConn {
-            runtime: std::sync::Arc::new(Runtime::new(runtime)),
+            runtime: std::sync::Arc::new(Runtime::new(
+                runtime,
+                metrics.cri_runtime_unreachable.clone(),
+            )),
             budgets: Budgets::connection(proxy_budget, budget::PROXY_BYTES),
         });
         let view = std::sync::Arc::new(check::ImageView {

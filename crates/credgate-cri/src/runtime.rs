@@ -19,14 +19,20 @@ use credgate_agent::status::ApiError;
 /// One HTTP/2 connection to the runtime, made on first use and again after it fails.
 pub(super) struct Runtime {
     pub(super) path: PathBuf,
+    /// `credgate_cri_runtime_unreachable_total`: calls not forwarded for want of the runtime.
+    pub(super) unreachable: prometheus_client::metrics::counter::Counter,
     pub(super) sender: Mutex<Option<hyper::client::conn::http2::SendRequest<Body>>>,
     pub(super) tasks: parking_lot::Mutex<JoinSet<()>>,
 }
 
 impl Runtime {
-    pub(super) fn new(path: PathBuf) -> Runtime {
+    pub(super) fn new(
+        path: PathBuf,
+        unreachable: prometheus_client::metrics::counter::Counter,
+    ) -> Runtime {
         Runtime {
             path,
+            unreachable,
             sender: Mutex::new(None),
             tasks: parking_lot::Mutex::new(JoinSet::new()),
         }
@@ -245,7 +251,7 @@ pub(super) async fn exchange(
     let answer = sender
         .send_request(outbound)
         .await
-        .map_err(|e| broken_runtime(&e))?;
+        .map_err(|e| broken_runtime(runtime, &e))?;
     let (parts, body) = answer.into_parts();
     let collected =
         match budget::collect(body, limit, &caller.budgets).await {
@@ -289,13 +295,15 @@ pub(super) fn framed(message: &[u8]) -> Option<Bytes> {
 }
 
 pub(super) fn unreachable_runtime(runtime: &Runtime, e: &std::io::Error) -> hyper::Response<Body> {
+    runtime.unreachable.inc();
     status(ApiError::Runtime(format!(
         "credgate: cannot reach the container runtime at {}: {e}",
         runtime.path.display()
     )))
 }
 
-pub(super) fn broken_runtime(e: &hyper::Error) -> hyper::Response<Body> {
+pub(super) fn broken_runtime(runtime: &Runtime, e: &hyper::Error) -> hyper::Response<Body> {
+    runtime.unreachable.inc();
     status(ApiError::Runtime(format!(
         "credgate: the container runtime's connection failed: {e}"
     )))
