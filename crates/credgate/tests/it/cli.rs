@@ -629,12 +629,12 @@ fn json_output_names_enums() {
     assert!(!text(&out.stdout).contains("json-secret"));
 }
 
-/// The README's "When a pull is unauthorized" examples run as written against the example
+/// docs/cri-proxy.md's "When a pull is unauthorized" examples run as written against the example
 /// agent: each `sh` block's commands give the output block that follows it (the agent's socket
 /// path aside).
 #[test]
 fn the_readmes_debugging_examples_run_as_written() {
-    let readme = std::fs::read_to_string(repo().join("README.md")).unwrap();
+    let readme = std::fs::read_to_string(repo().join("docs/cri-proxy.md")).unwrap();
     let start = readme.find("## When a pull is unauthorized").unwrap();
     let section = &readme[start..];
     let section = &section[..section[3..].find("\n## ").map_or(section.len(), |i| i + 3)];
@@ -682,13 +682,13 @@ fn the_readmes_debugging_examples_run_as_written() {
     assert_eq!(checked, 2, "the section's examples with their output");
 }
 
-/// The README's image access guard example runs as written against a scratch agent: each
+/// docs/guard.md's image access guard example runs as written against a scratch agent: each
 /// command exits as its comment says (0 unless it says `exit 1`). `ctl verify` asks
 /// registry.example.com itself, which a test machine cannot reach: it only has to be no usage
 /// error.
 #[test]
 fn the_readmes_guard_example_runs_as_written() {
-    let readme = std::fs::read_to_string(repo().join("README.md")).unwrap();
+    let readme = std::fs::read_to_string(repo().join("docs/guard.md")).unwrap();
     let start = readme
         .find("```sh\ncredgate ctl record-intent")
         .expect("the guard example");
