@@ -318,6 +318,23 @@ impl Node {
         out
     }
 
+    /// Alice's password changes to `new` in the registry and in the team-p provider's backend.
+    pub fn rotate(&self, new: &str) {
+        let out = Command::new("htpasswd")
+            .args([
+                "-bB",
+                "-C",
+                "4",
+                self.env("REGISTRY_HTPASSWD"),
+                "alice",
+                new,
+            ])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "htpasswd: {}", text(&out.stderr));
+        std::fs::write(self.env("PROVIDER_PASSWORD_FILE"), format!("{new}\n")).unwrap();
+    }
+
     /// Copies `REGISTRY/FROM` to `REGISTRY/TO` as alice with `password`.
     pub fn push(&self, from: &str, to: &str, password: &str) {
         let creds = format!("alice:{password}");
@@ -814,14 +831,7 @@ fn after_a_rotation_the_next_pod_runs_and_the_kubelet_sees_no_failed_pull() {
     node.wait_running("default", "before", POD);
     // The registry's password changes, and so does the provider's backend. The kubelet keeps
     // the bridge's earlier answer (its own cache, 1 h).
-    let new = "rotated-password-2";
-    let htpasswd = node.env("REGISTRY_HTPASSWD").to_owned();
-    let out = Command::new("htpasswd")
-        .args(["-bB", "-C", "4", &htpasswd, "alice", new])
-        .output()
-        .unwrap();
-    assert!(out.status.success());
-    std::fs::write(node.env("PROVIDER_PASSWORD_FILE"), format!("{new}\n")).unwrap();
+    node.rotate("rotated-password-2");
     let started = Instant::now();
     node.pod("default", "after", &node.image("team-p/app:v2"), &NO_SECRET);
     node.wait_running("default", "after", POD);
@@ -867,13 +877,7 @@ fn after_a_rotation_and_a_restart_the_kubelets_stale_copy_is_replaced() {
     );
     node.wait_running("default", "before", POD);
     let new = "rotated-password-49";
-    let htpasswd = node.env("REGISTRY_HTPASSWD").to_owned();
-    let out = Command::new("htpasswd")
-        .args(["-bB", "-C", "4", &htpasswd, "alice", new])
-        .output()
-        .unwrap();
-    assert!(out.status.success());
-    std::fs::write(node.env("PROVIDER_PASSWORD_FILE"), format!("{new}\n")).unwrap();
+    node.rotate(new);
     node.pod("default", "after", &node.image("team-p/app:v2"), &NO_SECRET);
     node.wait_running("default", "after", POD);
     for (kill, tags) in [(false, ["v3", "v4", "v5"]), (true, ["v6", "v7", "v8"])] {
