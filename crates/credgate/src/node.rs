@@ -309,7 +309,11 @@ impl Node {
             error,
         };
         let (listener, id) = match inherited {
-            Some(l) => (l, None),
+            // A handed-over socket is blocking; the proxy's runtime takes non-blocking ones.
+            Some(l) => {
+                l.set_nonblocking(true).map_err(|e| failed(e.to_string()))?;
+                (l, None)
+            }
             None => {
                 let l = socket::bind(&config.socket, &SocketAccess { group: None })
                     .await

@@ -1168,6 +1168,52 @@ fn sockets_handed_over_outlive_the_agent_and_the_wrong_kind_is_refused() {
     assert!(!wrong.join("api.sock").exists());
     drop(held);
 
+    // Only `cri` handed over: the proxy serves it (a handed-over socket is blocking: the
+    // proxy's runtime must be given it non-blocking), the API's socket is bound.
+    let proxied = d.join("proxied");
+    std::fs::create_dir_all(&proxied).unwrap();
+    let cri = proxied.join("cri.sock");
+    let runtime = format!("unix://{}", proxied.join("no-runtime.sock").display());
+    let held = Held::start(
+        &proxied,
+        &[
+            "serve",
+            "--no-docker-config",
+            "--socket",
+            proxied.join("api.sock").to_str().unwrap(),
+            "--state-dir",
+            proxied.join("state").to_str().unwrap(),
+            "--cri-proxy-socket",
+            cri.to_str().unwrap(),
+            "--cri-runtime-endpoint",
+            &runtime,
+        ],
+        &[format!("cri={}", cri.display())],
+    );
+    let log = || std::fs::read_to_string(proxied.join("agent.log")).unwrap_or_default();
+    credgate_testbed::eventually(
+        "the proxy serves the handed-over socket",
+        Duration::from_secs(20),
+        || log().contains("serving the CRI image-service proxy"),
+    );
+    let status = Command::new(env!("CARGO_BIN_EXE_credgate"))
+        .args([
+            "ctl",
+            "--socket",
+            proxied.join("api.sock").to_str().unwrap(),
+            "status",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        text(&status.stdout).contains("cri proxy:      serving"),
+        "{}{}",
+        text(&status.stdout),
+        log()
+    );
+    assert!(!log().contains("panicked"), "{}", log());
+    drop(held);
+
     // Only `cri` handed over, and no proxy: the API's socket is bound, and the unused one said.
     let other = d.join("other");
     std::fs::create_dir_all(&other).unwrap();
