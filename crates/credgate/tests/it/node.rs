@@ -308,7 +308,15 @@ impl Node {
                 .as_array()
                 .into_iter()
                 .flatten()
-                .filter(|e| e["involvedObject"]["name"] == name.as_str() && e["reason"] == "Failed")
+                // One event a failed pull (the kubelet also records ErrImagePull and
+                // ImagePullBackOff as Failed).
+                .filter(|e| {
+                    e["involvedObject"]["name"] == name.as_str()
+                        && e["reason"] == "Failed"
+                        && e["message"]
+                            .as_str()
+                            .is_some_and(|m| m.starts_with("Failed to pull image"))
+                })
                 .map(|e| e["count"].as_u64().unwrap_or(1))
                 .sum();
             if n > 0 {
@@ -972,10 +980,22 @@ fn a_restart_or_an_upgrade_during_a_burst_loses_no_pull() {
             "{phase}: 20 pods ran within {:?}; failed pulls the kubelet recorded: {failed:?}",
             started.elapsed()
         );
+        let why = || {
+            let events = node.kubectl_ok(&["get", "events", "-n", "default"]);
+            let log = node.credgate_log();
+            let warned: Vec<&str> = log
+                .lines()
+                .filter(|l| l.contains("WARN") || l.contains("ERROR") || l.contains("stopping"))
+                .collect();
+            format!(
+                "{events}\n{}",
+                warned[warned.len().saturating_sub(40)..].join("\n")
+            )
+        };
         if phase == "kill" {
-            assert!(failed.iter().all(|(_, n)| *n <= 1), "{failed:?}");
+            assert!(failed.iter().all(|(_, n)| *n <= 1), "{failed:?}\n{}", why());
         } else {
-            assert!(failed.is_empty(), "{phase}: {failed:?}");
+            assert!(failed.is_empty(), "{phase}: {failed:?}\n{}", why());
         }
     }
     let log = node.credgate_log();
