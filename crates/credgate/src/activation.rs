@@ -1,20 +1,18 @@
 //! Listening sockets a service manager hands over (systemd's socket activation: `LISTEN_FDS`,
-//! `LISTEN_PID`, `LISTEN_FDNAMES`; `deploy/systemd/credgate-*.socket`), so that the sockets
+//! `LISTEN_PID`, `LISTEN_FDNAMES`; `deploy/systemd/credgate.socket`), so that the sockets
 //! outlive the process: while the agent restarts or is upgraded, the kubelet's and the
 //! runtimes' connections wait in the sockets' backlog for the next process instead of failing.
 //!
-//! Two names are taken: `api` (`--socket`) and `cri` (`--cri-proxy-socket`). Each must be a
-//! listening unix stream socket bound to the path its flag names, or the agent refuses to start
-//! and says why; a name not handed over is bound as usual (and logged). The descriptors are
-//! made close-on-exec (plugins never inherit them) and the variables removed, once, before any
-//! thread starts.
+//! Each socket handed over must be a listening unix stream socket, or the agent refuses to start
+//! and says why. A flag's socket (`--socket`, `--cri-proxy-socket`) is the one named for it
+//! (`api`, `cri`: `FileDescriptorName=`), which must be bound to the flag's path, or else the one
+//! bound to that path (one `credgate.socket` unit with two `ListenStream=` hands both over under
+//! the unit's name); a flag's socket not handed over is bound as usual (and logged). The
+//! descriptors are made close-on-exec (plugins never inherit them) and the variables removed,
+//! once, before any thread starts.
 
-use std::collections::BTreeMap;
 use std::os::unix::net::UnixListener;
-use std::path::Path;
-
-/// The names credgate takes.
-pub const NAMES: [&str; 2] = ["api", "cri"];
+use std::path::{Path, PathBuf};
 
 /// Why handed-over sockets were refused.
 #[derive(Debug, thiserror::Error)]
@@ -32,18 +30,14 @@ pub enum ActivationError {
         wanted: String,
         flag: &'static str,
     },
-    #[error("{0} sockets were handed over without names: name them api and cri (systemd: FileDescriptorName=)")]
-    Unnamed(usize),
-    #[error("a socket was handed over as {0:?}: credgate takes api and cri")]
-    UnknownName(String),
     #[error("LISTEN_FDNAMES names {names} sockets, LISTEN_FDS hands over {fds}")]
     Count { names: usize, fds: usize },
 }
 
-/// The sockets handed over, by name.
+/// The sockets handed over: name, the path each is bound to, the socket.
 #[derive(Debug, Default)]
 pub struct Handed {
-    sockets: BTreeMap<&'static str, UnixListener>,
+    sockets: Vec<(String, Option<PathBuf>, UnixListener)>,
     /// Whether a service manager handed anything over at all.
     pub activated: bool,
 }
@@ -68,8 +62,7 @@ impl Handed {
         }
         let names: Vec<String> = match names {
             Some(n) => n.split(':').map(str::to_owned).collect(),
-            None if count == 1 => vec!["api".into()],
-            None => return Err(ActivationError::Unnamed(count)),
+            None => vec!["unknown".into(); count],
         };
         if names.len() != count {
             return Err(ActivationError::Count {
@@ -78,9 +71,6 @@ impl Handed {
             });
         }
         for (index, name) in names.into_iter().enumerate() {
-            let Some(known) = NAMES.into_iter().find(|n| *n == name) else {
-                return Err(ActivationError::UnknownName(name));
-            };
             let not_unix = |why: String| ActivationError::NotUnix {
                 name: name.clone(),
                 fd: 3 + index,
@@ -98,43 +88,64 @@ impl Handed {
             }
             rustix::io::fcntl_setfd(&listener, rustix::io::FdFlags::CLOEXEC)
                 .map_err(|e| not_unix(e.to_string()))?;
-            handed.sockets.insert(known, listener);
+            let bound = listener
+                .local_addr()
+                .ok()
+                .and_then(|a| a.as_pathname().map(Path::to_owned));
+            handed.sockets.push((name, bound, listener));
         }
         Ok(handed)
     }
 
-    /// The socket handed over as `name`, checked to be bound to `path` (`flag` names it);
-    /// `None` when none was, and the caller binds `path` itself.
+    /// The socket handed over for `path` (`flag` names it): the one named `name`, which must be
+    /// bound to `path`, else the one bound to `path`; `None` when none was, and the caller
+    /// binds `path` itself.
     pub fn take(
         &mut self,
         name: &'static str,
         path: &Path,
         flag: &'static str,
     ) -> Result<Option<UnixListener>, ActivationError> {
-        let Some(listener) = self.sockets.remove(name) else {
-            if self.activated {
-                tracing::info!(name, path = %path.display(), "no socket handed over by that name: binding it");
+        if let Some(at) = self.sockets.iter().position(|(n, _, _)| n == name) {
+            let (_, bound, listener) = self.sockets.remove(at);
+            if bound.as_deref() != Some(path) {
+                return Err(ActivationError::OtherPath {
+                    name,
+                    bound: bound.map_or_else(|| "no path".into(), |b| b.display().to_string()),
+                    wanted: path.display().to_string(),
+                    flag,
+                });
             }
-            return Ok(None);
-        };
-        let bound = listener
-            .local_addr()
-            .ok()
-            .and_then(|a| a.as_pathname().map(Path::to_owned));
-        if bound.as_deref() != Some(path) {
-            return Err(ActivationError::OtherPath {
-                name,
-                bound: bound.map_or_else(|| "no path".into(), |b| b.display().to_string()),
-                wanted: path.display().to_string(),
-                flag,
-            });
+            tracing::info!(name, path = %path.display(), "serving on the socket the service manager handed over");
+            return Ok(Some(listener));
         }
-        tracing::info!(name, path = %path.display(), "serving on the socket the service manager handed over");
-        Ok(Some(listener))
+        if let Some(at) = self
+            .sockets
+            .iter()
+            .position(|(_, bound, _)| bound.as_deref() == Some(path))
+        {
+            let (_, _, listener) = self.sockets.remove(at);
+            tracing::info!(name, path = %path.display(), "serving on the socket the service manager handed over");
+            return Ok(Some(listener));
+        }
+        if self.activated {
+            tracing::info!(name, path = %path.display(), "no socket handed over for it: binding it");
+        }
+        Ok(None)
     }
 
-    /// The names handed over that no flag took (a `cri` socket without `--cri-proxy-socket`).
-    pub fn left(&self) -> Vec<&'static str> {
-        self.sockets.keys().copied().collect()
+    /// The sockets handed over that no flag took (a `cri` socket without
+    /// `--cri-proxy-socket`), by name and path.
+    pub fn left(&self) -> Vec<String> {
+        self.sockets
+            .iter()
+            .map(|(n, b, _)| {
+                format!(
+                    "{n} ({})",
+                    b.as_deref()
+                        .map_or("no path".into(), |b| b.display().to_string())
+                )
+            })
+            .collect()
     }
 }

@@ -263,8 +263,8 @@ impl Node {
             }
             None => None,
         };
-        for name in handed.left() {
-            tracing::warn!(name, "a socket was handed over that no flag serves (the CRI proxy's needs --cri-proxy-socket): left unserved");
+        for socket in handed.left() {
+            tracing::warn!(socket = %socket, "a socket was handed over that no flag serves (the CRI proxy's needs --cri-proxy-socket): left unserved");
         }
         Ok(Node {
             agent,

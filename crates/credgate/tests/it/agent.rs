@@ -1248,7 +1248,7 @@ fn sockets_handed_over_outlive_the_agent_and_the_wrong_kind_is_refused() {
         },
     );
     assert!(
-        log().contains("no socket handed over by that name: binding it"),
+        log().contains("no socket handed over for it: binding it"),
         "{}",
         log()
     );
