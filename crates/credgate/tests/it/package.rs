@@ -133,8 +133,7 @@ fn the_package_installs_runs_verifies_and_purges_clean() {
     }
     let units = [
         "/usr/lib/systemd/system/credgate.service",
-        "/usr/lib/systemd/system/credgate-api.socket",
-        "/usr/lib/systemd/system/credgate-cri.socket",
+        "/usr/lib/systemd/system/credgate.socket",
     ];
     let mut verify = vec!["systemd-analyze", "verify"];
     verify.extend(units);
