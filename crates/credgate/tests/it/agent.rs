@@ -259,7 +259,12 @@ fn deployment_files_use_real_flags() {
         let serve_args = if file.ends_with(".default") {
             body.as_str()
         } else {
-            body.split("serve")
+            let marker = if file.ends_with(".yaml") {
+                "- serve"
+            } else {
+                "credgate serve"
+            };
+            body.split(marker)
                 .nth(1)
                 .unwrap_or_else(|| panic!("{file} runs credgate serve"))
         };

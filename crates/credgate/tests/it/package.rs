@@ -64,6 +64,8 @@ fn files(root: &Path) -> BTreeSet<String> {
                 "/var/cache/man",
                 "/var/cache/debconf",
                 "/tmp",
+                // systemd-analyze's; a tmpfs on a booted system.
+                "/run",
             ]
             .iter()
             .any(|skip| p.starts_with(skip))
