@@ -435,9 +435,5 @@ async fn a_slow_kept_image_does_not_hold_the_others() {
         || pulls_of(&fake, sandbox) >= 1 && pulls_of(&fake, other) >= 1,
     );
     assert_eq!(pulls_of(&fake, slow), 1, "the slow pull is still under way");
-    assert_eq!(
-        fake.pulled.lock().first().map(String::as_str),
-        Some(sandbox)
-    );
     assert!(agent.stop().success());
 }
