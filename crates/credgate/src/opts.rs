@@ -229,33 +229,42 @@ pub enum LogFormat {
 
 #[derive(Args)]
 pub struct ServeArgs {
+    #[command(next_help_heading = "Credential sources (docs/kubelet.md)")]
     #[command(flatten)]
     pub sources: SourceArgs,
     /// The API socket. Default: /run/credgate/credgate.sock as root; otherwise
     /// $XDG_RUNTIME_DIR/credgate.sock, else /run/user/UID/credgate.sock when that directory is
     /// yours, else /tmp/credgate-UID/credgate.sock.
     #[arg(long, value_name = "PATH")]
+    #[arg(help_heading = "API socket and state (docs/operations.md)")]
     pub socket: Option<PathBuf>,
     /// Open the socket to this group too (mode 0660 instead of 0600).
     #[arg(long, value_name = "GROUP")]
+    #[arg(help_heading = "API socket and state (docs/operations.md)")]
     pub socket_group: Option<String>,
     /// Embedded state. Default: /var/lib/credgate as root, $XDG_STATE_HOME/credgate otherwise.
     #[arg(long, value_name = "DIR")]
+    #[arg(help_heading = "API socket and state (docs/operations.md)")]
     pub state_dir: Option<PathBuf>,
     /// Serve Prometheus metrics at http://ADDR/metrics (off unless given).
     #[arg(long, value_name = "ADDR")]
+    #[arg(help_heading = "Metrics and logs (docs/operations.md)")]
     pub metrics_addr: Option<std::net::SocketAddr>,
     /// Log format on stderr.
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    #[arg(help_heading = "Metrics and logs (docs/operations.md)")]
     pub log_format: LogFormat,
     /// Renew tracked credentials at least this long before they expire.
     #[arg(long, value_name = "DURATION", value_parser = parse_duration, default_value = "1m")]
+    #[arg(help_heading = "Renewal (docs/snapshotters.md)")]
     pub renew_before: Duration,
     /// Re-check tracked credentials without a known expiry this often.
     #[arg(long, value_name = "DURATION", value_parser = parse_duration, default_value = "5m")]
+    #[arg(help_heading = "Renewal (docs/snapshotters.md)")]
     pub recheck_interval: Duration,
     /// Keep refs no consumer tracks any more for this long before forgetting them.
     #[arg(long, value_name = "DURATION", value_parser = parse_duration, default_value = "10m")]
+    #[arg(help_heading = "Renewal (docs/snapshotters.md)")]
     pub untracked_grace: Duration,
     /// When a consumer must authenticate before using an image already on the node (kubelet
     /// flag): NeverVerify, NeverVerifyPreloadedImages, NeverVerifyAllowlistedImages,
@@ -265,26 +274,32 @@ pub struct ServeArgs {
         value_name = "POLICY",
         default_value = "NeverVerifyPreloadedImages"
     )]
+    #[arg(help_heading = "Image access guard (docs/guard.md)")]
     pub image_pull_credentials_verification_policy: String,
     /// Images exempt under NeverVerifyAllowlistedImages (kubelet flag): names without tag or
     /// digest, or prefixes ending in `/*`; comma-separated, repeatable.
     #[arg(long, value_name = "LIST", value_delimiter = ',')]
+    #[arg(help_heading = "Image access guard (docs/guard.md)")]
     pub preloaded_images_verification_allowlist: Vec<String>,
     /// A secret that last pulled an image longer ago than this no longer allows it without
     /// re-authentication (off unless given).
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    #[arg(help_heading = "Image access guard (docs/guard.md)")]
     pub pull_record_max_age: Option<Duration>,
     /// Reach this registry (`host[:port]`) over plain HTTP when verifying (loopback registries
     /// always are); repeatable.
     #[arg(long, value_name = "HOST")]
+    #[arg(help_heading = "Image access guard (docs/guard.md)")]
     pub insecure_registry: Vec<String>,
     /// Timeout of each request to a registry when verifying.
     #[arg(long, value_name = "DURATION", value_parser = parse_duration, default_value = "10s")]
+    #[arg(help_heading = "Image access guard (docs/guard.md)")]
     pub registry_timeout: Duration,
     /// Keep the providers' answers and the tracked refs sealed in the state directory, so that
     /// a restart serves them with no plugin run while they are valid (`--persist-cache=false`
     /// turns it off).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
+    #[arg(help_heading = "API socket and state (docs/operations.md)")]
     pub persist_cache: bool,
     /// Only these uids (and the agent's own) may call SERVICE (credentials, admin or
     /// image-access), checked against the socket's peer credentials; repeatable. Services
@@ -292,36 +307,45 @@ pub struct ServeArgs {
     /// names the uids, besides root and the agent's own, that may look up credentials for a
     /// service account (a claim the agent cannot check otherwise).
     #[arg(long, value_name = "SERVICE=UID[,UID...]", value_parser = parse_allow_uids)]
+    #[arg(help_heading = "API socket and state (docs/operations.md)")]
     pub allow_uids: Vec<(credgate_agent::Service, Vec<u32>)>,
     /// A Watch client that has not read its stream for this long is dropped.
     #[arg(long, value_name = "DURATION", value_parser = parse_duration, default_value = "30s")]
+    #[arg(help_heading = "API socket and state (docs/operations.md)")]
     pub watch_send_timeout: Duration,
     /// API connections open at once; more are closed as they arrive. Kept below the open-file
     /// limit with descriptors in reserve for plugins, the store and metrics.
     #[arg(long, value_name = "N", default_value_t = credgate_agent::server::DEFAULT_MAX_CONNECTIONS)]
+    #[arg(help_heading = "API socket and state (docs/operations.md)")]
     pub max_connections: usize,
     /// API connections open at once for one uid other than root and the agent's own.
     #[arg(long, value_name = "N", default_value_t = credgate_agent::server::DEFAULT_MAX_CONNECTIONS / 4)]
+    #[arg(help_heading = "API socket and state (docs/operations.md)")]
     pub max_connections_per_uid: usize,
     /// An API connection with no call open that has sent nothing for this long is closed.
     #[arg(long, value_name = "DURATION", value_parser = parse_duration, default_value = "5m")]
+    #[arg(help_heading = "API socket and state (docs/operations.md)")]
     pub idle_timeout: Duration,
     /// Serve a CRI image-service proxy here (the kubelet's --image-service-endpoint): every
     /// call is forwarded to --cri-runtime-endpoint and its answer returned unchanged. Off
     /// unless given.
     #[arg(long, value_name = "PATH")]
+    #[arg(help_heading = "CRI proxy (docs/cri-proxy.md)")]
     pub cri_proxy_socket: Option<PathBuf>,
     /// Keep the pull credentials the CRI proxy sees, sealed, for lazy-pull snapshotters (served
     /// per repository; `--cri-proxy-capture=false`: keep none; the guard and the pull log
     /// still see every pull).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
+    #[arg(help_heading = "CRI proxy (docs/cri-proxy.md)")]
     pub cri_proxy_capture: bool,
     /// Drop a captured pull credential this long after its capture (off unless given).
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    #[arg(help_heading = "CRI proxy (docs/cri-proxy.md)")]
     pub captured_credential_max_age: Option<Duration>,
     /// How often the CRI proxy checks the runtime's images and drops captured credentials of
     /// repositories it has no image of any more (removals that bypass the proxy).
     #[arg(long, value_name = "DURATION", value_parser = parse_duration, default_value = "5m")]
+    #[arg(help_heading = "CRI proxy (docs/cri-proxy.md)")]
     pub captured_check_interval: Duration,
     /// A pull through the CRI proxy that comes without a credential, for an image this
     /// pattern names (as a provider's matchImages, but its path in whole segments), gets the
@@ -329,11 +353,13 @@ pub struct ServeArgs {
     /// give for it (providers, docker config; never a service-account-keyed provider's or a
     /// captured pod credential). A credential the caller sent is never replaced. Repeatable.
     #[arg(long, value_name = "PATTERN", requires = "cri_proxy_socket")]
+    #[arg(help_heading = "CRI proxy (docs/cri-proxy.md)")]
     pub cri_proxy_fill: Vec<String>,
     /// Scope each pull's credential to its image's registry (its `server_address`), so that
     /// containerd gives it to no mirror hosts.toml names, unless --cri-proxy-trusted-mirror
     /// trusts every mirror of that registry.
     #[arg(long, requires = "cri_proxy_socket")]
+    #[arg(help_heading = "CRI proxy (docs/cri-proxy.md)")]
     pub cri_proxy_scope_credentials: bool,
     /// `REGISTRY=MIRROR[,MIRROR...]`: mirrors trusted with the credentials of pulls from
     /// REGISTRY; a pull's credential then goes to the registry and these mirrors. Implies
@@ -341,12 +367,14 @@ pub struct ServeArgs {
     /// Needs --cri-proxy-hosts-dir: without containerd's hosts.toml the proxy cannot tell
     /// whether a mirror it was not told to trust would receive the credential too.
     #[arg(long, value_name = "REGISTRY=MIRRORS", requires_all = ["cri_proxy_socket", "cri_proxy_hosts_dir"])]
+    #[arg(help_heading = "CRI proxy (docs/cri-proxy.md)")]
     pub cri_proxy_trusted_mirror: Vec<String>,
     /// containerd's registry `config_path` (its hosts.toml files; a `:`-separated list): a
     /// registry's credentials reach its mirrors only if every mirror its hosts.toml names is
     /// trusted; the hosts.toml is found as containerd finds it (HOST_PORT_, HOST:PORT, then
     /// _default).
     #[arg(long, value_name = "DIR", requires = "cri_proxy_socket")]
+    #[arg(help_heading = "CRI proxy (docs/cri-proxy.md)")]
     pub cri_proxy_hosts_dir: Option<PathBuf>,
     /// The runtime's sandbox (pause) image, which containerd pulls itself, with no credential,
     /// when a pod starts: the CRI proxy pulls it through the runtime with the credential the
@@ -358,25 +386,30 @@ pub struct ServeArgs {
         requires = "cri_proxy_socket",
         conflicts_with = "cri_runtime_config"
     )]
+    #[arg(help_heading = "CRI proxy (docs/cri-proxy.md)")]
     pub cri_sandbox_image: Option<String>,
     /// containerd's config (`/etc/containerd/config.toml`): the sandbox image it names
     /// (`pinned_images.sandbox` in 2.x, `sandbox_image` in 1.x) is kept as
     /// --cri-sandbox-image keeps one. Read at start; one that names none leaves containerd's
     /// public default to containerd.
     #[arg(long, value_name = "PATH", requires = "cri_proxy_socket")]
+    #[arg(help_heading = "CRI proxy (docs/cri-proxy.md)")]
     pub cri_runtime_config: Option<PathBuf>,
     /// An image the node keeps present (a pre-pull at boot): pulled through the runtime as
     /// the sandbox image is, at start and after it is removed; failures are tried again with
     /// a backoff and reported (`ctl status`). Repeatable, at most 32 images in all.
     #[arg(long, value_name = "IMAGE", requires = "cri_proxy_socket")]
+    #[arg(help_heading = "CRI proxy (docs/cri-proxy.md)")]
     pub cri_proxy_keep_image: Vec<String>,
     /// How often the runtime is asked whether it still has the sandbox image and the kept
     /// images (and at once after each RemoveImage through the proxy).
     #[arg(long, value_name = "DURATION", value_parser = parse_duration, default_value = "1m")]
+    #[arg(help_heading = "CRI proxy (docs/cri-proxy.md)")]
     pub cri_proxy_keep_interval: Duration,
     /// The most of a ListImages answer the proxy reads for itself (a runtime without
     /// StreamImages). For tests, which stand for a node whose list is larger than 16 MiB.
     #[arg(long, value_name = "BYTES", hide = true, default_value_t = credgate_cri::MAX_LIST_MESSAGE)]
+    #[arg(help_heading = "CRI proxy (docs/cri-proxy.md)")]
     pub cri_proxy_list_limit: usize,
     /// The container runtime the CRI proxy forwards to.
     #[arg(
@@ -384,10 +417,12 @@ pub struct ServeArgs {
         value_name = "ENDPOINT",
         default_value = "unix:///run/containerd/containerd.sock"
     )]
+    #[arg(help_heading = "CRI proxy (docs/cri-proxy.md)")]
     pub cri_runtime_endpoint: String,
     /// A stop (SIGTERM, SIGINT) waits this long for calls in flight, then closes their
     /// connections and exits.
     #[arg(long, value_name = "DURATION", value_parser = parse_duration, default_value = "10s")]
+    #[arg(help_heading = "API socket and state (docs/operations.md)")]
     pub shutdown_timeout: Duration,
 }
 
@@ -816,5 +851,41 @@ mod tests {
         let mut missing = Vec::new();
         walk(&Cli::command(), "", &mut missing);
         assert!(missing.is_empty(), "without a description: {missing:#?}");
+    }
+
+    /// `serve --help` groups its flags as the documents do, each heading naming its page.
+    #[test]
+    fn serve_flags_are_grouped_as_the_documents_group_them() {
+        use clap::CommandFactory as _;
+        let mut cli = Cli::command();
+        let help = cli
+            .find_subcommand_mut("serve")
+            .unwrap()
+            .render_long_help()
+            .to_string();
+        let headings: Vec<&str> = help
+            .lines()
+            .filter(|l| l.ends_with("):") && !l.starts_with(' '))
+            .collect();
+        assert_eq!(
+            headings,
+            [
+                "Credential sources (docs/kubelet.md):",
+                "API socket and state (docs/operations.md):",
+                "Metrics and logs (docs/operations.md):",
+                "Renewal (docs/snapshotters.md):",
+                "Image access guard (docs/guard.md):",
+                "CRI proxy (docs/cri-proxy.md):",
+            ],
+            "{help}"
+        );
+        for flag in [
+            "--socket ",
+            "--cri-proxy-socket ",
+            "--renew-before ",
+            "--metrics-addr ",
+        ] {
+            assert!(help.contains(flag), "{flag}");
+        }
     }
 }
