@@ -224,6 +224,12 @@ impl Captured {
             },
             sealed::Read::Unreadable => captured.discard_unreadable(),
             sealed::Read::Absent => {}
+            sealed::Read::Newer { version, kept } => tracing::warn!(
+                path = %path.display(),
+                version,
+                kept = %kept.display(),
+                "captured pull credentials written by a newer credgate: kept aside, not read"
+            ),
             // Nothing is served from it; the next capture replaces it (a rename replaces a
             // link or a FIFO, never writes through it).
             sealed::Read::Refused(why) => tracing::warn!(

@@ -372,6 +372,9 @@ impl MemoryFile {
         let path = file.sealed.path();
         match file.sealed.read() {
             sealed::Read::Absent => {}
+            sealed::Read::Newer { version, kept } => {
+                tracing::warn!(path = %path.display(), version, kept = %kept.display(), "the credential memory's file was written by a newer credgate: kept aside, not read");
+            }
             sealed::Read::Refused(why) => {
                 tracing::warn!(path = %path.display(), error = %why, "the credential memory's file is refused: nothing is put back");
             }

@@ -179,6 +179,10 @@ impl SavedCache {
         let path = self.path();
         let stored = match self.sealed.read() {
             sealed::Read::Absent => return loaded,
+            sealed::Read::Newer { version, kept } => {
+                tracing::warn!(path = %path.display(), version, kept = %kept.display(), "saved provider answers were written by a newer credgate (a rollback): kept aside as they are, not read; nothing is restored");
+                return loaded;
+            }
             sealed::Read::Refused(why) => {
                 tracing::warn!(path = %path.display(), error = %why, "saved provider answers refused: nothing is restored from the file");
                 loaded.dropped.insert(DropReason::Refused, 1);

@@ -47,8 +47,12 @@ pub enum Read {
     Absent,
     /// Not one the agent may read (a link, not its own, too large...): why.
     Refused(String),
-    /// Sealed under another node key, of another kind or version, or damaged.
+    /// Sealed under another node key, of another kind or an older version, or damaged.
     Unreadable,
+    /// Written by a newer credgate (a later version of this kind: a rollback after an
+    /// upgrade): moved aside to `kept`, neither read nor removed, so that nothing the newer
+    /// version wrote is lost and this one starts as without a file.
+    Newer { version: u32, kept: PathBuf },
     /// The body, in the clear.
     Body(Zeroizing<Vec<u8>>),
 }
@@ -93,10 +97,30 @@ impl Sealed {
         match super::read_capped(&self.path(), self.kind.max) {
             Ok(None) => Read::Absent,
             Err(why) => Read::Refused(why),
-            Ok(Some(bytes)) => match self.open(&bytes) {
-                Some(body) => Read::Body(body),
-                None => Read::Unreadable,
+            Ok(Some(bytes)) => match self.newer(&bytes) {
+                Some(version) => self.set_aside(version),
+                None => match self.open(&bytes) {
+                    Some(body) => Read::Body(body),
+                    None => Read::Unreadable,
+                },
             },
+        }
+    }
+
+    /// The version of `bytes` when they are this kind's, of a later version than this one.
+    fn newer(&self, bytes: &[u8]) -> Option<u32> {
+        let version = u32::from_be_bytes(bytes.get(8..12)?.try_into().ok()?);
+        (bytes.get(..8)? == self.kind.magic && version > self.kind.version).then_some(version)
+    }
+
+    /// Moves a newer version's file aside (`FILE.vN`, replacing an older one set aside).
+    fn set_aside(&self, version: u32) -> Read {
+        let kept = self.dir.join(format!("{}.v{version}", self.kind.file));
+        match std::fs::rename(self.path(), &kept) {
+            Ok(()) => Read::Newer { version, kept },
+            Err(e) => Read::Refused(format!(
+                "written by a newer credgate (format {version}) and it cannot be kept aside: {e}"
+            )),
         }
     }
 
@@ -207,6 +231,26 @@ mod tests {
             &NodeKey::from_bytes([1; 32]),
         );
         assert!(matches!(v2.read(), Read::Unreadable));
+    }
+
+    /// A rollback: a file a newer credgate wrote (a later version of the kind) is moved aside
+    /// whole, never read nor removed; the older agent then starts as without one.
+    #[test]
+    fn a_newer_versions_file_is_kept_aside_not_lost() {
+        let dir = private_dir();
+        let key = NodeKey::from_bytes([1; 32]);
+        let newer = Sealed::new(dir.path(), Kind { version: 2, ..KIND }, &key);
+        newer.write(b"what the newer version kept").unwrap();
+        let bytes = std::fs::read(newer.path()).unwrap();
+        let older = Sealed::new(dir.path(), KIND, &key);
+        match older.read() {
+            Read::Newer { version: 2, kept } => {
+                assert_eq!(std::fs::read(&kept).unwrap(), bytes);
+                assert_eq!(kept, dir.path().join("t.sealed.v2"));
+            }
+            _ => panic!("not set aside"),
+        }
+        assert!(matches!(older.read(), Read::Absent));
     }
 
     #[test]
