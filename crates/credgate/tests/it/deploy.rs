@@ -214,7 +214,7 @@ fn every_alert_fires_and_stays_quiet_under_promtool() {
 }
 
 /// The DaemonSet advertises a scrape of its pod's address (the node's, with hostNetwork), so
-/// its agent's metrics must listen there and not on loopback alone.
+/// its agent's metrics must listen there and not on loopback alone; so does the unit's.
 #[test]
 fn the_daemonsets_scrape_annotation_reaches_its_metrics_listener() {
     let ds = std::fs::read_to_string(repo().join("deploy/daemonset.yaml")).unwrap();
@@ -234,6 +234,9 @@ fn the_daemonsets_scrape_annotation_reaches_its_metrics_listener() {
         "the agent listens where the annotation says"
     );
     assert!(ds.contains("hostNetwork: true") && ds.contains("fieldPath: status.podIP"));
+    // The unit's agent too: on the node's addresses, where a scrape from Prometheus arrives.
+    let unit = std::fs::read_to_string(repo().join("deploy/systemd/credgate.service")).unwrap();
+    assert!(unit.contains("--metrics-addr=0.0.0.0:9464"), "{unit}");
 }
 
 /// One host layout: the unit (its /etc/default/credgate) and the DaemonSet start the agent on the same provider config and
