@@ -8,8 +8,8 @@
 //! (`api`, `cri`: `FileDescriptorName=`), which must be bound to the flag's path, or else the one
 //! bound to that path (one `credgate.socket` unit with two `ListenStream=` hands both over under
 //! the unit's name); a flag's socket not handed over is bound as usual (and logged). The
-//! descriptors are made close-on-exec (plugins never inherit them) and the variables removed,
-//! once, before any thread starts.
+//! descriptors are made close-on-exec (plugins never inherit them) and non-blocking (as tokio
+//! takes them), and the variables removed, once, before any thread starts.
 
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
@@ -86,7 +86,9 @@ impl Handed {
             {
                 return Err(not_unix("it does not listen".into()));
             }
-            rustix::io::fcntl_setfd(&listener, rustix::io::FdFlags::CLOEXEC)
+            // Made close-on-exec by listenfd; non-blocking here, as tokio takes a listener.
+            listener
+                .set_nonblocking(true)
                 .map_err(|e| not_unix(e.to_string()))?;
             let bound = listener
                 .local_addr()
@@ -106,7 +108,15 @@ impl Handed {
         path: &Path,
         flag: &'static str,
     ) -> Result<Option<UnixListener>, ActivationError> {
-        if let Some(at) = self.sockets.iter().position(|(n, _, _)| n == name) {
+        let at = match self.sockets.iter().position(|(n, _, _)| n == name) {
+            Some(at) => Some(at),
+            None => self
+                .sockets
+                .iter()
+                .position(|(_, bound, _)| bound.as_deref() == Some(path)),
+        };
+        if let Some(at) = at {
+            // Taken by its name, it must be at the flag's path (by its path, it is).
             let (_, bound, listener) = self.sockets.remove(at);
             if bound.as_deref() != Some(path) {
                 return Err(ActivationError::OtherPath {
@@ -116,15 +126,6 @@ impl Handed {
                     flag,
                 });
             }
-            tracing::info!(name, path = %path.display(), "serving on the socket the service manager handed over");
-            return Ok(Some(listener));
-        }
-        if let Some(at) = self
-            .sockets
-            .iter()
-            .position(|(_, bound, _)| bound.as_deref() == Some(path))
-        {
-            let (_, _, listener) = self.sockets.remove(at);
             tracing::info!(name, path = %path.display(), "serving on the socket the service manager handed over");
             return Ok(Some(listener));
         }

@@ -215,19 +215,10 @@ impl Node {
         {
             // The service manager's: it stays when this process goes, never removed.
             Some(inherited) => (
-                tokio::net::UnixListener::from_std({
-                    inherited.set_nonblocking(true).map_err(|e| {
-                        NodeError::Socket(SocketError::Io {
-                            path: options.socket.clone(),
-                            source: e,
-                        })
-                    })?;
-                    inherited
-                })
-                .map_err(|e| {
+                tokio::net::UnixListener::from_std(inherited).map_err(|source| {
                     NodeError::Socket(SocketError::Io {
                         path: options.socket.clone(),
-                        source: e,
+                        source,
                     })
                 })?,
                 None,
@@ -309,11 +300,7 @@ impl Node {
             error,
         };
         let (listener, id) = match inherited {
-            // A handed-over socket is blocking; the proxy's runtime takes non-blocking ones.
-            Some(l) => {
-                l.set_nonblocking(true).map_err(|e| failed(e.to_string()))?;
-                (l, None)
-            }
+            Some(l) => (l, None),
             None => {
                 let l = socket::bind(&config.socket, &SocketAccess { group: None })
                     .await
