@@ -465,9 +465,8 @@ fn is_the_bridge(path: &Path, len: u64) -> bool {
     if len > MARK_SEARCH_MAX {
         return false;
     }
-    let mark = credgate_core::wire::bridge::BRIDGE_MARK
-        .concat()
-        .into_bytes();
+    let mark = credgate_core::wire::bridge::BRIDGE_MARK.concat();
+    let finder = memchr::memmem::Finder::new(mark.as_bytes());
     let Ok(mut file) = std::fs::File::open(path) else {
         return false;
     };
@@ -480,7 +479,7 @@ fn is_the_bridge(path: &Path, len: u64) -> bool {
             Ok(n) => n,
         };
         let filled = kept + n;
-        if buf[..filled].windows(mark.len()).any(|w| w == mark) {
+        if finder.find(&buf[..filled]).is_some() {
             return true;
         }
         kept = (mark.len() - 1).min(filled);
