@@ -383,3 +383,101 @@ fn the_image_builds_and_its_binaries_run() {
         concat!("credgate ", env!("CARGO_PKG_VERSION"))
     );
 }
+
+/// The containerd pieces the package ships (`deploy/containerd/`): imported by a containerd
+/// config, each makes the runtime read its registry hosts from `/etc/containerd/certs.d`, the
+/// directory the docs give `--cri-proxy-hosts-dir`, on Debian's containerd 1.6 (version 2)
+/// and containerd 2.4 (version 3, and the version 2 piece migrated).
+#[test]
+fn the_containerd_pieces_set_the_hosts_directory_the_proxy_reads() {
+    let mut runtimes = vec![(PathBuf::from("containerd"), vec!["credgate-v2.toml"])];
+    let v2 = credgate_testbed::Containerd::v2_binary().unwrap_or_else(|why| panic!("{why}"));
+    runtimes.push((v2, vec!["credgate-v3.toml", "credgate-v2.toml"]));
+    let dir = tempfile::tempdir().unwrap();
+    let docs = std::fs::read_to_string(repo().join("docs/cri-proxy.md")).unwrap();
+    assert!(docs.contains("--cri-proxy-hosts-dir=/etc/containerd/certs.d"));
+    for (binary, pieces) in runtimes {
+        for piece in pieces {
+            let path = repo().join("deploy/containerd").join(piece);
+            let version = if piece.ends_with("v3.toml") { 3 } else { 2 };
+            let main = dir.path().join(format!("{piece}.main.toml"));
+            std::fs::write(
+                &main,
+                format!("version = {version}\nimports = [\"{}\"]\n", path.display()),
+            )
+            .unwrap();
+            let out = Command::new(&binary)
+                .arg("--config")
+                .arg(&main)
+                .args(["config", "dump"])
+                .output()
+                .unwrap_or_else(|e| panic!("{} cannot run ({e})", binary.display()));
+            let dump = text(&out.stdout);
+            assert!(out.status.success(), "{}", text(&out.stderr));
+            let registry = dump
+                .lines()
+                .skip_while(|l| !(l.contains("cri") && l.trim_end().ends_with(".registry]")))
+                .take_while(|l| !l.trim().is_empty())
+                .collect::<Vec<_>>()
+                .join("\n");
+            assert!(
+                registry.contains("config_path = '/etc/containerd/certs.d'")
+                    || registry.contains("config_path = \"/etc/containerd/certs.d\""),
+                "{} with {piece}: {registry}\n{dump}",
+                binary.display()
+            );
+        }
+    }
+}
+
+/// The shipped scrape jobs (`deploy/prometheus-scrape.yaml`) load as a current Prometheus reads
+/// them (upstream promtool, built from the module scripts/node-tools/prometheus pins: Debian's
+/// is built without Kubernetes discovery), find the unit's agent on each node's port 9464 and
+/// the DaemonSet's by the annotations it carries, and label both job "credgate", the job the
+/// alert rules select.
+#[test]
+fn the_scrape_jobs_load_in_prometheus_and_feed_the_alerts() {
+    let promtool = crate::support::foreign::built("prometheus").join("promtool");
+    let file = repo().join("deploy/prometheus-scrape.yaml");
+    let out = Command::new(&promtool)
+        .args(["check", "config"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "promtool check config: {}{}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    let scrape = std::fs::read_to_string(&file).unwrap();
+    let rules = std::fs::read_to_string(repo().join("deploy/prometheus-rules.yaml")).unwrap();
+    assert!(rules.contains("up{job=\"credgate\"}"), "{rules}");
+    assert_eq!(
+        scrape.matches("replacement: credgate\n").count(),
+        2,
+        "both jobs relabel to job credgate: {scrape}"
+    );
+    let unit = std::fs::read_to_string(repo().join("deploy/systemd/credgate.service")).unwrap();
+    assert!(unit.contains("--metrics-addr=0.0.0.0:9464") && scrape.contains("${1}:9464"));
+    let ds = std::fs::read_to_string(repo().join("deploy/daemonset.yaml")).unwrap();
+    for (annotation, meta) in [
+        (
+            "prometheus.io/scrape",
+            "__meta_kubernetes_pod_annotation_prometheus_io_scrape",
+        ),
+        (
+            "prometheus.io/port",
+            "__meta_kubernetes_pod_annotation_prometheus_io_port",
+        ),
+        (
+            "app.kubernetes.io/name: credgate",
+            "label: app.kubernetes.io/name=credgate",
+        ),
+    ] {
+        assert!(
+            ds.contains(annotation) && scrape.contains(meta),
+            "{annotation}"
+        );
+    }
+}
