@@ -102,7 +102,10 @@ fn the_package_installs_runs_verifies_and_purges_clean() {
         let out = Command::new("chroot")
             .arg(&root)
             .args(args)
-            .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+            .env(
+                "PATH",
+                "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            )
             .env("SYSTEMD_OFFLINE", "1")
             .output()
             .unwrap();
@@ -127,6 +130,11 @@ fn the_package_installs_runs_verifies_and_purges_clean() {
     assert!(ok, "man credgate");
     for f in [
         "usr/share/credgate/prometheus-rules.yaml",
+        "usr/share/credgate/prometheus-scrape.yaml",
+        "usr/share/credgate/containerd/credgate-v2.toml",
+        "usr/share/credgate/containerd/credgate-v3.toml",
+        "usr/libexec/credgate/plugins",
+        "etc/credgate",
         "usr/share/credgate/grafana-dashboard.json",
         "usr/lib/systemd/system/kubelet.service.d/10-credgate.conf",
         "etc/default/credgate",
@@ -162,10 +170,190 @@ fn the_package_installs_runs_verifies_and_purges_clean() {
         .unwrap_or_else(|| panic!("no exposure level: {rating}{err}"));
     eprintln!("systemd-analyze security credgate.service: {exposure}");
     assert!(exposure <= 4.5, "{rating}");
+    kubelet_drop_in(&chroot, &root);
+    upgrade_over_a_running_agent(&chroot, &root, &deb, scratch.path());
+    // Removal as on a booted node: the service and its sockets stop, and the kubelet, whose
+    // drop-in went with the package, restarts onto containerd alone.
+    let (ok, _, err) = chroot(&["dpkg", "-r", "credgate"]);
+    assert!(ok, "dpkg -r: {err}");
+    let calls = std::fs::read_to_string(root.join("tmp/systemctl.log")).unwrap();
+    assert!(
+        calls.contains("stop credgate.service credgate.socket")
+            && calls.contains("try-restart kubelet.service"),
+        "removal's systemctl calls: {calls}"
+    );
+    assert!(!root
+        .join("usr/lib/systemd/system/kubelet.service.d/10-credgate.conf")
+        .exists());
     let (ok, _, err) = chroot(&["dpkg", "--purge", "credgate"]);
     assert!(ok, "dpkg --purge: {err}");
-    std::fs::remove_file(root.join("tmp/credgate.deb")).unwrap();
+    assert!(!root.join("var/lib/credgate").exists() && !root.join("etc/credgate").exists());
+    for f in [
+        "tmp/credgate.deb",
+        "tmp/credgate-next.deb",
+        "tmp/systemctl.log",
+    ] {
+        std::fs::remove_file(root.join(f)).unwrap();
+    }
+    for d in ["run/systemd/system", "usr/local/bin/systemctl"] {
+        let _ = std::fs::remove_dir(root.join(d));
+        let _ = std::fs::remove_file(root.join(d));
+    }
     let after = files(&root);
     let left: Vec<&String> = after.difference(&before).collect();
     assert!(left.is_empty(), "left behind: {left:?}");
+}
+
+type Chroot<'a> = &'a dyn Fn(&[&str]) -> (bool, String, String);
+
+/// The kubelet's drop-in verifies against a kubelet unit that expands its flags (as an
+/// operator's does), so its ordering and settings are what systemd reads.
+fn kubelet_drop_in(chroot: Chroot, root: &Path) {
+    let unit = root.join("etc/systemd/system/kubelet.service");
+    std::fs::write(
+        &unit,
+        "[Unit]\nDescription=kubelet (a stand-in)\n[Service]\nExecStart=/bin/true $KUBELET_CREDGATE_ARGS $KUBELET_CREDGATE_PROVIDER_ARGS\n",
+    )
+    .unwrap();
+    let (ok, out, err) = chroot(&[
+        "systemd-analyze",
+        "verify",
+        "/etc/systemd/system/kubelet.service",
+    ]);
+    std::fs::remove_file(&unit).unwrap();
+    assert!(
+        ok && err.trim().is_empty(),
+        "verify kubelet.service with the drop-in: {out}{err}"
+    );
+}
+
+/// An upgrade over a running agent (issue 50): on a booted node (a `systemctl` that records its
+/// calls stands in for systemd, which this machine does not run) dpkg restarts the service
+/// alone, never its sockets, whose backlog holds the calls meanwhile; the state the running
+/// agent keeps (its node key, sealed cache) is read by the next version's binary and, after a
+/// rollback to the older package, by the older one.
+fn upgrade_over_a_running_agent(chroot: Chroot, root: &Path, deb: &Path, scratch: &Path) {
+    std::fs::create_dir_all(root.join("run/systemd/system")).unwrap();
+    let fake = root.join("usr/local/bin/systemctl");
+    std::fs::write(
+        &fake,
+        "#!/bin/sh\necho \"$*\" >>/tmp/systemctl.log\ncase \"$*\" in *--version*) echo 'systemd 252 (252)';; *is-enabled*) echo enabled;; esac\nexit 0\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&fake, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    // The next version: the same package under a higher version, as a rebuild would be.
+    let unpacked = scratch.join("next");
+    let ok = Command::new("dpkg-deb")
+        .arg("-R")
+        .arg(deb)
+        .arg(&unpacked)
+        .status()
+        .unwrap();
+    assert!(ok.success());
+    let control = unpacked.join("DEBIAN/control");
+    let text_of = std::fs::read_to_string(&control).unwrap();
+    let version = text_of
+        .lines()
+        .find_map(|l| l.strip_prefix("Version: "))
+        .unwrap()
+        .to_owned();
+    std::fs::write(
+        &control,
+        text_of.replace(
+            &format!("Version: {version}"),
+            &format!("Version: {version}+next"),
+        ),
+    )
+    .unwrap();
+    let ok = Command::new("dpkg-deb")
+        .arg("-b")
+        .arg(&unpacked)
+        .arg(root.join("tmp/credgate-next.deb"))
+        .output()
+        .unwrap();
+    assert!(ok.status.success(), "dpkg-deb -b: {}", text(&ok.stderr));
+    // The agent the package installed, running on its state directory (from outside the
+    // chroot, whose root has no /proc; the state directory is the installed one).
+    let state = root.join("var/lib/credgate");
+    std::fs::create_dir_all(&state).unwrap();
+    std::fs::set_permissions(&state, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+    /// An agent stopped (SIGKILL) if the test ends before it stops it.
+    struct Running(Option<std::process::Child>);
+    impl Drop for Running {
+        fn drop(&mut self) {
+            if let Some(mut child) = self.0.take() {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+    }
+    let start = |socket: &str| {
+        let socket = scratch.join(socket);
+        let running = Running(Some(
+            Command::new(root.join("usr/bin/credgate"))
+                .args(["serve", "--no-docker-config", "--state-dir"])
+                .arg(&state)
+                .arg("--socket")
+                .arg(&socket)
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .unwrap(),
+        ));
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while !Command::new(root.join("usr/bin/credgate"))
+            .args(["ctl", "--socket"])
+            .arg(&socket)
+            .arg("health")
+            .output()
+            .unwrap()
+            .status
+            .success()
+        {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the agent did not serve"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        running
+    };
+    let stop = |mut running: Running| {
+        let mut child = running.0.take().unwrap();
+        rustix::process::kill_process(
+            rustix::process::Pid::from_child(&child),
+            rustix::process::Signal::TERM,
+        )
+        .unwrap();
+        assert!(child.wait().unwrap().success(), "SIGTERM: a clean exit");
+    };
+    let running = start("a.sock");
+    let key = std::fs::read(state.join("node.key")).expect("the agent's node key");
+    let _ = std::fs::remove_file(root.join("tmp/systemctl.log"));
+    let (ok, _, err) = chroot(&["dpkg", "-i", "/tmp/credgate-next.deb"]);
+    assert!(ok, "dpkg -i over the running agent: {err}");
+    let calls = std::fs::read_to_string(root.join("tmp/systemctl.log")).unwrap_or_default();
+    assert!(
+        calls.contains("try-restart credgate.service") && !calls.contains("credgate.socket"),
+        "an upgrade restarts the service only, never its sockets: {calls}"
+    );
+    // What systemd's try-restart does: SIGTERM, then the new binary on the same state.
+    stop(running);
+    let next = start("b.sock");
+    assert_eq!(
+        std::fs::read(state.join("node.key")).unwrap(),
+        key,
+        "the upgrade keeps the node key"
+    );
+    stop(next);
+    // A rollback to the older package: the older binary reads what the newer left.
+    let (ok, _, err) = chroot(&["dpkg", "-i", "/tmp/credgate.deb"]);
+    assert!(ok, "dpkg -i of the older version: {err}");
+    let older = start("c.sock");
+    assert_eq!(
+        std::fs::read(state.join("node.key")).unwrap(),
+        key,
+        "the rollback keeps the node key"
+    );
+    stop(older);
+    let _ = std::fs::remove_file(root.join("tmp/systemctl.log"));
 }
