@@ -37,6 +37,11 @@ pub struct AgentOptions {
     pub saved_cache: Option<std::path::PathBuf>,
     /// The pull credentials the CRI proxy captures, opened by the caller (it runs the proxy).
     pub captured: Option<Arc<crate::captured::Captured>>,
+    /// Sources it cannot build at start are served as none (no provider, no docker config)
+    /// until a reload builds them, instead of an error: with the CRI proxy every image call of
+    /// the node passes through the agent, and pods that need nothing from it must still start
+    /// (issue 50, decision 0028).
+    pub serve_without_refused_sources: bool,
 }
 
 /// How long a Watch event may wait for room before its client is dropped.
@@ -213,12 +218,26 @@ impl Agent {
             .clock
             .unwrap_or_else(|| Arc::new(SystemClock::new()));
         let engine_metrics = EngineMetrics::default();
-        let fingerprint = options.sources.fingerprint();
-        let engine = options
-            .sources
-            .build(Some(engine_metrics.clone()), Some(clock.clone()))?;
-        let engine = Arc::new(ArcSwap::from_pointee(engine));
+        let mut fingerprint = options.sources.fingerprint();
         let metrics = AgentMetrics::default();
+        let engine = match options
+            .sources
+            .build(Some(engine_metrics.clone()), Some(clock.clone()))
+        {
+            Ok(engine) => engine,
+            Err(e) if options.serve_without_refused_sources => {
+                tracing::error!(
+                    error = %credgate_core::text::error_chain(&e),
+                    "the provider config is refused: serving without providers or docker configs until a reload takes a valid one; pulls that bring their own credentials pass through"
+                );
+                metrics.config_refused.set(1);
+                // Nothing was built from those bytes: the next reload builds them again.
+                fingerprint = None;
+                Sources::default().build(Some(engine_metrics.clone()), Some(clock.clone()))?
+            }
+            Err(e) => return Err(e),
+        };
+        let engine = Arc::new(ArcSwap::from_pointee(engine));
         let mut registry = Registry::default();
         engine_metrics.register(&mut registry);
         metrics.register(&mut registry);
@@ -614,6 +633,7 @@ impl Agent {
         let before = self.engine().config_identity().map(str::to_owned);
         let identity = engine.config_identity().map(str::to_owned);
         self.inner.engine.store(Arc::new(engine));
+        self.inner.metrics.config_refused.set(0);
         *loaded_from = fingerprint;
         *self.inner.loaded.lock() = self.inner.clock.wall();
         self.inner.metrics.reload(true);

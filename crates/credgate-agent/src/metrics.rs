@@ -307,6 +307,9 @@ pub struct AgentMetrics {
     pub rpcs: Family<RpcLabels, Counter>,
     pub rpc_seconds: Family<MethodLabels, Histogram, fn() -> Histogram>,
     pub reloads: Family<AttemptLabels, Counter>,
+    /// 1 while the agent serves without the provider config it was given, which it refused
+    /// at start (with the CRI proxy it serves on rather than exit); 0 once a reload takes it.
+    pub config_refused: Gauge,
     pub guard_decisions: Family<ResultLabels, Counter>,
     pub guard_records: Gauge,
     /// Image names dropped from a record that held its most, the oldest first.
@@ -430,6 +433,7 @@ impl Default for AgentMetrics {
             rpcs,
             rpc_seconds,
             reloads,
+            config_refused: Gauge::default(),
             guard_decisions,
             guard_records: Gauge::default(),
             guard_names_dropped: Counter::default(),
@@ -694,6 +698,11 @@ impl AgentMetrics {
             "config_reloads",
             "Provider config reloads by result (success, failure)",
             self.reloads.clone(),
+        );
+        r.register(
+            "config_refused",
+            "1 while the agent serves without the provider config it refused at start",
+            self.config_refused.clone(),
         );
     }
 

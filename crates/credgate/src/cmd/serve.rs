@@ -108,6 +108,9 @@ fn node_options(args: &ServeArgs) -> Result<NodeOptions> {
             watch_send_timeout: Some(args.watch_send_timeout),
             saved_cache: args.persist_cache.then(|| state_dir.clone()),
             captured: None,
+            // With the CRI proxy the node's image calls pass through the agent: a provider
+            // config it refuses at start must not stop the pods that need nothing from it.
+            serve_without_refused_sources: args.cri_proxy_socket.is_some(),
         },
         state_dir,
         socket: args

@@ -1012,6 +1012,42 @@ fn a_restart_or_an_upgrade_during_a_burst_loses_no_pull() {
     );
 }
 
+/// Issue 50.1: credgate restarted on a provider config it refuses (a broken edit) serves on
+/// without it, since every image call of the node passes through its proxy: a pod that brings
+/// its own pull secret runs, `credgate_config_refused` says so; a reload of the fixed config
+/// takes it, and a provider-matched pod runs too. (Before: credgate exited at start, and the
+/// kubelet's image calls waited in the socket's backlog until the config was fixed.)
+#[test]
+#[ignore = "needs root"]
+fn a_provider_config_refused_at_start_leaves_the_node_starting_pods() {
+    let node = Node::up();
+    let config = node.dir().join("providers/providers.yaml");
+    let good = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(&config, "providers: [ {name: ").unwrap();
+    node.restart("credgate", false);
+    assert_eq!(node.metric("credgate_config_refused"), 1.0);
+    assert!(
+        node.credgate_log()
+            .contains("the provider config is refused"),
+        "{}",
+        node.credgate_log()
+    );
+    let password = node.env("REGISTRY_PASSWORD").to_owned();
+    node.namespace_with_secret("own", &password);
+    node.pod("own", "app", &node.image("team-a/app:v1"), &WITH_SECRET);
+    node.wait_running("own", "app", POD);
+    std::fs::write(&config, good).unwrap();
+    node.credgate_ok(&["ctl", "reload"]);
+    assert_eq!(node.metric("credgate_config_refused"), 0.0);
+    node.pod(
+        "default",
+        "provided",
+        &node.image("team-p/app:v1"),
+        &NO_SECRET,
+    );
+    node.wait_running("default", "provided", POD);
+}
+
 #[test]
 #[ignore = "needs root"]
 fn credgate_killed_during_a_start_burst_loses_no_pod_and_no_capture() {
