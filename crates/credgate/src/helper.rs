@@ -21,26 +21,16 @@ use zeroize::{Zeroize, Zeroizing};
 const NOT_FOUND: &str = "credentials not found in native keychain";
 use credgate_api::methods::LOOKUP;
 
+#[path = "helper_help.rs"]
+mod help;
+use help::HELP;
+
 /// Set (to anything but `0`), the helper writes every source it tried on an anonymous answer,
 /// not only those that matched the host.
 const EXPLAIN_ENV: &str = "CREDGATE_HELPER_EXPLAIN";
 /// How long the agent may take to answer: longer than a plugin's default timeout (1 minute),
 /// since a miss runs one.
 const TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
-
-const HELP: &str = "usage: docker-credential-credgate get|store|erase|list|version
-
-A docker credential helper backed by the credgate agent (CREDGATE_SOCKET, else the default
-socket). Clients run it themselves: docker, podman, buildah and skopeo when their config names
-it for a registry (\"credHelpers\": {\"registry.example.com\": \"credgate\"}, or
-\"credsStore\": \"credgate\" for all), with the verb as its argument and the registry on stdin.
-
-Example:
-  printf registry.example.com | docker-credential-credgate get
-
-Environment: CREDGATE_SOCKET (the agent's socket), CREDGATE_HELPER_EXPLAIN=1 (write every
-source tried on an anonymous answer, not only those that matched), CREDGATE_HELPER_ERASE=ignore
-(erase succeeds and does nothing, for clients that erase at logout).";
 
 fn main() -> ExitCode {
     let mut args = std::env::args().skip(1);

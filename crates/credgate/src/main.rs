@@ -3,7 +3,11 @@
 //! failure, 2 usage error).
 
 mod activation;
+// The bridge reads its fields; here only its page is written from it.
+#[allow(dead_code)]
+mod bridge_cli;
 mod cmd;
+mod helper_help;
 mod node;
 mod opts;
 mod runtime_config;
@@ -87,11 +91,29 @@ fn main() -> ExitCode {
     }
 }
 
-/// Writes credgate(1) and a page a subcommand (credgate-serve(1), ...) into `dir`.
+/// Writes credgate(1) and a page a subcommand (credgate-serve(1), ...) into `dir`, and the
+/// pages of the kubelet bridge and the credential helper, from their own definitions.
 fn man(dir: &std::path::Path) -> anyhow::Result<Outcome> {
     use clap::CommandFactory as _;
     std::fs::create_dir_all(dir)?;
     clap_mangen::generate_to(opts::Cli::command(), dir)?;
+    clap_mangen::generate_to(bridge_cli::Args::command(), dir)?;
+    let description = helper_help::HELP
+        .split_once("\n\n")
+        .map_or("", |(_usage, rest)| rest);
+    let verb = |name: &'static str, about: &'static str| clap::Command::new(name).about(about);
+    let helper = clap::Command::new("docker-credential-credgate")
+        .version(env!("CARGO_PKG_VERSION"))
+        .about("A docker credential helper backed by the credgate agent")
+        .long_about(description.to_owned())
+        .subcommands([
+            verb("get", "The registry on stdin; its credential on stdout, else \"credentials not found in native keychain\" and exit 1"),
+            verb("store", "Refused: the store is read-only"),
+            verb("erase", "Refused, or nothing with CREDGATE_HELPER_ERASE=ignore"),
+            verb("list", "{}: plugins cannot be enumerated"),
+            verb("version", "The helper's version"),
+        ]);
+    clap_mangen::generate_to(helper, dir)?;
     Ok(Outcome::Yes)
 }
 

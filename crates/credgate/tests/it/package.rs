@@ -126,8 +126,14 @@ fn the_package_installs_runs_verifies_and_purges_clean() {
         ok && page.contains("--cri-proxy-socket"),
         "man credgate-serve: {err}{page}"
     );
-    let (ok, _, _) = chroot(&["man", "-w", "credgate"]);
-    assert!(ok, "man credgate");
+    for page in [
+        "credgate",
+        "credgate-credential-provider",
+        "docker-credential-credgate",
+    ] {
+        let (ok, _, _) = chroot(&["man", "-w", page]);
+        assert!(ok, "man {page}");
+    }
     for f in [
         "usr/share/credgate/prometheus-rules.yaml",
         "usr/share/credgate/prometheus-scrape.yaml",
