@@ -58,17 +58,21 @@ pub enum Service {
     /// root, the agent's own uid and the uids named for it may make the claim; a service
     /// account token is not verified by the agent, so the caller's uid is what is trusted.
     ServiceAccountIdentity,
+    /// Not an API service: the node's registry mirror (`credgate-mirror`) adds credentials only
+    /// for root, the agent's own uid and the uids named for it.
+    RegistryMirror,
 }
 
 impl Service {
     /// The API's services.
     pub const ALL: [Service; 3] = [Service::Credentials, Service::Admin, Service::ImageAccess];
     /// Everything `--allow-uids` names.
-    const NAMED: [Service; 4] = [
+    const NAMED: [Service; 5] = [
         Service::Credentials,
         Service::Admin,
         Service::ImageAccess,
         Service::ServiceAccountIdentity,
+        Service::RegistryMirror,
     ];
 
     /// The name used on the command line.
@@ -78,6 +82,7 @@ impl Service {
             Service::Admin => "admin",
             Service::ImageAccess => "image-access",
             Service::ServiceAccountIdentity => "service-account-identity",
+            Service::RegistryMirror => "registry-mirror",
         }
     }
 }
@@ -104,7 +109,7 @@ impl CallerAllowlist {
             .into_iter()
             .find(|x| x.as_str() == service)
             .ok_or_else(|| {
-                format!("{service:?}: not a service (credentials, admin, image-access, service-account-identity)")
+                format!("{service:?}: not a service (credentials, admin, image-access, service-account-identity, registry-mirror)")
             })?;
         let uids = uids
             .split(',')
@@ -124,11 +129,11 @@ impl CallerAllowlist {
     }
 
     /// Whether `uid` may call `service`; an unknown caller may only call open services.
-    /// [`Service::ServiceAccountIdentity`] is never open: root and the agent's own uid may
-    /// make the claim, and the uids named for it.
+    /// [`Service::ServiceAccountIdentity`] and [`Service::RegistryMirror`] are never open:
+    /// root and the agent's own uid may, and the uids named for them.
     pub fn allows(&self, service: Service, uid: Option<u32>) -> bool {
         match (service, self.uids.get(&service)) {
-            (Service::ServiceAccountIdentity, list) => uid
+            (Service::ServiceAccountIdentity | Service::RegistryMirror, list) => uid
                 .is_some_and(|u| u == 0 || u == own_uid() || list.is_some_and(|l| l.contains(&u))),
             (_, None) => true,
             (_, Some(list)) => uid.is_some_and(|u| u == own_uid() || list.contains(&u)),

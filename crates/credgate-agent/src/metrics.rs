@@ -58,6 +58,13 @@ pub struct BuildLabels {
     pub version: &'static str,
 }
 
+/// `result` and `auth` of a read through the registry mirror.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct MirrorLabels {
+    pub result: &'static str,
+    pub auth: &'static str,
+}
+
 /// `result` of a renewal or a reload.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct AttemptLabels {
@@ -307,6 +314,8 @@ pub struct AgentMetrics {
     pub rpcs: Family<RpcLabels, Counter>,
     pub rpc_seconds: Family<MethodLabels, Histogram, fn() -> Histogram>,
     pub reloads: Family<AttemptLabels, Counter>,
+    /// Reads through the node's registry mirror, by result and the source of the credential.
+    pub mirror_requests: Family<MirrorLabels, Counter>,
     /// 1 while the agent serves without the provider config it was given, which it refused
     /// at start (with the CRI proxy it serves on rather than exit); 0 once a reload takes it.
     pub config_refused: Gauge,
@@ -434,6 +443,7 @@ impl Default for AgentMetrics {
             rpc_seconds,
             reloads,
             config_refused: Gauge::default(),
+            mirror_requests: Family::default(),
             guard_decisions,
             guard_records: Gauge::default(),
             guard_names_dropped: Counter::default(),
@@ -700,6 +710,11 @@ impl AgentMetrics {
             self.reloads.clone(),
         );
         r.register(
+            "mirror_requests",
+            "Reads through the registry mirror by result (forwarded, unauthorized, caller_refused, not_served, not_a_read, upstream_unreachable) and auth (captured, provider, docker_config, anonymous, none)",
+            self.mirror_requests.clone(),
+        );
+        r.register(
             "config_refused",
             "1 while the agent serves without the provider config it refused at start",
             self.config_refused.clone(),
@@ -777,6 +792,13 @@ impl AgentMetrics {
     }
 
     /// Counts a lookup by who asked: `kubelet`, `docker-helper`, anything else is `api`.
+    /// Counts a read through the registry mirror.
+    pub fn mirror_request(&self, result: &'static str, auth: &'static str) {
+        self.mirror_requests
+            .get_or_create(&MirrorLabels { result, auth })
+            .inc();
+    }
+
     pub fn lookup_by(&self, caller: &str) {
         let i = CALLERS.iter().position(|c| *c == caller).unwrap_or(2);
         self.callers[i].inc();

@@ -38,6 +38,15 @@ pub struct ProxyConfig {
     pub policy: credgate_cri::policy::ProxyPolicy,
 }
 
+/// The node's registry mirror (`credgate-mirror`), when it runs.
+#[derive(Debug, Clone)]
+pub struct MirrorConfig {
+    /// A loopback address.
+    pub addr: SocketAddr,
+    pub registries: Vec<String>,
+    pub registry: RegistryOptions,
+}
+
 /// How to run a node agent.
 pub struct NodeOptions {
     pub agent: AgentOptions,
@@ -49,6 +58,8 @@ pub struct NodeOptions {
     pub limits: server::Limits,
     pub metrics_addr: Option<SocketAddr>,
     pub proxy: Option<ProxyConfig>,
+    /// The node's registry mirror, when it runs.
+    pub mirror: Option<MirrorConfig>,
     /// The sockets a service manager handed over (none: each is bound).
     pub handed: crate::activation::Handed,
 }
@@ -71,6 +82,8 @@ pub enum NodeError {
     },
     #[error("cannot serve the CRI proxy on {path}: {error}")]
     Proxy { path: PathBuf, error: String },
+    #[error("cannot serve the registry mirror")]
+    Mirror(#[source] credgate_mirror::MirrorError),
     #[error("refusing the sockets the service manager handed over")]
     Handed(#[source] crate::activation::ActivationError),
     #[error(
@@ -254,6 +267,9 @@ impl Node {
             }
             None => None,
         };
+        if let Some(m) = &options.mirror {
+            Self::mirror(&agent, m).await?;
+        }
         for socket in handed.left() {
             tracing::warn!(socket = %socket, "a socket was handed over that no flag serves (the CRI proxy's needs --cri-proxy-socket): left unserved");
         }
@@ -284,6 +300,35 @@ impl Node {
             agent.metrics().clone(),
             agent.tasks().token().clone(),
         ));
+        Ok(())
+    }
+
+    /// The registry mirror ([`credgate_mirror::serve`]), a task of the agent's.
+    async fn mirror(agent: &Agent, config: &MirrorConfig) -> Result<(), NodeError> {
+        let listener = credgate_mirror::bind(config.addr)
+            .await
+            .map_err(NodeError::Mirror)?;
+        let local = listener.local_addr().unwrap_or(config.addr);
+        tracing::info!(addr = %local, registries = ?config.registries, "serving the registry mirror");
+        let context = credgate_mirror::Context {
+            engine: agent.engine_handle(),
+            captured: agent.captured().cloned(),
+            refusal: agent.refusal().clone(),
+            metrics: agent.metrics().clone(),
+            callers: agent.callers().clone(),
+            clock: agent.clock().clone(),
+        };
+        let options = credgate_mirror::MirrorOptions {
+            registries: config.registries.clone(),
+            registry: config.registry.clone(),
+            limits: credgate_mirror::default_limits(),
+        };
+        let stop = agent.tasks().token().clone();
+        agent.tasks().spawn(async move {
+            if let Err(e) = credgate_mirror::serve(listener, context, options, stop).await {
+                tracing::error!(error = %e, "the registry mirror stopped");
+            }
+        });
         Ok(())
     }
 

@@ -305,7 +305,9 @@ pub struct ServeArgs {
     /// image-access), checked against the socket's peer credentials; repeatable. Services
     /// without an entry are open to whoever can open the socket. `service-account-identity`
     /// names the uids, besides root and the agent's own, that may look up credentials for a
-    /// service account (a claim the agent cannot check otherwise).
+    /// service account (a claim the agent cannot check otherwise); `registry-mirror` the uids
+    /// whose reads through --registry-mirror-addr get credentials (root and the agent's own
+    /// always; anyone else gets 403).
     #[arg(long, value_name = "SERVICE=UID[,UID...]", value_parser = parse_allow_uids)]
     #[arg(help_heading = "API socket and state (docs/operations.md)")]
     pub allow_uids: Vec<(credgate_agent::Service, Vec<u32>)>,
@@ -424,6 +426,20 @@ pub struct ServeArgs {
     #[arg(long, value_name = "DURATION", value_parser = parse_duration, default_value = "10s")]
     #[arg(help_heading = "API socket and state (docs/operations.md)")]
     pub shutdown_timeout: Duration,
+    /// Serve the node's registry mirror on this loopback address (`127.0.0.1:5005`): reads of
+    /// the --registry-mirror-upstream registries forwarded with the credential the agent holds
+    /// now for each repository (captured pod credential, providers, docker configs), for
+    /// consumers that read long after their pull (lazy-pull snapshotters, containerd's
+    /// hosts.toml mirrors).
+    #[arg(long, value_name = "ADDR", requires = "registry_mirror_upstream")]
+    #[arg(help_heading = "Registry mirror (docs/snapshotters.md)")]
+    pub registry_mirror_addr: Option<std::net::SocketAddr>,
+    /// A registry the mirror serves (`registry.example.com`, `docker.io`); repeatable. A read
+    /// names its registry with the `ns` query parameter (containerd adds it); one that names
+    /// none goes to the first.
+    #[arg(long, value_name = "REGISTRY", requires = "registry_mirror_addr")]
+    #[arg(help_heading = "Registry mirror (docs/snapshotters.md)")]
+    pub registry_mirror_upstream: Vec<String>,
 }
 
 /// Credentials a consumer presents (`ctl check-access`, `verify`, `record-result`).
@@ -876,6 +892,7 @@ mod tests {
                 "Renewal (docs/snapshotters.md):",
                 "Image access guard (docs/guard.md):",
                 "CRI proxy (docs/cri-proxy.md):",
+                "Registry mirror (docs/snapshotters.md):",
             ],
             "{help}"
         );

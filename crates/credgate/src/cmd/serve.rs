@@ -128,6 +128,13 @@ fn node_options(args: &ServeArgs) -> Result<NodeOptions> {
             ..server::Limits::default()
         },
         metrics_addr: args.metrics_addr,
+        mirror: args
+            .registry_mirror_addr
+            .map(|addr| crate::node::MirrorConfig {
+                addr,
+                registries: args.registry_mirror_upstream.clone(),
+                registry: registry.clone(),
+            }),
         handed: crate::activation::Handed::default(),
         proxy: args.cri_proxy_socket.clone().map(|socket| ProxyConfig {
             socket,

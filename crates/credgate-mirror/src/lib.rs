@@ -1,0 +1,407 @@
+//! The node's registry mirror (issue 51, decision 0029): an OCI distribution endpoint on
+//! loopback that forwards each read of a registry the operator named to that registry with the
+//! credential the agent holds now for the repository (the captured pod credential, then the
+//! providers' and docker configs' in try-order, then none), so that a consumer that reads long
+//! after its pull (a lazy-pull snapshotter, containerd) never holds a credential that can go
+//! stale: rotation, expiry and restarts are the agent's concern.
+//!
+//! Only callers the kernel names as root, the agent's own uid or a uid `--allow-uids
+//! registry-mirror=` admits get a credential added; anyone else gets 403 and nothing is sent
+//! upstream. A credential the registry refuses goes through the agent's confirmed-refusal path
+//! ([`credgate_agent::refusal::Refuser::confirm_and_refuse`]) and the next source is tried.
+
+mod peer;
+pub mod route;
+mod upstream;
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use futures_util::TryStreamExt as _;
+use http_body_util::{combinators::BoxBody, BodyExt as _, Full, StreamBody};
+use hyper::body::{Bytes, Frame};
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use secrecy::ExposeSecret as _;
+
+use credgate_agent::captured::Captured;
+use credgate_agent::guard::registry::RegistryOptions;
+use credgate_agent::listener::{Accept, Listener, ListenerLimits, Peer};
+use credgate_agent::metrics::AgentMetrics;
+use credgate_agent::refusal::Refuser;
+use credgate_agent::tasks::CancellationToken;
+use credgate_agent::{CallerAllowlist, Service};
+use credgate_engine::Engine;
+
+use route::{NotRoute, Route};
+use upstream::{Credential, Upstream};
+
+/// What the mirror uses of the agent, and nothing else.
+#[derive(Clone)]
+pub struct Context {
+    pub engine: Arc<ArcSwap<Engine>>,
+    pub captured: Option<Arc<Captured>>,
+    pub refusal: Arc<Refuser>,
+    pub metrics: AgentMetrics,
+    pub callers: CallerAllowlist,
+    pub clock: Arc<dyn credgate_engine::clock::Clock>,
+}
+
+/// How the mirror serves.
+#[derive(Debug, Clone)]
+pub struct MirrorOptions {
+    /// The registries it serves; the first answers requests that name none (no `ns`).
+    pub registries: Vec<String>,
+    pub registry: RegistryOptions,
+    pub limits: ListenerLimits,
+}
+
+/// The mirror's listener limits: as many connections as a node's consumers open, a request
+/// head within 10 s, idle connections closed after a minute.
+pub fn default_limits() -> ListenerLimits {
+    ListenerLimits {
+        max_connections: 512,
+        max_connections_per_uid: 256,
+        exempt: Vec::new(),
+        handshake_timeout: Duration::from_secs(10),
+        idle_timeout: Duration::from_secs(60),
+        shutdown_timeout: Duration::from_secs(5),
+    }
+}
+
+/// A loopback TCP listener whose callers are named by the kernel's socket table.
+struct Loopback(tokio::net::TcpListener);
+
+impl Accept for Loopback {
+    type Stream = tokio::net::TcpStream;
+    async fn accept(&self) -> std::io::Result<(Self::Stream, Peer)> {
+        let (stream, peer) = self.0.accept().await?;
+        let local = stream.local_addr()?;
+        let uid = tokio::task::spawn_blocking(move || peer::uid_of(peer, local))
+            .await
+            .ok()
+            .flatten();
+        Ok((
+            stream,
+            Peer {
+                uid,
+                ..Peer::default()
+            },
+        ))
+    }
+}
+
+/// Why the mirror cannot serve.
+#[derive(Debug, thiserror::Error)]
+pub enum MirrorError {
+    #[error("{0} is not a loopback address: the mirror adds node credentials to what it forwards, so only this node may reach it")]
+    NotLoopback(SocketAddr),
+    #[error("no registry to serve: name at least one with --registry-mirror-upstream")]
+    NoRegistry,
+    #[error("cannot listen on {addr}: {error}")]
+    Bind {
+        addr: SocketAddr,
+        error: std::io::Error,
+    },
+}
+
+/// Binds `addr` (loopback only).
+pub async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener, MirrorError> {
+    if !addr.ip().is_loopback() {
+        return Err(MirrorError::NotLoopback(addr));
+    }
+    tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|error| MirrorError::Bind { addr, error })
+}
+
+type Body = BoxBody<Bytes, std::io::Error>;
+
+/// Serves the mirror on `listener` until `shutdown`; every connection's task is this call's.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    context: Context,
+    options: MirrorOptions,
+    shutdown: CancellationToken,
+) -> Result<(), MirrorError> {
+    if options.registries.is_empty() {
+        return Err(MirrorError::NoRegistry);
+    }
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(options.limits.handshake_timeout)
+        .max_buf_size(64 << 10);
+    let shared = Arc::new(Shared {
+        upstream: Upstream::new(options.registry.clone()),
+        context: context.clone(),
+        registries: options.registries.clone(),
+    });
+    let mut listener = Listener::new(
+        "registry_mirror",
+        Loopback(listener),
+        options.limits,
+        context.metrics.clone(),
+    );
+    while let Some(accepted) = listener.next(&shutdown).await {
+        let shared = shared.clone();
+        let uid = accepted.peer.uid;
+        let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
+            let shared = shared.clone();
+            async move { Ok::<_, Infallible>(shared.answer(req, uid).await) }
+        });
+        let conn = builder
+            .serve_connection(TokioIo::new(accepted.stream), service)
+            .with_upgrades();
+        let held = accepted.held;
+        listener.spawn(async move {
+            // A connection lives while it reads; an idle one is closed by the header timeout.
+            let _held = held;
+            if let Err(e) = conn.await {
+                tracing::debug!(error = %e, "registry mirror connection ended");
+            }
+        });
+    }
+    listener.drain().await;
+    Ok(())
+}
+
+struct Shared {
+    upstream: Upstream,
+    context: Context,
+    registries: Vec<String>,
+}
+
+fn plain(status: StatusCode, text: &str) -> Response<Body> {
+    Response::builder()
+        .status(status)
+        .header("content-type", "application/json")
+        .body(
+            Full::new(Bytes::from(format!(
+                "{{\"errors\":[{{\"code\":\"{}\",\"message\":{}}}]}}\n",
+                match status {
+                    StatusCode::FORBIDDEN => "DENIED",
+                    StatusCode::NOT_FOUND => "NAME_UNKNOWN",
+                    StatusCode::METHOD_NOT_ALLOWED => "UNSUPPORTED",
+                    _ => "UNAVAILABLE",
+                },
+                serde_json::Value::from(text)
+            )))
+            .map_err(|never| match never {})
+            .boxed(),
+        )
+        .expect("static response parts are valid")
+}
+
+impl Shared {
+    async fn answer(
+        &self,
+        req: Request<hyper::body::Incoming>,
+        uid: Option<u32>,
+    ) -> Response<Body> {
+        let metrics = &self.context.metrics;
+        let method = match *req.method() {
+            Method::GET => reqwest::Method::GET,
+            Method::HEAD => reqwest::Method::HEAD,
+            _ => {
+                metrics.mirror_request("not_a_read", "none");
+                return plain(StatusCode::METHOD_NOT_ALLOWED, "the mirror only reads");
+            }
+        };
+        if !self.context.callers.allows(Service::RegistryMirror, uid) {
+            metrics.mirror_request("caller_refused", "none");
+            tracing::warn!(uid = ?uid, "registry mirror: a caller that is not admitted was refused (403, nothing forwarded)");
+            return plain(
+                StatusCode::FORBIDDEN,
+                "this caller may not read through credgate's mirror (--allow-uids registry-mirror=)",
+            );
+        }
+        let route = match route::route(req.uri().path(), req.uri().query(), &self.registries) {
+            Ok(r) => r,
+            Err(NotRoute::Ping) => {
+                return Response::builder()
+                    .header("docker-distribution-api-version", "registry/2.0")
+                    .header("content-type", "application/json")
+                    .body(
+                        Full::new(Bytes::from_static(b"{}"))
+                            .map_err(|n| match n {})
+                            .boxed(),
+                    )
+                    .expect("static response parts are valid");
+            }
+            Err(NotRoute::NotARead) => {
+                metrics.mirror_request("not_a_read", "none");
+                return plain(StatusCode::NOT_FOUND, "not a registry read");
+            }
+            Err(NotRoute::NotServed(ns)) => {
+                metrics.mirror_request("not_served", "none");
+                tracing::debug!(ns = ?ns, "registry mirror: a registry it does not serve");
+                return plain(
+                    StatusCode::NOT_FOUND,
+                    "a registry this mirror does not serve",
+                );
+            }
+        };
+        let candidates = self.credentials(&route).await;
+        for (source, credential) in candidates
+            .iter()
+            .map(|(s, c)| (*s, Some(c)))
+            .chain(std::iter::once(("anonymous", None)))
+        {
+            let response = match self
+                .upstream
+                .read(&method, &route, req.headers(), credential)
+                .await
+            {
+                Ok(r) => r,
+                Err(why) => {
+                    metrics.mirror_request("upstream_unreachable", source);
+                    tracing::warn!(registry = ?route.registry, error = %why, "registry mirror: the registry could not be reached");
+                    return plain(StatusCode::BAD_GATEWAY, "the registry could not be reached");
+                }
+            };
+            let refused = matches!(
+                response.status(),
+                reqwest::StatusCode::UNAUTHORIZED | reqwest::StatusCode::FORBIDDEN
+            );
+            match credential {
+                Some(c) if refused => {
+                    drop(response);
+                    self.refused(&route, c).await;
+                    continue;
+                }
+                _ => {
+                    metrics
+                        .mirror_request(if refused { "unauthorized" } else { "forwarded" }, source);
+                    return stream(response);
+                }
+            }
+        }
+        plain(
+            StatusCode::UNAUTHORIZED,
+            "no credential the registry accepts",
+        )
+    }
+
+    /// The credentials of the repository in try-order, with their source's name for the
+    /// metrics: the captured pod credential, then the providers' and docker configs'.
+    async fn credentials(&self, route: &Route) -> Vec<(&'static str, Credential)> {
+        let mut out = Vec::new();
+        if let Some(held) = self
+            .context
+            .captured
+            .as_ref()
+            .and_then(|c| c.for_repository(&route.image))
+        {
+            out.push((
+                "captured",
+                Credential {
+                    username: held.username,
+                    password: held.password,
+                },
+            ));
+        }
+        let engine = self.context.engine.load_full();
+        let lookup = engine
+            .lookup(&credgate_engine::LookupRequest {
+                image: &route.image,
+                // What it hands out stays valid for a read that starts now.
+                min_valid_for: Duration::from_secs(60),
+                ..Default::default()
+            })
+            .await;
+        if let Ok(lookup) = lookup {
+            for c in lookup.credentials {
+                let source = match c.source {
+                    credgate_engine::Source::DockerConfig(_) => "docker_config",
+                    credgate_engine::Source::Provider(_) => "provider",
+                };
+                if !out.iter().any(|(_, o): &(&str, Credential)| {
+                    o.username == c.username
+                        && o.password.expose_secret() == c.password.expose_secret()
+                }) {
+                    out.push((
+                        source,
+                        Credential {
+                            username: c.username,
+                            password: c.password,
+                        },
+                    ));
+                }
+            }
+        }
+        // A credential a registry refused (confirmed) is not tried again while the agent
+        // remembers it: a docker config entry stays stale until someone edits it.
+        let now = self.context.clock.now();
+        let memory = self.context.refusal.memory();
+        out.retain(|(_, c)| {
+            memory
+                .known(&c.username, c.password.expose_secret(), now)
+                .is_none()
+        });
+        out
+    }
+
+    /// The registry refused a credential the agent gave: confirmed with the registry's auth
+    /// endpoint and acted on by the agent (dropped, forgotten, reported), never guessed.
+    async fn refused(&self, route: &Route, c: &Credential) {
+        let Ok(parsed) = credgate_core::reference::ImageRef::parse(&route.image) else {
+            return;
+        };
+        let refusal = &self.context.refusal;
+        let given = refusal.given_by(
+            &route.image,
+            parsed.name(),
+            &c.username,
+            c.password.expose_secret(),
+        );
+        let outcome = refusal
+            .confirm_and_refuse(
+                &route.image,
+                &parsed,
+                &c.username,
+                &c.password,
+                &given,
+                "the registry mirror",
+                true,
+            )
+            .await;
+        tracing::info!(image = ?route.image, outcome = ?outcome.wire(), "registry mirror: the registry refused a credential; the next source is tried");
+    }
+}
+
+/// The upstream's answer, streamed: its status and headers (but hop-by-hop ones), its body as
+/// it arrives.
+fn stream(response: reqwest::Response) -> Response<Body> {
+    let mut out = Response::builder().status(response.status().as_u16());
+    for (name, value) in response.headers() {
+        if !matches!(
+            name.as_str(),
+            "connection"
+                | "keep-alive"
+                | "transfer-encoding"
+                | "te"
+                | "trailer"
+                | "upgrade"
+                | "proxy-authenticate"
+                | "proxy-connection"
+        ) {
+            out = out.header(name.as_str(), value.as_bytes());
+        }
+    }
+    let body = StreamBody::new(
+        response
+            .bytes_stream()
+            .map_ok(Frame::data)
+            .map_err(|e| std::io::Error::other(upstream::describe(&e))),
+    );
+    out.body(body.boxed()).unwrap_or_else(|_| {
+        plain(
+            StatusCode::BAD_GATEWAY,
+            "the registry's answer is malformed",
+        )
+    })
+}
