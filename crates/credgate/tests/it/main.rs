@@ -16,6 +16,7 @@ mod guard_agent;
 mod guard_e2e;
 mod hpack;
 mod lazy;
+mod mirror;
 mod node;
 mod node_images;
 mod package;

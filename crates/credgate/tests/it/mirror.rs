@@ -1,0 +1,422 @@
+//! The node's registry mirror (issue 51, `serve --registry-mirror-addr`): reads forwarded to the
+//! registry with the credential the agent holds now for the repository, never the consumer's;
+//! a refused credential confirmed and the next source tried; callers the kernel does not name
+//! as admitted get 403 and nothing upstream; redirects followed without credentials; Range reads
+//! streamed; containerd reading through it by hosts.toml with no credential of its own.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpListener;
+use std::path::Path;
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+
+use crate::support::{text, token::TokenServer, write_script, Agent};
+
+/// `curl` of `url` with `headers`, as `as_uid` when given (setpriv); (status, headers, body).
+fn curl(url: &str, headers: &[&str], method: &str, as_uid: Option<u32>) -> (u16, String, Vec<u8>) {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(
+        dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o777),
+    )
+    .unwrap();
+    let (head, body) = (dir.path().join("head"), dir.path().join("body"));
+    let mut cmd = match as_uid {
+        Some(uid) => {
+            let mut c = Command::new("setpriv");
+            c.arg(format!("--reuid={uid}"))
+                .arg(format!("--regid={uid}"))
+                .arg("--clear-groups")
+                .arg("curl");
+            c
+        }
+        None => Command::new("curl"),
+    };
+    cmd.args(["-s", "--path-as-is", "-X", method, "-D"])
+        .arg(&head)
+        .arg("-o")
+        .arg(&body);
+    if method == "HEAD" {
+        cmd.arg("-I");
+    }
+    for h in headers {
+        cmd.args(["-H", h]);
+    }
+    let out = cmd
+        .args(["-w", "%{http_code}", url])
+        .output()
+        .expect("curl runs (scripts/test installs it)");
+    let status = text(&out.stdout).trim().parse().unwrap_or(0);
+    (
+        status,
+        std::fs::read_to_string(&head).unwrap_or_default(),
+        std::fs::read(&body).unwrap_or_default(),
+    )
+}
+
+fn header<'a>(head: &'a str, name: &str) -> Option<&'a str> {
+    head.lines().find_map(|l| {
+        let (k, v) = l.split_once(':')?;
+        k.eq_ignore_ascii_case(name).then(|| v.trim())
+    })
+}
+
+const MANIFEST_ACCEPT: &str = "Accept: application/vnd.oci.image.manifest.v1+json, application/vnd.docker.distribution.manifest.v2+json, application/vnd.oci.image.index.v1+json";
+
+/// A provider answering `user`:`password` for `pattern`, and its config.
+fn provider(d: &Path, pattern: &str, user: &str, password: &str) -> std::path::PathBuf {
+    std::fs::create_dir_all(d.join("plugins")).unwrap();
+    write_script(
+        &d.join("plugins/p"),
+        &format!(
+            r#"cat >/dev/null; printf '{{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.kubelet.k8s.io/v1","cacheKeyType":"Registry","cacheDuration":"10m","auth":{{"{pattern}":{{"username":"{user}","password":"{password}"}}}}}}'"#
+        ),
+    );
+    let config = d.join("providers.yaml");
+    std::fs::write(
+        &config,
+        format!("apiVersion: kubelet.config.k8s.io/v1\nkind: CredentialProviderConfig\nproviders:\n- name: p\n  matchImages: [\"{pattern}\"]\n  defaultCacheDuration: 10m\n  apiVersion: credentialprovider.kubelet.k8s.io/v1\n"),
+    )
+    .unwrap();
+    config
+}
+
+/// The agent with the mirror on a free loopback port serving `registry`; its address.
+fn mirror_agent(d: &Path, config: &Path, registry: &str, extra: &[&str]) -> (Agent, String) {
+    let addr = format!("127.0.0.1:{}", crate::support::free_port());
+    let metrics = format!("127.0.0.1:{}", crate::support::free_port());
+    let mut args = vec![
+        "--image-credential-provider-config",
+        config.to_str().unwrap(),
+        "--image-credential-provider-bin-dir",
+        d.join("plugins").to_str().unwrap().to_owned().leak(),
+        "--registry-mirror-addr",
+        addr.clone().leak(),
+        "--registry-mirror-upstream",
+        registry.to_owned().leak(),
+        "--metrics-addr",
+        metrics.leak(),
+    ];
+    args.extend_from_slice(extra);
+    let agent = Agent::start(d, &args);
+    (agent, addr)
+}
+
+fn metrics_of(agent: &Agent) -> String {
+    crate::cri::metrics_text(agent)
+}
+
+/// Debian's registry behind the test token server (admin, and alice who may read team-a/app):
+/// the provider's credential (alice) reaches the registry for a read whose consumer sent a
+/// stale credential of its own; a docker config entry the realm refuses, tried first, is
+/// confirmed refused and the provider's is tried next; a Range read of a layer is served as a
+/// range; a repository alice may not read answers 401 and drops nothing; reads of registries not
+/// named, writes and other paths are refused before any credential; no secret reaches the log.
+#[test]
+fn reads_carry_the_agents_credential_of_now_and_never_the_consumers() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let tokens = TokenServer::start(
+        d,
+        &[
+            ("admin", "admin-pw", &["*"]),
+            ("alice", "alice-pw", &["team-a/app"]),
+        ],
+    );
+    let registry = crate::support::registry_with_tokens(d, &tokens);
+    crate::support::oci_image(d);
+    crate::support::push(d, &registry, "team-a/app", "admin", "admin-pw");
+    crate::support::push(d, &registry, "team-b/app", "admin", "admin-pw");
+    let host = registry.host();
+    let config = provider(d, &host, "alice", "alice-pw");
+    // A stale docker config entry for the registry, tried before the provider.
+    let docker = d.join("docker.json");
+    std::fs::write(
+        &docker,
+        format!(
+            "{{\"auths\":{{\"{host}\":{{\"auth\":\"{}\"}}}}}}",
+            base64::Engine::encode(&base64::engine::general_purpose::STANDARD, "stale:stale-pw")
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&docker, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    let (agent, addr) = mirror_agent(
+        d,
+        &config,
+        &host,
+        &["--docker-config", docker.to_str().unwrap()],
+    );
+    let base = format!("http://{addr}");
+    let (status, _, body) = curl(&format!("{base}/v2/"), &[], "GET", None);
+    assert_eq!((status, body.as_slice()), (200, b"{}".as_slice()));
+
+    let manifest = format!("{base}/v2/team-a/app/manifests/v1?ns={host}");
+    let stale = "Authorization: Basic Y29uc3VtZXI6c3RhbGU="; // consumer:stale
+    let (status, head, body) = curl(&manifest, &[MANIFEST_ACCEPT, stale], "GET", None);
+    assert_eq!(status, 200, "{head}{}", text(&body));
+    assert!(header(&head, "docker-content-digest").is_some(), "{head}");
+    let (status, head, _) = curl(&manifest, &[MANIFEST_ACCEPT], "HEAD", None);
+    assert_eq!(status, 200, "{head}");
+
+    // A layer, read as a range.
+    let parsed: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    let layer = parsed["layers"][0]["digest"]
+        .as_str()
+        .expect("a layer")
+        .to_owned();
+    let (status, head, part) = curl(
+        &format!("{base}/v2/team-a/app/blobs/{layer}?ns={host}"),
+        &["Range: bytes=0-9"],
+        "GET",
+        None,
+    );
+    assert_eq!((status, part.len()), (206, 10), "{head}");
+
+    // What alice may not read: the registry's 401, and alice's credential kept.
+    let (status, _, _) = curl(
+        &format!("{base}/v2/team-b/app/manifests/v1?ns={host}"),
+        &[MANIFEST_ACCEPT],
+        "GET",
+        None,
+    );
+    assert_eq!(status, 401);
+    let looked = agent.credgate(&["get", &format!("{host}/team-a/app")]);
+    assert!(
+        text(&looked.stdout).contains("alice"),
+        "{}",
+        text(&looked.stdout)
+    );
+
+    // Refused before any credential is looked at.
+    for (url, method, want) in [
+        (
+            format!("{base}/v2/team-a/app/manifests/v1?ns=elsewhere.example"),
+            "GET",
+            404,
+        ),
+        (format!("{base}/v2/team-a/app/blobs/uploads/"), "POST", 405),
+        (format!("{base}/v2/team-a/../app/manifests/v1"), "GET", 404),
+    ] {
+        assert_eq!(curl(&url, &[], method, None).0, want, "{method} {url}");
+    }
+    let m = metrics_of(&agent);
+    let count = |prefix: &str| crate::node::metric_sum(&m, prefix);
+    assert!(
+        count("credgate_mirror_requests_total{result=\"forwarded\",auth=\"provider\"}") == 3.0,
+        "{m}"
+    );
+    assert_eq!(
+        count("credgate_credentials_refused_total{source=\"docker_config\"}"),
+        1.0,
+        "the stale docker config entry, confirmed refused: {m}"
+    );
+    assert_eq!(
+        count("credgate_credentials_refused_total{source=\"provider\"}"),
+        0.0
+    );
+    let log = agent.log_text();
+    for secret in ["alice-pw", "stale-pw", "admin-pw", "Y29uc3VtZXI6c3RhbGU"] {
+        assert!(!log.contains(secret), "{secret} in the agent's log");
+    }
+}
+
+/// A registry whose blobs redirect to storage on another host: the mirror follows the redirect
+/// without the credential (the storage never sees it) and streams the blob back.
+#[test]
+fn a_redirect_to_another_host_is_followed_without_the_credential() {
+    let seen: Arc<Mutex<Vec<String>>> = Arc::default();
+    let storage = TcpListener::bind("127.0.0.1:0").unwrap();
+    let storage_port = storage.local_addr().unwrap().port();
+    let registry = TcpListener::bind("127.0.0.1:0").unwrap();
+    let registry_host = format!("127.0.0.1:{}", registry.local_addr().unwrap().port());
+    let serve = |listener: TcpListener,
+                 seen: Arc<Mutex<Vec<String>>>,
+                 answer: Arc<dyn Fn(&str) -> String + Send + Sync>| {
+        std::thread::spawn(move || {
+            for stream in listener.incoming().flatten() {
+                let mut reader = BufReader::new(stream.try_clone().unwrap());
+                let mut head = String::new();
+                loop {
+                    let mut line = String::new();
+                    if reader.read_line(&mut line).unwrap_or(0) == 0 || line == "\r\n" {
+                        break;
+                    }
+                    head.push_str(&line);
+                }
+                seen.lock().unwrap().push(head.clone());
+                let mut stream = stream;
+                let _ = stream.write_all(answer(&head).as_bytes());
+            }
+        })
+    };
+    let location = format!("http://localhost:{storage_port}/blob");
+    serve(
+        registry,
+        Arc::default(),
+        Arc::new(move |head: &str| {
+            if head.to_ascii_lowercase().contains("authorization: basic") {
+                format!("HTTP/1.1 307 Temporary Redirect\r\nLocation: {location}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            } else {
+                "HTTP/1.1 401 Unauthorized\r\nWWW-Authenticate: Basic realm=\"r\"\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".to_owned()
+            }
+        }),
+    );
+    serve(
+        storage,
+        seen.clone(),
+        Arc::new(|_: &str| {
+            "HTTP/1.1 200 OK\r\nContent-Length: 10\r\nConnection: close\r\n\r\nblob-bytes"
+                .to_owned()
+        }),
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let config = provider(d, &registry_host, "u", "u-pw");
+    let (agent, addr) = mirror_agent(d, &config, &registry_host, &[]);
+    let (status, head, body) = curl(
+        &format!("http://{addr}/v2/team/app/blobs/sha256:00aa"),
+        &[],
+        "GET",
+        None,
+    );
+    assert_eq!(
+        (status, body.as_slice()),
+        (200, b"blob-bytes".as_slice()),
+        "{head}"
+    );
+    let seen = seen.lock().unwrap();
+    assert_eq!(seen.len(), 1, "{seen:?}");
+    assert!(
+        !seen[0].to_ascii_lowercase().contains("authorization"),
+        "{seen:?}"
+    );
+    assert!(!agent.log_text().contains("u-pw"));
+}
+
+/// Callers the kernel names as neither root, the agent's own uid nor an admitted one get 403
+/// and nothing goes upstream; `--allow-uids registry-mirror=UID` admits one.
+#[test]
+#[ignore = "needs root"]
+fn a_caller_that_is_not_admitted_gets_403_and_no_credential() {
+    credgate_testbed::require_root("reading as another uid");
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let mut registry = crate::support::Registry::start(d, "alice", "alice-pw");
+    crate::support::oci_image(d);
+    crate::support::push(d, &registry, "team/app", "alice", "alice-pw");
+    let host = registry.host();
+    let config = provider(d, &host, "alice", "alice-pw");
+    let nobody = 65534;
+    for (admitted, extra) in [
+        (false, None),
+        (true, Some(format!("registry-mirror={nobody}"))),
+    ] {
+        let sub = d.join(format!("agent-{admitted}"));
+        std::fs::create_dir_all(&sub).unwrap();
+        let config = std::fs::read_to_string(&config).unwrap();
+        let sub_config = sub.join("providers.yaml");
+        std::fs::write(&sub_config, config).unwrap();
+        std::fs::create_dir_all(sub.join("plugins")).unwrap();
+        std::fs::copy(d.join("plugins/p"), sub.join("plugins/p")).unwrap();
+        let allow: Vec<&str> = match &extra {
+            Some(e) => vec!["--allow-uids", e.as_str()],
+            None => vec![],
+        };
+        let (agent, addr) = mirror_agent(&sub, &sub_config, &host, &allow);
+        let before = registry.log_lines().len();
+        let (status, _, _) = curl(
+            &format!("http://{addr}/v2/team/app/manifests/v1"),
+            &[MANIFEST_ACCEPT],
+            "GET",
+            Some(nobody),
+        );
+        let m = metrics_of(&agent);
+        if admitted {
+            assert_eq!(status, 200);
+        } else {
+            assert_eq!(status, 403);
+            assert_eq!(
+                crate::node::metric_sum(
+                    &m,
+                    "credgate_mirror_requests_total{result=\"caller_refused\""
+                ),
+                1.0,
+                "{m}"
+            );
+            assert!(
+                !registry.saw_user("alice", before),
+                "a credential went upstream"
+            );
+            // Root still reads.
+            let (status, _, _) = curl(
+                &format!("http://{addr}/v2/team/app/manifests/v1"),
+                &[MANIFEST_ACCEPT],
+                "GET",
+                None,
+            );
+            assert_eq!(status, 200);
+        }
+    }
+    registry.stop();
+}
+
+/// containerd reads through the mirror by its hosts.toml (as README tells an operator), with no
+/// credential of its own: the pull of a private image succeeds, with the provider's credential
+/// added by the mirror.
+#[test]
+#[ignore = "needs root"]
+fn containerd_pulls_a_private_image_through_the_mirror_with_no_credential_of_its_own() {
+    crate::support::needs_containerd();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let registry = crate::support::Registry::start(d, "alice", "alice-pw");
+    crate::support::oci_image(d);
+    crate::support::push(d, &registry, "team/app", "alice", "alice-pw");
+    let host = registry.host();
+    let config = provider(d, &host, "alice", "alice-pw");
+    let (agent, addr) = mirror_agent(d, &config, &host, &[]);
+    let containerd = credgate_testbed::Containerd::start(d, &[]);
+    let hosts = d.join("hosts.d");
+    std::fs::create_dir_all(hosts.join(&host)).unwrap();
+    std::fs::write(
+        hosts.join(&host).join("hosts.toml"),
+        format!("server = \"http://{host}\"\n\n[host.\"http://{addr}\"]\n  capabilities = [\"pull\", \"resolve\"]\n"),
+    )
+    .unwrap();
+    let pull = |with_mirror: bool| {
+        let mut cmd = Command::new("ctr");
+        cmd.arg("--address").arg(&containerd.socket).args([
+            "-n",
+            "mirror-test",
+            "images",
+            "pull",
+            "--plain-http",
+        ]);
+        if with_mirror {
+            cmd.arg("--hosts-dir").arg(&hosts);
+        }
+        cmd.arg(format!("{host}/team/app:v1")).output().unwrap()
+    };
+    // Without the mirror the image is private: containerd alone has no credential.
+    let alone = pull(false);
+    assert!(!alone.status.success(), "{}", text(&alone.stdout));
+    let through = pull(true);
+    assert!(
+        through.status.success(),
+        "{}{}\n{}",
+        text(&through.stdout),
+        text(&through.stderr),
+        agent.log_text()
+    );
+    let m = metrics_of(&agent);
+    assert!(
+        crate::node::metric_sum(
+            &m,
+            "credgate_mirror_requests_total{result=\"forwarded\",auth=\"provider\"}"
+        ) >= 2.0,
+        "{m}"
+    );
+    let mut reader = Vec::new();
+    let _ = std::fs::File::open(&agent.log).and_then(|mut f| f.read_to_end(&mut reader));
+    assert!(!String::from_utf8_lossy(&reader).contains("alice-pw"));
+}
