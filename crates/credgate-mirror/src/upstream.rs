@@ -12,7 +12,9 @@ use reqwest::StatusCode;
 use secrecy::{ExposeSecret, SecretString};
 use sha2::{Digest, Sha256};
 
-use credgate_agent::guard::registry::{parse_challenge, RegistryOptions, MAX_TOKEN_BODY};
+use credgate_agent::guard::registry::{
+    is_loopback, parse_challenge, RegistryOptions, MAX_TOKEN_BODY,
+};
 
 use crate::route::Route;
 
@@ -267,17 +269,6 @@ async fn capped(mut response: reqwest::Response) -> Result<Vec<u8>, String> {
         body.extend_from_slice(&chunk);
     }
     Ok(body)
-}
-
-fn is_loopback(host: &str) -> bool {
-    let h = host
-        .rsplit_once(':')
-        .filter(|(_, port)| port.chars().all(|c| c.is_ascii_digit()))
-        .map_or(host, |(h, _)| h);
-    let h = h.trim_start_matches('[').trim_end_matches(']');
-    h == "localhost"
-        || h.parse::<std::net::IpAddr>()
-            .is_ok_and(|ip| ip.is_loopback())
 }
 
 /// A transport error without its URL or any header.

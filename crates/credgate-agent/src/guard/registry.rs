@@ -113,7 +113,8 @@ pub struct Verifier {
     options: RegistryOptions,
 }
 
-fn is_loopback(host: &str) -> bool {
+/// Whether `host` (`HOST[:PORT]`) is this machine: such registries are asked over plain HTTP.
+pub fn is_loopback(host: &str) -> bool {
     let h = host
         .rsplit_once(':')
         .filter(|(_, port)| port.chars().all(|c| c.is_ascii_digit()))
