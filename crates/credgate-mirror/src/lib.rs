@@ -28,6 +28,7 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use secrecy::ExposeSecret as _;
 
 use credgate_agent::captured::Captured;
+use credgate_agent::conn::Throttle;
 use credgate_agent::guard::registry::RegistryOptions;
 use credgate_agent::listener::{Accept, Listener, ListenerLimits, Peer};
 use credgate_agent::metrics::AgentMetrics;
@@ -139,6 +140,8 @@ pub async fn serve(
         upstream: Upstream::new(options.registry.clone()),
         context: context.clone(),
         registries: options.registries.clone(),
+        refused_log: Throttle::new(Duration::from_secs(10)),
+        unreachable_log: Throttle::new(Duration::from_secs(10)),
     });
     let mut listener = Listener::new(
         "registry_mirror",
@@ -173,6 +176,9 @@ struct Shared {
     upstream: Upstream,
     context: Context,
     registries: Vec<String>,
+    /// At most one warning per 10 s for each: a local client cannot flood the log.
+    refused_log: Throttle,
+    unreachable_log: Throttle,
 }
 
 fn plain(status: StatusCode, text: &str) -> Response<Body> {
@@ -213,7 +219,9 @@ impl Shared {
         };
         if !self.context.callers.allows(Service::RegistryMirror, uid) {
             metrics.mirror_request("caller_refused", "none");
-            tracing::warn!(uid = ?uid, "registry mirror: a caller that is not admitted was refused (403, nothing forwarded)");
+            if let Some(held) = self.refused_log.check() {
+                tracing::warn!(uid = ?uid, repeated = held, "registry mirror: a caller that is not admitted was refused (403, nothing forwarded)");
+            }
             return plain(
                 StatusCode::FORBIDDEN,
                 "this caller may not read through credgate's mirror (--allow-uids registry-mirror=)",
@@ -259,7 +267,9 @@ impl Shared {
                 Ok(r) => r,
                 Err(why) => {
                     metrics.mirror_request("upstream_unreachable", source);
-                    tracing::warn!(registry = ?route.registry, error = %why, "registry mirror: the registry could not be reached");
+                    if let Some(held) = self.unreachable_log.check() {
+                        tracing::warn!(registry = ?route.registry, error = %why, repeated = held, "registry mirror: the registry could not be reached");
+                    }
                     return plain(StatusCode::BAD_GATEWAY, "the registry could not be reached");
                 }
             };
