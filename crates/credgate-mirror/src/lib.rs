@@ -406,7 +406,7 @@ fn stream(response: reqwest::Response) -> Response<Body> {
         response
             .bytes_stream()
             .map_ok(Frame::data)
-            .map_err(|e| std::io::Error::other(upstream::describe(&e))),
+            .map_err(|e| std::io::Error::other(credgate_agent::guard::registry::describe(&e))),
     );
     out.body(body.boxed()).unwrap_or_else(|_| {
         plain(

@@ -12,9 +12,7 @@ use reqwest::StatusCode;
 use secrecy::{ExposeSecret, SecretString};
 use sha2::{Digest, Sha256};
 
-use credgate_agent::guard::registry::{
-    is_loopback, parse_challenge, RegistryOptions, MAX_TOKEN_BODY,
-};
+use credgate_agent::guard::registry::{describe, fetch_token, parse_challenge, RegistryOptions};
 
 use crate::route::Route;
 
@@ -76,15 +74,10 @@ impl Upstream {
     }
 
     fn url(&self, route: &Route) -> String {
-        let host = match route.registry.as_str() {
-            "docker.io" | "index.docker.io" => "registry-1.docker.io",
-            other => other,
-        };
-        let plain = is_loopback(host) || self.options.insecure.iter().any(|h| h == host);
-        let scheme = if plain { "http" } else { "https" };
+        let base = self.options.base(&route.registry);
         match route.query.is_empty() {
-            true => format!("{scheme}://{host}/v2/{}", route.path),
-            false => format!("{scheme}://{host}/v2/{}?{}", route.path, route.query),
+            true => format!("{base}/v2/{}", route.path),
+            false => format!("{base}/v2/{}?{}", route.path, route.query),
         }
     }
 
@@ -210,30 +203,11 @@ impl Upstream {
                 return Ok(Some(token.clone()));
             }
         }
-        let mut query = vec![("scope", scope)];
-        if let Some(s) = service {
-            query.push(("service", s));
-        }
-        let mut req = self.client.get(realm).query(&query);
-        if let Some(c) = credential {
-            req = req.basic_auth(&c.username, Some(c.password.expose_secret()));
-        }
-        let response = req.send().await.map_err(|e| describe(&e))?;
-        if !response.status().is_success() {
-            return Ok(None);
-        }
-        #[derive(serde::Deserialize)]
-        struct Answer {
-            token: Option<String>,
-            access_token: Option<String>,
-            expires_in: Option<u64>,
-        }
-        let body = capped(response).await?;
-        let answer: Answer =
-            serde_json::from_slice(&body).map_err(|_| "malformed token response".to_owned())?;
-        let Some(token) = answer.token.or(answer.access_token) else {
+        let basic = credential.map(|c| (c.username.as_str(), c.password.expose_secret()));
+        let Some(answer) = fetch_token(&self.client, realm, service, scope, basic).await? else {
             return Ok(None);
         };
+        let token = answer.token;
         // The spec's default lifetime is 60 s; kept for nine tenths of what the realm says.
         let lifetime = Duration::from_secs(answer.expires_in.unwrap_or(60).min(86_400)) * 9 / 10;
         let token = SecretString::from(token);
@@ -258,28 +232,4 @@ fn repository(route: &Route) -> &str {
         .image
         .split_once('/')
         .map_or(route.image.as_str(), |(_, r)| r)
-}
-
-async fn capped(mut response: reqwest::Response) -> Result<Vec<u8>, String> {
-    let mut body = Vec::new();
-    while let Some(chunk) = response.chunk().await.map_err(|e| describe(&e))? {
-        if body.len() + chunk.len() > MAX_TOKEN_BODY {
-            return Err("token response too large".into());
-        }
-        body.extend_from_slice(&chunk);
-    }
-    Ok(body)
-}
-
-/// A transport error without its URL or any header.
-pub fn describe(e: &reqwest::Error) -> String {
-    if e.is_timeout() {
-        "timed out".into()
-    } else if e.is_connect() {
-        "connection failed".into()
-    } else if e.is_redirect() {
-        "too many redirects".into()
-    } else {
-        "request failed".into()
-    }
 }

@@ -23,6 +23,19 @@ pub struct RegistryOptions {
     pub insecure: Vec<String>,
 }
 
+impl RegistryOptions {
+    /// `SCHEME://HOST` of `registry`: Docker Hub's API host for `docker.io`, plain HTTP for a
+    /// loopback or `insecure` one.
+    pub fn base(&self, registry: &str) -> String {
+        let host = match registry {
+            "docker.io" | "index.docker.io" => "registry-1.docker.io",
+            other => other,
+        };
+        let plain = is_loopback(host) || self.insecure.iter().any(|h| h == host);
+        format!("{}://{host}", if plain { "http" } else { "https" })
+    }
+}
+
 impl Default for RegistryOptions {
     fn default() -> Self {
         RegistryOptions {
@@ -114,7 +127,7 @@ pub struct Verifier {
 }
 
 /// Whether `host` (`HOST[:PORT]`) is this machine: such registries are asked over plain HTTP.
-pub fn is_loopback(host: &str) -> bool {
+fn is_loopback(host: &str) -> bool {
     let h = host
         .rsplit_once(':')
         .filter(|(_, port)| port.chars().all(|c| c.is_ascii_digit()))
@@ -188,12 +201,7 @@ impl Verifier {
     }
 
     fn base(&self, registry: &str) -> String {
-        let host = match registry {
-            "docker.io" | "index.docker.io" => "registry-1.docker.io",
-            other => other,
-        };
-        let plain = is_loopback(host) || self.options.insecure.iter().any(|h| h == host);
-        format!("{}://{host}", if plain { "http" } else { "https" })
+        self.options.base(registry)
     }
 
     /// Tries each credential in order; the first accepted (with the expected digest) wins. A
@@ -434,28 +442,55 @@ impl Verifier {
         let scope = get("scope")
             .map(str::to_owned)
             .unwrap_or_else(|| format!("repository:{}:pull", target.repository));
-        let mut query: Vec<(&str, &str)> = vec![("scope", scope.as_str())];
-        if let Some(service) = get("service") {
-            query.push(("service", service));
-        }
-        let mut req = self.client.get(realm).query(&query);
-        if let Some((u, p)) = basic {
-            req = req.basic_auth(u, Some(p));
-        }
-        let response = req.send().await.map_err(|e| describe(&e))?;
-        if !response.status().is_success() {
-            return Ok(None);
-        }
-        #[derive(serde::Deserialize)]
-        struct Token {
-            token: Option<String>,
-            access_token: Option<String>,
-        }
-        let bytes = capped_body(response, MAX_TOKEN_BODY).await?;
-        let body: Token =
-            serde_json::from_slice(&bytes).map_err(|_| "malformed token response".to_owned())?;
-        Ok(body.token.or(body.access_token))
+        Ok(
+            fetch_token(&self.client, realm, get("service"), &scope, basic)
+                .await?
+                .map(|t| t.token),
+        )
     }
+}
+
+/// A registry's bearer token and the lifetime its realm gave it (`expires_in`, seconds).
+pub struct BearerToken {
+    pub token: String,
+    pub expires_in: Option<u64>,
+}
+
+/// A bearer token for `scope` from the challenge's `realm` (and `service`), asked with `basic`
+/// (none: anonymously); `None` when the realm refuses or answers no token. The answer is read
+/// within [`MAX_TOKEN_BODY`].
+pub async fn fetch_token(
+    client: &reqwest::Client,
+    realm: &str,
+    service: Option<&str>,
+    scope: &str,
+    basic: Option<(&str, &str)>,
+) -> Result<Option<BearerToken>, String> {
+    let mut query: Vec<(&str, &str)> = vec![("scope", scope)];
+    if let Some(service) = service {
+        query.push(("service", service));
+    }
+    let mut req = client.get(realm).query(&query);
+    if let Some((u, p)) = basic {
+        req = req.basic_auth(u, Some(p));
+    }
+    let response = req.send().await.map_err(|e| describe(&e))?;
+    if !response.status().is_success() {
+        return Ok(None);
+    }
+    #[derive(serde::Deserialize)]
+    struct Answer {
+        token: Option<String>,
+        access_token: Option<String>,
+        expires_in: Option<u64>,
+    }
+    let bytes = capped_body(response, MAX_TOKEN_BODY).await?;
+    let body: Answer =
+        serde_json::from_slice(&bytes).map_err(|_| "malformed token response".to_owned())?;
+    Ok(body.token.or(body.access_token).map(|token| BearerToken {
+        token,
+        expires_in: body.expires_in,
+    }))
 }
 
 /// What a registry's auth endpoint said of a credential itself ([`Verifier::check_credential`]).
@@ -530,11 +565,13 @@ fn digest(headers: &HeaderMap) -> Option<String> {
 }
 
 /// A transport error without its URL's query (which could carry a scope) or any header.
-fn describe(e: &reqwest::Error) -> String {
+pub fn describe(e: &reqwest::Error) -> String {
     if e.is_timeout() {
         "timed out".into()
     } else if e.is_connect() {
         "connection failed".into()
+    } else if e.is_redirect() {
+        "too many redirects".into()
     } else if e.is_decode() {
         "malformed token response".into()
     } else {
