@@ -85,17 +85,18 @@ fn provider(d: &Path, pattern: &str, user: &str, password: &str) -> std::path::P
 fn mirror_agent(d: &Path, config: &Path, registry: &str, extra: &[&str]) -> (Agent, String) {
     let addr = format!("127.0.0.1:{}", crate::support::free_port());
     let metrics = format!("127.0.0.1:{}", crate::support::free_port());
+    let plugins = d.join("plugins");
     let mut args = vec![
         "--image-credential-provider-config",
         config.to_str().unwrap(),
         "--image-credential-provider-bin-dir",
-        d.join("plugins").to_str().unwrap().to_owned().leak(),
+        plugins.to_str().unwrap(),
         "--registry-mirror-addr",
-        addr.clone().leak(),
+        &addr,
         "--registry-mirror-upstream",
-        registry.to_owned().leak(),
+        registry,
         "--metrics-addr",
-        metrics.leak(),
+        &metrics,
     ];
     args.extend_from_slice(extra);
     let agent = Agent::start(d, &args);

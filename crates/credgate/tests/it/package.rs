@@ -305,22 +305,20 @@ fn upgrade_over_a_running_agent(chroot: Chroot, root: &Path, deb: &Path, scratch
                 .spawn()
                 .unwrap(),
         ));
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-        while !Command::new(root.join("usr/bin/credgate"))
-            .args(["ctl", "--socket"])
-            .arg(&socket)
-            .arg("health")
-            .output()
-            .unwrap()
-            .status
-            .success()
-        {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "the agent did not serve"
-            );
-            std::thread::sleep(std::time::Duration::from_millis(100));
-        }
+        credgate_testbed::eventually(
+            "the installed agent serves",
+            std::time::Duration::from_secs(30),
+            || {
+                Command::new(root.join("usr/bin/credgate"))
+                    .args(["ctl", "--socket"])
+                    .arg(&socket)
+                    .arg("health")
+                    .output()
+                    .unwrap()
+                    .status
+                    .success()
+            },
+        );
         running
     };
     let stop = |mut running: Running| {
