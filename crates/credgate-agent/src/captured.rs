@@ -1,6 +1,12 @@
 //! Pull credentials captured from the kubelet's `PullImage` calls (through the CRI proxy), kept
-//! per image repository so that consumers that fetch layers after the pull (lazy-pull
-//! snapshotters) get them, and sealed in the state directory so that they survive restarts.
+//! per image repository and pod namespace so that consumers that fetch layers after the pull
+//! (lazy-pull snapshotters, the registry mirror) get them, and sealed in the state directory so
+//! that they survive restarts.
+//!
+//! Each namespace that pulled a repository keeps its own capture (decision 0030): a tenant that
+//! pulls the same image with its own credential, and later revokes it, does not take away the
+//! credential another namespace's pods read through. A `Lookup` gets the newest capture; the
+//! mirror tries them all, newest first.
 //!
 //! The file (`captured.sealed`, 0600) is a [`crate::state::sealed`] file (`CGCAPTR\n`,
 //! version 2) of a JSON body, under a key derived from the node key: a lost or replaced node
@@ -83,8 +89,14 @@ impl Stored {
     }
 }
 
+/// Where a capture is kept: its repository, then the pod's namespace.
+type Key = (String, String);
+
+/// The captures, by repository and namespace.
+type Entries = BTreeMap<Key, PodCredential>;
+
 /// A change to the captured credentials: what it answers when it changed something.
-type Edit = Box<dyn FnOnce(&mut BTreeMap<String, PodCredential>) -> Option<usize> + Send>;
+type Edit = Box<dyn FnOnce(&mut Entries) -> Option<usize> + Send>;
 
 /// Where a change waiting for the writer gets its outcome.
 #[derive(Default)]
@@ -122,14 +134,14 @@ pub enum CaptureError {
 }
 
 /// The credentials of a sealed body.
-fn entries(plain: &[u8]) -> Option<BTreeMap<String, PodCredential>> {
+fn entries(plain: &[u8]) -> Option<Entries> {
     let stored: Vec<Stored> = serde_json::from_slice(plain).ok()?;
     Some(
         stored
             .into_iter()
             .map(|s| {
                 (
-                    s.repository,
+                    (s.repository, s.namespace.clone()),
                     PodCredential {
                         namespace: s.namespace,
                         username: s.username,
@@ -146,19 +158,17 @@ fn entries(plain: &[u8]) -> Option<BTreeMap<String, PodCredential>> {
 /// and repository, encoded: a control character takes six bytes there): the CRI's fields are
 /// small, and registry tokens a few KiB at most.
 pub const MAX_CREDENTIAL: usize = 12 << 10;
-/// How many repositories keep a captured credential; beyond it the oldest capture is dropped.
+/// How many captures are kept (a repository once per namespace that pulled it); beyond it the
+/// oldest capture is dropped.
 pub const MAX_ENTRIES: usize = 1024;
 /// How many of them one namespace may hold: beyond it, that namespace's oldest capture is
 /// dropped, never another tenant's.
 pub const MAX_ENTRIES_PER_NAMESPACE: usize = MAX_ENTRIES / 4;
 
-/// The namespace holding the most captures but `new`'s (of those, the one holding the oldest).
-fn largest_namespace(entries: &BTreeMap<String, PodCredential>, new: &str) -> String {
+/// The namespace holding the most captures but `new` (of those, the one holding the oldest).
+fn largest_namespace(entries: &Entries, new: &Key) -> String {
     let mut counts: std::collections::HashMap<&str, (usize, i64)> = Default::default();
-    for c in entries
-        .iter()
-        .filter(|(r, _)| r.as_str() != new)
-        .map(|(_, c)| c)
+    for c in entries.iter().filter(|(k, _)| *k != new).map(|(_, c)| c)
     {
         let e = counts.entry(c.namespace.as_str()).or_insert((0, i64::MAX));
         e.0 += 1;
@@ -171,7 +181,8 @@ fn largest_namespace(entries: &BTreeMap<String, PodCredential>, new: &str) -> St
         .unwrap_or_default()
 }
 
-/// The captured credentials, by normalized repository (`registry.example.com/team/app`).
+/// The captured credentials, by normalized repository (`registry.example.com/team/app`) and
+/// pod namespace.
 pub struct Captured {
     sealed: Sealed,
     max_age: Option<Duration>,
@@ -179,7 +190,7 @@ pub struct Captured {
     /// The agent's clock (ages of captures).
     clock: std::sync::Arc<dyn credgate_engine::clock::Clock>,
     /// What is served; held only to read or swap, never across the sealed write.
-    by_repository: Mutex<BTreeMap<String, PodCredential>>,
+    by_repository: Mutex<Entries>,
     /// Serializes writers (each seals the whole map, fsyncs, then swaps it in), so that a
     /// capture's fsync never holds up a `Lookup` reading the map.
     writer: Mutex<()>,
@@ -255,15 +266,15 @@ impl Captured {
         let _ = self.sealed.remove();
     }
 
-    fn lock(&self) -> parking_lot::MutexGuard<'_, BTreeMap<String, PodCredential>> {
+    fn lock(&self) -> parking_lot::MutexGuard<'_, Entries> {
         self.by_repository.lock()
     }
 
     /// Seals `entries` and replaces the file: written, fsynced, renamed, the directory fsynced.
-    fn persist(&self, entries: &BTreeMap<String, PodCredential>) -> Result<(), CaptureError> {
+    fn persist(&self, entries: &Entries) -> Result<(), CaptureError> {
         let stored: Vec<Stored> = entries
             .iter()
-            .map(|(repository, c)| Stored::of(repository, c))
+            .map(|((repository, _), c)| Stored::of(repository, c))
             .collect();
         let plain = Zeroizing::new(serde_json::to_vec(&stored).expect("entries serialize"));
         for s in stored {
@@ -296,9 +307,10 @@ impl Captured {
         self
     }
 
-    /// Keeps `credential` for `repository`, replacing what was there, on disk before it
-    /// returns (a blocking write: call it where blocking is allowed). When that makes one
-    /// more than the limit, the oldest captures are dropped: how many.
+    /// Keeps `credential` for `repository` and its namespace, replacing what that namespace
+    /// held there (another namespace's capture stays), on disk before it returns (a blocking
+    /// write: call it where blocking is allowed). When that makes one more than the limit,
+    /// the oldest captures are dropped: how many.
     pub fn capture(
         &self,
         repository: &str,
@@ -308,10 +320,10 @@ impl Captured {
         let max = self.max_entries;
         let per_namespace = (max / 4).max(1);
         let namespace = credential.namespace.clone();
-        let repository = repository.to_owned();
+        let key: Key = (repository.to_owned(), namespace.clone());
         let dropped = self.change(Box::new(move |entries| {
             let mut dropped = 0;
-            entries.insert(repository.clone(), credential);
+            entries.insert(key.clone(), credential);
             let theirs = entries
                 .values()
                 .filter(|c| c.namespace == namespace)
@@ -331,13 +343,13 @@ impl Captured {
                 let from = if own_only {
                     namespace.clone()
                 } else {
-                    largest_namespace(entries, &repository)
+                    largest_namespace(entries, &key)
                 };
                 let oldest = entries
                     .iter()
-                    .filter(|(r, c)| **r != repository && c.namespace == from)
+                    .filter(|(k, c)| **k != key && c.namespace == from)
                     .min_by_key(|(_, c)| c.captured_ms)
-                    .map(|(r, _)| r.clone());
+                    .map(|(k, _)| k.clone());
                 match oldest {
                     Some(r) => {
                         entries.remove(&r);
@@ -418,19 +430,29 @@ impl Captured {
         written.err()
     }
 
-    /// Drops the credential of `repository`; whether there was one.
+    /// Drops every namespace's credential of `repository`; whether there was one.
     pub fn forget(&self, repository: &str) -> Result<bool, CaptureError> {
         let repository = repository.to_owned();
+        self.drop_where(move |(r, _), _| *r == repository)
+    }
+
+    /// Drops the captures `which` picks, on disk before it returns; whether there was one.
+    fn drop_where(
+        &self,
+        which: impl Fn(&Key, &PodCredential) -> bool + Send + 'static,
+    ) -> Result<bool, CaptureError> {
         Ok(self
             .change(Box::new(move |entries| {
-                entries.remove(&repository).map(|_| 1)
+                let before = entries.len();
+                entries.retain(|k, c| !which(k, c));
+                (entries.len() < before).then_some(before - entries.len())
             }))?
             .is_some())
     }
 
-    /// A receiver that sees each change (a capture or a drop) as it happens.
-    /// Drops the credential of `repository` if it still is `username`:`password` (the
-    /// registry refused it; a newer capture stays); whether it was dropped.
+    /// Drops the captures of `repository` that still are `username`:`password`, in whichever
+    /// namespace (the registry refused it; a newer capture, and another namespace's own
+    /// credential, stay); whether one was dropped.
     pub fn forget_refused(
         &self,
         repository: &str,
@@ -439,17 +461,14 @@ impl Captured {
     ) -> Result<bool, CaptureError> {
         let (repository, username) = (repository.to_owned(), username.to_owned());
         let password = SecretString::from(password.to_owned());
-        Ok(self
-            .change(Box::new(move |entries| {
-                let held = entries.get(&repository).is_some_and(|c| {
-                    c.username == username && c.password.expose_secret() == password.expose_secret()
-                });
-                held.then(|| entries.remove(&repository).map(|_| 1))
-                    .flatten()
-            }))?
-            .is_some())
+        self.drop_where(move |(r, _), c| {
+            *r == repository
+                && c.username == username
+                && c.password.expose_secret() == password.expose_secret()
+        })
     }
 
+    /// A receiver that sees each change (a capture or a drop) as it happens.
     pub fn changes(&self) -> tokio::sync::watch::Receiver<u64> {
         self.changes.subscribe()
     }
@@ -458,22 +477,38 @@ impl Captured {
     pub fn expire(&self) {
         let Some(max) = self.max_age else { return };
         let oldest = self.now_ms() - i64::try_from(max.as_millis()).unwrap_or(i64::MAX);
-        let stale: Vec<String> = self
-            .lock()
-            .iter()
-            .filter(|(_, c)| c.captured_ms < oldest)
-            .map(|(r, _)| r.clone())
-            .collect();
-        for r in stale {
-            if let Err(e) = self.forget(&r) {
-                tracing::warn!(error = %e, "cannot drop an expired captured credential");
-            }
+        if !self.lock().values().any(|c| c.captured_ms < oldest) {
+            return;
+        }
+        if let Err(e) = self.drop_where(move |_, c| c.captured_ms < oldest) {
+            tracing::warn!(error = %e, "cannot drop an expired captured credential");
         }
     }
 
-    /// The credential captured for the repository `name` (a normalized image name).
+    /// The newest credential captured for the repository `name` (a normalized image name),
+    /// whichever namespace pulled it: what a `Lookup` of the repository gives.
     pub fn for_repository(&self, name: &str) -> Option<PodCredential> {
-        self.lock().get(name).cloned()
+        self.all_for_repository(name).into_iter().next()
+    }
+
+    /// Every namespace's credential for the repository `name`, newest first: what the
+    /// registry mirror tries, one after another when the registry refuses one.
+    pub fn all_for_repository(&self, name: &str) -> Vec<PodCredential> {
+        let mut all: Vec<PodCredential> = self
+            .lock()
+            .range((name.to_owned(), String::new())..)
+            .take_while(|((r, _), _)| r == name)
+            .map(|(_, c)| c.clone())
+            .collect();
+        all.sort_by_key(|c| std::cmp::Reverse(c.captured_ms));
+        all
+    }
+
+    /// What `namespace` captured for the repository `name`.
+    pub fn for_namespace(&self, name: &str, namespace: &str) -> Option<PodCredential> {
+        self.lock()
+            .get(&(name.to_owned(), namespace.to_owned()))
+            .cloned()
     }
 
     /// How long a credential is kept, when there is a limit.
@@ -481,11 +516,11 @@ impl Captured {
         self.max_age
     }
 
-    /// Every captured credential, by repository.
+    /// Every captured credential, by repository (once per namespace that captured it).
     pub fn list(&self) -> Vec<(String, PodCredential)> {
         self.lock()
             .iter()
-            .map(|(r, c)| (r.clone(), c.clone()))
+            .map(|((r, _), c)| (r.clone(), c.clone()))
             .collect()
     }
 }
@@ -814,6 +849,46 @@ mod tests {
             .unwrap();
         f.set_len(MAX_FILE + 1).unwrap();
         assert!(Captured::open(dir.path(), None).unwrap().list().is_empty());
+    }
+
+    /// Two namespaces that pull one repository with their own credentials each keep theirs:
+    /// the newest is what a `Lookup` gets, a refused one is dropped alone, and both survive a
+    /// restart.
+    #[test]
+    fn each_namespace_keeps_its_own_capture_of_a_repository() {
+        let dir = private_dir();
+        let c = Captured::open(dir.path(), None).unwrap();
+        c.capture("reg.io/shared/app", cred("team-a", "alice", "pw-a", 10))
+            .unwrap();
+        c.capture("reg.io/shared/app", cred("team-b", "bob", "pw-b", 20))
+            .unwrap();
+        c.capture("reg.io/other", cred("team-b", "bob", "pw-b", 30))
+            .unwrap();
+        let users = |c: &Captured| -> Vec<String> {
+            c.all_for_repository("reg.io/shared/app")
+                .into_iter()
+                .map(|c| c.username)
+                .collect()
+        };
+        assert_eq!(users(&c), ["bob", "alice"], "newest first");
+        assert_eq!(c.for_repository("reg.io/shared/app").unwrap().username, "bob");
+        assert_eq!(
+            c.for_namespace("reg.io/shared/app", "team-a").unwrap().username,
+            "alice"
+        );
+        // A namespace's new capture replaces its own only.
+        c.capture("reg.io/shared/app", cred("team-a", "alice", "pw-a2", 40))
+            .unwrap();
+        assert_eq!(users(&c), ["alice", "bob"]);
+        assert_eq!(users(&Captured::open(dir.path(), None).unwrap()), ["alice", "bob"]);
+        // team-a's credential revoked: dropped there, team-b's and other repositories stay.
+        assert!(c.forget_refused("reg.io/shared/app", "alice", "pw-a2").unwrap());
+        assert!(!c.forget_refused("reg.io/shared/app", "alice", "pw-a2").unwrap());
+        assert_eq!(users(&c), ["bob"]);
+        assert!(c.for_repository("reg.io/other").is_some());
+        assert!(c.forget("reg.io/shared/app").unwrap());
+        assert!(users(&c).is_empty());
+        assert_eq!(c.list().len(), 1);
     }
 
     #[test]

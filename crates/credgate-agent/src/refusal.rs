@@ -115,13 +115,14 @@ impl Refuser {
         password: &str,
     ) -> Vec<Given> {
         let mut out = Vec::new();
-        if let Some(held) = self
-            .captured
-            .as_ref()
-            .and_then(|c| c.for_repository(repository))
-            .filter(|c| c.username == username && c.password.expose_secret() == password)
-        {
-            out.push(Given::Captured(held.namespace));
+        if let Some(captured) = self.captured.as_ref() {
+            out.extend(
+                captured
+                    .all_for_repository(repository)
+                    .into_iter()
+                    .filter(|c| c.username == username && c.password.expose_secret() == password)
+                    .map(|held| Given::Captured(held.namespace)),
+            );
         }
         out.extend(
             self.engine

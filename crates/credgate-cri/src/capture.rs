@@ -201,7 +201,7 @@ async fn handle(offer: Offer, captured: Arc<Captured>, verifier: Verifier, metri
         return;
     }
     if captured
-        .for_repository(&repository)
+        .for_namespace(&repository, &credential.namespace)
         .is_some_and(|held| held.same(&credential))
     {
         metrics.capture(credgate_agent::metrics::CaptureResult::Unchanged);

@@ -296,24 +296,19 @@ impl Shared {
         )
     }
 
-    /// The credentials of the repository in try-order, with their source's name for the
-    /// metrics: the captured pod credential, then the providers' and docker configs'.
+    /// The credentials of the repository in try-order, each once, with their source's name
+    /// for the metrics: every namespace's captured pod credential, newest first (one that is
+    /// refused or revoked leaves the others', decision 0030), then the providers' and docker
+    /// configs'.
     async fn credentials(&self, route: &Route) -> Vec<(&'static str, Credential)> {
-        let mut out = Vec::new();
-        if let Some(held) = self
+        let captured = self
             .context
             .captured
             .as_ref()
-            .and_then(|c| c.for_repository(&route.image))
-        {
-            out.push((
-                "captured",
-                Credential {
-                    username: held.username,
-                    password: held.password,
-                },
-            ));
-        }
+            .map(|c| c.all_for_repository(&route.image))
+            .unwrap_or_default()
+            .into_iter()
+            .map(|held| ("captured", held.username, held.password));
         let engine = self.context.engine.load_full();
         let lookup = engine
             .lookup(&credgate_engine::LookupRequest {
@@ -323,35 +318,34 @@ impl Shared {
                 ..Default::default()
             })
             .await;
-        if let Ok(lookup) = lookup {
-            for c in lookup.credentials {
+        let node = lookup
+            .map(|l| l.credentials)
+            .unwrap_or_default()
+            .into_iter()
+            .map(|c| {
                 let source = match c.source {
                     credgate_engine::Source::DockerConfig(_) => "docker_config",
                     credgate_engine::Source::Provider(_) => "provider",
                 };
-                if !out.iter().any(|(_, o): &(&str, Credential)| {
-                    o.username == c.username
-                        && o.password.expose_secret() == c.password.expose_secret()
-                }) {
-                    out.push((
-                        source,
-                        Credential {
-                            username: c.username,
-                            password: c.password,
-                        },
-                    ));
-                }
-            }
-        }
+                (source, c.username, c.password)
+            });
         // A credential a registry refused (confirmed) is not tried again while the agent
         // remembers it: a docker config entry stays stale until someone edits it.
         let now = self.context.clock.now();
         let memory = self.context.refusal.memory();
-        out.retain(|(_, c)| {
-            memory
-                .known(&c.username, c.password.expose_secret(), now)
-                .is_none()
-        });
+        let mut out: Vec<(&'static str, Credential)> = Vec::new();
+        for (source, username, password) in captured.chain(node) {
+            let seen = out.iter().any(|(_, o)| {
+                o.username == username && o.password.expose_secret() == password.expose_secret()
+            });
+            if !seen
+                && memory
+                    .known(&username, password.expose_secret(), now)
+                    .is_none()
+            {
+                out.push((source, Credential { username, password }));
+            }
+        }
         out
     }
 

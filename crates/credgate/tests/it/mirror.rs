@@ -421,3 +421,94 @@ fn containerd_pulls_a_private_image_through_the_mirror_with_no_credential_of_its
     let _ = std::fs::File::open(&agent.log).and_then(|mut f| f.read_to_end(&mut reader));
     assert!(!String::from_utf8_lossy(&reader).contains("alice-pw"));
 }
+
+/// Two namespaces pull one private repository through the CRI proxy, each with its own
+/// credential; the newer one (team-b's) is then revoked at the registry. A read through the
+/// mirror tries team-b's capture, has the refusal confirmed, drops that capture alone and is
+/// served with team-a's (decision 0030): one tenant's revocation never stops another's lazy
+/// reads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn a_revoked_capture_leaves_another_namespaces_capture_of_the_repository() {
+    use credgate_testbed::cri::{call, pull_request, PullImageResponse, PULL_IMAGE};
+    crate::support::needs_containerd();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let tokens = TokenServer::start(
+        d,
+        &[
+            ("admin", "admin-pw", &["*"]),
+            ("alice", "alice-pw", &["shared/app"]),
+            ("bob", "bob-pw", &["shared/app"]),
+        ],
+    );
+    let registry = crate::support::registry_with_tokens(d, &tokens);
+    crate::support::oci_image(d);
+    crate::support::push(d, &registry, "shared/app", "admin", "admin-pw");
+    let host = registry.host();
+    let containerd = credgate_testbed::Containerd::start(d, &[host.clone()]);
+    let addr = format!("127.0.0.1:{}", crate::support::free_port());
+    let metrics = format!("127.0.0.1:{}", crate::support::free_port());
+    let (agent, proxy) = crate::support::proxy_agent_with(
+        d,
+        &containerd.socket,
+        &[
+            "--registry-mirror-addr",
+            &addr,
+            "--registry-mirror-upstream",
+            &host,
+            "--metrics-addr",
+            &metrics,
+        ],
+    );
+    let image = format!("{host}/shared/app:v1");
+    for (namespace, user, password) in [("team-a", "alice", "alice-pw"), ("team-b", "bob", "bob-pw")]
+    {
+        let _: PullImageResponse = call(
+            &proxy,
+            PULL_IMAGE,
+            pull_request(&image, Some((user, password)), namespace),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{namespace}'s pull: {e}"));
+        credgate_testbed::eventually(
+            &format!("{namespace}'s credential is captured"),
+            std::time::Duration::from_secs(20),
+            || text(&agent.credgate(&["ctl", "captured"]).stdout).contains(namespace),
+        );
+    }
+    let captured = text(&agent.credgate(&["ctl", "captured"]).stdout);
+    assert!(
+        captured.contains("team-a") && captured.contains("team-b"),
+        "{captured}"
+    );
+    tokens.set_password("bob", "bob-revoked");
+    let (status, _, body) = curl(
+        &format!("http://{addr}/v2/shared/app/manifests/v1?ns={host}"),
+        &[MANIFEST_ACCEPT],
+        "GET",
+        None,
+    );
+    assert_eq!(status, 200, "{}\n{}", text(&body), agent.log_text());
+    let captured = text(&agent.credgate(&["ctl", "captured"]).stdout);
+    assert!(
+        captured.contains("team-a") && !captured.contains("team-b"),
+        "team-b's revoked capture alone is dropped: {captured}"
+    );
+    let m = metrics_of(&agent);
+    assert!(
+        crate::node::metric_sum(
+            &m,
+            "credgate_mirror_requests_total{result=\"forwarded\",auth=\"captured\"}"
+        ) >= 1.0,
+        "{m}"
+    );
+    let log = agent.log_text();
+    assert!(
+        log.contains("the registry refused the captured pull credential"),
+        "{log}"
+    );
+    for secret in ["alice-pw", "bob-pw", "bob-revoked", "admin-pw"] {
+        assert!(!log.contains(secret), "{secret} in the log");
+    }
+}
