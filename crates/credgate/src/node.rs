@@ -44,6 +44,9 @@ pub struct MirrorConfig {
     /// A loopback address.
     pub addr: SocketAddr,
     pub registries: Vec<String>,
+    /// Registries served on an address of their own too, where a read that names no registry
+    /// is that registry's.
+    pub own: Vec<(String, SocketAddr)>,
     pub registry: RegistryOptions,
 }
 
@@ -303,13 +306,23 @@ impl Node {
         Ok(())
     }
 
-    /// The registry mirror ([`credgate_mirror::serve`]), a task of the agent's.
+    /// The registry mirror ([`credgate_mirror::serve`]) on its address and on each registry's
+    /// own: tasks of the agent's. Every address is bound before any serves.
     async fn mirror(agent: &Agent, config: &MirrorConfig) -> Result<(), NodeError> {
-        let listener = credgate_mirror::bind(config.addr)
-            .await
-            .map_err(NodeError::Mirror)?;
-        let local = listener.local_addr().unwrap_or(config.addr);
-        tracing::info!(addr = %local, registries = ?config.registries, "serving the registry mirror");
+        let mut listeners = vec![(config.addr, config.registries.clone())];
+        for (registry, addr) in &config.own {
+            // Its own first: the default of a read that names none.
+            let mut registries = vec![registry.clone()];
+            registries.extend(config.registries.iter().filter(|r| *r != registry).cloned());
+            listeners.push((*addr, registries));
+        }
+        let mut bound = Vec::with_capacity(listeners.len());
+        for (addr, registries) in listeners {
+            let listener = credgate_mirror::bind(addr)
+                .await
+                .map_err(NodeError::Mirror)?;
+            bound.push((listener, registries));
+        }
         let context = credgate_mirror::Context {
             engine: agent.engine_handle(),
             captured: agent.captured().cloned(),
@@ -318,17 +331,21 @@ impl Node {
             callers: agent.callers().clone(),
             clock: agent.clock().clone(),
         };
-        let options = credgate_mirror::MirrorOptions {
-            registries: config.registries.clone(),
-            registry: config.registry.clone(),
-            limits: credgate_mirror::default_limits(),
-        };
-        let stop = agent.tasks().token().clone();
-        agent.tasks().spawn(async move {
-            if let Err(e) = credgate_mirror::serve(listener, context, options, stop).await {
-                tracing::error!(error = %e, "the registry mirror stopped");
-            }
-        });
+        for (listener, registries) in bound {
+            let local = listener.local_addr().unwrap_or(config.addr);
+            tracing::info!(addr = %local, registries = ?registries, "serving the registry mirror");
+            let options = credgate_mirror::MirrorOptions {
+                registries,
+                registry: config.registry.clone(),
+                limits: credgate_mirror::default_limits(),
+            };
+            let (context, stop) = (context.clone(), agent.tasks().token().clone());
+            agent.tasks().spawn(async move {
+                if let Err(e) = credgate_mirror::serve(listener, context, options, stop).await {
+                    tracing::error!(error = %e, "the registry mirror stopped");
+                }
+            });
+        }
         Ok(())
     }
 

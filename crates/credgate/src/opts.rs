@@ -435,11 +435,14 @@ pub struct ServeArgs {
     #[arg(help_heading = "Registry mirror (docs/snapshotters.md)")]
     pub registry_mirror_addr: Option<std::net::SocketAddr>,
     /// A registry the mirror serves (`registry.example.com`, `docker.io`); repeatable. A read
-    /// names its registry with the `ns` query parameter (containerd adds it); one that names
-    /// none goes to the first.
-    #[arg(long, value_name = "REGISTRY", requires = "registry_mirror_addr")]
+    /// names its registry with the `ns` query parameter (containerd and soci add it); one that
+    /// names none goes to the first. `REGISTRY=ADDR` also serves REGISTRY on a loopback address
+    /// of its own, where a read that names none goes to REGISTRY: for consumers that never add
+    /// `ns` (nydus-snapshotter hands nydusd the mirror as the registry's host).
+    #[arg(long, value_name = "REGISTRY[=ADDR]", requires = "registry_mirror_addr")]
+    #[arg(value_parser = parse_mirror_upstream)]
     #[arg(help_heading = "Registry mirror (docs/snapshotters.md)")]
-    pub registry_mirror_upstream: Vec<String>,
+    pub registry_mirror_upstream: Vec<(String, Option<std::net::SocketAddr>)>,
 }
 
 /// Credentials a consumer presents (`ctl check-access`, `verify`, `record-result`).
@@ -903,6 +906,19 @@ mod tests {
             "--metrics-addr ",
         ] {
             assert!(help.contains(flag), "{flag}");
+        }
+    }
+}
+
+/// `REGISTRY[=ADDR]` of --registry-mirror-upstream.
+fn parse_mirror_upstream(s: &str) -> Result<(String, Option<std::net::SocketAddr>), String> {
+    match s.split_once('=') {
+        None => Ok((s.to_owned(), None)),
+        Some((registry, addr)) => {
+            let addr = addr
+                .parse()
+                .map_err(|e| format!("{addr:?} is not an address (127.0.0.1:PORT): {e}"))?;
+            Ok((registry.to_owned(), Some(addr)))
         }
     }
 }

@@ -132,7 +132,16 @@ fn node_options(args: &ServeArgs) -> Result<NodeOptions> {
             .registry_mirror_addr
             .map(|addr| crate::node::MirrorConfig {
                 addr,
-                registries: args.registry_mirror_upstream.clone(),
+                registries: args
+                    .registry_mirror_upstream
+                    .iter()
+                    .map(|(r, _)| r.clone())
+                    .collect(),
+                own: args
+                    .registry_mirror_upstream
+                    .iter()
+                    .filter_map(|(r, a)| a.map(|a| (r.clone(), a)))
+                    .collect(),
                 registry: registry.clone(),
             }),
         handed: crate::activation::Handed::default(),

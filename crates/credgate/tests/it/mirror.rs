@@ -361,6 +361,43 @@ fn a_caller_that_is_not_admitted_gets_403_and_no_credential() {
     registry.stop();
 }
 
+/// A registry given an address of its own (`REGISTRY=ADDR`) is the default there: a read that
+/// names no registry (nydusd's, whose host nydus-snapshotter replaced with the mirror's) reaches
+/// it, with its credential; on the shared address the same read goes to the first registry
+/// named.
+#[test]
+fn a_registry_with_an_address_of_its_own_is_the_default_there() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let registry = crate::support::Registry::start(d, "alice", "alice-pw");
+    crate::support::oci_image(d);
+    crate::support::push(d, &registry, "team/app", "alice", "alice-pw");
+    let host = registry.host();
+    let config = provider(d, &host, "alice", "alice-pw");
+    let own = format!("127.0.0.1:{}", crate::support::free_port());
+    let upstream = format!("{host}={own}");
+    let (agent, shared) = mirror_agent(
+        d,
+        &config,
+        "registry.invalid",
+        &["--registry-mirror-upstream", &upstream],
+    );
+    let read = |addr: &str, query: &str| {
+        curl(
+            &format!("http://{addr}/v2/team/app/manifests/v1{query}"),
+            &[MANIFEST_ACCEPT],
+            "GET",
+            None,
+        )
+    };
+    let (status, _, body) = read(&own, "");
+    assert_eq!(status, 200, "{}\n{}", text(&body), agent.log_text());
+    assert_eq!(read(&shared, &format!("?ns={host}")).0, 200);
+    let (status, _, _) = read(&shared, "");
+    assert_ne!(status, 200, "the shared address's default is the first registry named");
+    assert!(!agent.log_text().contains("alice-pw"));
+}
+
 /// containerd reads through the mirror by its hosts.toml (as README tells an operator), with no
 /// credential of its own: the pull of a private image succeeds, with the provider's credential
 /// added by the mirror.
