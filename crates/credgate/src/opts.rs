@@ -778,6 +778,19 @@ pub struct ManArgs {
     pub dir: PathBuf,
 }
 
+/// `REGISTRY[=ADDR]` of --registry-mirror-upstream.
+fn parse_mirror_upstream(s: &str) -> Result<(String, Option<std::net::SocketAddr>), String> {
+    match s.split_once('=') {
+        None => Ok((s.to_owned(), None)),
+        Some((registry, addr)) => {
+            let addr = addr
+                .parse()
+                .map_err(|e| format!("{addr:?} is not an address (127.0.0.1:PORT): {e}"))?;
+            Ok((registry.to_owned(), Some(addr)))
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -906,19 +919,6 @@ mod tests {
             "--metrics-addr ",
         ] {
             assert!(help.contains(flag), "{flag}");
-        }
-    }
-}
-
-/// `REGISTRY[=ADDR]` of --registry-mirror-upstream.
-fn parse_mirror_upstream(s: &str) -> Result<(String, Option<std::net::SocketAddr>), String> {
-    match s.split_once('=') {
-        None => Ok((s.to_owned(), None)),
-        Some((registry, addr)) => {
-            let addr = addr
-                .parse()
-                .map_err(|e| format!("{addr:?} is not an address (127.0.0.1:PORT): {e}"))?;
-            Ok((registry.to_owned(), Some(addr)))
         }
     }
 }

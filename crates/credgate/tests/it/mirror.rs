@@ -483,7 +483,7 @@ async fn a_revoked_capture_leaves_another_namespaces_capture_of_the_repository()
     crate::support::oci_image(d);
     crate::support::push(d, &registry, "shared/app", "admin", "admin-pw");
     let host = registry.host();
-    let containerd = credgate_testbed::Containerd::start(d, &[host.clone()]);
+    let containerd = credgate_testbed::Containerd::start(d, std::slice::from_ref(&host));
     let addr = format!("127.0.0.1:{}", crate::support::free_port());
     let metrics = format!("127.0.0.1:{}", crate::support::free_port());
     let (agent, proxy) = crate::support::proxy_agent_with(
