@@ -160,10 +160,22 @@ pub async fn serve(
             .serve_connection(TokioIo::new(accepted.stream), service)
             .with_upgrades();
         let held = accepted.held;
+        let stop = shutdown.clone();
         listener.spawn(async move {
             // A connection lives while it reads; an idle one is closed by the header timeout.
+            // At the shutdown an idle keep-alive connection closes at once and one that reads
+            // ends after its response (within the listener's shutdown deadline), so that a
+            // restart is not held up by consumers' idle connections.
             let _held = held;
-            if let Err(e) = conn.await {
+            let mut conn = std::pin::pin!(conn);
+            let ended = tokio::select! {
+                ended = conn.as_mut() => ended,
+                () = stop.cancelled() => {
+                    conn.as_mut().graceful_shutdown();
+                    conn.await
+                }
+            };
+            if let Err(e) = ended {
                 tracing::debug!(error = %e, "registry mirror connection ended");
             }
         });
@@ -313,8 +325,10 @@ impl Shared {
         let lookup = engine
             .lookup(&credgate_engine::LookupRequest {
                 image: &route.image,
-                // What it hands out stays valid for a read that starts now.
-                min_valid_for: Duration::from_secs(60),
+                // Still valid when the registry sees the request (it checks a credential
+                // when a read starts, never during its body): a provider whose credentials
+                // live a minute is not run again for every read.
+                min_valid_for: Duration::from_secs(5),
                 ..Default::default()
             })
             .await;
