@@ -1,63 +1,105 @@
 //! Who is on the other end of a loopback TCP connection: the uid that owns the client's socket,
-//! read from the kernel's socket table (`/proc/net/tcp`, `/proc/net/tcp6`). The client's socket
-//! is the one whose local address is the connection's peer address and whose remote address is
-//! the mirror's own; in the node's network namespace that row is the kernel's word for who
-//! opened it (a hostNetwork pod's too, as the node sees its uid).
+//! asked of the kernel with one `sock_diag` request (`NETLINK_SOCK_DIAG`, `SOCK_DIAG_BY_FAMILY`)
+//! for that exact socket: the one whose local address is the connection's peer address and
+//! whose remote address is the mirror's own. In the node's network namespace its answer is the
+//! kernel's word for who opened it (a hostNetwork pod's too, as the node sees its uid).
+//!
+//! Not `/proc/net/tcp`: the kernel prints that table from a walk of its hash table that sockets
+//! coming and going can shift, and on this project's rig a third of the rows of live
+//! connections were missing from reads of it (decision 0029).
 
 use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
 
-/// The most of a socket table read: far beyond any node's connection count.
-const MAX_TABLE: u64 = 64 << 20;
+use rustix::net::{netlink, AddressFamily, RecvFlags, SendFlags, SocketFlags, SocketType};
+
+/// `SOCK_DIAG_BY_FAMILY`, the request and answer type.
+const SOCK_DIAG_BY_FAMILY: u16 = 20;
+/// `NLMSG_ERROR`.
+const NLMSG_ERROR: u16 = 2;
+/// `NLM_F_REQUEST`: one exact lookup, not a dump.
+const NLM_F_REQUEST: u16 = 1;
+/// `IPPROTO_TCP`.
+const TCP: u8 = 6;
+/// `TCP_ESTABLISHED`, as `inet_diag_msg.idiag_state` says it.
+const ESTABLISHED: u8 = 1;
+/// Where `idiag_uid` is in an answer: the 16-byte `nlmsghdr`, then `inet_diag_msg`'s family,
+/// state, timer and retrans (4), its socket id (48), expires, rqueue and wqueue (12).
+const UID_AT: usize = 16 + 4 + 48 + 12;
 
 /// The uid owning the client's end of the connection from `peer` to `local`, when the kernel
-/// lists it (established).
+/// knows it as an established socket.
 pub fn uid_of(peer: SocketAddr, local: SocketAddr) -> Option<u32> {
-    let file = match peer.ip() {
-        IpAddr::V4(_) => "/proc/net/tcp",
-        IpAddr::V6(_) => "/proc/net/tcp6",
+    let fd = rustix::net::socket_with(
+        AddressFamily::NETLINK,
+        SocketType::DGRAM,
+        SocketFlags::CLOEXEC,
+        Some(netlink::SOCK_DIAG),
+    )
+    .ok()?;
+    // The kernel answers at once; a bound on the wait all the same.
+    rustix::net::sockopt::set_socket_timeout(
+        &fd,
+        rustix::net::sockopt::Timeout::Recv,
+        Some(Duration::from_secs(1)),
+    )
+    .ok()?;
+    rustix::net::send(&fd, &request(peer, local)?, SendFlags::empty()).ok()?;
+    let mut answer = [0u8; 512];
+    let (n, _) = rustix::net::recv(&fd, &mut answer, RecvFlags::empty()).ok()?;
+    uid_in(&answer[..n.min(answer.len())])
+}
+
+/// The lookup of the socket whose local address is `peer` and remote address `local`.
+fn request(peer: SocketAddr, local: SocketAddr) -> Option<Vec<u8>> {
+    let family = match (peer.ip(), local.ip()) {
+        (IpAddr::V4(_), IpAddr::V4(_)) => AddressFamily::INET,
+        (IpAddr::V6(_), IpAddr::V6(_)) => AddressFamily::INET6,
+        _ => return None,
     };
-    let table = read_bounded(file)?;
-    find_uid(&table, peer, local)
+    let mut req = Vec::with_capacity(72);
+    // nlmsghdr: length, type, flags, sequence, port id (host order).
+    req.extend_from_slice(&72u32.to_ne_bytes());
+    req.extend_from_slice(&SOCK_DIAG_BY_FAMILY.to_ne_bytes());
+    req.extend_from_slice(&NLM_F_REQUEST.to_ne_bytes());
+    req.extend_from_slice(&1u32.to_ne_bytes());
+    req.extend_from_slice(&0u32.to_ne_bytes());
+    // inet_diag_req_v2: family, protocol, extensions, pad, states (every one).
+    req.push(u8::try_from(family.as_raw()).ok()?);
+    req.extend_from_slice(&[TCP, 0, 0]);
+    req.extend_from_slice(&u32::MAX.to_ne_bytes());
+    // inet_diag_sockid: ports and addresses in network order, interface, no cookie.
+    req.extend_from_slice(&peer.port().to_be_bytes());
+    req.extend_from_slice(&local.port().to_be_bytes());
+    req.extend_from_slice(&address(peer.ip()));
+    req.extend_from_slice(&address(local.ip()));
+    req.extend_from_slice(&0u32.to_ne_bytes());
+    req.extend_from_slice(&u32::MAX.to_ne_bytes());
+    req.extend_from_slice(&u32::MAX.to_ne_bytes());
+    debug_assert_eq!(req.len(), 72);
+    Some(req)
 }
 
-fn read_bounded(path: &str) -> Option<String> {
-    use std::io::Read as _;
-    let mut text = String::new();
-    std::fs::File::open(path)
-        .ok()?
-        .take(MAX_TABLE)
-        .read_to_string(&mut text)
-        .ok()?;
-    Some(text)
+/// An address as `inet_diag_sockid` holds it: 16 bytes, an IPv4 one in the first four.
+fn address(ip: IpAddr) -> [u8; 16] {
+    let mut out = [0u8; 16];
+    match ip {
+        IpAddr::V4(v4) => out[..4].copy_from_slice(&v4.octets()),
+        IpAddr::V6(v6) => out = v6.octets(),
+    }
+    out
 }
 
-/// An address as the kernel's socket table prints it: the address in 32-bit words of the
-/// host's byte order, in hex, then the port in hex.
-fn kernel_form(addr: SocketAddr) -> String {
-    let ip = match addr.ip() {
-        IpAddr::V4(v4) => format!("{:08X}", u32::from_ne_bytes(v4.octets())),
-        IpAddr::V6(v6) => v6
-            .octets()
-            .chunks(4)
-            .map(|w| format!("{:08X}", u32::from_ne_bytes([w[0], w[1], w[2], w[3]])))
-            .collect(),
-    };
-    format!("{ip}:{:04X}", addr.port())
-}
-
-/// The uid of the established socket in `table` whose local address is `peer` and remote
-/// address is `local`.
-pub fn find_uid(table: &str, peer: SocketAddr, local: SocketAddr) -> Option<u32> {
-    let (client, server) = (kernel_form(peer), kernel_form(local));
-    table.lines().skip(1).find_map(|line| {
-        let fields: Vec<&str> = line.split_whitespace().collect();
-        // sl local rem st tx:rx tr:when retrnsmt uid ...
-        if fields.len() > 7 && fields[1] == client && fields[2] == server && fields[3] == "01" {
-            fields[7].parse().ok()
-        } else {
-            None
-        }
-    })
+/// The uid of an answer that names an established socket; none for an error (no such socket)
+/// or anything shorter than an answer.
+fn uid_in(answer: &[u8]) -> Option<u32> {
+    let kind = u16::from_ne_bytes(answer.get(4..6)?.try_into().ok()?);
+    if kind == NLMSG_ERROR || kind != SOCK_DIAG_BY_FAMILY || *answer.get(17)? != ESTABLISHED {
+        return None;
+    }
+    Some(u32::from_ne_bytes(
+        answer.get(UID_AT..UID_AT + 4)?.try_into().ok()?,
+    ))
 }
 
 #[cfg(test)]
@@ -65,47 +107,52 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_clients_row_gives_the_uid() {
+    fn the_request_names_the_clients_socket_exactly() {
         let peer: SocketAddr = "127.0.0.1:40000".parse().unwrap();
         let local: SocketAddr = "127.0.0.1:5005".parse().unwrap();
-        let (c, s) = (kernel_form(peer), kernel_form(local));
-        let table = format!(
-            "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n\
-             \x20  0: {s} 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1 1\n\
-             \x20  1: {s} {c} 01 00000000:00000000 00:00000000 00000000     0        0 2 1\n\
-             \x20  2: {c} {s} 06 00000000:00000000 00:00000000 00000000  1001        0 3 1\n\
-             \x20  3: {c} {s} 01 00000000:00000000 00:00000000 00000000  1000        0 4 1\n"
-        );
-        // The server's own row (uid 0) and a closing socket of the same address are not it.
-        assert_eq!(find_uid(&table, peer, local), Some(1000));
-        let other: SocketAddr = "127.0.0.1:40001".parse().unwrap();
-        assert_eq!(find_uid(&table, other, local), None);
+        let req = request(peer, local).unwrap();
+        assert_eq!(req.len(), 72);
+        assert_eq!(&req[16..18], &[AddressFamily::INET.as_raw() as u8, TCP]);
+        assert_eq!(&req[24..26], &40000u16.to_be_bytes(), "source port: the client's");
+        assert_eq!(&req[26..28], &5005u16.to_be_bytes());
+        assert_eq!(&req[28..32], &[127, 0, 0, 1]);
+        assert_eq!(&req[64..72], &[0xff; 8], "no cookie: looked up by address");
+        let mixed: SocketAddr = "[::1]:5005".parse().unwrap();
+        assert!(request(peer, mixed).is_none());
     }
 
     #[test]
-    fn addresses_read_as_the_kernel_prints_them() {
-        if cfg!(target_endian = "little") {
-            assert_eq!(
-                kernel_form("127.0.0.1:8080".parse().unwrap()),
-                "0100007F:1F90"
-            );
-            assert_eq!(
-                kernel_form("[::1]:80".parse().unwrap()),
-                "00000000000000000000000001000000:0050"
-            );
-        }
+    fn errors_and_short_answers_name_nobody() {
+        let mut error = vec![0u8; 36];
+        error[4..6].copy_from_slice(&NLMSG_ERROR.to_ne_bytes());
+        assert_eq!(uid_in(&error), None);
+        let mut answer = vec![0u8; UID_AT + 4];
+        answer[4..6].copy_from_slice(&SOCK_DIAG_BY_FAMILY.to_ne_bytes());
+        answer[17] = ESTABLISHED;
+        answer[UID_AT..].copy_from_slice(&1000u32.to_ne_bytes());
+        assert_eq!(uid_in(&answer), Some(1000));
+        answer[17] = 6; // TIME_WAIT
+        assert_eq!(uid_in(&answer), None);
+        assert_eq!(uid_in(&answer[..UID_AT]), None);
     }
 
-    /// A real connection on this machine: the kernel's row names this process's uid.
+    /// Real connections on this machine, one after another as a consumer opens them: the
+    /// kernel names this process's uid every time (the socket table missed a third of them).
     #[test]
-    fn a_real_loopback_connection_names_its_owner() {
+    fn real_loopback_connections_name_their_owner_every_time() {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
-        let (_server, peer) = listener.accept().unwrap();
-        assert_eq!(peer, client.local_addr().unwrap());
-        assert_eq!(
-            uid_of(peer, listener.local_addr().unwrap()),
-            Some(rustix::process::geteuid().as_raw())
-        );
+        let me = rustix::process::geteuid().as_raw();
+        for _ in 0..200 {
+            let client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+            let (_server, peer) = listener.accept().unwrap();
+            assert_eq!(peer, client.local_addr().unwrap());
+            assert_eq!(uid_of(peer, listener.local_addr().unwrap()), Some(me));
+        }
+        let v6 = std::net::TcpListener::bind("[::1]:0");
+        if let Ok(v6) = v6 {
+            let _client = std::net::TcpStream::connect(v6.local_addr().unwrap()).unwrap();
+            let (_server, peer) = v6.accept().unwrap();
+            assert_eq!(uid_of(peer, v6.local_addr().unwrap()), Some(me));
+        }
     }
 }
