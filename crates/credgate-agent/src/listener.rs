@@ -39,7 +39,9 @@ pub struct Peer {
 /// deadline is not speaking HTTP/2 to us.
 const PREFACE_LEN: u64 = credgate_api::frame::PREFACE.len() as u64;
 
-/// A listening socket of some kind.
+/// A listening socket of some kind. `accept` must be cancel-safe: the listener's loop drops it
+/// whenever a connection task ends first, so nothing may be awaited after a connection is
+/// taken (it would be dropped unanswered, a reset the client sees).
 pub trait Accept: Send {
     type Stream: AsyncRead + AsyncWrite + Unpin + Send + 'static;
     fn accept(&self) -> impl Future<Output = io::Result<(Self::Stream, Peer)>> + Send;

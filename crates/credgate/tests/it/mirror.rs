@@ -361,6 +361,32 @@ fn a_caller_that_is_not_admitted_gets_403_and_no_credential() {
     registry.stop();
 }
 
+/// Connections opened one after another, as a consumer opens them, each get an answer: the
+/// listener takes a connection only where it cannot drop it unanswered (it reset about one in
+/// six when the owner's lookup was awaited after the accept).
+#[test]
+fn every_connection_of_a_run_is_answered() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let config = provider(d, "registry.invalid", "u", "p");
+    let (agent, addr) = mirror_agent(d, &config, "registry.invalid", &[]);
+    let mut unanswered = 0;
+    for _ in 0..300 {
+        let mut s = std::net::TcpStream::connect(&addr).unwrap();
+        s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+            .unwrap();
+        let mut head = [0u8; 12];
+        let answered = s
+            .write_all(b"GET /v2/ HTTP/1.1\r\nHost: m\r\nConnection: close\r\n\r\n")
+            .and_then(|()| s.read_exact(&mut head))
+            .is_ok();
+        if !answered || &head != b"HTTP/1.1 200" {
+            unanswered += 1;
+        }
+    }
+    assert_eq!(unanswered, 0, "{}", agent.log_text());
+}
+
 /// A registry given an address of its own (`REGISTRY=ADDR`) is the default there: a read that
 /// names no registry (nydusd's, whose host nydus-snapshotter replaced with the mirror's) reaches
 /// it, with its credential; on the shared address the same read goes to the first registry
