@@ -176,6 +176,16 @@ pub fn run(args: KubeletConfigArgs) -> Result<Outcome> {
         anyhow::bail!("a provider is named {CAPTURED_ENTRY}, the entry --captured-images adds");
     }
     let names = entries(&config, &args.captured_images);
+    // With pods' captured credentials the config is a lazy-pull snapshotter's, never the
+    // kubelet's (it would hand one pod's secret to another's pull).
+    let (consumer, bin_dir) = if args.captured_images.is_empty() {
+        ("The kubelet (--image-credential-provider-bin-dir)", "KUBELET_BIN_DIR")
+    } else {
+        (
+            "The snapshotter (nydus-snapshotter's credential_provider_bin_dir; never the kubelet's)",
+            "SNAPSHOTTER_BIN_DIR",
+        )
+    };
     let mut bridge = args.bridge.clone().unwrap_or_else(default_bridge);
     // A link to a missing bridge would fail only when the kubelet runs it; a relative path
     // would be read from the link's directory.
@@ -216,19 +226,16 @@ pub fn run(args: KubeletConfigArgs) -> Result<Outcome> {
             }
             let _ = writeln!(
                 text,
-                "# The kubelet's --image-credential-provider-bin-dir is {}: one link per provider to {}.",
+                "# {}'s plugin directory is {}: one link per provider to {}.",
+                consumer,
                 dir.display(),
                 bridge.display()
             );
         }
         None => {
-            text.push_str("# The kubelet's --image-credential-provider-bin-dir needs one link per provider:\n");
+            let _ = writeln!(text, "# {consumer}'s plugin directory needs one link per provider:");
             for name in &names {
-                let _ = writeln!(
-                    text,
-                    "#   ln -sf {} KUBELET_BIN_DIR/{name}",
-                    bridge.display(),
-                );
+                let _ = writeln!(text, "#   ln -sf {} {bin_dir}/{name}", bridge.display());
             }
         }
     }

@@ -718,6 +718,12 @@ async fn answers_with_a_captured_credential_are_keyed_by_image() {
         snapshotter.join("config.yaml").to_str().unwrap(),
     ]);
     assert!(out.status.success(), "{}", text(&out.stderr));
+    // A config that answers with pods' secrets never calls itself the kubelet's.
+    let written = std::fs::read_to_string(snapshotter.join("config.yaml")).unwrap();
+    assert!(
+        written.contains("never the kubelet's") && !written.contains("The kubelet"),
+        "{written}"
+    );
     let nydus = crate::support::foreign::built(
         &Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("tests/kubelet-cache")
