@@ -201,6 +201,25 @@ pub struct Captured {
     written: (Mutex<u64>, parking_lot::Condvar),
     /// Counts changes, for those who push them on (the renewer, to Watch streams).
     changes: tokio::sync::watch::Sender<u64>,
+    /// The credentials of pulls under way, by pull: in memory only, never captured by this.
+    pulling: Mutex<Vec<(u64, String, PodCredential)>>,
+    next_pull: std::sync::atomic::AtomicU64,
+}
+
+/// How many pulls under way lend their credential to the mirror at once; past it a pull
+/// lends none (its credential is captured once confirmed, as any).
+pub const MAX_PULLING: usize = 256;
+
+/// A pull under way lending its credential to the mirror: withdrawn when dropped.
+pub struct Pulling {
+    captured: std::sync::Arc<Captured>,
+    id: u64,
+}
+
+impl Drop for Pulling {
+    fn drop(&mut self) {
+        self.captured.pulling.lock().retain(|(id, _, _)| *id != self.id);
+    }
 }
 
 impl Captured {
@@ -226,6 +245,8 @@ impl Captured {
             pending: Mutex::new(Vec::new()),
             written: (Mutex::new(0), parking_lot::Condvar::new()),
             changes: tokio::sync::watch::Sender::new(0),
+            pulling: Mutex::new(Vec::new()),
+            next_pull: std::sync::atomic::AtomicU64::new(0),
         };
         let path = captured.path();
         match captured.sealed.read() {
@@ -502,6 +523,40 @@ impl Captured {
             .collect();
         all.sort_by_key(|c| std::cmp::Reverse(c.captured_ms));
         all
+    }
+
+    /// Lends the credential of a pull of `repository` under way to the mirror until the
+    /// returned value is dropped (decision 0030): a lazy-pull snapshotter prepares the image's
+    /// layers during the pull, before its credential can be confirmed and captured. Never
+    /// written anywhere nor given to a `Lookup`; none past [`MAX_PULLING`] at once.
+    pub fn pulling(
+        self: &std::sync::Arc<Self>,
+        repository: &str,
+        credential: PodCredential,
+    ) -> Option<Pulling> {
+        let mut pulling = self.pulling.lock();
+        if pulling.len() >= MAX_PULLING || fits(repository, &credential).is_err() {
+            return None;
+        }
+        let id = self
+            .next_pull
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        pulling.push((id, repository.to_owned(), credential));
+        Some(Pulling {
+            captured: self.clone(),
+            id,
+        })
+    }
+
+    /// The credentials of the pulls of the repository `name` under way, newest first.
+    pub fn pulling_for(&self, name: &str) -> Vec<PodCredential> {
+        self.pulling
+            .lock()
+            .iter()
+            .rev()
+            .filter(|(_, r, _)| r == name)
+            .map(|(_, _, c)| c.clone())
+            .collect()
     }
 
     /// What `namespace` captured for the repository `name`.
@@ -889,6 +944,39 @@ mod tests {
         assert!(c.forget("reg.io/shared/app").unwrap());
         assert!(users(&c).is_empty());
         assert_eq!(c.list().len(), 1);
+    }
+
+    /// A pull under way lends its credential until it ends, bounded, never on disk.
+    #[test]
+    fn a_pull_under_way_lends_its_credential_until_it_ends() {
+        let dir = private_dir();
+        let c = std::sync::Arc::new(Captured::open(dir.path(), None).unwrap());
+        let first = c
+            .pulling("reg.io/app", cred("team-a", "alice", "pw-a", 1))
+            .unwrap();
+        let second = c
+            .pulling("reg.io/app", cred("team-b", "bob", "pw-b", 2))
+            .unwrap();
+        let users = |c: &Captured| -> Vec<String> {
+            c.pulling_for("reg.io/app")
+                .into_iter()
+                .map(|c| c.username)
+                .collect()
+        };
+        assert_eq!(users(&c), ["bob", "alice"]);
+        assert!(c.pulling_for("reg.io/other").is_empty());
+        assert!(c.for_repository("reg.io/app").is_none(), "not a capture");
+        assert!(!dir.path().join(FILE).exists(), "never written");
+        drop(second);
+        assert_eq!(users(&c), ["alice"]);
+        drop(first);
+        assert!(users(&c).is_empty());
+        let held: Vec<_> = (0..MAX_PULLING)
+            .map(|i| c.pulling(&format!("reg.io/{i}"), cred("ns", "u", "p", 1)).unwrap())
+            .collect();
+        assert!(c.pulling("reg.io/one-more", cred("ns", "u", "p", 1)).is_none());
+        drop(held);
+        assert!(c.pulling("reg.io/one-more", cred("ns", "u", "p", 1)).is_some());
     }
 
     #[test]

@@ -190,6 +190,16 @@ pub(super) async fn pull(
     // caller's budget is given back now, not when the pull ends (a registry that stalls would
     // otherwise let a few slow pulls hold the connection's whole budget).
     drop(taken);
+    // Lent to the registry mirror while the runtime pulls (decision 0030): a lazy-pull
+    // snapshotter prepares the layers during the pull, before the credential can be
+    // confirmed and captured. Withdrawn when this pull is answered (by then captured, or not).
+    let _lent = match (&pulls.capture, asked.as_ref()) {
+        (Some(capture), Some(p)) if p.valid && !p.other_registry => p
+            .credential
+            .clone()
+            .and_then(|c| capture.captured.pulling(&p.repository, c)),
+        _ => None,
+    };
     // Kept for one retry of the same pull (see below).
     let head: Head = (
         parts.method.clone(),

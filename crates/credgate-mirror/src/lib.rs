@@ -313,14 +313,19 @@ impl Shared {
 
     /// The credentials of the repository in try-order, each once, with their source's name
     /// for the metrics: every namespace's captured pod credential, newest first (one that is
-    /// refused or revoked leaves the others', decision 0030), then the providers' and docker
+    /// refused or revoked leaves the others', decision 0030), those of the pulls of it under
+    /// way (a snapshotter prepares layers during the pull), then the providers' and docker
     /// configs'.
     async fn credentials(&self, route: &Route) -> Vec<(&'static str, Credential)> {
         let captured = self
             .context
             .captured
             .as_ref()
-            .map(|c| c.all_for_repository(&route.image))
+            .map(|c| {
+                let mut held = c.all_for_repository(&route.image);
+                held.extend(c.pulling_for(&route.image));
+                held
+            })
             .unwrap_or_default()
             .into_iter()
             .map(|held| ("captured", held.username, held.password));
