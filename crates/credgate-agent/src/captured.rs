@@ -168,8 +168,7 @@ pub const MAX_ENTRIES_PER_NAMESPACE: usize = MAX_ENTRIES / 4;
 /// The namespace holding the most captures but `new` (of those, the one holding the oldest).
 fn largest_namespace(entries: &Entries, new: &Key) -> String {
     let mut counts: std::collections::HashMap<&str, (usize, i64)> = Default::default();
-    for c in entries.iter().filter(|(k, _)| *k != new).map(|(_, c)| c)
-    {
+    for c in entries.iter().filter(|(k, _)| *k != new).map(|(_, c)| c) {
         let e = counts.entry(c.namespace.as_str()).or_insert((0, i64::MAX));
         e.0 += 1;
         e.1 = e.1.min(c.captured_ms);
@@ -218,7 +217,10 @@ pub struct Pulling {
 
 impl Drop for Pulling {
     fn drop(&mut self) {
-        self.captured.pulling.lock().retain(|(id, _, _)| *id != self.id);
+        self.captured
+            .pulling
+            .lock()
+            .retain(|(id, _, _)| *id != self.id);
     }
 }
 
@@ -926,19 +928,31 @@ mod tests {
                 .collect()
         };
         assert_eq!(users(&c), ["bob", "alice"], "newest first");
-        assert_eq!(c.for_repository("reg.io/shared/app").unwrap().username, "bob");
         assert_eq!(
-            c.for_namespace("reg.io/shared/app", "team-a").unwrap().username,
+            c.for_repository("reg.io/shared/app").unwrap().username,
+            "bob"
+        );
+        assert_eq!(
+            c.for_namespace("reg.io/shared/app", "team-a")
+                .unwrap()
+                .username,
             "alice"
         );
         // A namespace's new capture replaces its own only.
         c.capture("reg.io/shared/app", cred("team-a", "alice", "pw-a2", 40))
             .unwrap();
         assert_eq!(users(&c), ["alice", "bob"]);
-        assert_eq!(users(&Captured::open(dir.path(), None).unwrap()), ["alice", "bob"]);
+        assert_eq!(
+            users(&Captured::open(dir.path(), None).unwrap()),
+            ["alice", "bob"]
+        );
         // team-a's credential revoked: dropped there, team-b's and other repositories stay.
-        assert!(c.forget_refused("reg.io/shared/app", "alice", "pw-a2").unwrap());
-        assert!(!c.forget_refused("reg.io/shared/app", "alice", "pw-a2").unwrap());
+        assert!(c
+            .forget_refused("reg.io/shared/app", "alice", "pw-a2")
+            .unwrap());
+        assert!(!c
+            .forget_refused("reg.io/shared/app", "alice", "pw-a2")
+            .unwrap());
         assert_eq!(users(&c), ["bob"]);
         assert!(c.for_repository("reg.io/other").is_some());
         assert!(c.forget("reg.io/shared/app").unwrap());
@@ -972,11 +986,18 @@ mod tests {
         drop(first);
         assert!(users(&c).is_empty());
         let held: Vec<_> = (0..MAX_PULLING)
-            .map(|i| c.pulling(&format!("reg.io/{i}"), cred("ns", "u", "p", 1)).unwrap())
+            .map(|i| {
+                c.pulling(&format!("reg.io/{i}"), cred("ns", "u", "p", 1))
+                    .unwrap()
+            })
             .collect();
-        assert!(c.pulling("reg.io/one-more", cred("ns", "u", "p", 1)).is_none());
+        assert!(c
+            .pulling("reg.io/one-more", cred("ns", "u", "p", 1))
+            .is_none());
         drop(held);
-        assert!(c.pulling("reg.io/one-more", cred("ns", "u", "p", 1)).is_some());
+        assert!(c
+            .pulling("reg.io/one-more", cred("ns", "u", "p", 1))
+            .is_some());
     }
 
     #[test]

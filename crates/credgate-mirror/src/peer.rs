@@ -113,7 +113,11 @@ mod tests {
         let req = request(peer, local).unwrap();
         assert_eq!(req.len(), 72);
         assert_eq!(&req[16..18], &[AddressFamily::INET.as_raw() as u8, TCP]);
-        assert_eq!(&req[24..26], &40000u16.to_be_bytes(), "source port: the client's");
+        assert_eq!(
+            &req[24..26],
+            &40000u16.to_be_bytes(),
+            "source port: the client's"
+        );
         assert_eq!(&req[26..28], &5005u16.to_be_bytes());
         assert_eq!(&req[28..32], &[127, 0, 0, 1]);
         assert_eq!(&req[64..72], &[0xff; 8], "no cookie: looked up by address");

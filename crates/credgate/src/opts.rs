@@ -439,7 +439,11 @@ pub struct ServeArgs {
     /// names none goes to the first. `REGISTRY=ADDR` also serves REGISTRY on a loopback address
     /// of its own, where a read that names none goes to REGISTRY: for consumers that never add
     /// `ns` (nydus-snapshotter hands nydusd the mirror as the registry's host).
-    #[arg(long, value_name = "REGISTRY[=ADDR]", requires = "registry_mirror_addr")]
+    #[arg(
+        long,
+        value_name = "REGISTRY[=ADDR]",
+        requires = "registry_mirror_addr"
+    )]
     #[arg(value_parser = parse_mirror_upstream)]
     #[arg(help_heading = "Registry mirror (docs/snapshotters.md)")]
     pub registry_mirror_upstream: Vec<(String, Option<std::net::SocketAddr>)>,

@@ -179,7 +179,10 @@ pub fn run(args: KubeletConfigArgs) -> Result<Outcome> {
     // With pods' captured credentials the config is a lazy-pull snapshotter's, never the
     // kubelet's (it would hand one pod's secret to another's pull).
     let (consumer, bin_dir) = if args.captured_images.is_empty() {
-        ("The kubelet (--image-credential-provider-bin-dir)", "KUBELET_BIN_DIR")
+        (
+            "The kubelet (--image-credential-provider-bin-dir)",
+            "KUBELET_BIN_DIR",
+        )
     } else {
         (
             "The snapshotter (nydus-snapshotter's credential_provider_bin_dir; never the kubelet's)",
@@ -233,7 +236,10 @@ pub fn run(args: KubeletConfigArgs) -> Result<Outcome> {
             );
         }
         None => {
-            let _ = writeln!(text, "# {consumer}'s plugin directory needs one link per provider:");
+            let _ = writeln!(
+                text,
+                "# {consumer}'s plugin directory needs one link per provider:"
+            );
             for name in &names {
                 let _ = writeln!(text, "#   ln -sf {} {bin_dir}/{name}", bridge.display());
             }

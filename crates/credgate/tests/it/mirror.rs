@@ -420,7 +420,10 @@ fn a_registry_with_an_address_of_its_own_is_the_default_there() {
     assert_eq!(status, 200, "{}\n{}", text(&body), agent.log_text());
     assert_eq!(read(&shared, &format!("?ns={host}")).0, 200);
     let (status, _, _) = read(&shared, "");
-    assert_ne!(status, 200, "the shared address's default is the first registry named");
+    assert_ne!(
+        status, 200,
+        "the shared address's default is the first registry named"
+    );
     assert!(!agent.log_text().contains("alice-pw"));
 }
 
@@ -525,7 +528,8 @@ async fn a_revoked_capture_leaves_another_namespaces_capture_of_the_repository()
         ],
     );
     let image = format!("{host}/shared/app:v1");
-    for (namespace, user, password) in [("team-a", "alice", "alice-pw"), ("team-b", "bob", "bob-pw")]
+    for (namespace, user, password) in
+        [("team-a", "alice", "alice-pw"), ("team-b", "bob", "bob-pw")]
     {
         let _: PullImageResponse = call(
             &proxy,
