@@ -908,6 +908,10 @@ mod tests {
         assert!(Captured::open(dir.path(), None).unwrap().list().is_empty());
     }
 
+    fn usernames(credentials: Vec<PodCredential>) -> Vec<String> {
+        credentials.into_iter().map(|c| c.username).collect()
+    }
+
     /// Two namespaces that pull one repository with their own credentials each keep theirs:
     /// the newest is what a `Lookup` gets, a refused one is dropped alone, and both survive a
     /// restart.
@@ -921,12 +925,7 @@ mod tests {
             .unwrap();
         c.capture("reg.io/other", cred("team-b", "bob", "pw-b", 30))
             .unwrap();
-        let users = |c: &Captured| -> Vec<String> {
-            c.all_for_repository("reg.io/shared/app")
-                .into_iter()
-                .map(|c| c.username)
-                .collect()
-        };
+        let users = |c: &Captured| usernames(c.all_for_repository("reg.io/shared/app"));
         assert_eq!(users(&c), ["bob", "alice"], "newest first");
         assert_eq!(
             c.for_repository("reg.io/shared/app").unwrap().username,
@@ -971,12 +970,7 @@ mod tests {
         let second = c
             .pulling("reg.io/app", cred("team-b", "bob", "pw-b", 2))
             .unwrap();
-        let users = |c: &Captured| -> Vec<String> {
-            c.pulling_for("reg.io/app")
-                .into_iter()
-                .map(|c| c.username)
-                .collect()
-        };
+        let users = |c: &Captured| usernames(c.pulling_for("reg.io/app"));
         assert_eq!(users(&c), ["bob", "alice"]);
         assert!(c.pulling_for("reg.io/other").is_empty());
         assert!(c.for_repository("reg.io/app").is_none(), "not a capture");

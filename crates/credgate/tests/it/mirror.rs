@@ -81,6 +81,17 @@ fn provider(d: &Path, pattern: &str, user: &str, password: &str) -> std::path::P
     config
 }
 
+/// A loopback registry whose one user alice may read its `team/app:v1`, and a provider
+/// answering alice for it: the registry, its host and the provider's config.
+fn private_registry(d: &Path) -> (crate::support::Registry, String, std::path::PathBuf) {
+    let registry = crate::support::Registry::start(d, "alice", "alice-pw");
+    crate::support::oci_image(d);
+    crate::support::push(d, &registry, "team/app", "alice", "alice-pw");
+    let host = registry.host();
+    let config = provider(d, &host, "alice", "alice-pw");
+    (registry, host, config)
+}
+
 /// The agent with the mirror on a free loopback port serving `registry`; its address.
 fn mirror_agent(d: &Path, config: &Path, registry: &str, extra: &[&str]) -> (Agent, String) {
     let addr = format!("127.0.0.1:{}", crate::support::free_port());
@@ -302,11 +313,7 @@ fn a_caller_that_is_not_admitted_gets_403_and_no_credential() {
     credgate_testbed::require_root("reading as another uid");
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let mut registry = crate::support::Registry::start(d, "alice", "alice-pw");
-    crate::support::oci_image(d);
-    crate::support::push(d, &registry, "team/app", "alice", "alice-pw");
-    let host = registry.host();
-    let config = provider(d, &host, "alice", "alice-pw");
+    let (mut registry, host, config) = private_registry(d);
     let nobody = 65534;
     for (admitted, extra) in [
         (false, None),
@@ -395,11 +402,7 @@ fn every_connection_of_a_run_is_answered() {
 fn a_registry_with_an_address_of_its_own_is_the_default_there() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let registry = crate::support::Registry::start(d, "alice", "alice-pw");
-    crate::support::oci_image(d);
-    crate::support::push(d, &registry, "team/app", "alice", "alice-pw");
-    let host = registry.host();
-    let config = provider(d, &host, "alice", "alice-pw");
+    let (_registry, host, config) = private_registry(d);
     let own = format!("127.0.0.1:{}", crate::support::free_port());
     let upstream = format!("{host}={own}");
     let (agent, shared) = mirror_agent(
@@ -436,11 +439,7 @@ fn containerd_pulls_a_private_image_through_the_mirror_with_no_credential_of_its
     crate::support::needs_containerd();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let registry = crate::support::Registry::start(d, "alice", "alice-pw");
-    crate::support::oci_image(d);
-    crate::support::push(d, &registry, "team/app", "alice", "alice-pw");
-    let host = registry.host();
-    let config = provider(d, &host, "alice", "alice-pw");
+    let (_registry, host, config) = private_registry(d);
     let (agent, addr) = mirror_agent(d, &config, &host, &[]);
     let containerd = credgate_testbed::Containerd::start(d, &[]);
     let hosts = d.join("hosts.d");
