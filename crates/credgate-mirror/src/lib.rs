@@ -54,8 +54,6 @@ pub struct Context {
 /// How the mirror serves.
 #[derive(Debug, Clone)]
 pub struct MirrorOptions {
-    /// The registries it serves; the first answers requests that name none (no `ns`).
-    pub registries: Vec<String>,
     pub registry: RegistryOptions,
     pub limits: ListenerLimits,
 }
@@ -124,40 +122,65 @@ pub async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener, MirrorErr
 
 type Body = BoxBody<Bytes, std::io::Error>;
 
-/// Serves the mirror on `listener` until `shutdown`; every connection's task is this call's.
+/// Serves the mirror on each listener until `shutdown`, each with the registries it serves (the
+/// first answers reads that name none, no `ns`); one upstream side (client, challenges, tokens)
+/// and one set of log throttles for all of them. Every connection's task is this call's.
 pub async fn serve(
-    listener: tokio::net::TcpListener,
+    listeners: Vec<(tokio::net::TcpListener, Vec<String>)>,
     context: Context,
     options: MirrorOptions,
     shutdown: CancellationToken,
 ) -> Result<(), MirrorError> {
-    if options.registries.is_empty() {
+    if listeners
+        .iter()
+        .any(|(_, registries)| registries.is_empty())
+    {
         return Err(MirrorError::NoRegistry);
     }
+    let shared = Arc::new(Shared {
+        upstream: Upstream::new(options.registry.clone()),
+        context,
+        refused_log: Throttle::new(Duration::from_secs(10)),
+        unreachable_log: Throttle::new(Duration::from_secs(10)),
+    });
+    futures_util::future::join_all(listeners.into_iter().map(|(listener, registries)| {
+        accept_loop(
+            listener,
+            Arc::new(registries),
+            shared.clone(),
+            &options,
+            &shutdown,
+        )
+    }))
+    .await;
+    Ok(())
+}
+
+/// One listener's connections, each answered with `registries`, until `shutdown`.
+async fn accept_loop(
+    listener: tokio::net::TcpListener,
+    registries: Arc<Vec<String>>,
+    shared: Arc<Shared>,
+    options: &MirrorOptions,
+    shutdown: &CancellationToken,
+) {
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder
         .timer(TokioTimer::new())
         .header_read_timeout(options.limits.handshake_timeout)
         .max_buf_size(64 << 10);
-    let shared = Arc::new(Shared {
-        upstream: Upstream::new(options.registry.clone()),
-        context: context.clone(),
-        registries: options.registries.clone(),
-        refused_log: Throttle::new(Duration::from_secs(10)),
-        unreachable_log: Throttle::new(Duration::from_secs(10)),
-    });
     let mut listener = Listener::new(
         "registry_mirror",
         Loopback(listener),
-        options.limits,
-        context.metrics.clone(),
+        options.limits.clone(),
+        shared.context.metrics.clone(),
     );
-    while let Some(accepted) = listener.next(&shutdown).await {
-        let shared = shared.clone();
+    while let Some(accepted) = listener.next(shutdown).await {
+        let (shared, registries) = (shared.clone(), registries.clone());
         let uid = accepted.peer.uid;
         let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
-            let shared = shared.clone();
-            async move { Ok::<_, Infallible>(shared.answer(req, uid).await) }
+            let (shared, registries) = (shared.clone(), registries.clone());
+            async move { Ok::<_, Infallible>(shared.answer(req, uid, &registries).await) }
         });
         let conn = builder
             .serve_connection(TokioIo::new(accepted.stream), service)
@@ -184,13 +207,11 @@ pub async fn serve(
         });
     }
     listener.drain().await;
-    Ok(())
 }
 
 struct Shared {
     upstream: Upstream,
     context: Context,
-    registries: Vec<String>,
     /// At most one warning per 10 s for each: a local client cannot flood the log.
     refused_log: Throttle,
     unreachable_log: Throttle,
@@ -218,10 +239,12 @@ fn plain(status: StatusCode, text: &str) -> Response<Body> {
 }
 
 impl Shared {
+    /// The answer to one request on a listener serving `registries`.
     async fn answer(
         &self,
         req: Request<hyper::body::Incoming>,
         uid: Option<u32>,
+        registries: &[String],
     ) -> Response<Body> {
         let metrics = &self.context.metrics;
         let method = match *req.method() {
@@ -242,7 +265,7 @@ impl Shared {
                 "this caller may not read through credgate's mirror (--allow-uids registry-mirror=)",
             );
         }
-        let route = match route::route(req.uri().path(), req.uri().query(), &self.registries) {
+        let route = match route::route(req.uri().path(), req.uri().query(), registries) {
             Ok(r) => r,
             Err(NotRoute::Ping) => {
                 return Response::builder()

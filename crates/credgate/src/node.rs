@@ -331,21 +331,20 @@ impl Node {
             callers: agent.callers().clone(),
             clock: agent.clock().clone(),
         };
-        for (listener, registries) in bound {
+        for (listener, registries) in &bound {
             let local = listener.local_addr().unwrap_or(config.addr);
             tracing::info!(addr = %local, registries = ?registries, "serving the registry mirror");
-            let options = credgate_mirror::MirrorOptions {
-                registries,
-                registry: config.registry.clone(),
-                limits: credgate_mirror::default_limits(),
-            };
-            let (context, stop) = (context.clone(), agent.tasks().token().clone());
-            agent.tasks().spawn(async move {
-                if let Err(e) = credgate_mirror::serve(listener, context, options, stop).await {
-                    tracing::error!(error = %e, "the registry mirror stopped");
-                }
-            });
         }
+        let options = credgate_mirror::MirrorOptions {
+            registry: config.registry.clone(),
+            limits: credgate_mirror::default_limits(),
+        };
+        let stop = agent.tasks().token().clone();
+        agent.tasks().spawn(async move {
+            if let Err(e) = credgate_mirror::serve(bound, context, options, stop).await {
+                tracing::error!(error = %e, "the registry mirror stopped");
+            }
+        });
         Ok(())
     }
 
