@@ -56,10 +56,13 @@ pub fn pull_request(
         image: Some(ImageSpec {
             image: image.to_owned(),
         }),
-        auth: credential.map(|(username, password)| AuthConfig {
-            username: username.to_owned(),
-            password: password.to_owned(),
-            ..Default::default()
+        auth: credential.map(|(username, password)| {
+            crate::secrets::login(username, password);
+            AuthConfig {
+                username: username.to_owned(),
+                password: password.to_owned(),
+                ..Default::default()
+            }
         }),
         sandbox_config: Some(PodSandboxConfig {
             metadata: Some(PodSandboxMetadata {

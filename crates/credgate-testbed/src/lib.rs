@@ -5,13 +5,15 @@
 //! - [`oci_image`] and [`push`]: a one-layer OCI image, pushed with skopeo;
 //! - [`Containerd`]: Debian's containerd with its CRI plugin, the native snapshotter and a
 //!   private root, state and socket in a temporary directory;
-//! - [`cri`]: the CRI image-service messages a kubelet sends, and a unary call over a socket.
+//! - [`cri`]: the CRI image-service messages a kubelet sends, and a unary call over a socket;
+//! - [`secrets`]: the secrets a test handed out, checked for in every agent's log.
 
 pub mod cri;
 pub mod fake_runtime;
 mod image;
 mod process;
 mod registry;
+pub mod secrets;
 
 pub use image::{oci_image, oci_image_saying, push};
 pub use process::{

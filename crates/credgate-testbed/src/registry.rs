@@ -27,6 +27,7 @@ impl Registry {
     /// `dir/htpasswd`).
     pub fn start(dir: &Path, user: &str, password: &str) -> Registry {
         require("htpasswd");
+        crate::secrets::login(user, password);
         run(Command::new("htpasswd")
             .args(["-cbB", "-C", "4"])
             .arg(dir.join("htpasswd"))
@@ -140,6 +141,7 @@ impl Registry {
 
     /// Adds `user`:`password` to the htpasswd file and restarts the registry to read it.
     pub fn add_user(&mut self, user: &str, password: &str) {
+        crate::secrets::login(user, password);
         run(Command::new("htpasswd")
             .args(["-bB", "-C", "4"])
             .arg(self.dir.join("htpasswd"))
@@ -152,6 +154,7 @@ impl Registry {
     /// rotating it would. The running registry reads the file again at its next request that
     /// needs it (distribution 2.7 and later reload it when its modification time changes).
     pub fn set_password(&mut self, user: &str, password: &str) {
+        crate::secrets::login(user, password);
         let path = self.dir.join("htpasswd");
         let before = std::fs::metadata(&path).and_then(|m| m.modified()).ok();
         run(Command::new("htpasswd")

@@ -890,7 +890,7 @@ fn status_shows_the_config_path_absolute() {
         ])
         .current_dir(repo())
         .env_remove("CREDGATE_LOG")
-        .stderr(std::process::Stdio::null())
+        .stderr(std::fs::File::create(dir.path().join("agent.log")).unwrap())
         .spawn()
         .unwrap();
     credgate_testbed::eventually(
@@ -905,6 +905,8 @@ fn status_shows_the_config_path_absolute() {
         .unwrap();
     let _ = child.kill();
     let _ = child.wait();
+    let log = std::fs::read_to_string(dir.path().join("agent.log")).unwrap();
+    crate::support::secrets::check("the agent's log", &log);
     let status = text(&out.stdout);
     let want = std::path::absolute(repo().join("examples/provider-config.yaml")).unwrap();
     assert!(

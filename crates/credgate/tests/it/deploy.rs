@@ -13,7 +13,7 @@ fn repo() -> PathBuf {
 }
 
 /// The sample names the agent exposes, from a running agent's `/metrics`.
-fn exported() -> BTreeSet<String> {
+pub(crate) fn exported() -> BTreeSet<String> {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     std::fs::create_dir_all(d.join("plugins")).unwrap();

@@ -11,6 +11,7 @@ mod cli;
 mod clients;
 mod cri;
 mod deploy;
+mod docs;
 mod e2e;
 mod guard_agent;
 mod guard_e2e;

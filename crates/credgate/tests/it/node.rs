@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::support::{bin_dir, text};
+use crate::support::{bin_dir, secrets, text};
 
 pub struct Node {
     dir: tempfile::TempDir,
@@ -66,7 +66,10 @@ impl Node {
             .lines()
             .filter_map(|l| l.split_once('='))
             .map(|(k, v)| (k.to_owned(), v.to_owned()))
-            .collect();
+            .collect::<BTreeMap<_, _>>();
+        if let Some(password) = env.get("REGISTRY_PASSWORD") {
+            secrets::login("alice", password);
+        }
         Node { dir, env }
     }
 
@@ -126,6 +129,7 @@ impl Node {
 
     /// Creates or replaces the secret `regcred` of `ns`.
     pub fn secret(&self, ns: &str, password: &str) {
+        secrets::login("alice", password);
         let yaml = self.kubectl_ok(&[
             "create",
             "secret",
@@ -328,6 +332,7 @@ impl Node {
 
     /// Alice's password changes to `new` in the registry and in the team-p provider's backend.
     pub fn rotate(&self, new: &str) {
+        secrets::login("alice", new);
         let out = Command::new("htpasswd")
             .args([
                 "-bB",
@@ -387,6 +392,7 @@ impl Drop for Node {
         if !left.is_empty() && !std::thread::panicking() {
             panic!("scripts/node down left mounts behind: {left:?}");
         }
+        secrets::check("credgate's log on the node", &self.credgate_log());
     }
 }
 

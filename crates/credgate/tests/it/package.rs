@@ -283,28 +283,34 @@ fn upgrade_over_a_running_agent(chroot: Chroot, root: &Path, deb: &Path, scratch
     let state = root.join("var/lib/credgate");
     std::fs::create_dir_all(&state).unwrap();
     std::fs::set_permissions(&state, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
-    /// An agent stopped (SIGKILL) if the test ends before it stops it.
-    struct Running(Option<std::process::Child>);
+    /// An agent stopped (SIGKILL) if the test ends before it stops it; its log checked.
+    struct Running(Option<std::process::Child>, std::path::PathBuf);
     impl Drop for Running {
         fn drop(&mut self) {
             if let Some(mut child) = self.0.take() {
                 let _ = child.kill();
                 let _ = child.wait();
             }
+            let log = std::fs::read_to_string(&self.1).unwrap_or_default();
+            crate::support::secrets::check("the installed agent's log", &log);
         }
     }
     let start = |socket: &str| {
+        let log = scratch.join(format!("{socket}.log"));
         let socket = scratch.join(socket);
-        let running = Running(Some(
-            Command::new(root.join("usr/bin/credgate"))
-                .args(["serve", "--no-docker-config", "--state-dir"])
-                .arg(&state)
-                .arg("--socket")
-                .arg(&socket)
-                .stderr(std::process::Stdio::null())
-                .spawn()
-                .unwrap(),
-        ));
+        let running = Running(
+            Some(
+                Command::new(root.join("usr/bin/credgate"))
+                    .args(["serve", "--no-docker-config", "--state-dir"])
+                    .arg(&state)
+                    .arg("--socket")
+                    .arg(&socket)
+                    .stderr(std::fs::File::create(&log).unwrap())
+                    .spawn()
+                    .unwrap(),
+            ),
+            log,
+        );
         credgate_testbed::eventually(
             "the installed agent serves",
             std::time::Duration::from_secs(30),

@@ -58,6 +58,7 @@ printf '{{"kind":"CredentialProviderResponse","apiVersion":"credentialprovider.k
 
     /// The backend answers `password` from now on.
     pub(crate) fn answer(&self, password: &str) {
+        crate::support::secrets::login(USER, password);
         std::fs::write(self.dir.join("backend"), password).unwrap();
     }
 

@@ -14,6 +14,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+pub use credgate_testbed::secrets;
+
 pub fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
@@ -146,11 +148,14 @@ impl Agent {
 }
 
 impl Drop for Agent {
+    /// Stops the agent, then fails the test if a secret it handed out is in the agent's log
+    /// (every level: the agent runs with `CREDGATE_LOG=trace`).
     fn drop(&mut self) {
         if self.child.try_wait().ok().flatten().is_none() {
             let _ = self.child.kill();
             let _ = self.child.wait();
         }
+        secrets::check("the agent's log", &self.log_text());
     }
 }
 
@@ -190,6 +195,7 @@ pub async fn fake_runtime_agent(
 /// A docker `config.json` in `dir` with one entry, `host` → `user`:`password`; its path.
 pub fn docker_config(dir: &Path, host: &str, user: &str, password: &str) -> PathBuf {
     use base64::Engine as _;
+    secrets::login(user, password);
     let path = dir.join("config.json");
     let auth = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
     std::fs::write(

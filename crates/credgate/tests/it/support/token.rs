@@ -39,6 +39,9 @@ fn run(cmd: &mut Command) {
 
 impl TokenServer {
     pub fn start(dir: &Path, users: &[(&str, &str, &[&str])]) -> TokenServer {
+        for (user, password, _) in users {
+            super::secrets::login(user, password);
+        }
         super::require("openssl");
         let key = dir.join("token.key");
         let cert = dir.join("token.crt");
@@ -102,6 +105,7 @@ impl TokenServer {
     }
 
     pub fn set_password(&self, user: &str, password: &str) {
+        super::secrets::login(user, password);
         if let Some(entry) = self.users.lock().unwrap().get_mut(user) {
             entry.0 = password.to_owned();
         }

@@ -1,0 +1,246 @@
+//! The documents the tests hold (issue 52): every test or function, flag, metric and RPC or
+//! type that README.md, ARCHITECTURE.md and SECURITY.md cite exists in this checkout. A renamed
+//! test, a removed flag or a metric that was never registered fails here, not in a reader's
+//! terminal.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use crate::support::text;
+
+const DOCS: [&str; 3] = ["README.md", "ARCHITECTURE.md", "SECURITY.md"];
+
+/// Names the documents cite (beside those the scripts and shipped files hold) that belong to programs credgate did not write (the kubelet,
+/// kubectl, containerd, cargo, apt): each is named here on purpose, so that a new one is a
+/// decision and a typo of ours is not taken for one.
+const FOREIGN_FLAGS: &[&str] = &[
+    // cargo and cargo-nextest
+    "--bin",
+    "--release",
+    "--run-ignored",
+    // kubectl
+    "--docker-password",
+    "--docker-server",
+    "--docker-username",
+    "--for",
+    "--image",
+    "--overrides",
+    "--timeout",
+    // apt-get and dpkg
+    "--install",
+    "--purge",
+    // the kubelet
+    "--image-credential-provider-bin-dir",
+    "--image-credential-provider-config",
+    // kill(1)
+    "--kill",
+];
+const FOREIGN_NAMES: &[&str] = &[
+    // Kubernetes and the kubelet
+    "CredentialProviderConfig",
+    "DaemonSet",
+    "TokenReview",
+    "NetworkPolicy",
+    "PullSecrets",
+    // systemd
+    "KillMode",
+];
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// Every file under `dir` whose name ends with one of `exts`, recursively.
+fn files(dir: &Path, exts: &[&str], out: &mut Vec<PathBuf>) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            if !matches!(
+                path.file_name().and_then(|n| n.to_str()),
+                Some("target" | ".git")
+            ) {
+                files(&path, exts, out);
+            }
+        } else if exts.iter().any(|e| path.to_string_lossy().ends_with(e)) {
+            out.push(path);
+        }
+    }
+}
+
+/// The workspace's Rust and proto sources, and its scripts and deployment files, as one text.
+fn sources() -> (String, String) {
+    let root = repo();
+    let mut code = Vec::new();
+    files(&root.join("crates"), &[".rs"], &mut code);
+    files(&root.join("fuzz"), &[".rs"], &mut code);
+    files(&root.join("proto"), &[".proto"], &mut code);
+    let mut shipped = Vec::new();
+    files(&root.join("scripts"), &[""], &mut shipped);
+    files(&root.join("deploy"), &[""], &mut shipped);
+    let read = |paths: Vec<PathBuf>| {
+        paths
+            .iter()
+            .filter_map(|p| std::fs::read_to_string(p).ok())
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    (read(code), read(shipped))
+}
+
+/// The inline code spans of a Markdown text and the lines of its fenced blocks.
+fn code_of(doc: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut fenced = false;
+    for line in doc.lines() {
+        if line.trim_start().starts_with("```") {
+            fenced = !fenced;
+            continue;
+        }
+        if fenced {
+            out.push(line.to_owned());
+            continue;
+        }
+        out.extend(
+            line.split('`')
+                .enumerate()
+                .filter(|(i, _)| i % 2 == 1)
+                .map(|(_, s)| s.to_owned()),
+        );
+    }
+    out
+}
+
+fn words(s: &str) -> impl Iterator<Item = &str> {
+    s.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == ':' || c == '-'))
+        .map(|w| w.trim_matches(':'))
+        .filter(|w| !w.is_empty())
+}
+
+/// `credgate`'s help, and that of each subcommand, recursively.
+fn credgate_help(args: &mut Vec<String>, out: &mut String) {
+    let help = Command::new(env!("CARGO_BIN_EXE_credgate"))
+        .args(args.iter())
+        .arg("--help")
+        .output()
+        .unwrap();
+    assert!(help.status.success(), "credgate {args:?} --help");
+    let help = text(&help.stdout);
+    out.push_str(&help);
+    let commands: Vec<String> = help
+        .split("Commands:\n")
+        .nth(1)
+        .map(|rest| rest.split("\n\n").next().unwrap_or(""))
+        .unwrap_or("")
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|c| *c != "help")
+        .map(str::to_owned)
+        .collect();
+    for command in commands {
+        args.push(command);
+        credgate_help(args, out);
+        args.pop();
+    }
+}
+
+#[test]
+fn every_name_the_documents_cite_exists() {
+    let (code, shipped) = sources();
+    let mut help = String::new();
+    credgate_help(&mut Vec::new(), &mut help);
+    for bin in [
+        env!("CARGO_BIN_EXE_credgate-credential-provider"),
+        env!("CARGO_BIN_EXE_docker-credential-credgate"),
+    ] {
+        let out = Command::new(bin).arg("--help").output().unwrap();
+        help.push_str(&text(&out.stdout));
+        help.push_str(&text(&out.stderr));
+    }
+    let metrics = crate::deploy::exported();
+    let crates: BTreeSet<String> = std::fs::read_dir(repo().join("crates"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().replace('-', "_"))
+        .collect();
+    let defines_fn =
+        |name: &str| code.contains(&format!("fn {name}(")) || code.contains(&format!("fn {name}<"));
+    let whole_word = |hay: &str, w: &str| {
+        hay.match_indices(w).any(|(i, _)| {
+            let before = hay[..i].chars().next_back();
+            let after = hay[i + w.len()..].chars().next();
+            let edge = |c: Option<char>| !c.is_some_and(|c| c.is_ascii_alphanumeric() || c == '_');
+            edge(before) && edge(after)
+        })
+    };
+
+    let mut missing = Vec::new();
+    let mut checked = 0;
+    for doc in DOCS {
+        let body = std::fs::read_to_string(repo().join(doc)).unwrap();
+        // Flags, anywhere in the text: credgate's, the scripts' and the shipped files', or a
+        // foreign program's named above.
+        for flag in words(&body).filter(|w| w.starts_with("--") && w.len() > 3) {
+            let flag = flag.trim_end_matches('-');
+            checked += 1;
+            let known =
+                help.contains(flag) || shipped.contains(flag) || FOREIGN_FLAGS.contains(&flag);
+            if !known {
+                missing.push(format!("{doc}: flag {flag}"));
+            }
+        }
+        // Metrics, anywhere in the text (crate names share the prefix).
+        for metric in words(&body).filter(|w| w.starts_with("credgate_") && w.len() > 9) {
+            if crates.contains(metric) || metric.contains("::") {
+                continue;
+            }
+            checked += 1;
+            if !metrics.contains(metric) {
+                missing.push(format!("{doc}: metric {metric}"));
+            }
+        }
+        for span in code_of(&body) {
+            for word in words(&span) {
+                let last = word.rsplit("::").next().unwrap_or(word);
+                // A test or a function: three words or more in snake case.
+                let snake = last.split('_').count() >= 3
+                    && last
+                        .chars()
+                        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+                    && !last.starts_with("credgate_");
+                if snake && !FOREIGN_NAMES.contains(&last) {
+                    checked += 1;
+                    if !defines_fn(last) && !shipped.contains(last) {
+                        missing.push(format!("{doc}: function or test {word}"));
+                    }
+                }
+                // An RPC, a message or a type: CamelCase of two words or more.
+                let camel = last.len() > 3
+                    && last.chars().next().is_some_and(|c| c.is_ascii_uppercase())
+                    && last.chars().all(|c| c.is_ascii_alphanumeric())
+                    && last.chars().skip(1).any(|c| c.is_ascii_uppercase())
+                    && last.chars().any(|c| c.is_ascii_lowercase());
+                if camel && !FOREIGN_NAMES.contains(&last) {
+                    checked += 1;
+                    if !whole_word(&code, last) && !whole_word(&shipped, last) {
+                        missing.push(format!("{doc}: RPC or type {word}"));
+                    }
+                }
+            }
+        }
+    }
+    missing.sort();
+    missing.dedup();
+    assert!(
+        checked > 100,
+        "only {checked} names found: is the parsing right?"
+    );
+    assert!(
+        missing.is_empty(),
+        "cited but not in this checkout:\n  {}",
+        missing.join("\n  ")
+    );
+}
