@@ -33,7 +33,7 @@ pub struct AgentOptions {
     /// dropped; [`WATCH_SEND_TIMEOUT`] when `None`.
     pub watch_send_timeout: Option<std::time::Duration>,
     /// Keep the providers' answers and the tracked refs sealed in this state directory across
-    /// restarts (`--persist-cache`); off when `None`.
+    /// restarts (unless `--no-persist-cache`); off when `None`.
     pub saved_cache: Option<std::path::PathBuf>,
     /// The pull credentials the CRI proxy captures, opened by the caller (it runs the proxy).
     pub captured: Option<Arc<crate::captured::Captured>>,

@@ -11,7 +11,7 @@
 //!
 //! Both survive a restart (issue 49): the fingerprints are keyed by a key derived from the node
 //! key, and the memory is kept sealed in `STATE_DIR/memory.sealed`, written by the saver when it
-//! changes ([`MemoryFile`]). Without a state directory (or with `--persist-cache=false`) the key
+//! changes ([`MemoryFile`]). Without a state directory (or with `--no-persist-cache`) the key
 //! is random and nothing outlives the process.
 
 use parking_lot::Mutex;

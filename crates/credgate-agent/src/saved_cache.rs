@@ -153,7 +153,7 @@ fn at(ms: u64) -> SystemTime {
 
 impl SavedCache {
     /// Removes the sealed file of an earlier run from `state_dir`, for an agent that keeps no
-    /// provider answers (`--persist-cache=false`): none kept before is served again, nor left
+    /// provider answers (`--no-persist-cache`): none kept before is served again, nor left
     /// on disk. Whether there was one.
     pub fn discard(state_dir: &Path) -> std::io::Result<bool> {
         crate::state::discard(state_dir, KIND.file)

@@ -1,4 +1,4 @@
-//! The saver of the sealed provider cache (`--persist-cache`): restores the providers'
+//! The saver of the sealed provider cache (unless `--no-persist-cache`): restores the providers'
 //! answers and the named consumers' refs at start, writes them when they change (off the
 //! lookup path, fsynced before they count as kept) and at once after a flush or a refusal.
 

@@ -2,7 +2,7 @@
 //! its own state directory and socket) behind one provider whose plugin counts its runs and
 //! answers a 12 h credential; each answers one lookup, then they are restarted (SIGTERM, as a
 //! DaemonSet rollout stops them) in `--reps` waves, and each restarted agent is asked again.
-//! Figures, with the sealed provider cache and without it (`--persist-cache=false`): plugin
+//! Figures, with the sealed provider cache and without it (`--no-persist-cache`): plugin
 //! runs per wave (what a registry's token service sees), and the time from an agent's start to
 //! its first answered lookup.
 
@@ -43,7 +43,7 @@ impl Node {
             .arg(config)
             .arg("--image-credential-provider-bin-dir")
             .arg(bin)
-            .arg(format!("--persist-cache={persist}"))
+            .args((!persist).then_some("--no-persist-cache"))
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()

@@ -206,7 +206,7 @@ impl Node {
         if options.agent.saved_cache.is_none() {
             let _ = credgate_agent::memory::MemoryFile::discard(&options.state_dir);
             match credgate_agent::saved_cache::SavedCache::discard(&options.state_dir) {
-                Ok(true) => tracing::info!("the provider cache is not kept (--persist-cache=false): the sealed cache of an earlier run was removed"),
+                Ok(true) => tracing::info!("the provider cache is not kept (--no-persist-cache): the sealed cache of an earlier run was removed"),
                 Ok(false) => {}
                 Err(error) => {
                     return Err(NodeError::Discard {

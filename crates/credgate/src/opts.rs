@@ -295,12 +295,12 @@ pub struct ServeArgs {
     #[arg(long, value_name = "DURATION", value_parser = parse_duration, default_value = "10s")]
     #[arg(help_heading = "Image access guard (docs/guard.md)")]
     pub registry_timeout: Duration,
-    /// Keep the providers' answers and the tracked refs sealed in the state directory, so that
-    /// a restart serves them with no plugin run while they are valid (`--persist-cache=false`
-    /// turns it off).
-    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
+    /// Keep nothing across restarts: without it the providers' answers and the tracked refs
+    /// are kept sealed in the state directory, so that a restart serves them with no plugin
+    /// run while they are valid; with it the file of an earlier run is removed.
+    #[arg(long)]
     #[arg(help_heading = "API socket and state (docs/operations.md)")]
-    pub persist_cache: bool,
+    pub no_persist_cache: bool,
     /// Only these uids (and the agent's own) may call SERVICE (credentials, admin or
     /// image-access), checked against the socket's peer credentials; repeatable. Services
     /// without an entry are open to whoever can open the socket. `service-account-identity`
@@ -334,12 +334,12 @@ pub struct ServeArgs {
     #[arg(long, value_name = "PATH")]
     #[arg(help_heading = "CRI proxy (docs/cri-proxy.md)")]
     pub cri_proxy_socket: Option<PathBuf>,
-    /// Keep the pull credentials the CRI proxy sees, sealed, for lazy-pull snapshotters (served
-    /// per repository; `--cri-proxy-capture=false`: keep none; the guard and the pull log
-    /// still see every pull).
-    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
+    /// Keep none of the pull credentials the CRI proxy sees: without it they are kept, sealed,
+    /// for lazy-pull snapshotters and the mirror (served per repository); the guard and the
+    /// pull log still see every pull either way.
+    #[arg(long, requires = "cri_proxy_socket")]
     #[arg(help_heading = "CRI proxy (docs/cri-proxy.md)")]
-    pub cri_proxy_capture: bool,
+    pub no_cri_proxy_capture: bool,
     /// Drop a captured pull credential this long after its capture (off unless given).
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     #[arg(help_heading = "CRI proxy (docs/cri-proxy.md)")]

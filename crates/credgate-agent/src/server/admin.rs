@@ -151,7 +151,7 @@ impl Admin for Api {
             self.also_allowed(peer, Service::Credentials)?;
             let Some(captured) = self.agent.captured() else {
                 return Err(ApiError::NotEnabled(if self.agent.proxy_running() {
-                    "the CRI proxy keeps no pull credentials on this agent (--cri-proxy-capture=false)"
+                    "the CRI proxy keeps no pull credentials on this agent (--no-cri-proxy-capture)"
                 } else {
                     PROXY_OFF
                 })

@@ -93,8 +93,17 @@ pub fn check_args(call: &CtlCall) -> Result<()> {
         | CtlCall::RecordResult { image, .. }
         | CtlCall::Verify { image, .. }
         | CtlCall::ReportRefused { image, .. }
-        | CtlCall::Pulls { image: Some(image) } => vec![image],
+        | CtlCall::Pulls { image: Some(image) }
+        | CtlCall::Lookup {
+            image,
+            registry_host: false,
+            ..
+        } => vec![image],
         CtlCall::Flush { images, .. } => images.iter().collect(),
+        CtlCall::Track { refs, .. }
+        | CtlCall::Untrack { refs, .. }
+        | CtlCall::SetTracked { refs, .. }
+        | CtlCall::Watch { refs, .. } => refs.iter().collect(),
         CtlCall::Captured {
             action: Some(crate::opts::CapturedAction::Forget { repository }),
         } => vec![repository],

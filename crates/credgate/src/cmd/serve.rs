@@ -106,7 +106,7 @@ fn node_options(args: &ServeArgs) -> Result<NodeOptions> {
             guard: Some(guard_options(args, &state_dir, &registry)?),
             callers,
             watch_send_timeout: Some(args.watch_send_timeout),
-            saved_cache: args.persist_cache.then(|| state_dir.clone()),
+            saved_cache: (!args.no_persist_cache).then(|| state_dir.clone()),
             captured: None,
             // With the CRI proxy the node's image calls pass through the agent: a provider
             // config it refuses at start must not stop the pods that need nothing from it.
@@ -148,7 +148,7 @@ fn node_options(args: &ServeArgs) -> Result<NodeOptions> {
         proxy: args.cri_proxy_socket.clone().map(|socket| ProxyConfig {
             socket,
             runtime_endpoint: args.cri_runtime_endpoint.clone(),
-            capture: args.cri_proxy_capture,
+            capture: !args.no_cri_proxy_capture,
             captured_max_age: args.captured_credential_max_age,
             check_every: args.captured_check_interval,
             registry,

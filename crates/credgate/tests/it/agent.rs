@@ -721,12 +721,12 @@ fn a_killed_agent_restarts_warm_from_the_sealed_cache() {
 
     // Off: nothing restored, nothing saved.
     let mut off = args.to_vec();
-    off.push("--persist-cache=false");
+    off.push("--no-persist-cache");
     let agent = Agent::start(d, &off);
     assert_ne!(saved_status(&agent)["enabled"], true);
     assert!(
         !d.join("state/cache.sealed").exists(),
-        "--persist-cache=false removes the file of an earlier run"
+        "--no-persist-cache removes the file of an earlier run"
     );
     agent.credgate(&["get", image]);
     assert_eq!(runs(d), 3);

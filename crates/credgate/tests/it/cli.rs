@@ -917,3 +917,44 @@ fn status_shows_the_config_path_absolute() {
         want.display()
     );
 }
+
+/// One bad image reference, one answer (issue 52): every subcommand that takes an image
+/// reference refuses `BAD::ref` as a usage error (exit 2) with the same words, before it
+/// connects to anything.
+#[test]
+fn a_bad_image_reference_is_the_same_usage_error_everywhere() {
+    let id = format!("sha256:{}", "ab".repeat(32));
+    let commands: Vec<Vec<&str>> = vec![
+        vec!["get"],
+        vec!["explain"],
+        vec!["ctl", "lookup"],
+        vec!["ctl", "track", "consumer"],
+        vec!["ctl", "untrack", "consumer"],
+        vec!["ctl", "set-tracked", "consumer"],
+        vec!["ctl", "watch"],
+        vec!["ctl", "check-access"],
+        vec!["ctl", "record-intent"],
+        vec!["ctl", "record-result", "--image-ref", &id],
+        vec!["ctl", "verify", "--image-ref", &id],
+        vec!["ctl", "report-refused", "--username", "u"],
+        vec!["ctl", "pulls"],
+        vec!["ctl", "flush"],
+        vec!["ctl", "captured", "forget"],
+    ];
+    for command in commands {
+        let mut args = command.clone();
+        args.push("BAD::ref");
+        let out = Command::new(env!("CARGO_BIN_EXE_credgate"))
+            .args(&args)
+            .env("CREDGATE_SOCKET", "/nonexistent/credgate.sock")
+            .stdin(std::process::Stdio::null())
+            .output()
+            .unwrap();
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "credgate {args:?}: {err}");
+        assert!(
+            err.starts_with("error: invalid image reference \"BAD::ref\": "),
+            "credgate {args:?}: {err}"
+        );
+    }
+}

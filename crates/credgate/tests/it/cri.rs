@@ -992,7 +992,7 @@ async fn the_pull_decision_log_against_a_fake_runtime() {
 }
 
 /// The guard's records and the pull log do not depend on capture: with
-/// `--cri-proxy-capture=false` a pull with a pod's credential is recorded (another secret must
+/// `--no-cri-proxy-capture` a pull with a pod's credential is recorded (another secret must
 /// authenticate, the same content is allowed), logged, and nothing is kept: no captured
 /// credential is listed or served, and a sealed file of an earlier run is removed at start.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1006,7 +1006,7 @@ async fn without_capture_pulls_are_still_recorded_and_logged() {
     std::fs::create_dir(&state).unwrap();
     std::fs::set_permissions(&state, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
     std::fs::write(state.join("captured.sealed"), b"left by an earlier run").unwrap();
-    let (agent, proxy) = proxy_agent_with(d, &runtime, &["--cri-proxy-capture=false"]);
+    let (agent, proxy) = proxy_agent_with(d, &runtime, &["--no-cri-proxy-capture"]);
     credgate_testbed::eventually(
         "the earlier captures removed",
         Duration::from_secs(20),

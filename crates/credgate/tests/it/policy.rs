@@ -247,7 +247,7 @@ fn spellings_on(binary: &std::path::Path) {
             trust.to_owned(),
             "--cri-proxy-hosts-dir".into(),
             certs.clone(),
-            "--cri-proxy-capture=false".into(),
+            "--no-cri-proxy-capture".into(),
         ];
         let (agent, proxy) = agent_in(&d.join(name), &containerd.socket, &flags);
         let (m, t) = (untrusted.settled_log().len(), trusted.settled_log().len());
@@ -342,7 +342,7 @@ fn mirror_trust_on(binary: &std::path::Path) {
         // Without capture, whose confirmation asks the image's registry itself: what reaches
         // each host is containerd's doing alone.
         let mut flags = flags.to_vec();
-        flags.push("--cri-proxy-capture=false".into());
+        flags.push("--no-cri-proxy-capture".into());
         let (agent, proxy) = agent_in(&d.join(name), &containerd.socket, &flags);
         let (m, r) = (mirror.settled_log().len(), registry.settled_log().len());
         let answer = pull(&go, &proxy, &image, Some((POD_USER, POD_PASSWORD)));
