@@ -26,6 +26,7 @@ mod check;
 mod context;
 mod decision;
 mod fill;
+pub mod hosts;
 mod keep;
 pub mod policy;
 mod pull_request;
@@ -283,12 +284,12 @@ fn run(
 }
 
 /// What the proxy does besides forwarding: its own runtime connection and view of the
-/// runtime's images, the sweeper of captures, the capture task and the keeper of the node's
-/// images.
+/// runtime's images, the watcher of containerd's hosts directories, the sweeper of captures,
+/// the capture task and the keeper of the node's images.
 struct Background {
     pulls: std::sync::Arc<Pulls>,
     own: std::sync::Arc<CallerConn>,
-    /// The sweeper and the keeper, ended when the listener drained.
+    /// The hosts watcher, the sweeper and the keeper, ended when the listener drained.
     periodic: Vec<tokio::task::JoinHandle<()>>,
     /// Ends once the last capturer is gone, after the offers it took.
     capture: Option<tokio::task::JoinHandle<()>>,
@@ -328,6 +329,10 @@ impl Background {
             reading: tokio::sync::Mutex::new(()),
         });
         let mut periodic = Vec::new();
+        // containerd's hosts directories, read again when they change: a pull never reads them.
+        if let Some(hosts) = context.policy.hosts() {
+            periodic.push(tokio::spawn(hosts.clone().watch(shutdown.clone())));
+        }
         // Removals that bypass the proxy (crictl rmi, the runtime's own garbage collection):
         // the runtime's image list, checked periodically, drops what no image is left of.
         if let Some(captured) = captured.clone() {

@@ -11,11 +11,14 @@
 //!   every mirror configured for that registry is trusted with its pods' credentials; then it
 //!   names none, and the registry and those mirrors receive it.
 //!
-//! Sans-IO but for [`configured_mirrors`], which finds a registry's hosts directory as
-//! containerd does and reads its `hosts.toml` (bounded).
+//! Sans-IO: containerd's hosts directories are read at the start and when they change
+//! ([`crate::hosts`]); a pull's scope is decided from the last reading, in memory.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use crate::hosts::Hosts;
 
 use credgate_core::pattern::{Pattern, PatternError, Target};
 
@@ -42,10 +45,11 @@ struct Scope {
     /// Per registry (as image references name it), the mirror hosts trusted with its pods'
     /// credentials.
     trusted: BTreeMap<String, Vec<String>>,
-    /// containerd's `config_path`, split as `filepath.SplitList` splits it: when set, a
-    /// registry's mirrors are read as containerd finds them ([`configured_mirrors`]), and
-    /// every one must be trusted for the credential to reach any.
-    hosts_dirs: Vec<PathBuf>,
+    /// containerd's `config_path`, split as `filepath.SplitList` splits it, and its last
+    /// reading: when set, a registry's mirrors are found as containerd finds them
+    /// ([`crate::hosts::HostsView::configured_mirrors`]), and every one must be trusted for the
+    /// credential to reach any.
+    hosts: Option<Arc<Hosts>>,
 }
 
 /// What the policy does with a pull's `server_address`.
@@ -122,7 +126,8 @@ fn valid_host(h: &str) -> bool {
 
 impl ProxyPolicy {
     /// `fill`: matchImages patterns; `scope`: the policy on; `trusted`: `REGISTRY=MIRROR,...`
-    /// (scope on when any is given); `hosts_dir`: containerd's `config_path`.
+    /// (scope on when any is given); `hosts_dir`: containerd's `config_path`, read now (the
+    /// proxy's [`Hosts::watch`] keeps it current).
     pub fn new(
         fill: &[String],
         scope: bool,
@@ -153,13 +158,19 @@ impl ProxyPolicy {
                 .or_default()
                 .extend(mirrors);
         }
-        let scope = (scope || !map.is_empty()).then_some(Scope {
+        let scope = (scope || !map.is_empty()).then(|| Scope {
             trusted: map,
-            hosts_dirs: hosts_dir
-                .map(|d| std::env::split_paths(&d).collect())
-                .unwrap_or_default(),
+            hosts: hosts_dir
+                .map(|d| std::env::split_paths(&d).collect::<Vec<PathBuf>>())
+                .filter(|roots| !roots.is_empty())
+                .map(|roots| Arc::new(Hosts::new(roots))),
         });
         Ok(ProxyPolicy { fill, scope })
+    }
+
+    /// containerd's hosts directories, when the scope reads them: the proxy watches them.
+    pub fn hosts(&self) -> Option<&Arc<Hosts>> {
+        self.scope.as_ref().and_then(|s| s.hosts.as_ref())
     }
 
     /// Whether the policy changes anything at all.
@@ -196,14 +207,14 @@ impl ProxyPolicy {
                 why: format!("no mirror of {key} is trusted with its pods' credentials"),
             };
         };
-        if scope.hosts_dirs.is_empty() {
+        let Some(hosts) = &scope.hosts else {
             return Scoped::TrustedMirrors {
                 mirrors: trusted.clone(),
             };
-        }
+        };
         // The directory containerd reads is its reference's host, Docker Hub's
         // `registry-1.docker.io` unfolded: only `index.docker.io` becomes `docker.io` there.
-        match configured_mirrors(&scope.hosts_dirs, registry) {
+        match hosts.view().configured_mirrors(registry) {
             Err(e) => Scoped::Registry {
                 address,
                 why: format!("where containerd finds its hosts is not certain: {e}"),
@@ -231,87 +242,6 @@ impl ProxyPolicy {
             }
         }
     }
-}
-
-/// Largest `hosts.toml` read.
-const MAX_HOSTS_FILE: u64 = 256 << 10;
-
-/// The host containerd looks up in its `config_path` for an image of `registry`: the host of
-/// the reference as its CRI normalizes it (distribution's `ParseDockerRef`), which folds only
-/// `index.docker.io` into `docker.io`; `registry-1.docker.io` stays itself and so reads
-/// `registry-1.docker.io/` and then `_default/`, never `docker.io/`.
-pub fn containerd_host(registry: &str) -> &str {
-    match registry {
-        "index.docker.io" => "docker.io",
-        r => r,
-    }
-}
-
-/// The directories containerd (1.6 through 2.4: `hostPaths`) tries for `registry` under one
-/// root of its `config_path`, in its order: `HOST_PORT_` when the name has a port, `HOST[:PORT]`,
-/// then the catch-all `_default`.
-pub fn host_dirs(root: &Path, registry: &str) -> Vec<PathBuf> {
-    let host = containerd_host(registry);
-    let mut out = Vec::new();
-    if let Some(i) = host.rfind(':').filter(|&i| i > 0) {
-        out.push(root.join(format!("{}_{}_", &host[..i], &host[i + 1..])));
-    }
-    out.push(root.join(host));
-    out.push(root.join("_default"));
-    out
-}
-
-/// The hosts other than `registry`'s own that containerd tries for it, as containerd's CRI
-/// finds them under `roots` (its `config_path`, a list as `filepath.SplitList` reads it): in the
-/// first root where any of [`host_dirs`] exists, the first that exists decides (os.Stat: a link
-/// is followed), and its `hosts.toml` names them (`[host."URL"]` tables and a `server` that is
-/// not the registry); a directory without one, or with an empty one, names none, and so does
-/// no directory at all. `Err` where containerd would fail or credgate cannot be sure (a
-/// candidate that is not a directory, an unreadable or malformed `hosts.toml`): the caller then
-/// keeps the credential with the registry.
-pub fn configured_mirrors(roots: &[PathBuf], registry: &str) -> Result<Vec<String>, String> {
-    for root in roots {
-        for dir in host_dirs(root, registry) {
-            match std::fs::metadata(&dir) {
-                Ok(meta) if meta.is_dir() => return mirrors_of_dir(&dir, registry),
-                Ok(_) => {
-                    return Err(format!(
-                        "{} is not a directory (containerd fails such pulls)",
-                        dir.display()
-                    ))
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(format!("{}: {e}", dir.display())),
-            }
-        }
-    }
-    Ok(Vec::new())
-}
-
-fn mirrors_of_dir(dir: &Path, registry: &str) -> Result<Vec<String>, String> {
-    use std::io::Read as _;
-    use std::os::unix::fs::OpenOptionsExt as _;
-    let path = dir.join("hosts.toml");
-    let file = match std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK)
-        .open(&path)
-    {
-        Ok(f) => f,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(format!("{}: {e}", path.display())),
-    };
-    if !file.metadata().is_ok_and(|m| m.is_file()) {
-        return Err(format!("{} is not a regular file", path.display()));
-    }
-    let mut text = String::new();
-    file.take(MAX_HOSTS_FILE + 1)
-        .read_to_string(&mut text)
-        .map_err(|e| format!("{}: {e}", path.display()))?;
-    if text.len() as u64 > MAX_HOSTS_FILE {
-        return Err(format!("{} is over {MAX_HOSTS_FILE} bytes", path.display()));
-    }
-    mirrors_in(&text, registry).map_err(|e| format!("{}: {e}", path.display()))
 }
 
 /// The one value of `key` in `table` as containerd's TOML readers find it: go-toml v2
@@ -450,6 +380,8 @@ fn host_of(url: &str) -> &str {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::hosts::host_dirs;
+    use std::path::Path;
 
     /// containerd sends a credential to the registry only as `ParseAuth` reads its address.
     #[test]
@@ -483,6 +415,15 @@ mod tests {
         }
     }
 
+    /// The scope of `registry` after the hosts directories are read again (what the proxy's
+    /// watcher does when they change).
+    fn scope(p: &ProxyPolicy, registry: &str) -> Scoped {
+        if let Some(hosts) = p.hosts() {
+            hosts.reread();
+        }
+        p.scope(registry)
+    }
+
     fn policy(trusted: &[&str], dir: Option<&Path>) -> ProxyPolicy {
         let trusted: Vec<String> = trusted.iter().map(|s| (*s).to_owned()).collect();
         ProxyPolicy::new(&[], true, &trusted, dir.map(Path::to_owned)).unwrap()
@@ -492,21 +433,21 @@ mod tests {
     fn off_by_default_and_as_sent() {
         let p = ProxyPolicy::default();
         assert!(p.is_off());
-        assert_eq!(p.scope("r.example"), Scoped::AsSent);
+        assert_eq!(scope(&p, "r.example"), Scoped::AsSent);
         assert_eq!(Scoped::AsSent.server_address("x"), "x");
     }
 
     #[test]
     fn a_registry_without_trusted_mirrors_is_pinned_to_its_runtime_host() {
         let p = policy(&[], None);
-        let s = p.scope("docker.io");
+        let s = scope(&p, "docker.io");
         assert_eq!(
             s.server_address("https://elsewhere"),
             "https://registry-1.docker.io"
         );
         assert_eq!(s.as_str(), "registry-only");
         assert_eq!(
-            p.scope("127.0.0.1:5000").server_address(""),
+            scope(&p, "127.0.0.1:5000").server_address(""),
             "https://127.0.0.1:5000"
         );
     }
@@ -516,7 +457,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let p = policy(&["r.example:5000=m1.example,m2.example"], Some(dir.path()));
         // No hosts.toml: no mirror configured, nothing to withhold.
-        assert_eq!(p.scope("r.example:5000").server_address("x"), "");
+        assert_eq!(scope(&p, "r.example:5000").server_address("x"), "");
         let d = dir.path().join("r.example:5000");
         std::fs::create_dir_all(&d).unwrap();
         std::fs::write(
@@ -525,7 +466,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(
-            p.scope("r.example:5000"),
+            scope(&p, "r.example:5000"),
             Scoped::TrustedMirrors {
                 mirrors: vec!["m1.example".into()]
             }
@@ -535,12 +476,11 @@ mod tests {
             "[host.\"http://m1.example\"]\n[host.\"https://m3.example/v2\"]\n",
         )
         .unwrap();
-        let s = p.scope("r.example:5000");
+        let s = scope(&p, "r.example:5000");
         assert_eq!(s.server_address(""), "https://r.example:5000");
         assert!(s.describe().contains("m3.example"), "{}", s.describe());
         std::fs::write(d.join("hosts.toml"), "[host.\"http://m1").unwrap();
-        assert!(p
-            .scope("r.example:5000")
+        assert!(scope(&p, "r.example:5000")
             .describe()
             .contains("is not certain"));
     }
@@ -557,18 +497,17 @@ mod tests {
             std::fs::create_dir_all(root.join(sub)).unwrap();
             std::fs::write(root.join(sub).join("hosts.toml"), body).unwrap();
         };
-        let pinned = |p: &ProxyPolicy| !p.scope("r.example:5000").server_address("").is_empty();
+        let pinned = |p: &ProxyPolicy| !scope(p, "r.example:5000").server_address("").is_empty();
         // The catch-all names an untrusted mirror, and the registry has no directory.
         write("_default", "[host.\"https://evil.example\"]\n");
-        assert!(pinned(&p), "{}", p.scope("r.example:5000").describe());
+        assert!(pinned(&p), "{}", scope(&p, "r.example:5000").describe());
         // Its own directory, without mirrors, comes first.
         write("r.example:5000", "server = \"https://r.example:5000\"\n");
         assert!(!pinned(&p));
         // But HOST_PORT_ comes before HOST:PORT.
         write("r.example_5000_", "[host.\"https://evil.example\"]\n");
         assert!(pinned(&p));
-        assert!(p
-            .scope("r.example:5000")
+        assert!(scope(&p, "r.example:5000")
             .describe()
             .contains("evil.example"));
         // A directory that exists decides even without a hosts.toml.
@@ -589,7 +528,7 @@ mod tests {
         let list = std::env::join_paths([first.path(), root]).unwrap();
         let p = policy(&["r.example:5000=trusted.example"], Some(Path::new(&list)));
         assert_eq!(
-            p.scope("r.example:5000"),
+            scope(&p, "r.example:5000"),
             Scoped::TrustedMirrors {
                 mirrors: vec!["trusted.example".into()]
             }
@@ -628,7 +567,7 @@ mod tests {
             ("docker.io:443", false),
             ("index.docker.io:443", false),
         ] {
-            let scoped = p.scope(registry);
+            let scoped = scope(&p, registry);
             assert_eq!(
                 scoped.server_address("").is_empty(),
                 cleared,
@@ -637,11 +576,10 @@ mod tests {
             );
         }
         assert_eq!(
-            p.scope("registry-1.docker.io").server_address(""),
+            scope(&p, "registry-1.docker.io").server_address(""),
             "https://registry-1.docker.io"
         );
-        assert!(p
-            .scope("registry-1.docker.io")
+        assert!(scope(&p, "registry-1.docker.io")
             .describe()
             .contains("evil.example"));
         assert_eq!(
@@ -661,8 +599,7 @@ mod tests {
             "registry-1.docker.io",
             "[host.\"http://trusted.example\"]\n",
         );
-        assert!(p
-            .scope("registry-1.docker.io")
+        assert!(scope(&p, "registry-1.docker.io")
             .server_address("")
             .is_empty());
     }
@@ -699,7 +636,7 @@ mod tests {
     #[test]
     fn docker_hub_aliases_are_one_registry() {
         let p = policy(&["index.docker.io=mirror.example"], None);
-        assert_eq!(p.scope("docker.io").server_address("x"), "");
+        assert_eq!(scope(&p, "docker.io").server_address("x"), "");
     }
 
     #[test]

@@ -128,7 +128,7 @@ fn check(rc: libc::c_int) -> io::Result<()> {
 }
 
 /// `fd` (non-blocking) registered with the runtime's reactor.
-pub(crate) fn register(fd: OwnedFd, interest: Interest) -> io::Result<AsyncFd<OwnedFd>> {
+pub fn register(fd: OwnedFd, interest: Interest) -> io::Result<AsyncFd<OwnedFd>> {
     // SAFETY: an OwnedFd is an open descriptor that stays the same until it is dropped, and
     // only the AsyncFd that now owns it can drop it.
     Ok(unsafe { AsyncFd::register_with_interest(fd, interest) }?)

@@ -571,3 +571,55 @@ fn containerds_auth_config_imported_serves_the_same_pulls() {
         assert!(!out.exists(), "{name}: something was written");
     }
 }
+
+/// containerd's hosts directories are read when they change, not on each pull (issue 52): an
+/// untrusted mirror written into the registry's hosts.toml while the agent runs is what the
+/// next pull's scope (and `explain`, which reads the same view) sees, and so is its removal.
+#[tokio::test]
+async fn a_hosts_toml_changed_while_the_proxy_runs_is_what_the_next_pull_sees() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let certs = d.join("certs.d");
+    std::fs::create_dir_all(certs.join("r.example")).unwrap();
+    let (_fake, agent, _proxy) = crate::support::fake_runtime_agent(
+        d,
+        credgate_testbed::fake_runtime::Answers::default(),
+        &[
+            "--cri-proxy-trusted-mirror",
+            "r.example=m.example",
+            "--cri-proxy-hosts-dir",
+            certs.to_str().unwrap(),
+        ],
+    )
+    .await;
+    let trust = || {
+        let out = agent.credgate(&["explain", "-o", "json", "r.example/team/app:v1"]);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["cri_mirror_trust"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
+    };
+    assert!(trust().contains("no mirror is configured"), "{}", trust());
+    std::fs::write(
+        certs.join("r.example/hosts.toml"),
+        "[host.\"https://evil.example\"]\n",
+    )
+    .unwrap();
+    credgate_testbed::eventually(
+        "the untrusted mirror is seen",
+        std::time::Duration::from_secs(20),
+        || trust().contains("not trusted with its pods' credentials: evil.example"),
+    );
+    std::fs::write(
+        certs.join("r.example/hosts.toml"),
+        "[host.\"https://m.example\"]\n",
+    )
+    .unwrap();
+    credgate_testbed::eventually(
+        "the trusted mirror is seen",
+        std::time::Duration::from_secs(20),
+        || trust().contains("trusted mirrors (m.example)"),
+    );
+}
