@@ -189,3 +189,90 @@ impl Confirmations {
         slot.answer.get_or_init(|| ask).await.0.clone()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::guard::registry::RegistryOptions;
+    use base64::Engine as _;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+    /// A loopback registry with Basic auth whose one user's password is `password` (changed
+    /// through the returned handle); it counts the requests that carry a credential.
+    async fn basic_registry(
+        user: &'static str,
+        password: &str,
+    ) -> (String, Arc<Mutex<String>>, Arc<AtomicUsize>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let host = listener.local_addr().unwrap().to_string();
+        let password = Arc::new(Mutex::new(password.to_owned()));
+        let asked = Arc::new(AtomicUsize::new(0));
+        let (pw, n) = (password.clone(), asked.clone());
+        tokio::spawn(async move {
+            while let Ok((mut conn, _)) = listener.accept().await {
+                let (pw, n) = (pw.clone(), n.clone());
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 8192];
+                    let mut got = 0;
+                    while !buf[..got].windows(4).any(|w| w == b"\r\n\r\n") {
+                        match conn.read(&mut buf[got..]).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(k) => got += k,
+                        }
+                    }
+                    let head = String::from_utf8_lossy(&buf[..got]).to_ascii_lowercase();
+                    let want = base64::engine::general_purpose::STANDARD
+                        .encode(format!("{user}:{}", pw.lock()))
+                        .to_ascii_lowercase();
+                    let answer = match head.find("authorization: basic ") {
+                        None => "401 Unauthorized",
+                        Some(_) => {
+                            n.fetch_add(1, Ordering::SeqCst);
+                            match head.contains(&format!("authorization: basic {want}\r\n")) {
+                                true => "200 OK",
+                                false => "401 Unauthorized",
+                            }
+                        }
+                    };
+                    let reply = format!("HTTP/1.1 {answer}\r\nWWW-Authenticate: Basic realm=\"test\"\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+                    let _ = conn.write_all(reply.as_bytes()).await;
+                });
+            }
+        });
+        (host, password, asked)
+    }
+
+    /// An answer is remembered for [`REMEMBER`] from the `now` it was given at, whatever the
+    /// registry says meanwhile, and asked again after it: a credential rotated right after it
+    /// was found accepted is refused at the first confirmation past that (no real time waited:
+    /// `now` is the caller's clock).
+    #[tokio::test]
+    async fn answers_are_remembered_for_their_time_and_asked_again_after() {
+        let (host, password, asked) = basic_registry("alice", "old-pw").await;
+        let confirmations = Confirmations::new(Verifier::new(RegistryOptions {
+            timeout: Duration::from_secs(5),
+            insecure: Vec::new(),
+        }));
+        let fp = [7u8; 32];
+        let t0 = Instant::now();
+        let confirm = |at: Instant| {
+            confirmations.confirm(&host, "team/app", fp, "alice", "old-pw", at, false)
+        };
+        assert_eq!(confirm(t0).await, Confirmed::Accepted);
+        assert_eq!(asked.load(Ordering::SeqCst), 1);
+        *password.lock() = "new-pw".into();
+        // Within its time: the answer remembered, the registry not asked.
+        assert_eq!(
+            confirm(t0 + REMEMBER - Duration::from_secs(1)).await,
+            Confirmed::Accepted
+        );
+        assert_eq!(asked.load(Ordering::SeqCst), 1);
+        // Past it: asked again, and refused now.
+        assert_eq!(
+            confirm(t0 + REMEMBER + Duration::from_secs(1)).await,
+            Confirmed::Refused
+        );
+        assert_eq!(asked.load(Ordering::SeqCst), 2);
+    }
+}
