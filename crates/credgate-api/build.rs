@@ -1,7 +1,7 @@
 //! Compiles `proto/` with protox (pure Rust), so no system `protoc` is needed.
 
 /// Enums by their words in JSON, not by number: each field and its serializer in src/names.rs.
-const NAMED_ENUMS: [(&str, &str); 8] = [
+const NAMED_ENUMS: [(&str, &str); 14] = [
     ("Credential.source_kind", "source_kind"),
     ("Pull.source_kind", "source_kind"),
     ("Pull.auth", "pull_auth"),
@@ -10,6 +10,12 @@ const NAMED_ENUMS: [(&str, &str); 8] = [
     ("CheckAccessResponse.decision", "decision"),
     ("VerifyResponse.decision", "decision"),
     ("CheckAccessRequest.pull_policy", "pull_policy"),
+    ("ProviderFailure.reason", "failure_reason"),
+    ("LookupResponse.cache_key_type", "cache_key_type"),
+    ("ExplainedSource.cache_key_type", "cache_key_type"),
+    ("DroppedAnswer.cache_key_type", "cache_key_type"),
+    ("CheckAccessResponse.reason", "access_reason"),
+    ("VerifyResponse.reason", "verify_reason"),
 ];
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {

@@ -4,7 +4,6 @@
 use std::time::SystemTime;
 
 use credgate_api::v1 as pb;
-use credgate_core::wire::CacheKeyType;
 use credgate_engine::explain::Explanation;
 
 /// What the CRI proxy adds to an explanation when it serves (what it would do with a pull of
@@ -35,12 +34,7 @@ pub fn to_wire(e: &Explanation, now: SystemTime) -> pb::ExplainResponse {
             if let Some(v) = &s.provider {
                 if let Some(c) = &v.cached {
                     out.cached = true;
-                    out.cache_key_type = match c.key_type {
-                        CacheKeyType::Image => "Image",
-                        CacheKeyType::Registry => "Registry",
-                        CacheKeyType::Global => "Global",
-                    }
-                    .into();
+                    out.cache_key_type = crate::server::wire::cache_key_type(c.key_type);
                     out.cache_expires_unix_ms = ms(c.expires);
                     out.cache_age_ms = u64::try_from(c.age.as_millis()).unwrap_or(u64::MAX);
                     out.cached_credentials = u32::try_from(c.credentials).unwrap_or(u32::MAX);

@@ -4,7 +4,77 @@
 
 use serde::Serializer;
 
-use crate::v1::{Decision, PullAuth, PullPolicy, PullResult, RefusalOutcome, SourceKind};
+use crate::v1::{
+    AccessReason, CacheKeyType, Decision, FailureReason, PullAuth, PullPolicy, PullResult,
+    RefusalOutcome, SourceKind, VerifyReason,
+};
+
+/// `word()` of each variant, spelled once.
+macro_rules! words {
+    ($ty:ident { $($variant:ident => $word:literal),* $(,)? }) => {
+        impl $ty {
+            pub fn word(self) -> &'static str {
+                match self {
+                    $($ty::$variant => $word,)*
+                }
+            }
+        }
+    };
+}
+
+words!(FailureReason {
+    Unspecified => "unspecified",
+    Spawn => "spawn",
+    Timeout => "timeout",
+    NonzeroExit => "nonzero_exit",
+    OutputTooLarge => "output_too_large",
+    Io => "io",
+    MalformedResponse => "malformed_response",
+    TokenEchoed => "token_echoed",
+    Backoff => "backoff",
+    MissingAnnotation => "missing_annotation",
+    Abandoned => "abandoned",
+    RateLimited => "rate_limited",
+});
+
+// As the kubelet spells them; no answer is the empty word.
+words!(CacheKeyType {
+    Unspecified => "",
+    Image => "Image",
+    Registry => "Registry",
+    Global => "Global",
+});
+
+words!(AccessReason {
+    Unspecified => "unspecified",
+    PolicyNeverVerify => "policy_never_verify",
+    Preloaded => "preloaded",
+    Allowlisted => "allowlisted",
+    NodeAccessible => "node_accessible",
+    SecretMatch => "secret_match",
+    SecretRotated => "secret_rotated",
+    ServiceAccountMatch => "service_account_match",
+    StoreUnreadable => "store_unreadable",
+    NoRecord => "no_record",
+    NoEntryForName => "no_entry_for_name",
+    NoCredentialsRecorded => "no_credentials_recorded",
+    NoMatchingCredential => "no_matching_credential",
+    SecretTooOld => "secret_too_old",
+    NotPresent => "not_present",
+    PullPolicyAlways => "pull_policy_always",
+    NotAvailable => "not_available",
+});
+
+words!(VerifyReason {
+    Unspecified => "unspecified",
+    Verified => "verified",
+    Unauthorized => "unauthorized",
+    DigestMismatch => "digest_mismatch",
+    NotFound => "not_found",
+    Refused => "refused",
+    Unreachable => "unreachable",
+    NoCredentials => "no_credentials",
+});
 
 impl SourceKind {
     pub fn word(self) -> &'static str {
@@ -90,7 +160,11 @@ serializers!(
     pull_result: PullResult,
     refusal_outcome: RefusalOutcome,
     decision: Decision,
-    pull_policy: PullPolicy
+    pull_policy: PullPolicy,
+    failure_reason: FailureReason,
+    cache_key_type: CacheKeyType,
+    access_reason: AccessReason,
+    verify_reason: VerifyReason
 );
 
 #[cfg(test)]

@@ -76,22 +76,57 @@ impl ProviderError {
         }
     }
 
-    /// The metric label for this failure.
-    pub fn reason(&self) -> &'static str {
+    /// Why it failed (metrics, logs, the API).
+    pub fn reason(&self) -> FailureReason {
         match self {
             ProviderError::Run(e) => match **e {
-                RunError::Spawn { .. } => "spawn",
-                RunError::Timeout { .. } => "timeout",
-                RunError::NonZeroExit { .. } => "nonzero_exit",
-                RunError::OutputTooLarge { .. } => "output_too_large",
-                RunError::Io { .. } => "io",
+                RunError::Spawn { .. } => FailureReason::Spawn,
+                RunError::Timeout { .. } => FailureReason::Timeout,
+                RunError::NonZeroExit { .. } => FailureReason::NonZeroExit,
+                RunError::OutputTooLarge { .. } => FailureReason::OutputTooLarge,
+                RunError::Io { .. } => FailureReason::Io,
             },
-            ProviderError::Response { .. } => "malformed_response",
-            ProviderError::TokenEchoed { .. } => "token_echoed",
-            ProviderError::Backoff { .. } => "backoff",
-            ProviderError::MissingAnnotation { .. } => "missing_annotation",
-            ProviderError::Abandoned { .. } => "abandoned",
-            ProviderError::RateLimited { .. } => "rate_limited",
+            ProviderError::Response { .. } => FailureReason::MalformedResponse,
+            ProviderError::TokenEchoed { .. } => FailureReason::TokenEchoed,
+            ProviderError::Backoff { .. } => FailureReason::Backoff,
+            ProviderError::MissingAnnotation { .. } => FailureReason::MissingAnnotation,
+            ProviderError::Abandoned { .. } => FailureReason::Abandoned,
+            ProviderError::RateLimited { .. } => FailureReason::RateLimited,
+        }
+    }
+}
+
+/// Why a provider gave no credentials, as metrics, logs and the API name it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FailureReason {
+    Spawn,
+    Timeout,
+    NonZeroExit,
+    OutputTooLarge,
+    Io,
+    MalformedResponse,
+    TokenEchoed,
+    Backoff,
+    MissingAnnotation,
+    Abandoned,
+    RateLimited,
+}
+
+impl FailureReason {
+    /// The stable word (`credgate_plugin_errors_total{reason}`, logs).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailureReason::Spawn => "spawn",
+            FailureReason::Timeout => "timeout",
+            FailureReason::NonZeroExit => "nonzero_exit",
+            FailureReason::OutputTooLarge => "output_too_large",
+            FailureReason::Io => "io",
+            FailureReason::MalformedResponse => "malformed_response",
+            FailureReason::TokenEchoed => "token_echoed",
+            FailureReason::Backoff => "backoff",
+            FailureReason::MissingAnnotation => "missing_annotation",
+            FailureReason::Abandoned => "abandoned",
+            FailureReason::RateLimited => "rate_limited",
         }
     }
 }

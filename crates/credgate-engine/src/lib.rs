@@ -60,7 +60,7 @@ pub use engine::{
     BuildError, Credential, CredentialRef, Engine, EngineBuilder, EngineOptions, EntryInfo, Lookup,
     LookupError, LookupRequest, Source, SourceKind, StaticSource,
 };
-pub use error::ProviderError;
+pub use error::{FailureReason, ProviderError};
 pub use invalidate::{Dropped, FlushError};
 pub use provider::{
     BackoffPolicy, ProviderStatus, ServiceAccount, FOLLOW_FIRST, FOLLOW_MAX, FOLLOW_SHARED,

@@ -180,10 +180,10 @@ pub struct ProviderMetrics {
 
 impl ProviderMetrics {
     /// Counts a failure under its reason.
-    pub fn error(&self, reason: &'static str) {
+    pub fn error(&self, reason: crate::FailureReason) {
         let l: Labels = vec![
             ("provider", self.name.clone()),
-            ("reason", reason.to_owned()),
+            ("reason", reason.as_str().to_owned()),
         ];
         self.errors.get_or_create(&l).inc();
     }
@@ -239,7 +239,7 @@ mod tests {
         let p = m.provider("ecr");
         p.runs.inc();
         p.hits.inc();
-        p.error("timeout");
+        p.error(crate::FailureReason::Timeout);
         let mut reg = Registry::default();
         m.register(&mut reg);
         let mut out = String::new();

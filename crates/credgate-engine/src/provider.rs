@@ -477,7 +477,7 @@ impl Provider {
         let now = self.clock.now();
         match state.next_allowed {
             Some(t) if now < t => {
-                self.metrics.error("backoff");
+                self.metrics.error(crate::FailureReason::Backoff);
                 Err(ProviderError::Backoff {
                     plugin: self.spec.name.clone(),
                     failures: state.consecutive_failures,
@@ -555,7 +555,7 @@ impl Provider {
                 }
                 Ok(false) => {}
                 Err(refusal) => {
-                    self.metrics.error("rate_limited");
+                    self.metrics.error(crate::FailureReason::RateLimited);
                     let why = match refusal {
                         crate::rate::Refusal::CallerWaiting(n) => format!(
                             "this caller already has {n} lookups waiting for the provider's turn"
@@ -662,7 +662,7 @@ impl Provider {
             }
             Err(e) => {
                 self.metrics.error(e.reason());
-                tracing::warn!(plugin = %self.spec.name, error = %e, reason = e.reason(), "plugin run failed");
+                tracing::warn!(plugin = %self.spec.name, error = %e, reason = e.reason().as_str(), "plugin run failed");
                 if let ProviderError::Run(run) = e {
                     if let RunError::NonZeroExit { stderr, .. } = &**run {
                         if !stderr.is_empty() {

@@ -202,7 +202,11 @@ fn respond(
     let key_type = if captured {
         CacheKeyType::Image
     } else {
-        answer.cache_key_type.parse().unwrap_or(CacheKeyType::Image)
+        match pb::CacheKeyType::try_from(answer.cache_key_type) {
+            Ok(pb::CacheKeyType::Registry) => CacheKeyType::Registry,
+            Ok(pb::CacheKeyType::Global) => CacheKeyType::Global,
+            _ => CacheKeyType::Image,
+        }
     };
     kubelet_response(
         request,

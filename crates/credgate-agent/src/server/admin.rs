@@ -71,7 +71,7 @@ impl Admin for Api {
                 .into_iter()
                 .map(|d| pb::DroppedAnswer {
                     provider: d.provider,
-                    cache_key_type: d.key_type.as_str().to_owned(),
+                    cache_key_type: super::wire::cache_key_type(d.key_type),
                     key: d.key,
                     expires_unix_ms: unix_ms(d.expires),
                     service_account: d.scoped,

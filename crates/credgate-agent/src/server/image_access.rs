@@ -144,7 +144,7 @@ impl ImageAccess for Api {
                 .map_err(ApiError::from)?;
             Ok(Response::new(pb::CheckAccessResponse {
                 decision: decision(a.answer),
-                reason: a.reason.as_str().to_owned(),
+                reason: super::wire::access_reason(a.reason),
                 message: a.message,
             }))
         })
@@ -209,7 +209,7 @@ impl ImageAccess for Api {
             };
             Ok(Response::new(pb::VerifyResponse {
                 decision: decision as i32,
-                reason: v.reason.as_str().to_owned(),
+                reason: super::wire::verify_reason(v.reason),
                 message: v.message,
                 credential_index: v.accepted.map_or(-1, |i| i32::try_from(i).unwrap_or(-1)),
                 digest: v.digest.unwrap_or_default(),

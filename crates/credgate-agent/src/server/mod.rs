@@ -25,6 +25,7 @@ mod admin;
 mod credentials;
 mod http;
 mod image_access;
+pub(crate) mod wire;
 
 use crate::agent::{Agent, CallerAllowlist, Service};
 
@@ -70,7 +71,7 @@ fn captured_credential(repository: &str, c: &crate::captured::PodCredential) -> 
 pub fn failure(e: &credgate_engine::ProviderError) -> pb::ProviderFailure {
     pb::ProviderFailure {
         provider: e.plugin().to_owned(),
-        reason: e.reason().to_owned(),
+        reason: wire::failure_reason(e.reason()),
         message: e.to_string(),
     }
 }
@@ -92,7 +93,7 @@ pub fn provider_answer(
         cache_key_type: lookup
             .entries
             .first()
-            .map(|e| e.key.kind().as_str().to_owned())
+            .map(|e| wire::cache_key_type(e.key.kind()))
             .unwrap_or_default(),
         cache_for_ms: i64::try_from(cache_for.as_millis()).unwrap_or(i64::MAX),
         ..Default::default()
@@ -412,7 +413,7 @@ impl Api {
             .map_err(|e| status::invalid(format!("invalid image: {e}")))?;
         let mut answer = pb::LookupResponse {
             image: image.name().to_owned(),
-            cache_key_type: "Image".into(),
+            cache_key_type: pb::CacheKeyType::Image as i32,
             ..Default::default()
         };
         self.with_captured(&mut answer, false);

@@ -234,11 +234,11 @@ async fn a_secret_match_expires_after_the_maximum_age() {
         }
     };
     let r = check().await;
-    assert_eq!(r.reason, "secret_match");
+    assert_eq!(r.reason().word(), "secret_match");
     clock.advance(Duration::from_millis(1300));
     let r = check().await;
     assert_eq!(
-        (r.decision, r.reason.as_str()),
+        (r.decision, r.reason().word()),
         (pb::Decision::MustAuthenticate as i32, "secret_too_old")
     );
 }

@@ -141,7 +141,7 @@ async fn lookup_serves_credentials_and_reports_failures_without_secrets() {
     assert!(c.expires_at_unix_ms > 0);
     assert_eq!(r.failures.len(), 1);
     assert_eq!(r.failures[0].provider, "bad");
-    assert_eq!(r.failures[0].reason, "nonzero_exit");
+    assert_eq!(r.failures[0].reason().word(), "nonzero_exit");
     assert!(!format!("{:?}", r.failures).contains(SECRET));
 
     // Served from cache: no second run.
@@ -209,7 +209,7 @@ async fn lookup_serves_credentials_and_reports_failures_without_secrets() {
         .unwrap()
         .into_inner();
     assert!(r.credentials.is_empty(), "{r:?}");
-    assert_eq!((r.cache_key_type.as_str(), r.cache_for_ms), ("Image", 0));
+    assert_eq!((r.cache_key_type().word(), r.cache_for_ms), ("Image", 0));
     assert_eq!(r.image, "reg.example.com/team/app");
     assert_eq!(s.runs("good"), 1);
     let e = client

@@ -200,7 +200,9 @@ pub(super) async fn flush(
             .map(|d| {
                 vec![
                     d.provider.clone(),
-                    d.cache_key_type.clone(),
+                    pb::CacheKeyType::try_from(d.cache_key_type)
+                        .map_or("unspecified", pb::CacheKeyType::word)
+                        .to_owned(),
                     if d.key.is_empty() {
                         "*".into()
                     } else {

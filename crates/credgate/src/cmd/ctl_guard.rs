@@ -296,7 +296,11 @@ async fn verify(
     }))
     .await?;
     show(out, &r, |r| {
-        decision_line(r.decision, &r.reason, &r.message)
+        decision_line(
+            r.decision,
+            pb::VerifyReason::try_from(r.reason).map_or("unspecified", pb::VerifyReason::word),
+            &r.message,
+        )
     })?;
     Ok(if r.credential_index >= 0 {
         Outcome::Yes
@@ -328,7 +332,11 @@ async fn check_access(
     }))
     .await?;
     show(out, &r, |r| {
-        decision_line(r.decision, &r.reason, &r.message)
+        decision_line(
+            r.decision,
+            pb::AccessReason::try_from(r.reason).map_or("unspecified", pb::AccessReason::word),
+            &r.message,
+        )
     })?;
     let allowed = matches!(
         pb::Decision::try_from(r.decision),

@@ -192,7 +192,8 @@ fn source(out: &mut String, s: &pb::ExplainedSource) {
         out.push_str(&format!(
             "      cache: {} credential(s), key {}, expires {}, fetched {} ago\n",
             s.cached_credentials,
-            plain(&s.cache_key_type),
+            pb::CacheKeyType::try_from(s.cache_key_type)
+                .map_or("unspecified", pb::CacheKeyType::word),
             at(s.cache_expires_unix_ms),
             credgate_core::duration::Rounded(Duration::from_millis(s.cache_age_ms))
         ));
@@ -264,7 +265,7 @@ mod tests {
                     matched: true,
                     pattern: "*.example".into(),
                     cached: true,
-                    cache_key_type: "Registry".into(),
+                    cache_key_type: pb::CacheKeyType::Registry as i32,
                     cache_expires_unix_ms: day + 3_600_000,
                     cache_age_ms: 90_000,
                     cached_credentials: 1,

@@ -330,6 +330,9 @@ fn an_agent_that_refuses_the_connection_gets_the_fallback_to_answer() {
     );
 }
 
+/// What the failing plugin writes on stderr.
+const STDERR: &str = "diagnostics-of-the-bad-plugin";
+
 #[test]
 fn a_failing_provider_is_an_error_without_its_secrets() {
     let dir = tempfile::tempdir().unwrap();
@@ -338,7 +341,7 @@ fn a_failing_provider_is_an_error_without_its_secrets() {
     write_script(
         &d.join("plugins/bad"),
         &format!(
-            "cat >/dev/null\necho '{{\"password\":\"{SECRET}\"}}'\necho '{SECRET}' >&2\nexit 3"
+            "cat >/dev/null\necho '{{\"password\":\"{SECRET}\"}}'\necho '{STDERR}' >&2\nexit 3"
         ),
     );
     let out = bridge(
@@ -351,6 +354,9 @@ fn a_failing_provider_is_an_error_without_its_secrets() {
     assert_eq!(err.lines().count(), 1, "{err}");
     assert!(err.contains("plugin bad"), "{err}");
     assert!(!err.contains(SECRET) && !text(&out.stdout).contains(SECRET));
+    // stderr is diagnostics: the agent's debug log has it (SECURITY.md), no error does.
+    assert!(!err.contains(STDERR), "{err}");
+    assert!(agent.log_text().contains(STDERR));
     // A provider the agent does not have is refused with its name.
     let out = bridge(
         &agent.socket,

@@ -159,7 +159,7 @@ async fn a_damaged_store_fails_safe_without_a_crash_loop() {
         .unwrap()
         .into_inner();
     assert_eq!(r.decision, pb::Decision::MustAuthenticate as i32);
-    assert_eq!(r.reason, "store_unreadable");
+    assert_eq!(r.reason().word(), "store_unreadable");
     let e = client
         .record_pull_intent(pb::RecordPullIntentRequest {
             image: "registry.example.com/team-a/app:v1".into(),
@@ -243,7 +243,7 @@ async fn leftover_intents_are_recovered_after_a_restart() {
     // The intent alone already marks the name as pulled by the node: not "preloaded".
     let r = check(&mut client, "nginx:1.25", "sha256:n", None).await;
     assert_eq!(
-        (r.decision, r.reason.as_str()),
+        (r.decision, r.reason().word()),
         (pb::Decision::MustAuthenticate as i32, "no_record")
     );
     let pruned = client
@@ -260,7 +260,7 @@ async fn leftover_intents_are_recovered_after_a_restart() {
     assert_eq!(pruned.intents_recovered, 1, "matched after normalization");
     let r = check(&mut client, "nginx:1.25", "sha256:n", None).await;
     assert_eq!(
-        (r.decision, r.reason.as_str()),
+        (r.decision, r.reason().word()),
         (
             pb::Decision::MustAuthenticate as i32,
             "no_credentials_recorded"
@@ -320,7 +320,7 @@ async fn losing_the_node_key_means_reverification_not_access() {
         let mut client = agent.image_access().await;
         record_alice(&mut client, image).await;
         let r = check(&mut client, image, "sha256:a", secret("alice", "pw")).await;
-        assert_eq!(r.reason, "secret_match");
+        assert_eq!(r.reason().word(), "secret_match");
         assert!(agent.stop().success());
     }
     std::fs::remove_file(dir.path().join("state/node.key")).unwrap();
@@ -334,7 +334,7 @@ async fn losing_the_node_key_means_reverification_not_access() {
     let mut client = agent.image_access().await;
     let r = check(&mut client, image, "sha256:a", secret("alice", "pw")).await;
     assert_eq!(
-        (r.decision, r.reason.as_str()),
+        (r.decision, r.reason().word()),
         (
             pb::Decision::MustAuthenticate as i32,
             "no_matching_credential"
@@ -370,8 +370,8 @@ async fn pull_policy_never_does_not_reveal_whether_the_image_exists() {
     let absent = client.check_access(ask(false)).await.unwrap().into_inner();
     assert_eq!(there.decision, pb::Decision::Refuse as i32);
     assert_eq!(
-        (there.decision, &there.reason, &there.message),
-        (absent.decision, &absent.reason, &absent.message)
+        (there.decision, &there.reason().word(), &there.message),
+        (absent.decision, &absent.reason().word(), &absent.message)
     );
     // The owner is allowed, and Always means pull.
     let mut owner = ask(true);

@@ -73,7 +73,10 @@ impl Tenants {
             .await
             .unwrap()
             .into_inner();
-        (pb::Decision::try_from(r.decision).unwrap(), r.reason)
+        (
+            pb::Decision::try_from(r.decision).unwrap(),
+            r.reason().word().to_owned(),
+        )
     }
 
     async fn records(&mut self) -> pb::ListRecordsResponse {
@@ -101,7 +104,7 @@ impl Tenants {
 /// Asserts that the registry verified the pull with the credential at `index`.
 fn assert_verified_by(v: &pb::VerifyResponse, index: i32, context: &str) {
     assert_eq!(
-        (v.reason.as_str(), v.credential_index),
+        (v.reason().word(), v.credential_index),
         ("verified", index),
         "{context}: {}",
         v.message
@@ -167,9 +170,9 @@ async fn tenant_b_cannot_use_tenant_a_private_image() {
             v.message
         );
         assert!(
-            matches!(v.reason.as_str(), "unauthorized" | "no_credentials"),
+            matches!(v.reason().word(), "unauthorized" | "no_credentials"),
             "{}: {}",
-            v.reason,
+            v.reason().word(),
             v.message
         );
         assert_eq!(v.credential_index, -1);
@@ -211,7 +214,7 @@ async fn tenant_b_cannot_use_tenant_a_private_image() {
             "sha256:0000000000000000000000000000000000000000000000000000000000000000",
         )
         .await;
-    assert_eq!(v.reason, "digest_mismatch", "{}", v.message);
+    assert_eq!(v.reason().word(), "digest_mismatch", "{}", v.message);
 
     // The registry goes away: a known tenant is still allowed from the records, an unknown
     // one is denied by Verify (unreachable) and nothing is recorded.
@@ -223,7 +226,7 @@ async fn tenant_b_cannot_use_tenant_a_private_image() {
         pb::Decision::MustAuthenticate
     );
     let v = t.verify(vec![stranger()], &digest).await;
-    assert_eq!(v.reason, "unreachable", "{}", v.message);
+    assert_eq!(v.reason().word(), "unreachable", "{}", v.message);
     assert_eq!(
         t.check(vec![stranger()]).await.0,
         pb::Decision::MustAuthenticate
@@ -348,7 +351,10 @@ async fn registry_killed_and_restarted_during_verifications() {
     let a = || secret("team-a", "pull", "alice", "alice-pw");
     let b = || secret("team-b", "pull", "bob", "bob-pw");
     let mut t = tenants(channel.clone());
-    assert_eq!(t.verify(vec![a()], &digest).await.reason, "verified");
+    assert_eq!(
+        t.verify(vec![a()], &digest).await.reason().word(),
+        "verified"
+    );
 
     // Four clients verify A and B in turns, without pause, through the whole fault.
     const BOUND: Duration = Duration::from_secs(30);
@@ -390,7 +396,7 @@ async fn registry_killed_and_restarted_during_verifications() {
     // Down: a verification denies and says why; the records still answer for A, not for B.
     let v = t.verify(vec![a()], &digest).await;
     assert_eq!(
-        (v.reason.as_str(), v.decision),
+        (v.reason().word(), v.decision),
         ("unreachable", pb::Decision::MustAuthenticate as i32),
         "{}",
         v.message
@@ -410,36 +416,38 @@ async fn registry_killed_and_restarted_during_verifications() {
     for worker in workers {
         let seen = worker.await.unwrap();
         for (is_a, v) in &seen {
-            *outcomes.entry((*is_a, v.reason.clone())).or_default() += 1;
+            *outcomes
+                .entry((*is_a, v.reason().word().to_owned()))
+                .or_default() += 1;
             for s in ["alice-pw", "bob-pw"] {
                 assert!(!v.message.contains(s), "{}", v.message);
             }
             if *is_a {
                 assert!(
-                    matches!(v.reason.as_str(), "verified" | "unreachable"),
+                    matches!(v.reason().word(), "verified" | "unreachable"),
                     "A: {} {}",
-                    v.reason,
+                    v.reason().word(),
                     v.message
                 );
             } else {
                 // B is never let in: refused by the registry, or unreachable.
                 assert_eq!(v.decision, pb::Decision::MustAuthenticate as i32);
                 assert!(
-                    matches!(v.reason.as_str(), "unauthorized" | "unreachable"),
+                    matches!(v.reason().word(), "unauthorized" | "unreachable"),
                     "B: {} {}",
-                    v.reason,
+                    v.reason().word(),
                     v.message
                 );
             }
             let allowed = v.decision == pb::Decision::Allow as i32;
-            assert_eq!(allowed, v.reason == "verified", "{v:?}");
+            assert_eq!(allowed, v.reason().word() == "verified", "{v:?}");
         }
         // Each client ends on a working registry: its last answers are real ones again.
         let last: Vec<&str> = seen
             .iter()
             .rev()
             .take(2)
-            .map(|(_, v)| v.reason.as_str())
+            .map(|(_, v)| v.reason().word())
             .collect();
         assert!(
             last.iter()
