@@ -53,30 +53,63 @@ pub(super) fn sources_of(
     (ctx.refusal.or_known(now, &c.username, password), whose)
 }
 
+/// What an unauthorized pull's credential came to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Refusal {
+    /// Nothing was asked: the pull was not unauthorized, carried no credential of the agent's
+    /// sources, or named no image.
+    NotAsked,
+    /// Not asked: containerd did not send the credential to the image's registry (why).
+    NotSent(String),
+    /// The registry was asked: what it said, for the pull log; `provider_refused`: it refused
+    /// a provider's credential (the pull goes again with the provider's answer of now).
+    Asked { said: String, provider_refused: bool },
+}
+
+impl Refusal {
+    /// For the pull log: empty when nothing was asked.
+    pub(super) fn said(&self) -> String {
+        match self {
+            Refusal::NotAsked => String::new(),
+            Refusal::NotSent(why) => format!("not refused by this pull: {why}"),
+            Refusal::Asked { said, .. } => said.clone(),
+        }
+    }
+
+    pub(super) fn provider_refused(&self) -> bool {
+        matches!(
+            self,
+            Refusal::Asked {
+                provider_refused: true,
+                ..
+            }
+        )
+    }
+}
+
 /// The runtime answered the pull unauthorized. When the credential it carried is one of the
 /// agent's sources' (`given`) and containerd sent it to the image's registry, the registry is
 /// asked whether it refuses that credential itself, and only then is it refused
 /// ([`credgate_agent::refusal::Refuser::confirm_and_refuse`]); a pod's own secret changes nothing and asks
-/// nothing. What became of it, for the pull log (empty when nothing was asked), and whether
-/// the registry refused a provider's credential.
+/// nothing.
 pub(super) async fn refused(
     ctx: &super::Context,
     pull: &Pull,
     given: &[credgate_agent::outcome::Given],
-) -> (String, bool) {
+) -> Refusal {
     use credgate_agent::refusal::Report;
     let Some(c) = &pull.credential else {
-        return (String::new(), false);
+        return Refusal::NotAsked;
     };
     if given.is_empty() {
-        return (String::new(), false);
+        return Refusal::NotAsked;
     }
     let Ok(parsed) = credgate_core::reference::ImageRef::parse(&pull.image) else {
-        return (String::new(), false);
+        return Refusal::NotAsked;
     };
     if let policy::Sent::No(why) = policy::sent_to_registry(&pull.server_address, parsed.registry())
     {
-        return (format!("not refused by this pull: {why}"), false);
+        return Refusal::NotSent(why);
     }
     let report = ctx
         .refusal
@@ -99,11 +132,14 @@ pub(super) async fn refused(
             "{said}"
         );
     }
-    let provider = matches!(report, Report::Refused(_) | Report::Recently)
+    let provider_refused = matches!(report, Report::Refused(_) | Report::Recently)
         && given
             .iter()
             .any(|g| matches!(g, credgate_agent::outcome::Given::Provider(_)));
-    (said, provider)
+    Refusal::Asked {
+        said,
+        provider_refused,
+    }
 }
 
 /// How the image access guard records a pull, as the kubelet records its own (KEP-2535): a
@@ -292,12 +328,12 @@ pub(super) async fn answered(
     let (given, whose) = sources_of(&pulls.ctx, pull);
     let took = started.elapsed();
     let result = credgate_agent::outcome::PullResult::of(code, &message);
-    let (refusal, provider_refused) =
-        if pull.valid && result == credgate_agent::outcome::PullResult::Unauthorized {
-            refused(&pulls.ctx, pull, &given).await
-        } else {
-            (String::new(), false)
-        };
+    let refusal = if pull.valid && result == credgate_agent::outcome::PullResult::Unauthorized {
+        refused(&pulls.ctx, pull, &given).await
+    } else {
+        Refusal::NotAsked
+    };
+    let provider_refused = refusal.provider_refused();
     decision::log(
         &pulls.ctx,
         pull,
@@ -305,7 +341,7 @@ pub(super) async fn answered(
         (code, result),
         &message,
         took,
-        refusal,
+        refusal.said(),
     );
     match (pull.valid, provider_refused) {
         (false, _) => Answered::Done,
