@@ -177,7 +177,7 @@ impl Confirmations {
                     Ok(CredentialCheck::Refused) => Confirmed::Refused,
                     Ok(CredentialCheck::Accepted) => Confirmed::Accepted,
                     Ok(CredentialCheck::Unchecked) => Confirmed::Unchecked,
-                    Err(why) => Confirmed::Unknown(why),
+                    Err(why) => Confirmed::Unknown(why.to_string()),
                 }
             })
             .await

@@ -400,15 +400,24 @@ impl MemoryFile {
     }
 
     /// Seals what `memory` holds now and replaces the file (fsynced). Blocking.
-    pub fn save(&self, memory: &Refusals, wall: SystemTime) -> Result<(), String> {
-        let body = serde_json::to_vec(&memory.stored(wall)).map_err(|e| e.to_string())?;
-        self.sealed.write(&body).map_err(|e| e.to_string())
+    pub fn save(&self, memory: &Refusals, wall: SystemTime) -> Result<(), SaveError> {
+        let body = serde_json::to_vec(&memory.stored(wall))?;
+        Ok(self.sealed.write(&body)?)
     }
 
     /// Removes the file of an earlier run (an agent that keeps nothing across restarts).
     pub fn discard(state_dir: &Path) -> std::io::Result<bool> {
         crate::state::discard(state_dir, KIND.file)
     }
+}
+
+/// Why the memory was not saved.
+#[derive(Debug, thiserror::Error)]
+pub enum SaveError {
+    #[error(transparent)]
+    Encode(#[from] serde_json::Error),
+    #[error(transparent)]
+    Write(#[from] crate::state::sealed::WriteError),
 }
 
 #[cfg(test)]

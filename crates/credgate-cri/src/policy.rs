@@ -244,18 +244,30 @@ impl ProxyPolicy {
     }
 }
 
+/// Why a `hosts.toml` is not read as naming its mirrors with certainty.
+#[derive(Debug, thiserror::Error)]
+pub enum HostsTomlError {
+    /// Not TOML (containerd refuses it). The parser's message only: its snippet of the file is
+    /// left out.
+    #[error("{}", .0.message())]
+    Toml(#[source] toml::de::Error),
+    #[error("both {0:?} and {1:?}: which one containerd reads is not certain")]
+    TwoSpellings(String, String),
+    #[error("{0} is not a {1}")]
+    WrongKind(&'static str, &'static str),
+}
+
 /// The one value of `key` in `table` as containerd's TOML readers find it: go-toml v2
 /// (containerd 2.x) matches a field's name whatever its case, go-toml v1 (1.6) retries it in
 /// title case. Every spelling is read; two spellings of one key are refused (which one
 /// containerd takes is not certain).
-fn field<'t>(table: &'t toml::Table, key: &str) -> Result<Option<&'t toml::Value>, String> {
+fn field<'t>(table: &'t toml::Table, key: &str) -> Result<Option<&'t toml::Value>, HostsTomlError> {
     let mut found = table.iter().filter(|(k, _)| k.eq_ignore_ascii_case(key));
     let first = found.next();
     if let Some((other, _)) = found.next() {
-        return Err(format!(
-            "both {:?} and {:?}: which one containerd reads is not certain",
-            first.map_or("", |(k, _)| k.as_str()),
-            other
+        return Err(HostsTomlError::TwoSpellings(
+            first.map_or(String::new(), |(k, _)| k.clone()),
+            other.clone(),
         ));
     }
     Ok(first.map(|(_, v)| v))
@@ -264,21 +276,19 @@ fn field<'t>(table: &'t toml::Table, key: &str) -> Result<Option<&'t toml::Value
 /// The mirrors a `hosts.toml` names for `registry`: `server` and every `[host."URL"]`, their
 /// keys in any case (as containerd reads them). A value of the wrong kind is an error
 /// (containerd refuses the file).
-pub fn mirrors_in(text: &str, registry: &str) -> Result<Vec<String>, String> {
-    let table: toml::Table = text
-        .parse()
-        .map_err(|e: toml::de::Error| e.message().to_owned())?;
+pub fn mirrors_in(text: &str, registry: &str) -> Result<Vec<String>, HostsTomlError> {
+    let table: toml::Table = text.parse().map_err(HostsTomlError::Toml)?;
     let own = [registry_key(registry), runtime_host(registry)];
     let mut out: Vec<String> = Vec::new();
     let server = match field(&table, "server")? {
         None => None,
         Some(toml::Value::String(s)) => Some(s.as_str()),
-        Some(_) => return Err("server is not a string".into()),
+        Some(_) => return Err(HostsTomlError::WrongKind("server", "string")),
     };
     let hosts = match field(&table, "host")? {
         None => Vec::new(),
         Some(toml::Value::Table(t)) => t.keys().map(String::as_str).collect::<Vec<_>>(),
-        Some(_) => return Err("host is not a table".into()),
+        Some(_) => return Err(HostsTomlError::WrongKind("host", "table")),
     };
     for url in server.into_iter().chain(hosts) {
         let host = host_of(url);

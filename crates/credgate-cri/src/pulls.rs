@@ -63,7 +63,10 @@ pub(super) enum Refusal {
     NotSent(String),
     /// The registry was asked: what it said, for the pull log; `provider_refused`: it refused
     /// a provider's credential (the pull goes again with the provider's answer of now).
-    Asked { said: String, provider_refused: bool },
+    Asked {
+        said: String,
+        provider_refused: bool,
+    },
 }
 
 impl Refusal {

@@ -12,7 +12,9 @@ use reqwest::StatusCode;
 use secrecy::{ExposeSecret, SecretString};
 use sha2::{Digest, Sha256};
 
-use credgate_agent::guard::registry::{describe, fetch_token, parse_challenge, RegistryOptions};
+use credgate_agent::guard::registry::{
+    fetch_token, parse_challenge, RegistryError, RegistryOptions,
+};
 
 use crate::route::Route;
 
@@ -88,7 +90,7 @@ impl Upstream {
         route: &Route,
         headers: &hyper::HeaderMap,
         credential: Option<&Credential>,
-    ) -> Result<reqwest::Response, String> {
+    ) -> Result<reqwest::Response, RegistryError> {
         let url = self.url(route);
         let known = self.schemes.lock().get(&route.registry).cloned();
         let scope = format!("repository:{}:pull", repository(route));
@@ -152,7 +154,7 @@ impl Upstream {
         url: &str,
         headers: &hyper::HeaderMap,
         auth: &Auth<'_>,
-    ) -> Result<reqwest::Response, String> {
+    ) -> Result<reqwest::Response, RegistryError> {
         let mut out = HeaderMap::new();
         for name in FORWARDED {
             for value in headers.get_all(name) {
@@ -165,7 +167,7 @@ impl Upstream {
             Auth::Basic(c) => req.basic_auth(&c.username, Some(c.password.expose_secret())),
             Auth::Bearer(t) => req.bearer_auth(t.expose_secret()),
         };
-        req.send().await.map_err(|e| describe(&e))
+        Ok(req.send().await?)
     }
 
     fn token_key(realm: &str, scope: &str, credential: Option<&Credential>) -> [u8; 32] {
@@ -196,7 +198,7 @@ impl Upstream {
         service: Option<&str>,
         scope: &str,
         credential: Option<&Credential>,
-    ) -> Result<Option<SecretString>, String> {
+    ) -> Result<Option<SecretString>, RegistryError> {
         let key = Self::token_key(realm, scope, credential);
         if let Some((token, until)) = self.tokens.lock().get(&key) {
             if Instant::now() < *until {

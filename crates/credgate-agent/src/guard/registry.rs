@@ -116,7 +116,7 @@ enum Attempt {
     Unauthorized,
     NotFound,
     Refused(StatusCode),
-    Unreachable(String),
+    Unreachable(RegistryError),
 }
 
 /// Verifies credentials against registries.
@@ -255,7 +255,7 @@ impl Verifier {
         target: &Target,
         username: &str,
         password: &str,
-    ) -> Result<bool, String> {
+    ) -> Result<bool, RegistryError> {
         let url = self.manifest_url(target);
         match self.attempt(&url, target, Some((username, password))).await {
             (Attempt::Ok(_), challenged) => Ok(challenged),
@@ -277,14 +277,9 @@ impl Verifier {
         repository: &str,
         username: &str,
         password: &str,
-    ) -> Result<CredentialCheck, String> {
+    ) -> Result<CredentialCheck, RegistryError> {
         let v2 = format!("{}/v2/", self.base(registry));
-        let first = self
-            .client
-            .get(&v2)
-            .send()
-            .await
-            .map_err(|e| describe(&e))?;
+        let first = self.client.get(&v2).send().await?;
         if first.status() != StatusCode::UNAUTHORIZED {
             return Ok(CredentialCheck::Unchecked);
         }
@@ -293,7 +288,7 @@ impl Verifier {
         let status = match scheme.as_str() {
             "basic" => {
                 let req = self.client.get(&v2).basic_auth(username, Some(password));
-                req.send().await.map_err(|e| describe(&e))?.status()
+                req.send().await?.status()
             }
             "bearer" => {
                 let scope = format!("repository:{repository}:pull");
@@ -328,7 +323,7 @@ impl Verifier {
         scope: Option<&str>,
         username: &str,
         password: &str,
-    ) -> Result<Option<StatusCode>, String> {
+    ) -> Result<Option<StatusCode>, RegistryError> {
         let get = |k: &str| param(params, k);
         let Some(realm) = get("realm") else {
             return Ok(None);
@@ -348,8 +343,7 @@ impl Verifier {
             .query(&query)
             .basic_auth(username, Some(password))
             .send()
-            .await
-            .map_err(|e| describe(&e))?;
+            .await?;
         let status = response.status();
         // Read (bounded) so that the connection can be reused; the token is not needed.
         if status.is_success() {
@@ -393,7 +387,7 @@ impl Verifier {
         };
         let first = match head(Auth::Anonymous).await {
             Ok(r) => r,
-            Err(e) => return Attempt::Unreachable(describe(&e)),
+            Err(e) => return Attempt::Unreachable(RegistryError::from(e)),
         };
         let response = if first.status() == StatusCode::UNAUTHORIZED {
             *challenged = true;
@@ -412,7 +406,7 @@ impl Verifier {
             };
             match head(auth).await {
                 Ok(r) => r,
-                Err(e) => return Attempt::Unreachable(describe(&e)),
+                Err(e) => return Attempt::Unreachable(RegistryError::from(e)),
             }
         } else {
             first
@@ -434,7 +428,7 @@ impl Verifier {
         params: &[(String, String)],
         target: &Target,
         basic: Option<(&str, &str)>,
-    ) -> Result<Option<String>, String> {
+    ) -> Result<Option<String>, RegistryError> {
         let get = |k: &str| param(params, k);
         let Some(realm) = get("realm") else {
             return Ok(None);
@@ -465,7 +459,7 @@ pub async fn fetch_token(
     service: Option<&str>,
     scope: &str,
     basic: Option<(&str, &str)>,
-) -> Result<Option<BearerToken>, String> {
+) -> Result<Option<BearerToken>, RegistryError> {
     let mut query: Vec<(&str, &str)> = vec![("scope", scope)];
     if let Some(service) = service {
         query.push(("service", service));
@@ -474,7 +468,7 @@ pub async fn fetch_token(
     if let Some((u, p)) = basic {
         req = req.basic_auth(u, Some(p));
     }
-    let response = req.send().await.map_err(|e| describe(&e))?;
+    let response = req.send().await?;
     if !response.status().is_success() {
         return Ok(None);
     }
@@ -485,8 +479,7 @@ pub async fn fetch_token(
         expires_in: Option<u64>,
     }
     let bytes = capped_body(response, MAX_TOKEN_BODY).await?;
-    let body: Answer =
-        serde_json::from_slice(&bytes).map_err(|_| "malformed token response".to_owned())?;
+    let body: Answer = serde_json::from_slice(&bytes).map_err(|_| RegistryError::MalformedToken)?;
     Ok(body.token.or(body.access_token).map(|token| BearerToken {
         token,
         expires_in: body.expires_in,
@@ -535,15 +528,17 @@ fn refused_status(s: StatusCode) -> bool {
 pub const MAX_TOKEN_BODY: usize = 64 << 10;
 
 /// A response body read in chunks, refused as soon as it passes `max` bytes.
-async fn capped_body(mut response: reqwest::Response, max: usize) -> Result<Vec<u8>, String> {
-    let too_large = || format!("token response larger than {} KiB", max >> 10);
+async fn capped_body(
+    mut response: reqwest::Response,
+    max: usize,
+) -> Result<Vec<u8>, RegistryError> {
     if response.content_length().is_some_and(|n| n > max as u64) {
-        return Err(too_large());
+        return Err(RegistryError::TokenTooLarge(max));
     }
     let mut body = Vec::new();
-    while let Some(chunk) = response.chunk().await.map_err(|e| describe(&e))? {
+    while let Some(chunk) = response.chunk().await? {
         if body.len() + chunk.len() > max {
-            return Err(too_large());
+            return Err(RegistryError::TokenTooLarge(max));
         }
         body.extend_from_slice(&chunk);
     }
@@ -566,16 +561,47 @@ fn digest(headers: &HeaderMap) -> Option<String> {
 
 /// A transport error without its URL's query (which could carry a scope) or any header.
 pub fn describe(e: &reqwest::Error) -> String {
-    if e.is_timeout() {
-        "timed out".into()
-    } else if e.is_connect() {
-        "connection failed".into()
-    } else if e.is_redirect() {
-        "too many redirects".into()
-    } else if e.is_decode() {
-        "malformed token response".into()
-    } else {
-        "request failed".into()
+    RegistryError::from(e).to_string()
+}
+
+/// Why a registry gave nothing to go on, in the agent's words. It holds no source: a request
+/// error's text names the URL, whose host and token realm a tenant's image name or a hostile
+/// registry chose, and errors reach logs and gRPC statuses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum RegistryError {
+    #[error("timed out")]
+    Timeout,
+    #[error("connection failed")]
+    Connect,
+    #[error("too many redirects")]
+    Redirects,
+    #[error("request failed")]
+    Request,
+    #[error("malformed token response")]
+    MalformedToken,
+    #[error("token response larger than {} KiB", .0 >> 10)]
+    TokenTooLarge(usize),
+}
+
+impl From<&reqwest::Error> for RegistryError {
+    fn from(e: &reqwest::Error) -> RegistryError {
+        if e.is_timeout() {
+            RegistryError::Timeout
+        } else if e.is_connect() {
+            RegistryError::Connect
+        } else if e.is_redirect() {
+            RegistryError::Redirects
+        } else if e.is_decode() {
+            RegistryError::MalformedToken
+        } else {
+            RegistryError::Request
+        }
+    }
+}
+
+impl From<reqwest::Error> for RegistryError {
+    fn from(e: reqwest::Error) -> RegistryError {
+        RegistryError::from(&e)
     }
 }
 

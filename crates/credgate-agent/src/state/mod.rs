@@ -17,21 +17,30 @@ use std::time::SystemTime;
 
 /// The file's bytes: `None` when there is none; an error (never a wait) when it is a link,
 /// not a regular file, not the agent's own, writable by others, or larger than `max` bytes.
-pub fn read_capped(path: &Path, max: u64) -> Result<Option<Vec<u8>>, String> {
+pub fn read_capped(path: &Path, max: u64) -> Result<Option<Vec<u8>>, ReadError> {
     let file = match open_trusted(path) {
         Ok(f) => f,
         Err(FileError::Io(e)) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(FileError::Io(e)) => return Err(e.to_string()),
-        Err(FileError::Untrusted(e)) => return Err(e.to_string()),
+        Err(FileError::Io(e)) => return Err(ReadError::Io(e)),
+        Err(FileError::Untrusted(e)) => return Err(ReadError::Untrusted(e)),
     };
     let mut bytes = Vec::new();
-    file.take(max + 1)
-        .read_to_end(&mut bytes)
-        .map_err(|e| e.to_string())?;
+    file.take(max + 1).read_to_end(&mut bytes)?;
     if bytes.len() as u64 > max {
-        return Err(format!("larger than {max} bytes"));
+        return Err(ReadError::TooLarge(max));
     }
     Ok(Some(bytes))
+}
+
+/// Why a state file was not read ([`read_capped`]).
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    #[error(transparent)]
+    Untrusted(credgate_api::trust::TrustError),
+    #[error("larger than {0} bytes")]
+    TooLarge(u64),
 }
 
 /// Replaces `dir/file` with `parts`, written one after another: a 0600 temporary file (never

@@ -96,7 +96,7 @@ impl Sealed {
     pub fn read(&self) -> Read {
         match super::read_capped(&self.path(), self.kind.max) {
             Ok(None) => Read::Absent,
-            Err(why) => Read::Refused(why),
+            Err(why) => Read::Refused(why.to_string()),
             Ok(Some(bytes)) => match self.newer(&bytes) {
                 Some(version) => self.set_aside(version),
                 None => match self.open(&bytes) {
