@@ -4,7 +4,7 @@ use credgate_api::v1::admin_server::Admin;
 use credgate_api::v1::{self as pb};
 use tonic::{Request, Response, Status};
 
-use super::{not_for, peer, service_account, unix_ms, Api, Peer};
+use super::*;
 use crate::agent::Service;
 use crate::status::{self, ApiError};
 
@@ -280,5 +280,104 @@ impl Admin for Api {
             Ok(Response::new(pb::ForgetCapturedResponse { forgotten }))
         })
         .await
+    }
+}
+
+/// `Status`.
+impl Api {
+    fn status_inner(&self) -> pb::StatusResponse {
+        let engine = self.agent.engine();
+        let statuses = engine.provider_status();
+        let next = self
+            .agent
+            .renewer()
+            .next_renewal_by_provider(statuses.len());
+        let providers = statuses
+            .into_iter()
+            .zip(next)
+            .map(|(s, next)| pb::ProviderStatus {
+                name: s.name,
+                runs: s.runs,
+                errors: s.errors,
+                refused_in_backoff: s.refused_in_backoff,
+                cache_entries: s.cache_entries as u64,
+                last_run_unix_ms: unix_ms(s.last_run),
+                last_success_unix_ms: unix_ms(s.last_success),
+                last_error: s.last_error.unwrap_or_default(),
+                consecutive_failures: s.consecutive_failures,
+                next_renewal_unix_ms: unix_ms(next),
+                last_dropped_unix_ms: unix_ms(s.last_dropped.as_ref().map(|d| d.0)),
+                last_dropped_reason: s.last_dropped.map(|d| d.1).unwrap_or_default(),
+                answers_refused_since_unix_ms: unix_ms(s.answers_refused_since),
+            })
+            .collect();
+        let sources = self.agent.sources();
+        pb::StatusResponse {
+            config_identity: engine.config_identity().unwrap_or_default().to_owned(),
+            // As the agent reads it, whatever the operator typed.
+            config_path: sources
+                .provider_config
+                .as_ref()
+                .map(|p| std::path::absolute(p).unwrap_or_else(|_| p.clone()))
+                .map(|p| p.display().to_string())
+                .unwrap_or_default(),
+            providers,
+            docker_configs: sources
+                .docker_configs
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect(),
+            tracked_refs: u32::try_from(self.agent.renewer().len()).unwrap_or(u32::MAX),
+            started_unix_ms: unix_ms(Some(self.agent.started())),
+            loaded_unix_ms: unix_ms(Some(self.agent.loaded())),
+            saved_cache: Some({
+                let r = self.agent.saver().report();
+                pb::SavedCacheStatus {
+                    enabled: r.enabled,
+                    restored: r.restored,
+                    dropped: r
+                        .dropped
+                        .iter()
+                        .map(|(why, n)| (why.as_str().to_owned(), *n))
+                        .collect(),
+                    consumers_restored: r.consumers_restored,
+                    saved_entries: r.saved_entries,
+                    last_saved_unix_ms: unix_ms(r.last_saved),
+                }
+            }),
+            cri_proxy: self.agent.proxy_state(),
+            node_images: self
+                .agent
+                .node_images()
+                .list()
+                .into_iter()
+                .map(node_image)
+                .collect(),
+        }
+    }
+}
+
+/// What the keeper knows of a node image, as `Status` tells it.
+fn node_image(s: crate::node_images::Seen) -> pb::NodeImageStatus {
+    let pull = s.last_pull.as_ref();
+    pb::NodeImageStatus {
+        image: s.image.image,
+        why: s.image.why.as_str().to_owned(),
+        named_by: s.image.named_by,
+        state: match s.present {
+            Some(true) => "PRESENT",
+            Some(false) => "ABSENT",
+            None => "UNKNOWN",
+        }
+        .to_owned(),
+        checked_unix_ms: unix_ms(s.checked),
+        pulled_unix_ms: unix_ms(pull.map(|p| p.at)),
+        pull_auth: pull.map(|p| p.auth.to_string()).unwrap_or_default(),
+        pull_result: pull
+            .map(|p| p.result.as_str().to_owned())
+            .unwrap_or_default(),
+        pull_message: pull.map(|p| p.message.clone()).unwrap_or_default(),
+        failures: s.failures,
+        retry_unix_ms: unix_ms(s.retry_at),
     }
 }
