@@ -42,21 +42,6 @@ pub enum ProviderError {
 }
 
 impl ProviderError {
-    /// Every value [`ProviderError::reason`] returns.
-    pub const REASONS: &'static [&'static str] = &[
-        "spawn",
-        "timeout",
-        "nonzero_exit",
-        "output_too_large",
-        "io",
-        "malformed_response",
-        "token_echoed",
-        "backoff",
-        "missing_annotation",
-        "abandoned",
-        "rate_limited",
-    ];
-
     /// The provider (plugin) that failed.
     pub fn plugin(&self) -> &str {
         match self {
@@ -113,6 +98,21 @@ pub enum FailureReason {
 }
 
 impl FailureReason {
+    /// Every reason.
+    pub const ALL: [FailureReason; 11] = [
+        FailureReason::Spawn,
+        FailureReason::Timeout,
+        FailureReason::NonZeroExit,
+        FailureReason::OutputTooLarge,
+        FailureReason::Io,
+        FailureReason::MalformedResponse,
+        FailureReason::TokenEchoed,
+        FailureReason::Backoff,
+        FailureReason::MissingAnnotation,
+        FailureReason::Abandoned,
+        FailureReason::RateLimited,
+    ];
+
     /// The stable word (`credgate_plugin_errors_total{reason}`, logs).
     pub fn as_str(self) -> &'static str {
         match self {

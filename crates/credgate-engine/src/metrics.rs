@@ -4,11 +4,14 @@
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
 use prometheus_client::metrics::counter::{Atomic, Counter};
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
+
+use crate::FailureReason;
 
 const STRIPES: usize = 16;
 
@@ -56,18 +59,35 @@ impl Atomic<u64> for Striped {
 /// A hot-path counter.
 pub type FastCounter = Counter<u64, Striped>;
 
-type Labels = Vec<(&'static str, String)>;
+/// The label of every per-provider family.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ProviderLabel {
+    provider: String,
+}
+
+/// `credgate_plugin_errors_total`'s labels.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct FailureLabels {
+    provider: String,
+    reason: FailureReason,
+}
+
+impl EncodeLabelValue for FailureReason {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
+        EncodeLabelValue::encode(&self.as_str(), encoder)
+    }
+}
 
 /// Every metric family of the engine; providers hold handles into it.
 #[derive(Clone)]
 pub struct EngineMetrics {
-    runs: Family<Labels, Counter>,
-    delayed: Family<Labels, Counter>,
-    run_seconds: Family<Labels, Histogram, fn() -> Histogram>,
-    errors: Family<Labels, Counter>,
-    hits: Family<Labels, FastCounter>,
-    misses: Family<Labels, Counter>,
-    entries: Family<Labels, Gauge>,
+    runs: Family<ProviderLabel, Counter>,
+    delayed: Family<ProviderLabel, Counter>,
+    run_seconds: Family<ProviderLabel, Histogram, fn() -> Histogram>,
+    errors: Family<FailureLabels, Counter>,
+    hits: Family<ProviderLabel, FastCounter>,
+    misses: Family<ProviderLabel, Counter>,
+    entries: Family<ProviderLabel, Gauge>,
 }
 
 fn run_histogram() -> Histogram {
@@ -150,7 +170,9 @@ impl EngineMetrics {
 
     /// The handles of one provider.
     pub fn provider(&self, name: &str) -> ProviderMetrics {
-        let l: Labels = vec![("provider", name.to_owned())];
+        let l = ProviderLabel {
+            provider: name.to_owned(),
+        };
         ProviderMetrics {
             name: name.to_owned(),
             runs: self.runs.get_or_create(&l).clone(),
@@ -175,42 +197,36 @@ pub struct ProviderMetrics {
     pub hits: FastCounter,
     pub misses: Counter,
     pub entries: Gauge,
-    errors: Family<Labels, Counter>,
+    errors: Family<FailureLabels, Counter>,
 }
 
 impl ProviderMetrics {
+    fn failure(&self, reason: FailureReason) -> FailureLabels {
+        FailureLabels {
+            provider: self.name.clone(),
+            reason,
+        }
+    }
+
     /// Counts a failure under its reason.
-    pub fn error(&self, reason: crate::FailureReason) {
-        let l: Labels = vec![
-            ("provider", self.name.clone()),
-            ("reason", reason.as_str().to_owned()),
-        ];
-        self.errors.get_or_create(&l).inc();
+    pub fn error(&self, reason: FailureReason) {
+        self.errors.get_or_create(&self.failure(reason)).inc();
     }
 
     /// Failures under one reason so far.
-    pub fn reason_count(&self, reason: &str) -> u64 {
-        let l: Labels = vec![
-            ("provider", self.name.clone()),
-            ("reason", reason.to_owned()),
-        ];
-        self.errors.get(&l).map_or(0, |c| c.get())
+    pub fn reason_count(&self, reason: FailureReason) -> u64 {
+        self.errors
+            .get(&self.failure(reason))
+            .map_or(0, |c| c.get())
     }
 
     /// Failures so far, all reasons but refusals during backoff (no plugin ran for those).
     pub fn error_count(&self) -> u64 {
-        let mut total = 0;
-        for reason in crate::error::ProviderError::REASONS
-            .iter()
-            .filter(|r| **r != "backoff")
-        {
-            let l: Labels = vec![
-                ("provider", self.name.clone()),
-                ("reason", (*reason).to_owned()),
-            ];
-            total += self.errors.get(&l).map_or(0, |c| c.get());
-        }
-        total
+        FailureReason::ALL
+            .into_iter()
+            .filter(|r| *r != FailureReason::Backoff)
+            .map(|r| self.reason_count(r))
+            .sum()
     }
 }
 

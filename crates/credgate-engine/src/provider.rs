@@ -805,7 +805,7 @@ impl Provider {
             name: self.spec.name.clone(),
             runs: self.metrics.runs.get(),
             errors: self.metrics.error_count(),
-            refused_in_backoff: self.metrics.reason_count("backoff"),
+            refused_in_backoff: self.metrics.reason_count(crate::FailureReason::Backoff),
             cache_hits: self.metrics.hits.get(),
             cache_misses: self.metrics.misses.get(),
             cache_entries: self.cache.load().live(self.clock.now()),
