@@ -101,24 +101,22 @@ impl CallerAllowlist {
     }
 
     /// Parses `SERVICE=UID[,UID...]`, as `--allow-uids` takes it.
-    pub fn parse_entry(s: &str) -> Result<(Service, Vec<u32>), String> {
+    pub fn parse_entry(s: &str) -> Result<(Service, Vec<u32>), AllowUidsError> {
         let (service, uids) = s
             .split_once('=')
-            .ok_or_else(|| format!("{s:?}: expected SERVICE=UID[,UID...]"))?;
+            .ok_or_else(|| AllowUidsError::Form(s.to_owned()))?;
         let service = Service::NAMED
             .into_iter()
             .find(|x| x.as_str() == service)
-            .ok_or_else(|| {
-                format!("{service:?}: not a service (credentials, admin, image-access, service-account-identity, registry-mirror)")
-            })?;
+            .ok_or_else(|| AllowUidsError::Service(service.to_owned()))?;
         let uids = uids
             .split(',')
             .map(|u| {
                 u.trim()
                     .parse::<u32>()
-                    .map_err(|_| format!("{u:?}: not a numeric uid"))
+                    .map_err(|_| AllowUidsError::Uid(u.to_owned()))
             })
-            .collect::<Result<Vec<u32>, String>>()?;
+            .collect::<Result<Vec<u32>, _>>()?;
         Ok((service, uids))
     }
 
@@ -676,4 +674,14 @@ impl Agent {
     pub fn spawn_renewal(&self) -> JoinHandle<()> {
         self.tasks().spawn(self.inner.renewer.clone().run())
     }
+}
+/// Why an `--allow-uids` value does not parse.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AllowUidsError {
+    #[error("{0:?}: expected SERVICE=UID[,UID...]")]
+    Form(String),
+    #[error("{0:?}: not a service (credentials, admin, image-access, service-account-identity, registry-mirror)")]
+    Service(String),
+    #[error("{0:?}: not a numeric uid")]
+    Uid(String),
 }

@@ -31,7 +31,9 @@ pub mod state;
 pub mod status;
 pub mod tasks;
 
-pub use agent::{Agent, AgentOptions, CallerAllowlist, ReloadError, Reloaded, Service};
+pub use agent::{
+    Agent, AgentOptions, AllowUidsError, CallerAllowlist, ReloadError, Reloaded, Service,
+};
 pub use credgate_engine::sources::{SourceError, Sources};
 
 use credgate_core::text::error_chain;

@@ -142,27 +142,28 @@ pub fn describe(s: &Seen) -> String {
 
 /// The node images a configuration names: the sandbox image first, then the kept ones, each
 /// once; an image that does not parse, or more than [`MAX_NODE_IMAGES`], is an error.
-pub fn named(sandbox: Option<(String, String)>, kept: &[String]) -> Result<Vec<NodeImage>, String> {
+pub fn named(
+    sandbox: Option<(String, String)>,
+    kept: &[String],
+) -> Result<Vec<NodeImage>, NodeImageError> {
     let mut out: Vec<NodeImage> = Vec::new();
     let sandbox = sandbox.map(|(image, named_by)| (image, Why::Sandbox, named_by));
     let kept = kept
         .iter()
         .map(|i| (i.clone(), Why::Kept, "--cri-proxy-keep-image".to_owned()));
     for (image, why, named_by) in sandbox.into_iter().chain(kept) {
-        if let Err(e) = credgate_core::reference::ImageRef::parse(&image) {
-            return Err(format!(
-                "{}: {} is not an image reference: {e}",
+        if let Err(source) = credgate_core::reference::ImageRef::parse(&image) {
+            return Err(NodeImageError::Reference {
                 named_by,
-                credgate_core::text::Quoted(&image)
-            ));
+                image,
+                source,
+            });
         }
         if out.iter().any(|o| o.image == image) {
             continue;
         }
         if out.len() == MAX_NODE_IMAGES {
-            return Err(format!(
-                "more than {MAX_NODE_IMAGES} images to keep on the node"
-            ));
+            return Err(NodeImageError::TooMany);
         }
         out.push(NodeImage {
             image,
@@ -171,6 +172,20 @@ pub fn named(sandbox: Option<(String, String)>, kept: &[String]) -> Result<Vec<N
         });
     }
     Ok(out)
+}
+
+/// Why the node images a configuration names are refused ([`named`]).
+#[derive(Debug, thiserror::Error)]
+pub enum NodeImageError {
+    #[error("{named_by}: {} is not an image reference", credgate_core::text::Quoted(.image))]
+    Reference {
+        named_by: String,
+        image: String,
+        #[source]
+        source: credgate_core::reference::ReferenceError,
+    },
+    #[error("more than {MAX_NODE_IMAGES} images to keep on the node")]
+    TooMany,
 }
 
 #[cfg(test)]
@@ -198,7 +213,9 @@ mod tests {
         assert_eq!(got.len(), 2);
         assert_eq!(got[0].why, Why::Sandbox);
         assert_eq!(got[1].why, Why::Kept);
-        let e = named(None, &["UPPER/Case:1".to_owned()]).unwrap_err();
+        let e = named(None, &["UPPER/Case:1".to_owned()])
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("--cri-proxy-keep-image") && e.contains("not an image"),
             "{e}"
@@ -206,6 +223,9 @@ mod tests {
         let many: Vec<String> = (0..=MAX_NODE_IMAGES)
             .map(|i| format!("r.io/a{i}:v1"))
             .collect();
-        assert!(named(None, &many).unwrap_err().contains("more than 32"));
+        assert!(named(None, &many)
+            .unwrap_err()
+            .to_string()
+            .contains("more than 32"));
     }
 }

@@ -199,7 +199,8 @@ impl ImageView {
         .await
         .map_err(why)?;
         let mut found = HashSet::new();
-        each_image(&list, |image| named(&image, candidates, &mut found)).map_err(why)?;
+        each_image(&list, |image| named(&image, candidates, &mut found))
+            .map_err(|e| why(e.to_string()))?;
         Ok(found)
     }
 
@@ -256,24 +257,24 @@ fn named(image: &wire::Image, candidates: &HashSet<String>, found: &mut HashSet<
 /// Calls `f` with each `Image` of a `ListImagesResponse` or `StreamImagesResponse` (both
 /// `repeated Image images = 1`), decoded one at a time from the message's bytes: a list of a
 /// million images is never held decoded. Other fields are skipped as protobuf skips them.
-fn each_image(mut buf: &[u8], mut f: impl FnMut(wire::Image)) -> Result<(), String> {
+fn each_image(mut buf: &[u8], mut f: impl FnMut(wire::Image)) -> Result<(), ListError> {
     use prost::Message as _;
-    fn varint(buf: &mut &[u8]) -> Result<u64, String> {
+    fn varint(buf: &mut &[u8]) -> Result<u64, ListError> {
         let mut value = 0u64;
         for shift in (0..64).step_by(7) {
-            let (&byte, rest) = buf.split_first().ok_or("a truncated image list")?;
+            let (&byte, rest) = buf.split_first().ok_or(ListError::Truncated)?;
             *buf = rest;
             value |= u64::from(byte & 0x7f) << shift;
             if byte & 0x80 == 0 {
                 return Ok(value);
             }
         }
-        Err("an image list with a malformed varint".into())
+        Err(ListError::Varint)
     }
-    fn take<'a>(buf: &mut &'a [u8], len: u64) -> Result<&'a [u8], String> {
-        let len = usize::try_from(len).map_err(|_| "a field too long")?;
+    fn take<'a>(buf: &mut &'a [u8], len: u64) -> Result<&'a [u8], ListError> {
+        let len = usize::try_from(len).map_err(|_| ListError::TooLong)?;
         if len > buf.len() {
-            return Err("a truncated image list".into());
+            return Err(ListError::Truncated);
         }
         let (field, rest) = buf.split_at(len);
         *buf = rest;
@@ -285,7 +286,7 @@ fn each_image(mut buf: &[u8], mut f: impl FnMut(wire::Image)) -> Result<(), Stri
             (1, 2) => {
                 let len = varint(&mut buf)?;
                 let bytes = take(&mut buf, len)?;
-                f(wire::Image::decode(bytes).map_err(|_| "an image that does not decode")?);
+                f(wire::Image::decode(bytes).map_err(|_| ListError::Image)?);
             }
             (_, 0) => {
                 varint(&mut buf)?;
@@ -300,10 +301,25 @@ fn each_image(mut buf: &[u8], mut f: impl FnMut(wire::Image)) -> Result<(), Stri
             (_, 5) => {
                 take(&mut buf, 4)?;
             }
-            _ => return Err("an image list with an unknown wire type".into()),
+            _ => return Err(ListError::WireType),
         }
     }
     Ok(())
+}
+
+/// Why the runtime's image list does not decode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub(super) enum ListError {
+    #[error("a truncated image list")]
+    Truncated,
+    #[error("an image list with a malformed varint")]
+    Varint,
+    #[error("a field too long")]
+    TooLong,
+    #[error("an image that does not decode")]
+    Image,
+    #[error("an image list with an unknown wire type")]
+    WireType,
 }
 
 /// Takes the whole `StreamImagesResponse` messages at the start of `buffer`, adding to `found`

@@ -241,17 +241,28 @@ pub async fn start(
     listener: std::os::unix::net::UnixListener,
     options: ProxyOptions,
     shutdown: CancellationToken,
-) -> Result<std::thread::JoinHandle<std::io::Result<()>>, String> {
+) -> Result<std::thread::JoinHandle<std::io::Result<()>>, StartError> {
     let (started, serving) = tokio::sync::oneshot::channel();
     let thread = std::thread::Builder::new()
         .name("cri-proxy".into())
         .spawn(move || run(listener, options, shutdown, started))
-        .map_err(|e| format!("cannot start its thread: {e}"))?;
+        .map_err(StartError::Thread)?;
     match serving.await {
         Ok(Ok(())) => Ok(thread),
-        Ok(Err(e)) => Err(e),
-        Err(_) => Err("its thread ended before it served".into()),
+        Ok(Err(e)) => Err(StartError::Runtime(e)),
+        Err(_) => Err(StartError::Ended),
     }
+}
+
+/// Why the proxy did not start serving ([`start`]).
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("cannot start its thread")]
+    Thread(#[source] std::io::Error),
+    #[error("cannot start its runtime or take its socket")]
+    Runtime(#[source] std::io::Error),
+    #[error("its thread ended before it served")]
+    Ended,
 }
 
 /// The proxy's thread: its runtime, then [`serve`] until `shutdown`; says on `started` whether
@@ -260,7 +271,7 @@ fn run(
     listener: std::os::unix::net::UnixListener,
     options: ProxyOptions,
     shutdown: CancellationToken,
-    started: tokio::sync::oneshot::Sender<Result<(), String>>,
+    started: tokio::sync::oneshot::Sender<std::io::Result<()>>,
 ) -> std::io::Result<()> {
     let ready = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -275,7 +286,7 @@ fn run(
             ready
         }
         Err(e) => {
-            let _ = started.send(Err(e.to_string()));
+            let _ = started.send(Err(std::io::Error::new(e.kind(), e.to_string())));
             return Err(e);
         }
     };

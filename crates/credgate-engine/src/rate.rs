@@ -18,29 +18,42 @@ pub struct PluginRate {
 
 impl PluginRate {
     /// Parses `N/s[,burst=M]` (burst defaults to N, at least 1).
-    pub fn parse(s: &str) -> Result<PluginRate, String> {
+    pub fn parse(s: &str) -> Result<PluginRate, RateError> {
         let (rate, burst) = match s.split_once(',') {
             Some((rate, burst)) => {
                 let b = burst
                     .strip_prefix("burst=")
-                    .ok_or_else(|| format!("{burst:?}: expected burst=M"))?;
-                let b: u32 = b
-                    .parse()
-                    .map_err(|_| format!("{b:?}: not a whole number"))?;
+                    .ok_or_else(|| RateError::Burst(burst.to_owned()))?;
+                let b: u32 = b.parse().map_err(|_| RateError::NotWhole(b.to_owned()))?;
                 (rate, Some(b))
             }
             None => (s, None),
         };
         let n = rate
             .strip_suffix("/s")
-            .ok_or_else(|| format!("{rate:?}: expected N/s"))?;
-        let per_second: f64 = n.parse().map_err(|_| format!("{n:?}: not a number"))?;
+            .ok_or_else(|| RateError::PerSecond(rate.to_owned()))?;
+        let per_second: f64 = n.parse().map_err(|_| RateError::NotANumber(n.to_owned()))?;
         if !(per_second > 0.0 && per_second.is_finite()) {
-            return Err(format!("{n:?}: must be above 0"));
+            return Err(RateError::NotAbove0(n.to_owned()));
         }
         let burst = burst.unwrap_or(per_second.ceil() as u32).max(1);
         Ok(PluginRate { per_second, burst })
     }
+}
+
+/// Why a `--plugin-rate` value does not parse.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RateError {
+    #[error("{0:?}: expected burst=M")]
+    Burst(String),
+    #[error("{0:?}: not a whole number")]
+    NotWhole(String),
+    #[error("{0:?}: expected N/s")]
+    PerSecond(String),
+    #[error("{0:?}: not a number")]
+    NotANumber(String),
+    #[error("{0:?}: must be above 0")]
+    NotAbove0(String),
 }
 
 /// Who a lookup is for, as a provider's rate limit sees it.

@@ -398,7 +398,7 @@ impl Node {
         };
         let thread = credgate_cri::start(listener, options, agent.tasks().token().clone())
             .await
-            .map_err(failed)?;
+            .map_err(|e| failed(credgate_core::text::error_chain(&e)))?;
         agent.set_proxy_running(Arc::new(context));
         let stopping = agent.tasks().token().clone();
         let watched = agent.clone();

@@ -137,7 +137,7 @@ fn parse_plugin_rate(s: &str) -> Result<(String, credgate_engine::rate::PluginRa
         .ok_or_else(|| "expected PROVIDER=N/s[,burst=M]".to_owned())?;
     Ok((
         name.to_owned(),
-        credgate_engine::rate::PluginRate::parse(rate)?,
+        credgate_engine::rate::PluginRate::parse(rate).map_err(|e| e.to_string())?,
     ))
 }
 
@@ -734,7 +734,7 @@ pub struct MatchArgs {
 }
 
 fn parse_allow_uids(s: &str) -> Result<(credgate_agent::Service, Vec<u32>), String> {
-    credgate_agent::CallerAllowlist::parse_entry(s)
+    credgate_agent::CallerAllowlist::parse_entry(s).map_err(|e| e.to_string())
 }
 
 /// `[NAME=]DURATION`: a duration for one provider, or for all.

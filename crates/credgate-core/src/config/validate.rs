@@ -264,30 +264,42 @@ fn annotation_keys(report: &mut Report<'_>, field: &str, keys: &[String]) {
 
 /// Kubernetes' qualified name: an optional DNS-1123 subdomain prefix and `/`, then a name of at
 /// most 63 characters, alphanumeric at both ends, with `-`, `_` and `.` inside.
-pub fn is_qualified_name(value: &str) -> Result<(), String> {
+pub fn is_qualified_name(value: &str) -> Result<(), NameError> {
     let (prefix, name) = match value.split('/').collect::<Vec<_>>()[..] {
         [name] => (None, name),
         [prefix, name] => (Some(prefix), name),
-        _ => return Err("a qualified name has at most one '/'".into()),
+        _ => return Err(NameError::Slashes),
     };
     if let Some(prefix) = prefix {
         if prefix.is_empty() || prefix.len() > 253 || !prefix.split('.').all(dns_label) {
-            return Err("prefix part must be a lowercase RFC 1123 subdomain".into());
+            return Err(NameError::Prefix);
         }
     }
     let b = name.as_bytes();
     if b.is_empty() || b.len() > 63 {
-        return Err("name part must be non-empty and at most 63 characters".into());
+        return Err(NameError::Length);
     }
     let inner_ok = b
         .iter()
         .all(|c| c.is_ascii_alphanumeric() || b"-_.".contains(c));
     if !inner_ok || !b[0].is_ascii_alphanumeric() || !b[b.len() - 1].is_ascii_alphanumeric() {
-        return Err(
-            "name part must consist of alphanumeric characters, '-', '_' or '.', and must start and end with an alphanumeric character".into(),
-        );
+        return Err(NameError::Characters);
     }
     Ok(())
+}
+
+/// Why a value is not a Kubernetes qualified name ([`is_qualified_name`]); the words are
+/// Kubernetes' own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum NameError {
+    #[error("a qualified name has at most one '/'")]
+    Slashes,
+    #[error("prefix part must be a lowercase RFC 1123 subdomain")]
+    Prefix,
+    #[error("name part must be non-empty and at most 63 characters")]
+    Length,
+    #[error("name part must consist of alphanumeric characters, '-', '_' or '.', and must start and end with an alphanumeric character")]
+    Characters,
 }
 
 fn dns_label(l: &str) -> bool {

@@ -177,8 +177,12 @@ fn node_images(args: &ServeArgs) -> Result<Vec<credgate_agent::node_images::Node
         }
         (None, None) => None,
     };
-    credgate_agent::node_images::named(sandbox, &args.cri_proxy_keep_image)
-        .map_err(|e| crate::usage(format!("invalid node image: {e}")))
+    credgate_agent::node_images::named(sandbox, &args.cri_proxy_keep_image).map_err(|e| {
+        crate::usage(format!(
+            "invalid node image: {}",
+            credgate_core::text::error_chain(&e)
+        ))
+    })
 }
 
 /// The image access guard the flags describe.
