@@ -276,15 +276,24 @@ async fn a_backend_that_lags_the_registry_is_followed_within_seconds() {
     }
 }
 
-/// Debian's containerd and Debian's registry behind a token server (Docker Hub's shape: the
-/// token realm takes a valid credential for any scope, and the registry answers 401 for a
-/// repository the token does not grant). The provider's credential pulling a repository it may
-/// not read, or a typo'd one, drops nothing (grpc-go, dialing as the kubelet does, gets through
-/// the proxy containerd's own answer). (That the registry's "accepted" is remembered 10 s, and
-/// asked again after, is `confirm::tests::answers_are_remembered_for_their_time_and_asked_again_after`.)
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs root"]
-async fn docker_hubs_answer_for_a_repository_is_not_a_refused_credential() {
+/// Debian's registry behind the test token server (admin reads everything, alice `team-a/app`)
+/// holding `repos`, containerd trusting it, the rotating provider answering alice's password,
+/// and the agent with its proxy in front of containerd; dropped in that order (the agent first,
+/// the directory last).
+struct TokenNode {
+    agent: crate::support::Agent,
+    proxy: std::path::PathBuf,
+    backend: Backend,
+    containerd: credgate_testbed::Containerd,
+    _registry: credgate_testbed::Registry,
+    tokens: crate::support::token::TokenServer,
+    host: String,
+    /// `HOST/team-a/app:v1`, whose credential the agent handed out (the kubelet's copy).
+    own: String,
+    _dir: tempfile::TempDir,
+}
+
+fn token_node(repos: &[&str]) -> TokenNode {
     crate::support::needs_containerd();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
@@ -297,16 +306,50 @@ async fn docker_hubs_answer_for_a_repository_is_not_a_refused_credential() {
     );
     let registry = crate::support::registry_with_tokens(d, &tokens);
     crate::support::oci_image(d);
-    crate::support::push(d, &registry, "team-a/app", "admin", "admin-pw");
-    crate::support::push(d, &registry, "team-b/app", "admin", "admin-pw");
+    for repo in repos {
+        crate::support::push(d, &registry, repo, "admin", "admin-pw");
+    }
     let containerd = credgate_testbed::Containerd::start(d, &[registry.host()]);
     let host = registry.host();
     let backend = Backend::new(d, &host, "alice-pw");
     let (agent, proxy) = backend.agent(&containerd.socket);
     let own = format!("{host}/team-a/app:v1");
+    // The kubelet's copy: what the bridge handed it.
     assert_eq!(looked_up(&agent, &own), "alice-pw");
+    TokenNode {
+        agent,
+        proxy,
+        backend,
+        containerd,
+        _registry: registry,
+        tokens,
+        host,
+        own,
+        _dir: dir,
+    }
+}
+
+/// Debian's containerd and Debian's registry behind a token server (Docker Hub's shape: the
+/// token realm takes a valid credential for any scope, and the registry answers 401 for a
+/// repository the token does not grant). The provider's credential pulling a repository it may
+/// not read, or a typo'd one, drops nothing (grpc-go, dialing as the kubelet does, gets through
+/// the proxy containerd's own answer). (That the registry's "accepted" is remembered 10 s, and
+/// asked again after, is `confirm::tests::answers_are_remembered_for_their_time_and_asked_again_after`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn docker_hubs_answer_for_a_repository_is_not_a_refused_credential() {
+    let node = token_node(&["team-a/app", "team-b/app"]);
+    let TokenNode {
+        agent,
+        proxy,
+        backend,
+        containerd,
+        host,
+        own,
+        ..
+    } = &node;
     let with = |image: &str, password: &str| pull_request(image, Some((USER, password)), "ns");
-    pull(&proxy, with(&own, "alice-pw"))
+    pull(proxy, with(own, "alice-pw"))
         .await
         .expect("the provider's credential pulls its own repository");
     // As the kubelet dials: grpc-go gets through the proxy the answer containerd gives.
@@ -323,14 +366,14 @@ async fn docker_hubs_answer_for_a_repository_is_not_a_refused_credential() {
             0,
         )
     };
-    let (direct, proxied) = (call(&containerd.socket), call(&proxy));
+    let (direct, proxied) = (call(&containerd.socket), call(proxy));
     assert_ne!(direct.code, 0, "{direct:?}");
     assert_eq!(
         (direct.code, &direct.message),
         (proxied.code, &proxied.message)
     );
     for other in [not_hers, format!("{host}/team-a/aap:v1")] {
-        let refused = pull(&proxy, with(&other, "alice-pw")).await.unwrap_err();
+        let refused = pull(proxy, with(&other, "alice-pw")).await.unwrap_err();
         let pulls = text(&agent.credgate(&["ctl", "pulls"]).stdout);
         assert!(
             pulls.contains("the credential itself is accepted"),
@@ -339,11 +382,12 @@ async fn docker_hubs_answer_for_a_repository_is_not_a_refused_credential() {
         );
     }
     assert_eq!(backend.runs(), 1, "nothing was dropped");
-    assert_eq!(refused_count(&agent), 0);
-    pull(&proxy, with(&own, "alice-pw"))
+    assert_eq!(refused_count(agent), 0);
+    pull(proxy, with(own, "alice-pw"))
         .await
         .expect("the provider's credential pulls its own repository");
 }
+
 /// The same registry behind its token server: the provider's credential, rotated at the token
 /// server and in the backend, fails the pull with the kubelet's copy once inside the proxy, which
 /// sends it again with the provider's answer of now: the caller sees it succeed, and so does the
@@ -351,45 +395,38 @@ async fn docker_hubs_answer_for_a_repository_is_not_a_refused_credential() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs root"]
 async fn a_credential_rotated_at_a_token_server_is_replaced_in_the_pull() {
-    crate::support::needs_containerd();
-    let dir = tempfile::tempdir().unwrap();
-    let d = dir.path();
-    let tokens = crate::support::token::TokenServer::start(
-        d,
-        &[
-            ("admin", "admin-pw", &["*"]),
-            (USER, "alice-pw", &["team-a/app"]),
-        ],
-    );
-    let registry = crate::support::registry_with_tokens(d, &tokens);
-    crate::support::oci_image(d);
-    crate::support::push(d, &registry, "team-a/app", "admin", "admin-pw");
-    let containerd = credgate_testbed::Containerd::start(d, &[registry.host()]);
-    let host = registry.host();
-    let backend = Backend::new(d, &host, "alice-pw");
-    let (agent, proxy) = backend.agent(&containerd.socket);
-    let own = format!("{host}/team-a/app:v1");
-    // The kubelet's copy: what the bridge handed it.
-    assert_eq!(looked_up(&agent, &own), "alice-pw");
+    let node = token_node(&["team-a/app"]);
+    let TokenNode {
+        agent,
+        proxy,
+        backend,
+        tokens,
+        own,
+        ..
+    } = &node;
     let with = |image: &str, password: &str| pull_request(image, Some((USER, password)), "ns");
-    pull(&proxy, with(&own, "alice-pw"))
+    pull(proxy, with(own, "alice-pw"))
         .await
         .expect("the provider's credential pulls its own repository");
     tokens.set_password(USER, "alice-new");
     backend.answer("alice-new");
     // The token server refuses the old password; the proxy sends the same pull again with
     // the provider's answer of now: the caller sees it succeed, and so does the next pull.
-    pull(&proxy, with(&own, "alice-pw"))
+    pull(proxy, with(own, "alice-pw"))
         .await
         .expect("the pull goes again with the provider's answer of now");
-    assert_eq!(refused_count(&agent), 1);
+    assert_eq!(refused_count(agent), 1);
     let pulls = text(&agent.credgate(&["ctl", "pulls"]).stdout);
-    let own_pulls: Vec<&str> = pulls.lines().filter(|l| l.contains(&own)).take(2).collect();
+    let own_pulls: Vec<&str> = pulls
+        .lines()
+        .filter(|l| l.contains(own.as_str()))
+        .take(2)
+        .collect();
     assert!(
         own_pulls[0].contains("pulled") && own_pulls[1].contains("unauthorized"),
         "the refused attempt and its retry are both in the pull log: {pulls}"
     );
-    pull(&proxy, with(&own, "alice-pw"))
+    pull(proxy, with(own, "alice-pw"))
         .await
         .expect("the next pull goes with the provider's answer of now");
     assert_eq!(backend.runs(), 2);
