@@ -35,11 +35,6 @@ pub fn login(user: &str, password: &str) {
     secret(&basic);
 }
 
-/// How many secrets the test has handed out so far.
-pub fn count() -> usize {
-    SECRETS.lock().len()
-}
-
 /// Words the tests' secrets carry by convention (`good-Pa55word`, `forged-token-not-for-logs`)
 /// and nothing else does: found in a log even when the secret reached the agent some other way
 /// than a fixture (a plugin's script, a CLI flag).
