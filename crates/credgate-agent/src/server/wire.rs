@@ -104,7 +104,7 @@ mod tests {
             let wire = pb::AccessReason::try_from(access_reason(r)).unwrap();
             assert_eq!(wire.word(), r.as_str());
         }
-        for r in [FailureReason::NonZeroExit, FailureReason::RateLimited] {
+        for r in FailureReason::ALL {
             let wire = pb::FailureReason::try_from(failure_reason(r)).unwrap();
             assert_eq!(wire.word(), r.as_str());
         }
