@@ -18,6 +18,9 @@ use crate::metrics::AgentMetrics;
 use crate::renewal::Renewer;
 use credgate_engine::sources::{SourceError, Sources};
 
+/// Registers a part's metric families in the agent's registry.
+pub type Register = Arc<dyn Fn(&mut Registry) + Send + Sync>;
+
 /// How to run an agent.
 #[derive(Clone, Default)]
 pub struct AgentOptions {
@@ -42,6 +45,9 @@ pub struct AgentOptions {
     /// the node passes through the agent, and pods that need nothing from it must still start
     /// (issue 50, decision 0028).
     pub serve_without_refused_sources: bool,
+    /// Families of the parts composed beside the agent (the CRI proxy's), registered after
+    /// the agent's own in the one registry `/metrics` serves.
+    pub also_register: Option<Register>,
 }
 
 /// How long a Watch event may wait for room before its client is dropped.
@@ -182,10 +188,6 @@ struct Inner {
     reload: Mutex<Option<[u8; 32]>>,
     /// The sealed provider cache's writer.
     saver: crate::saver::Saver,
-    /// The CRI proxy's recent pulls.
-    pulls: Arc<crate::pull_log::PullLog>,
-    /// The images the CRI proxy keeps present on the node's behalf.
-    node_images: Arc<crate::node_images::NodeImages>,
     /// Credentials registries refused: found, confirmed and acted on.
     refusal: Arc<crate::refusal::Refuser>,
     /// The CRI proxy's state: off until it serves; why it ended, when it ended early.
@@ -194,14 +196,12 @@ struct Inner {
     unprivileged_flush: Mutex<Option<std::time::Instant>>,
 }
 
-/// The CRI proxy's state.
-enum ProxyState {
-    /// Not configured, or not started yet.
-    Off,
-    /// It serves, and explains what it would do with a pull.
-    Serving(Arc<dyn crate::explain::ExplainProxy>),
-    /// It stopped while the agent serves, and why.
-    Ended(String),
+/// The CRI proxy's state: off until it serves; its view stays when it ends early.
+#[derive(Default)]
+struct ProxyState {
+    view: Option<Arc<dyn crate::explain::ProxyView>>,
+    /// Why it stopped while the agent serves.
+    ended: Option<String>,
 }
 
 /// Flushes by uids other than root's and the agent's own: one per this, all together (a flush
@@ -244,6 +244,9 @@ impl Agent {
         let mut registry = Registry::default();
         engine_metrics.register(&mut registry);
         metrics.register(&mut registry);
+        if let Some(register) = &options.also_register {
+            register(&mut registry);
+        }
         let tasks = crate::tasks::Tasks::new();
         let renewer = Renewer::new(
             engine.clone(),
@@ -298,10 +301,8 @@ impl Agent {
         Ok(Agent {
             inner: Arc::new(Inner {
                 saver,
-                pulls: Arc::default(),
-                node_images: Arc::default(),
                 refusal,
-                proxy: Mutex::new(ProxyState::Off),
+                proxy: Mutex::default(),
                 unprivileged_flush: Mutex::new(None),
                 sources: options.sources,
                 engine,
@@ -322,39 +323,40 @@ impl Agent {
         })
     }
 
-    /// The CRI proxy's pull decision log.
-    pub fn pulls(&self) -> &Arc<crate::pull_log::PullLog> {
-        &self.inner.pulls
-    }
-
-    /// The images the CRI proxy keeps present on the node's behalf (none without it).
-    pub fn node_images(&self) -> &Arc<crate::node_images::NodeImages> {
-        &self.inner.node_images
-    }
-
-    /// The CRI proxy serves from now on; `explain` asks it what it would do with a pull.
-    pub fn set_proxy_running(&self, proxy: Arc<dyn crate::explain::ExplainProxy>) {
-        *self.inner.proxy.lock() = ProxyState::Serving(proxy);
+    /// The CRI proxy serves from now on; the `Admin` service asks `view` what it would do
+    /// with a pull, its recent pulls and the node's images.
+    pub fn set_proxy_running(&self, view: Arc<dyn crate::explain::ProxyView>) {
+        *self.inner.proxy.lock() = ProxyState {
+            view: Some(view),
+            ended: None,
+        };
     }
 
     /// The CRI proxy ended while the agent serves (`why`): `Status` says so from now on.
     pub fn set_proxy_ended(&self, why: String) {
-        *self.inner.proxy.lock() = ProxyState::Ended(why);
+        self.inner.proxy.lock().ended = Some(why);
     }
 
     /// The CRI proxy's state for `Status`: `serving`, `off` (not configured), or
-    /// `ended: WHY` (it stopped while the agent serves).
+    /// `ended: WHY`.
     pub fn proxy_state(&self) -> String {
-        match &*self.inner.proxy.lock() {
-            ProxyState::Off => "off".to_owned(),
-            ProxyState::Serving(_) => "serving".to_owned(),
-            ProxyState::Ended(why) => format!("ended: {why}"),
+        let state = self.inner.proxy.lock();
+        match (&state.ended, &state.view) {
+            (Some(why), _) => format!("ended: {why}"),
+            (None, Some(_)) => "serving".to_owned(),
+            (None, None) => "off".to_owned(),
         }
+    }
+
+    /// What the CRI proxy tells the `Admin` service, once it served.
+    pub fn proxy_view(&self) -> Option<Arc<dyn crate::explain::ProxyView>> {
+        self.inner.proxy.lock().view.clone()
     }
 
     /// Whether the CRI proxy runs on this agent.
     pub fn proxy_running(&self) -> bool {
-        matches!(*self.inner.proxy.lock(), ProxyState::Serving(_))
+        let state = self.inner.proxy.lock();
+        state.view.is_some() && state.ended.is_none()
     }
 
     /// Credentials registries refused: the service that finds, confirms and acts on them.
@@ -443,7 +445,7 @@ impl Agent {
         if let Some(guard) = self.guard() {
             self.explain_guard(guard, image, &mut answer);
         }
-        if let ProxyState::Serving(proxy) = &*self.inner.proxy.lock() {
+        if let Some(proxy) = self.proxy_running().then(|| self.proxy_view()).flatten() {
             proxy.explain(&explained.image, &mut answer);
         }
         if let Some(c) = self

@@ -6,11 +6,17 @@ use std::time::SystemTime;
 use credgate_api::v1 as pb;
 use credgate_engine::explain::Explanation;
 
-/// What the CRI proxy adds to an explanation when it serves (what it would do with a pull of
-/// the image): the proxy gives it to the agent ([`crate::Agent::set_proxy_running`]).
-pub trait ExplainProxy: Send + Sync {
+/// What the CRI proxy tells the `Admin` service while it runs, in the API's words: what it
+/// would do with a pull (`Explain`), its recent pulls (`ListPulls`) and the images it keeps
+/// (`Status`). The composition root gives it to the agent ([`crate::Agent::set_proxy_running`]);
+/// the proxy's crate never names this trait, nor the agent its types.
+pub trait ProxyView: Send + Sync {
     /// Fills the answer's `cri_*` fields for `image` (a normalized name).
     fn explain(&self, image: &str, answer: &mut pb::ExplainResponse);
+    /// The recent pulls, newest first; of one repository (a normalized name) when given.
+    fn pulls(&self, repository: Option<&str>) -> Vec<pb::Pull>;
+    /// What the proxy knows of each image the node keeps.
+    fn node_images(&self) -> Vec<pb::NodeImageStatus>;
 }
 
 fn ms(t: Option<SystemTime>) -> i64 {

@@ -10,18 +10,12 @@
 mod agent;
 pub mod captured;
 mod confirm;
-pub mod conn;
 pub mod explain;
 pub mod guard;
-pub mod listener;
 pub mod memory;
 pub mod metrics;
-pub mod node_images;
-pub mod outcome;
-pub mod pull_log;
 pub mod refusal;
 pub mod renewal;
-mod rewrite;
 pub mod saved_cache;
 pub mod saver;
 pub mod scrape;

@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 use sha2::Sha256;
 
 use crate::confirm::Fingerprint;
-use crate::outcome::Given;
+use crate::refusal::Given;
 use crate::state::key::NodeKey;
 use crate::state::sealed::{self, Kind, Sealed};
 

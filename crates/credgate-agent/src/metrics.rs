@@ -8,7 +8,7 @@ use std::sync::Arc;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::encoding::EncodeLabelSet;
 
-use crate::outcome::{AuthLabel, PullResult};
+use crate::refusal::SourceLabel;
 use crate::saved_cache::DropReason;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -50,7 +50,7 @@ impl Code {
     }
 }
 
-crate::outcome::label_values!(AttemptResult, Code, CaptureResult, DropReason);
+credgate_engine::label_values!(AttemptResult, Code, DropReason);
 
 /// `version` of the running agent.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
@@ -77,12 +77,6 @@ pub struct ResultLabels {
     pub result: &'static str,
 }
 
-/// `result` of a capture.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
-pub struct CaptureLabels {
-    pub result: CaptureResult,
-}
-
 /// `caller` of a lookup ([`CALLERS`]).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct CallerLabels {
@@ -92,7 +86,7 @@ pub struct CallerLabels {
 /// `source` of a refused credential.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct SourceLabels {
-    pub source: AuthLabel,
+    pub source: SourceLabel,
 }
 
 /// `outcome` of a consumer's report of a refused credential.
@@ -113,19 +107,6 @@ pub struct DropLabels {
     pub reason: DropReason,
 }
 
-/// The `listener` a connection came to (`api`, `metrics`, `cri-proxy`).
-#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
-pub struct ListenerLabels {
-    pub listener: &'static str,
-}
-
-/// A connection the agent closed: its `listener` and `reason`.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
-pub struct ClosedLabels {
-    pub listener: &'static str,
-    pub reason: &'static str,
-}
-
 /// An API call's `method` and `code`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct RpcLabels {
@@ -138,130 +119,6 @@ pub struct RpcLabels {
 pub struct MethodLabels {
     pub method: &'static str,
 }
-
-/// The labels of `credgate_cri_pulls_total`.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
-pub struct CriPullLabels {
-    pub auth: AuthLabel,
-    pub result: PullResult,
-}
-
-/// An image-service method called through the CRI proxy (`credgate_cri_calls_total{method}`):
-/// each of `runtime.v1` and `v1alpha2` by its name, anything else as `other`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum CriMethod {
-    ListImages,
-    StreamImages,
-    ImageStatus,
-    PullImage,
-    RemoveImage,
-    ImageFsInfo,
-    Other,
-}
-
-impl CriMethod {
-    /// The method of a gRPC path.
-    pub fn of(path: &str) -> CriMethod {
-        let name = match path
-            .strip_prefix("/runtime.v1.ImageService/")
-            .or_else(|| path.strip_prefix("/runtime.v1alpha2.ImageService/"))
-        {
-            Some(name) => name,
-            None => return CriMethod::Other,
-        };
-        match name {
-            "ListImages" => CriMethod::ListImages,
-            "StreamImages" => CriMethod::StreamImages,
-            "ImageStatus" => CriMethod::ImageStatus,
-            "PullImage" => CriMethod::PullImage,
-            "RemoveImage" => CriMethod::RemoveImage,
-            "ImageFsInfo" => CriMethod::ImageFsInfo,
-            _ => CriMethod::Other,
-        }
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            CriMethod::ListImages => "ListImages",
-            CriMethod::StreamImages => "StreamImages",
-            CriMethod::ImageStatus => "ImageStatus",
-            CriMethod::PullImage => "PullImage",
-            CriMethod::RemoveImage => "RemoveImage",
-            CriMethod::ImageFsInfo => "ImageFsInfo",
-            CriMethod::Other => "other",
-        }
-    }
-}
-
-crate::outcome::label_values!(CriMethod);
-
-/// The labels of `credgate_cri_calls_total`.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
-pub struct CriCallLabels {
-    pub method: CriMethod,
-}
-
-/// The labels of `credgate_cri_node_image_pulls_total`.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
-pub struct NodeImagePullLabels {
-    pub why: crate::outcome::Why,
-    pub result: PullResult,
-}
-
-/// What became of a credential offered for capture (`credgate_cri_captures_total{result}`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum CaptureResult {
-    Captured,
-    /// The same credential was kept already.
-    Unchanged,
-    /// It was sent for another registry than the image's.
-    OtherRegistry,
-    /// It is one of the agent's own sources' (never a pod's).
-    OwnSource,
-    /// The registry did not confirm it.
-    Unconfirmed,
-    Unreachable,
-    TooLarge,
-    /// The capture queue was full.
-    Busy,
-    Failed,
-}
-
-impl CaptureResult {
-    pub const ALL: [CaptureResult; 9] = [
-        CaptureResult::Captured,
-        CaptureResult::Unchanged,
-        CaptureResult::OtherRegistry,
-        CaptureResult::OwnSource,
-        CaptureResult::Unconfirmed,
-        CaptureResult::Unreachable,
-        CaptureResult::TooLarge,
-        CaptureResult::Busy,
-        CaptureResult::Failed,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            CaptureResult::Captured => "captured",
-            CaptureResult::Unchanged => "unchanged",
-            CaptureResult::OtherRegistry => "other_registry",
-            CaptureResult::OwnSource => "own_source",
-            CaptureResult::Unconfirmed => "unconfirmed",
-            CaptureResult::Unreachable => "unreachable",
-            CaptureResult::TooLarge => "too_large",
-            CaptureResult::Busy => "busy",
-            CaptureResult::Failed => "failed",
-        }
-    }
-}
-
-/// Every source a refused credential is counted under
-/// (`credgate_credentials_refused_total{source}`).
-pub const REFUSED_SOURCES: [AuthLabel; 3] = [
-    AuthLabel::Provider,
-    AuthLabel::Captured,
-    AuthLabel::DockerConfig,
-];
 
 /// Every method of the API, so that their handles exist before the first call.
 pub const METHODS: &[&str] = &[
@@ -328,15 +185,6 @@ pub struct AgentMetrics {
     /// Lookups by caller kind (kubelet, docker-helper, api).
     pub lookups: Family<CallerLabels, Counter>,
     callers: Arc<[Counter; 3]>,
-    /// Pull credentials offered for capture by the CRI proxy, by what became of them.
-    pub captures: Family<CaptureLabels, Counter>,
-    /// Captured credentials dropped to stay within the limit of repositories.
-    pub captured_dropped: Counter,
-    /// Pulls through the CRI proxy by the credentials the kubelet sent and the result.
-    pub cri_pulls: Family<CriPullLabels, Counter>,
-    /// Pulls without credentials that failed as unauthorized while a provider of the agent that
-    /// matches the image had a credential for it.
-    pub cri_pulls_missed: Counter,
     /// Credentials a registry refused, by the source that gave them (provider, captured,
     /// docker_config): what the agent dropped, forgot or reported.
     pub credentials_refused: Family<SourceLabels, Counter>,
@@ -346,22 +194,6 @@ pub struct AgentMetrics {
     pub refusal_confirmations: Family<SaidLabels, Counter>,
     /// Provider answers dropped by `ctl flush`.
     pub cache_flushed: Counter,
-    /// Pull answers released before their capture was confirmed and on disk (the registry
-    /// did not confirm within the wait); the capture went on.
-    pub cri_captures_late: Counter,
-    /// Bytes of callers' messages the CRI proxy holds now (read whole, not yet answered).
-    pub cri_held_bytes: Gauge,
-    /// Calls through the CRI proxy, by method.
-    pub cri_calls: Family<CriCallLabels, Counter>,
-    /// Pulls the CRI proxy made on the node's behalf, by why and result.
-    pub cri_node_image_pulls: Family<NodeImagePullLabels, Counter>,
-    /// Node images the runtime does not have now.
-    pub cri_node_images_absent: Gauge,
-    /// Checks of the runtime's image list that could not read it whole (and acted on nothing).
-    pub cri_image_list_incomplete: Counter,
-    /// Calls the CRI proxy could not forward: the container runtime could not be reached or
-    /// its connection failed.
-    pub cri_runtime_unreachable: Counter,
     /// 1, labelled with the agent's version: what runs where (`credgate_build_info`).
     pub build_info: Family<BuildLabels, Gauge>,
     /// Provider answers restored from the sealed cache at start.
@@ -370,11 +202,8 @@ pub struct AgentMetrics {
     pub cache_dropped_total: Family<DropLabels, Counter>,
     /// Provider answers written to the sealed cache (each save counts what it wrote).
     pub cache_persisted: Counter,
-    /// Open connections by listener (api, metrics).
-    pub connections: Family<ListenerLabels, Gauge>,
-    /// Connections closed at once or early, by listener and reason (limit, uid_limit,
-    /// not_allowed, handshake_timeout, idle_timeout).
-    pub connections_closed: Family<ClosedLabels, Counter>,
+    /// Open and closed connections, by listener.
+    pub connections: credgate_listener::ConnectionMetrics,
     methods: Arc<HashMap<&'static str, MethodHandles>>,
     decisions: Arc<HashMap<&'static str, Counter>>,
 }
@@ -453,19 +282,9 @@ impl Default for AgentMetrics {
                 CALLERS.map(|c| lookups.get_or_create(&CallerLabels { caller: c }).clone()),
             ),
             lookups,
-            captures: {
-                let f = Family::default();
-                for result in CaptureResult::ALL {
-                    let _ = f.get_or_create(&CaptureLabels { result });
-                }
-                f
-            },
-            captured_dropped: Counter::default(),
-            cri_pulls: Family::default(),
-            cri_pulls_missed: Counter::default(),
             credentials_refused: {
                 let f = Family::default();
-                for source in REFUSED_SOURCES {
+                for source in SourceLabel::ALL {
                     let _ = f.get_or_create(&SourceLabels { source });
                 }
                 f
@@ -473,12 +292,6 @@ impl Default for AgentMetrics {
             refusal_reports: Family::default(),
             refusal_confirmations: Family::default(),
             cache_flushed: Counter::default(),
-            cri_captures_late: Counter::default(),
-            cri_held_bytes: Gauge::default(),
-            cri_calls: Family::default(),
-            cri_node_image_pulls: Family::default(),
-            cri_node_images_absent: Gauge::default(),
-            cri_runtime_unreachable: Counter::default(),
             build_info: {
                 let f: Family<BuildLabels, Gauge> = Family::default();
                 f.get_or_create(&BuildLabels {
@@ -487,12 +300,10 @@ impl Default for AgentMetrics {
                 .set(1);
                 f
             },
-            cri_image_list_incomplete: Counter::default(),
             cache_restored: Counter::default(),
             cache_dropped_total: Family::default(),
             cache_persisted: Counter::default(),
-            connections: Family::default(),
-            connections_closed: Family::default(),
+            connections: Default::default(),
             methods: Arc::new(methods),
             decisions: Arc::new(decisions),
         }
@@ -504,45 +315,15 @@ impl AgentMetrics {
     pub fn register(&self, registry: &mut Registry) {
         let r = registry.sub_registry_with_prefix("credgate");
         self.register_pull_credentials(r);
-        self.register_cri(r);
+        self.register_build(r);
         self.register_cache(r);
         self.register_renewal(r);
         self.register_guard(r);
         self.register_api(r);
     }
 
-    /// The CRI proxy's pulls and captures, and refused credentials.
+    /// Refused credentials: what became of them, and what registries said.
     fn register_pull_credentials(&self, r: &mut Registry) {
-        r.register(
-            "cri_captures",
-            "Pull credentials the CRI proxy offered for capture, by result (captured, unchanged, other_registry, own_source, unconfirmed, unreachable, too_large, busy, failed)",
-            self.captures.clone(),
-        );
-        r.register(
-            "cri_pulls",
-            "Pulls through the CRI proxy by auth (none, captured, provider, docker_config, filled, unknown) and result (ok, unauthorized, not_found, error)",
-            self.cri_pulls.clone(),
-        );
-        r.register(
-            "cri_pulls_missed",
-            "Pulls through the CRI proxy without credentials that failed as unauthorized while a provider of the agent that matches the image had a credential for it (cached, or its last run succeeded) or had never run on the node: the kubelet did not ask the agent",
-            self.cri_pulls_missed.clone(),
-        );
-        r.register(
-            "cri_held_bytes",
-            "Bytes of callers' messages the CRI proxy holds now (PullImage and RemoveImage requests and answers read whole); at most 64 MiB in all, 4 MiB a connection",
-            self.cri_held_bytes.clone(),
-        );
-        r.register(
-            "cri_captures_late",
-            "PullImage answers released before their capture was confirmed and fsynced (the capture went on)",
-            self.cri_captures_late.clone(),
-        );
-        r.register(
-            "captured_dropped",
-            "Captured pull credentials dropped, oldest first, to stay within the limit of repositories",
-            self.captured_dropped.clone(),
-        );
         r.register(
             "credentials_refused",
             "Credentials a registry refused, by the source that gave them: a provider's answer dropped (its plugin runs again), a captured credential forgotten, a docker config entry reported",
@@ -560,37 +341,12 @@ impl AgentMetrics {
         );
     }
 
-    /// The CRI proxy's calls, the node's own pulls and its view of the runtime's images.
-    fn register_cri(&self, r: &mut Registry) {
-        r.register(
-            "cri_calls",
-            "Calls through the CRI proxy by image-service method (ListImages, StreamImages, ImageStatus, PullImage, RemoveImage, ImageFsInfo, other)",
-            self.cri_calls.clone(),
-        );
-        r.register(
-            "cri_node_image_pulls",
-            "Pulls the CRI proxy made on the node's behalf (no caller asked), by why (sandbox: the runtime's sandbox image; kept: --cri-proxy-keep-image) and result (ok, unauthorized, not_found, error)",
-            self.cri_node_image_pulls.clone(),
-        );
-        r.register(
-            "cri_runtime_unreachable",
-            "Calls the CRI proxy could not forward because the container runtime could not be reached or its connection failed",
-            self.cri_runtime_unreachable.clone(),
-        );
+    /// What runs.
+    fn register_build(&self, r: &mut Registry) {
         r.register(
             "build_info",
             "The running agent's version (value 1)",
             self.build_info.clone(),
-        );
-        r.register(
-            "cri_node_images_absent",
-            "Images the node keeps (sandbox, kept) that the runtime did not have at the last check and could not be given",
-            self.cri_node_images_absent.clone(),
-        );
-        r.register(
-            "cri_image_list_incomplete",
-            "Checks of the runtime's image list that could not read it whole (too large for ListImages, a broken stream): no captured credential was dropped on them",
-            self.cri_image_list_incomplete.clone(),
         );
     }
 
@@ -694,16 +450,7 @@ impl AgentMetrics {
             "Lookups by caller kind: kubelet (the credential provider bridge), docker-helper, api",
             self.lookups.clone(),
         );
-        r.register(
-            "connections",
-            "Open connections by listener (api, metrics)",
-            self.connections.clone(),
-        );
-        r.register(
-            "connections_closed",
-            "Connections the agent closed at once or early, by listener and reason",
-            self.connections_closed.clone(),
-        );
+        self.connections.register(r);
         r.register(
             "config_reloads",
             "Provider config reloads by result (success, failure)",
@@ -722,7 +469,7 @@ impl AgentMetrics {
     }
 
     /// Counts a credential a registry refused, by its source.
-    pub fn refused(&self, source: AuthLabel) {
+    pub fn refused(&self, source: SourceLabel) {
         self.credentials_refused
             .get_or_create(&SourceLabels { source })
             .inc();
@@ -765,23 +512,11 @@ impl AgentMetrics {
         }
     }
 
-    /// Counts a pull through the CRI proxy.
-    pub fn cri_pull(&self, auth: AuthLabel, result: PullResult) {
-        self.cri_pulls
-            .get_or_create(&CriPullLabels { auth, result })
-            .inc();
-    }
-
     /// Counts saved provider answers not restored.
     pub fn cache_dropped(&self, reason: DropReason, n: u64) {
         self.cache_dropped_total
             .get_or_create(&DropLabels { reason })
             .inc_by(n);
-    }
-
-    /// Counts what became of a credential offered for capture.
-    pub fn capture(&self, result: CaptureResult) {
-        self.captures.get_or_create(&CaptureLabels { result }).inc();
     }
 
     /// Counts a verification.
@@ -802,20 +537,6 @@ impl AgentMetrics {
     pub fn lookup_by(&self, caller: &str) {
         let i = CALLERS.iter().position(|c| *c == caller).unwrap_or(2);
         self.callers[i].inc();
-    }
-
-    /// The gauge of open connections of `listener`.
-    pub fn open_connections(&self, listener: &'static str) -> Gauge {
-        self.connections
-            .get_or_create(&ListenerLabels { listener })
-            .clone()
-    }
-
-    /// Counts a connection the agent closed at once or early.
-    pub fn connection_closed(&self, listener: &'static str, reason: &'static str) {
-        self.connections_closed
-            .get_or_create(&ClosedLabels { listener, reason })
-            .inc();
     }
 
     /// Counts a reload.

@@ -24,13 +24,91 @@ use secrecy::{ExposeSecret, SecretString};
 use crate::captured::Captured;
 pub use crate::memory::{DockerRefusal, Refusals, HOLDOFF};
 use crate::metrics::AgentMetrics;
-use crate::outcome::Given;
 use crate::renewal::Renewer;
 use crate::saver::Saver;
 use arc_swap::ArcSwap;
 use credgate_engine::clock::Clock;
 use credgate_engine::Engine;
 use std::sync::Arc;
+
+/// The source that gave a credential.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Given {
+    /// A provider's cached answer (by provider name).
+    Provider(String),
+    /// A node-wide docker config file (by path).
+    DockerConfig(String),
+    /// The pull credential the CRI proxy captured for the repository (the pod's namespace).
+    Captured(String),
+}
+
+impl From<credgate_engine::Source> for Given {
+    fn from(source: credgate_engine::Source) -> Given {
+        match source {
+            credgate_engine::Source::Provider(name) => Given::Provider(name),
+            credgate_engine::Source::DockerConfig(file) => Given::DockerConfig(file),
+        }
+    }
+}
+
+impl Given {
+    /// The API's kind of source and its name (provider, docker config path, namespace).
+    pub fn wire(&self) -> (credgate_api::v1::SourceKind, String) {
+        use credgate_api::v1::SourceKind;
+        match self {
+            Given::Provider(name) => (SourceKind::Provider, name.clone()),
+            Given::DockerConfig(file) => (SourceKind::DockerConfig, file.clone()),
+            Given::Captured(namespace) => (SourceKind::Captured, namespace.clone()),
+        }
+    }
+
+    /// Its kind, as metrics label it.
+    pub fn label(&self) -> SourceLabel {
+        match self {
+            Given::Provider(_) => SourceLabel::Provider,
+            Given::DockerConfig(_) => SourceLabel::DockerConfig,
+            Given::Captured(_) => SourceLabel::Captured,
+        }
+    }
+}
+
+impl std::fmt::Display for Given {
+    /// As the pull log names it: `provider:NAME`, `docker-config`, `captured`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Given::Provider(name) => write!(f, "provider:{name}"),
+            Given::DockerConfig(_) => f.write_str("docker-config"),
+            Given::Captured(_) => f.write_str("captured"),
+        }
+    }
+}
+
+/// The kind of a source, as a metric's `source` (or `auth`) label: `provider`,
+/// `docker_config`, `captured`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SourceLabel {
+    Provider,
+    Captured,
+    DockerConfig,
+}
+
+impl SourceLabel {
+    pub const ALL: [SourceLabel; 3] = [
+        SourceLabel::Provider,
+        SourceLabel::Captured,
+        SourceLabel::DockerConfig,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SourceLabel::Provider => "provider",
+            SourceLabel::Captured => "captured",
+            SourceLabel::DockerConfig => "docker_config",
+        }
+    }
+}
+
+credgate_engine::label_values!(SourceLabel);
 
 /// What a refusal did.
 #[derive(Debug, Clone, PartialEq, Eq)]

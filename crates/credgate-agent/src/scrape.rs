@@ -10,9 +10,9 @@ use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 
-use crate::listener::{Listener, ListenerLimits};
 use crate::metrics::AgentMetrics;
 use crate::tasks::CancellationToken;
+use credgate_listener::{Listener, ListenerLimits};
 
 /// Renders the current exposition text.
 pub type Render = Arc<dyn Fn() -> String + Send + Sync>;
@@ -62,7 +62,7 @@ pub async fn serve(
         // A scrape in flight is not waited for.
         shutdown_timeout: Duration::ZERO,
     };
-    let mut listener = Listener::new("metrics", listener, listener_limits, metrics);
+    let mut listener = Listener::new("metrics", listener, listener_limits, metrics.connections);
     while let Some(accepted) = listener.next(&shutdown).await {
         let render = render.clone();
         let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {

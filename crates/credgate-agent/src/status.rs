@@ -1,5 +1,6 @@
 //! Every error the agent answers a gRPC call with becomes a status here and nowhere else: the
-//! API services, the API server's own deadline and the CRI proxy's own answers. A message is
+//! API services and the API server's own deadline (the CRI proxy maps its own few in
+//! `credgate-cri`'s `runtime.rs`). A message is
 //! the error's `Display`, which never carries a secret (each error type's tests say so).
 
 use tonic::{Code, Status};
@@ -30,10 +31,6 @@ pub enum ApiError {
     Deadline(String),
     /// A request larger than the agent reads.
     TooLarge(String),
-    /// The container runtime behind the CRI proxy cannot be reached or broke off.
-    Runtime(String),
-    /// The caller gave up on its call (its request ended early).
-    Cancelled(String),
     /// The caller called more often than it may.
     Limited(String),
 }
@@ -59,8 +56,6 @@ impl From<ApiError> for Status {
             ApiError::Internal(m) => (Code::Internal, m.to_owned()),
             ApiError::Deadline(m) => (Code::DeadlineExceeded, m),
             ApiError::TooLarge(m) => (Code::ResourceExhausted, m),
-            ApiError::Runtime(m) => (Code::Unavailable, m),
-            ApiError::Cancelled(m) => (Code::Cancelled, m),
             ApiError::Limited(m) => (Code::ResourceExhausted, m),
         };
         Status::new(code, message)
@@ -141,7 +136,6 @@ mod tests {
             (ApiError::Internal("panic"), Code::Internal),
             (ApiError::Deadline("late".into()), Code::DeadlineExceeded),
             (ApiError::TooLarge("big".into()), Code::ResourceExhausted),
-            (ApiError::Runtime("down".into()), Code::Unavailable),
         ];
         for (e, code) in cases {
             let shown = format!("{e:?}");

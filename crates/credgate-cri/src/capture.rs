@@ -18,9 +18,9 @@ use secrecy::ExposeSecret;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
+use crate::metrics::ProxyMetrics;
 use credgate_agent::captured::{CaptureError, Captured, PodCredential};
 use credgate_agent::guard::registry::{Target, Verifier};
-use credgate_agent::metrics::AgentMetrics;
 
 /// Offers that may wait for the task.
 pub const QUEUE: usize = 64;
@@ -49,7 +49,7 @@ pub struct Offer {
 /// done.
 pub struct Capturer {
     tx: mpsc::Sender<Offer>,
-    metrics: AgentMetrics,
+    metrics: ProxyMetrics,
 }
 
 impl Capturer {
@@ -57,7 +57,7 @@ impl Capturer {
     pub fn start(
         captured: Arc<Captured>,
         verifier: Verifier,
-        metrics: AgentMetrics,
+        metrics: ProxyMetrics,
     ) -> (Capturer, tokio::task::JoinHandle<()>) {
         let (tx, rx) = mpsc::channel(QUEUE);
         let task = tokio::spawn(run(rx, captured, verifier, metrics.clone()));
@@ -80,8 +80,7 @@ impl Capturer {
             settled: Some(tx),
         };
         if self.tx.try_send(offer).is_err() {
-            self.metrics
-                .capture(credgate_agent::metrics::CaptureResult::Busy);
+            self.metrics.capture(crate::metrics::CaptureResult::Busy);
             tracing::warn!("pull credentials not captured: too many captures waiting");
             return None;
         }
@@ -140,7 +139,7 @@ async fn run(
     mut rx: mpsc::Receiver<Offer>,
     captured: Arc<Captured>,
     verifier: Verifier,
-    metrics: AgentMetrics,
+    metrics: ProxyMetrics,
 ) {
     let mut running: JoinSet<()> = JoinSet::new();
     // Each running task's slot, by task id: given back however the task ends.
@@ -164,7 +163,7 @@ async fn run(
                     pending.push_back((slot_of(&offer), offer));
                 }
                 Some(_) => {
-                    metrics.capture(credgate_agent::metrics::CaptureResult::Busy);
+                    metrics.capture(crate::metrics::CaptureResult::Busy);
                     tracing::warn!("pull credentials not captured: too many captures waiting");
                 }
                 None => open = false,
@@ -186,7 +185,7 @@ async fn run(
     }
 }
 
-async fn handle(offer: Offer, captured: Arc<Captured>, verifier: Verifier, metrics: AgentMetrics) {
+async fn handle(offer: Offer, captured: Arc<Captured>, verifier: Verifier, metrics: ProxyMetrics) {
     let Offer {
         image,
         repository,
@@ -196,7 +195,7 @@ async fn handle(offer: Offer, captured: Arc<Captured>, verifier: Verifier, metri
     // Dropped (told) however the capture ends.
     let _settled = settled;
     if let Err(e) = credgate_agent::captured::fits(&repository, &credential) {
-        metrics.capture(credgate_agent::metrics::CaptureResult::TooLarge);
+        metrics.capture(crate::metrics::CaptureResult::TooLarge);
         tracing::warn!(repository = %repository, error = %e, "pull credentials not captured");
         return;
     }
@@ -204,11 +203,11 @@ async fn handle(offer: Offer, captured: Arc<Captured>, verifier: Verifier, metri
         .for_namespace(&repository, &credential.namespace)
         .is_some_and(|held| held.same(&credential))
     {
-        metrics.capture(credgate_agent::metrics::CaptureResult::Unchanged);
+        metrics.capture(crate::metrics::CaptureResult::Unchanged);
         return;
     }
     let Ok(parsed) = ImageRef::parse(&image) else {
-        metrics.capture(credgate_agent::metrics::CaptureResult::Failed);
+        metrics.capture(crate::metrics::CaptureResult::Failed);
         return;
     };
     let target = Target::of(&parsed);
@@ -222,12 +221,12 @@ async fn handle(offer: Offer, captured: Arc<Captured>, verifier: Verifier, metri
     {
         Ok(true) => {}
         Ok(false) => {
-            metrics.capture(credgate_agent::metrics::CaptureResult::Unconfirmed);
+            metrics.capture(crate::metrics::CaptureResult::Unconfirmed);
             tracing::info!(repository = %repository, "pull credentials not captured: the registry did not check them (it serves the image anonymously) or refused them");
             return;
         }
         Err(why) => {
-            metrics.capture(credgate_agent::metrics::CaptureResult::Unreachable);
+            metrics.capture(crate::metrics::CaptureResult::Unreachable);
             tracing::warn!(repository = %repository, error = %why, "pull credentials not captured: the registry could not be asked to confirm them");
             return;
         }
@@ -238,20 +237,20 @@ async fn handle(offer: Offer, captured: Arc<Captured>, verifier: Verifier, metri
     };
     match written {
         Ok(Ok(dropped)) => {
-            metrics.capture(credgate_agent::metrics::CaptureResult::Captured);
+            metrics.capture(crate::metrics::CaptureResult::Captured);
             metrics.captured_dropped.inc_by(dropped as u64);
             tracing::info!(repository = %repository, dropped, "pull credentials captured");
         }
         Ok(Err(e @ CaptureError::TooLarge(_))) => {
-            metrics.capture(credgate_agent::metrics::CaptureResult::TooLarge);
+            metrics.capture(crate::metrics::CaptureResult::TooLarge);
             tracing::warn!(repository = %repository, error = %e, "pull credentials not captured");
         }
         Ok(Err(e)) => {
-            metrics.capture(credgate_agent::metrics::CaptureResult::Failed);
+            metrics.capture(crate::metrics::CaptureResult::Failed);
             tracing::error!(repository = %repository, error = %e, "pull credentials not captured");
         }
         Err(e) => {
-            metrics.capture(credgate_agent::metrics::CaptureResult::Failed);
+            metrics.capture(crate::metrics::CaptureResult::Failed);
             tracing::error!(repository = %repository, error = %e, "pull credentials not captured");
         }
     }

@@ -16,7 +16,7 @@ use super::runtime::{
     CallerConn,
 };
 use super::{Body, MAX_LIST_MESSAGE, MAX_PULL_MESSAGE};
-use credgate_agent::tasks::CancellationToken;
+use tokio_util::sync::CancellationToken;
 
 /// The repositories an image is known by (from its tags and digests).
 pub(super) fn repositories(image: &wire::Image) -> Vec<String> {
@@ -89,7 +89,7 @@ pub(super) async fn remove(
 pub(super) struct ImageView {
     pub(super) own: std::sync::Arc<CallerConn>,
     pub(super) limit: usize,
-    pub(super) metrics: credgate_agent::metrics::AgentMetrics,
+    pub(super) metrics: crate::metrics::ProxyMetrics,
     pub(super) reading: tokio::sync::Mutex<()>,
 }
 
@@ -215,7 +215,7 @@ impl ImageView {
         let remaining = match self.present(&asked).await {
             Ok(remaining) => remaining,
             Err(why) => {
-                self.metrics.cri_image_list_incomplete.inc();
+                self.metrics.image_list_incomplete.inc();
                 tracing::warn!(why = %why, "the runtime's image list could not be read whole: no captured credential is dropped on a part of it");
                 return;
             }

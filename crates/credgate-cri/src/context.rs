@@ -1,5 +1,7 @@
 //! What the proxy uses of the agent, and nothing else: the handles the composition root
-//! gives it (`credgate`'s `node.rs`). The proxy never holds the agent itself.
+//! gives it (`credgate`'s `node.rs`), beside the proxy's own (its metrics, its pull log, its
+//! node images). The proxy never holds the agent itself; what it tells the agent's `Admin`
+//! service (`explain`, the pulls, the node images) it says in the API's words, here.
 
 use std::sync::Arc;
 
@@ -7,22 +9,27 @@ use arc_swap::ArcSwap;
 use credgate_engine::clock::Clock;
 use credgate_engine::Engine;
 
-use super::policy::ProxyPolicy;
-use credgate_agent::metrics::AgentMetrics;
-use credgate_agent::node_images::NodeImages;
-use credgate_agent::pull_log::PullLog;
 use credgate_agent::refusal::Refuser;
+use credgate_api::v1 as pb;
+
+use crate::metrics::ProxyMetrics;
+use crate::node_images::NodeImages;
+use crate::policy::ProxyPolicy;
+use crate::pull_log::PullLog;
 
 /// The proxy's handles on the agent.
 #[derive(Clone)]
 pub struct Context {
     pub clock: Arc<dyn Clock>,
-    pub metrics: AgentMetrics,
+    /// The proxy's own families.
+    pub metrics: ProxyMetrics,
+    /// The connection families every listener of the node counts into.
+    pub connections: credgate_listener::ConnectionMetrics,
     /// The engine in use at each moment (a reload swaps it).
     pub engine: Arc<ArcSwap<Engine>>,
     /// Finds who gave a credential, confirms a refusal with the registry and acts on it.
     pub refusal: Arc<Refuser>,
-    /// The pull decision log.
+    /// The pull decision log (the proxy's).
     pub pulls: Arc<PullLog>,
     /// What the proxy knows of the images the node keeps.
     pub node_images: Arc<NodeImages>,
@@ -35,11 +42,10 @@ impl Context {
     pub fn engine(&self) -> Arc<Engine> {
         self.engine.load_full()
     }
-}
 
-impl credgate_agent::explain::ExplainProxy for Context {
-    /// What the CRI proxy's policy would do with a pull of `image` (a normalized name).
-    fn explain(&self, image: &str, answer: &mut credgate_api::v1::ExplainResponse) {
+    /// What the CRI proxy's policy would do with a pull of `image` (a normalized name): the
+    /// answer's `cri_*` fields.
+    pub fn explain(&self, image: &str, answer: &mut pb::ExplainResponse) {
         let policy = &self.policy;
         // A source that can give a credential: a docker config entry, or a provider not
         // keyed by service account whose cached answer (if any) holds one.
@@ -87,8 +93,47 @@ impl credgate_agent::explain::ExplainProxy for Context {
                 credgate_core::reference::ImageRef::parse(&s.image.image)
                     .is_ok_and(|r| r.name() == image)
             })
-            .map(credgate_agent::node_images::describe)
+            .map(crate::node_images::describe)
             .collect::<Vec<_>>()
             .join("; ");
+    }
+
+    /// The recent pulls as `ListPulls` answers them, newest first; of one repository (a
+    /// normalized name) when given.
+    pub fn list_pulls(&self, repository: Option<&str>) -> Vec<pb::Pull> {
+        self.pulls
+            .list(repository)
+            .into_iter()
+            .map(|p| {
+                let (auth, source_kind, source) = p.auth.wire();
+                pb::Pull {
+                    at_unix_ms: credgate_engine::clock::unix_ms(p.at),
+                    result: crate::outcome::PullResult::of(p.code, &p.message).wire() as i32,
+                    image: p.image,
+                    pod_namespace: p.pod_namespace,
+                    pod_name: p.pod_name,
+                    auth: auth as i32,
+                    source_kind: source_kind as i32,
+                    source,
+                    code: p.code,
+                    message: p.message,
+                    duration_ms: u64::try_from(p.duration.as_millis()).unwrap_or(u64::MAX),
+                    refusal: p.refusal,
+                    node_image: p
+                        .node_image
+                        .map(|w| w.as_str().to_owned())
+                        .unwrap_or_default(),
+                }
+            })
+            .collect()
+    }
+
+    /// What the keeper knows of each node image, as `Status` tells it.
+    pub fn node_images_status(&self) -> Vec<pb::NodeImageStatus> {
+        self.node_images
+            .list()
+            .into_iter()
+            .map(crate::node_images::status)
+            .collect()
     }
 }

@@ -8,8 +8,8 @@
 use std::time::Duration;
 
 use super::pull_request::Pull;
-use credgate_agent::outcome::{PullAuth, PullResult};
-use credgate_agent::pull_log::PullRecord;
+use crate::outcome::{PullAuth, PullResult};
+use crate::pull_log::PullRecord;
 
 /// `(code, result)`: the runtime's gRPC code and what it means ([`PullResult::of`]); `given`:
 /// the sources that gave the pull's credential (`unknown` when it carried one none
@@ -18,7 +18,7 @@ use credgate_agent::pull_log::PullRecord;
 pub(super) fn log(
     ctx: &super::Context,
     pull: &Pull,
-    given: &[credgate_agent::outcome::Given],
+    given: &[credgate_agent::refusal::Given],
     (code, result): (i32, PullResult),
     message: &str,
     took: Duration,
@@ -32,7 +32,7 @@ pub(super) fn log(
         (None, Some(_), Some(g)) => PullAuth::Given(g.clone()),
         (None, Some(_), None) => PullAuth::Unknown,
     };
-    ctx.metrics.cri_pull(auth.label(), result);
+    ctx.metrics.pull(auth.label(), result);
     if result == PullResult::Unauthorized {
         if let Some(still) = still_answers_refused(ctx, given) {
             if !refusal.is_empty() {
@@ -43,7 +43,7 @@ pub(super) fn log(
     }
     // The runtime's message is logged within the pull ring's bound (the pull's own fields
     // were cut when it was read).
-    use credgate_agent::pull_log::{capped, MESSAGE};
+    use crate::pull_log::{capped, MESSAGE};
     tracing::info!(
         image = %pull.image,
         pod_namespace = %pull.pod_namespace,
@@ -81,10 +81,10 @@ pub(super) fn log(
 /// refused (its backend has not caught up): says so.
 fn still_answers_refused(
     ctx: &super::Context,
-    given: &[credgate_agent::outcome::Given],
+    given: &[credgate_agent::refusal::Given],
 ) -> Option<String> {
     given.iter().find_map(|g| match g {
-        credgate_agent::outcome::Given::Provider(name) => ctx
+        credgate_agent::refusal::Given::Provider(name) => ctx
             .engine()
             .answers_refused_since(name)
             .map(|_| format!("provider {name} still answers the credential the registry refused: it is asked again every few seconds until its backend answers another")),
@@ -174,7 +174,7 @@ fn warn_if_a_source_would_have_answered(ctx: &super::Context, pull: &Pull) {
     }
     // The kubelet did not ask the agent: it would have answered, or it was never asked.
     if !had.is_empty() || never_asked {
-        ctx.metrics.cri_pulls_missed.inc();
+        ctx.metrics.pulls_missed.inc();
     }
     if !ctx.pulls.may_warn(&pull.image, ctx.clock.now()) {
         return;

@@ -22,7 +22,7 @@ pub(super) async fn refreshed(
 ) -> Option<Bytes> {
     let sent = pull.credential.as_ref()?;
     let now = ctx.clock.now();
-    let credgate_agent::outcome::Given::Provider(provider) =
+    let credgate_agent::refusal::Given::Provider(provider) =
         ctx.refusal
             .memory()
             .known(&sent.username, sent.password.expose_secret(), now)?
@@ -128,7 +128,7 @@ pub(super) async fn apply_policy(
 pub(super) async fn fill(
     ctx: &super::Context,
     image: &str,
-) -> Option<(credgate_agent::outcome::Given, credgate_engine::Credential)> {
+) -> Option<(credgate_agent::refusal::Given, credgate_engine::Credential)> {
     let engine = ctx.engine();
     let lookup = engine
         .lookup(&credgate_engine::LookupRequest {
@@ -141,6 +141,6 @@ pub(super) async fn fill(
         credgate_engine::Source::Provider(name) => !engine.keyed_by_service_account(name),
         credgate_engine::Source::DockerConfig(_) => true,
     })?;
-    let source = credgate_agent::outcome::Given::from(credential.source.clone());
+    let source = credgate_agent::refusal::Given::from(credential.source.clone());
     Some((source, credential))
 }

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
-use credgate_agent::tasks::CancellationToken;
+use tokio_util::sync::CancellationToken;
 
 /// Largest `hosts.toml` read.
 pub const MAX_HOSTS_FILE: u64 = 256 << 10;

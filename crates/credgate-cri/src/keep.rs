@@ -21,9 +21,9 @@ use super::pull_request::{pull_of, redacted};
 use super::pulls::{answered, settle, Answered, Pulls, Whose};
 use super::runtime::{self, ask, exchange, framed, CallerConn};
 use super::MAX_PULL_MESSAGE;
-use credgate_agent::node_images::{backoff, NodeImage, OwnPull};
-use credgate_agent::outcome::{PullAuth, PullResult};
-use credgate_agent::tasks::CancellationToken;
+use crate::node_images::{backoff, NodeImage, OwnPull};
+use crate::outcome::{PullAuth, PullResult};
+use tokio_util::sync::CancellationToken;
 
 /// The longest one of the node's own pulls may take (a sandbox image is small; a kept image
 /// may not be).
@@ -94,7 +94,7 @@ impl Keeper {
                 .or(checked)
                 .map_or(self.every, |left| left.min(self.every));
             ctx.metrics
-                .cri_node_images_absent
+                .node_images_absent
                 .set(i64::try_from(state.absent()).unwrap_or(i64::MAX));
             tokio::select! {
                 () = tokio::time::sleep(wait) => {}
@@ -189,7 +189,7 @@ impl Keeper {
             message,
         };
         let (message, filled) = self.request(image).await;
-        let Some(mut pull) = pull_of(&message, credgate_agent::state::unix_ms(at)) else {
+        let Some(mut pull) = pull_of(&message, credgate_engine::clock::unix_ms(at)) else {
             return failed(PullAuth::None, "the pull could not be encoded".into());
         };
         pull.filled = filled;
@@ -208,10 +208,10 @@ impl Keeper {
         };
         let said = redacted(&whole.message(), &pull.carried);
         let result = PullResult::of(whole.code().unwrap_or(2), &said);
-        let said = credgate_agent::pull_log::capped(&said, credgate_agent::pull_log::MESSAGE);
+        let said = crate::pull_log::capped(&said, crate::pull_log::MESSAGE);
         ctx.metrics
-            .cri_node_image_pulls
-            .get_or_create(&credgate_agent::metrics::NodeImagePullLabels {
+            .node_image_pulls
+            .get_or_create(&crate::metrics::NodeImagePullLabels {
                 why: image.why,
                 result,
             })
@@ -242,7 +242,7 @@ impl Keeper {
     async fn request(
         &self,
         image: &NodeImage,
-    ) -> (Vec<u8>, Option<credgate_agent::outcome::Given>) {
+    ) -> (Vec<u8>, Option<credgate_agent::refusal::Given>) {
         use prost::Message as _;
         let ctx = &self.pulls.ctx;
         let filled = fill(ctx, &image.image).await;

@@ -7,18 +7,17 @@
 //! unreachable: `UNAVAILABLE` with what failed. A call never outlives the caller's own
 //! deadline (`grpc-timeout`).
 
-use credgate_agent::tasks::CancellationToken;
 use std::convert::Infallible;
 use std::path::PathBuf;
 use std::time::Duration;
+use tokio_util::sync::CancellationToken;
 
 use credgate_api::cri::{PULL_IMAGE, PULL_IMAGE_V1ALPHA2, REMOVE_IMAGE, REMOVE_IMAGE_V1ALPHA2};
 use http_body_util::BodyExt;
 use hyper::body::{Bytes, Incoming};
 use tokio::net::UnixListener;
 
-use credgate_agent::listener::{ConnectionState, Listener, ListenerLimits, OpenBody};
-use credgate_agent::status::ApiError;
+use credgate_listener::{ConnectionState, Listener, ListenerLimits, OpenBody};
 
 mod budget;
 mod capture;
@@ -28,7 +27,11 @@ mod decision;
 mod fill;
 pub mod hosts;
 mod keep;
+pub mod metrics;
+pub mod node_images;
+pub mod outcome;
 pub mod policy;
+pub mod pull_log;
 mod pull_request;
 mod pulls;
 mod runtime;
@@ -97,9 +100,9 @@ async fn forward(
     pulls
         .ctx
         .metrics
-        .cri_calls
-        .get_or_create(&credgate_agent::metrics::CriCallLabels {
-            method: credgate_agent::metrics::CriMethod::of(request.uri().path()),
+        .calls
+        .get_or_create(&crate::metrics::CallLabels {
+            method: crate::metrics::Method::of(request.uri().path()),
         })
         .inc();
     let removal = matches!(request.uri().path(), REMOVE_IMAGE | REMOVE_IMAGE_V1ALPHA2);
@@ -127,7 +130,7 @@ async fn forward(
     };
     let answer = match tokio::time::timeout(limit, call).await {
         Ok(answer) => answer,
-        Err(_) => status(ApiError::Deadline(
+        Err(_) => status(runtime::ProxyError::Deadline(
             "credgate: the container runtime did not answer within the caller's deadline".into(),
         )),
     };
@@ -156,7 +159,7 @@ pub struct ProxyOptions {
     /// What the proxy uses of the agent.
     pub context: Context,
     /// The images the node keeps present, pulled on its own behalf (decision 0022).
-    pub node_images: Vec<credgate_agent::node_images::NodeImage>,
+    pub node_images: Vec<crate::node_images::NodeImage>,
     /// How often the runtime is asked whether it has them.
     pub keep_every: Duration,
     /// The most of a `ListImages` answer the proxy reads for itself ([`MAX_LIST_MESSAGE`];
@@ -210,13 +213,14 @@ pub const MAX_STREAMS: u32 = 64;
 /// shutdown deadline.
 pub async fn serve(listener: UnixListener, options: ProxyOptions, shutdown: CancellationToken) {
     let metrics = options.context.metrics.clone();
-    let proxy_budget = Budgets::proxy(metrics.cri_held_bytes.clone());
+    let connections = options.context.connections.clone();
+    let proxy_budget = Budgets::proxy(metrics.held_bytes.clone());
     let runtime = options.runtime.clone();
     let limits = options.limits.clone();
     let shutdown_timeout = limits.shutdown_timeout;
     let background = Background::start(options, &proxy_budget, &shutdown);
-    let unreachable = metrics.cri_runtime_unreachable.clone();
-    let mut listener = Listener::new("cri-proxy", listener, limits, metrics);
+    let unreachable = metrics.runtime_unreachable.clone();
+    let mut listener = Listener::new("cri-proxy", listener, limits, connections);
     // The API's windows, send buffer and reset bounds.
     let http2 = listener.http2(MAX_STREAMS, MAX_HEADER_LIST);
     while let Some(accepted) = listener.next(&shutdown).await {
@@ -329,7 +333,7 @@ impl Background {
         let own = std::sync::Arc::new(CallerConn {
             runtime: std::sync::Arc::new(Runtime::new(
                 runtime,
-                metrics.cri_runtime_unreachable.clone(),
+                metrics.runtime_unreachable.clone(),
             )),
             budgets: Budgets::connection(proxy_budget, budget::PROXY_BYTES),
         });
@@ -400,6 +404,41 @@ impl Background {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The seam between the proxy and the agent (issue 52): the proxy names the captures, the
+    /// guard and the refusal service, and owns the rest of what it uses.
+    #[test]
+    fn the_proxy_names_three_agent_modules() {
+        let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let mut named = std::collections::BTreeSet::new();
+        for entry in std::fs::read_dir(&src).unwrap() {
+            let text = std::fs::read_to_string(entry.unwrap().path()).unwrap();
+            let code = text.lines().filter(|l| !l.trim_start().starts_with("//"));
+            for line in code {
+                for (at, needle) in line.match_indices("credgate_agent::") {
+                    if line[..at].ends_with('"') {
+                        continue; // this test's own needle
+                    }
+                    let rest = &line[at + needle.len()..];
+                    let module: String = rest
+                        .chars()
+                        .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                        .collect();
+                    // `credgate_agent::{a, b}` would hide modules from this count.
+                    assert!(
+                        !module.is_empty(),
+                        "a grouped import of the agent: name each path"
+                    );
+                    named.insert(module);
+                }
+            }
+        }
+        assert_eq!(
+            named.into_iter().collect::<Vec<_>>(),
+            ["captured", "guard", "refusal"],
+            "the agent modules the proxy names"
+        );
+    }
 
     #[test]
     fn grpc_timeouts_parse_and_anything_else_is_the_default() {

@@ -30,7 +30,7 @@ pub(super) struct Pull {
     pub(super) server_address: String,
     /// The pull came without a credential and the proxy filled in the one this source of the
     /// agent gives (`provider:NAME`, `docker-config`), for a `--cri-proxy-fill` pattern.
-    pub(super) filled: Option<credgate_agent::outcome::Given>,
+    pub(super) filled: Option<credgate_agent::refusal::Given>,
     /// What the credential scope did with its `server_address`.
     pub(super) scope: policy::Scoped,
     /// Every string the pull's `auth` carried (user name, password, `auth` and its decoded
@@ -38,12 +38,12 @@ pub(super) struct Pull {
     /// (containerd quotes a malformed `auth` whole).
     pub(super) carried: Vec<secrecy::SecretString>,
     /// The agent pulls the image itself, on the node's behalf (`keep.rs`), and why.
-    pub(super) node_image: Option<credgate_agent::outcome::Why>,
+    pub(super) node_image: Option<crate::outcome::Why>,
 }
 
 /// `now_ms`: when it is captured, by the agent's clock.
 pub(super) fn pull_of(message: &[u8], now_ms: i64) -> Option<Pull> {
-    use credgate_agent::pull_log::{capped, IMAGE, NAMESPACE, POD_NAME};
+    use crate::pull_log::{capped, IMAGE, NAMESPACE, POD_NAME};
     use prost::Message as _;
     let req = wire::PullImageRequest::decode(message).ok()?;
     // Every string a caller chose is kept (and logged) within what a real one needs: a longer

@@ -34,7 +34,7 @@ pub(super) enum Whose {
 pub(super) fn sources_of(
     ctx: &super::Context,
     pull: &Pull,
-) -> (Vec<credgate_agent::outcome::Given>, Whose) {
+) -> (Vec<credgate_agent::refusal::Given>, Whose) {
     let Some(c) = &pull.credential else {
         return (Vec::new(), Whose::Caller);
     };
@@ -44,7 +44,7 @@ pub(super) fn sources_of(
         .given_now(&pull.image, &pull.repository, &c.username, password);
     let whose = if now
         .iter()
-        .any(|g| !matches!(g, credgate_agent::outcome::Given::Captured(_)))
+        .any(|g| !matches!(g, credgate_agent::refusal::Given::Captured(_)))
     {
         Whose::Node
     } else {
@@ -98,7 +98,7 @@ impl Refusal {
 pub(super) async fn refused(
     ctx: &super::Context,
     pull: &Pull,
-    given: &[credgate_agent::outcome::Given],
+    given: &[credgate_agent::refusal::Given],
 ) -> Refusal {
     use credgate_agent::refusal::Report;
     let Some(c) = &pull.credential else {
@@ -138,7 +138,7 @@ pub(super) async fn refused(
     let provider_refused = matches!(report, Report::Refused(_) | Report::Recently)
         && given
             .iter()
-            .any(|g| matches!(g, credgate_agent::outcome::Given::Provider(_)));
+            .any(|g| matches!(g, credgate_agent::refusal::Given::Provider(_)));
     Refusal::Asked {
         said,
         provider_refused,
@@ -207,7 +207,7 @@ pub(super) async fn pull(
             Ok(read) => read,
             Err(refused) => return refused,
         };
-    let now_ms = credgate_agent::state::unix_ms(pulls.ctx.clock.wall());
+    let now_ms = credgate_engine::clock::unix_ms(pulls.ctx.clock.wall());
     let mut asked = grpc_message(&bytes).and_then(|m| pull_of(m, now_ms));
     if let Some(pull) = asked.as_mut().filter(|p| p.valid) {
         if let Some(frame) = refreshed(&pulls.ctx, pull, &bytes).await {
@@ -330,8 +330,8 @@ pub(super) async fn answered(
     let message = redacted(&whole.message(), &pull.carried);
     let (given, whose) = sources_of(&pulls.ctx, pull);
     let took = started.elapsed();
-    let result = credgate_agent::outcome::PullResult::of(code, &message);
-    let refusal = if pull.valid && result == credgate_agent::outcome::PullResult::Unauthorized {
+    let result = crate::outcome::PullResult::of(code, &message);
+    let refusal = if pull.valid && result == crate::outcome::PullResult::Unauthorized {
         refused(&pulls.ctx, pull, &given).await
     } else {
         Refusal::NotAsked
@@ -396,7 +396,7 @@ pub(super) async fn settle(pulls: &Pulls, pull: Pull, whose: Whose, whole: &runt
         pulls
             .ctx
             .metrics
-            .capture(credgate_agent::metrics::CaptureResult::OtherRegistry);
+            .capture(crate::metrics::CaptureResult::OtherRegistry);
         tracing::warn!(repository = %pull.repository, "pull credentials not captured: their server address names another registry");
         return;
     }
@@ -407,7 +407,7 @@ pub(super) async fn settle(pulls: &Pulls, pull: Pull, whose: Whose, whole: &runt
         pulls
             .ctx
             .metrics
-            .capture(credgate_agent::metrics::CaptureResult::OwnSource);
+            .capture(crate::metrics::CaptureResult::OwnSource);
         return;
     }
     let repository = pull.repository.clone();
@@ -418,7 +418,7 @@ pub(super) async fn settle(pulls: &Pulls, pull: Pull, whose: Whose, whole: &runt
         // Acknowledged means kept: a crash right after the answer loses no confirmed capture.
         // A registry slow to confirm holds the answer only so long.
         if tokio::time::timeout(CAPTURE_WAIT, settled).await.is_err() {
-            pulls.ctx.metrics.cri_captures_late.inc();
+            pulls.ctx.metrics.captures_late.inc();
             tracing::warn!(repository = %repository, "the pull is answered before its credential's capture is confirmed: the registry did not confirm it within {CAPTURE_WAIT:?}; the capture goes on");
         }
     }
@@ -454,7 +454,7 @@ impl Capture {
         captured: std::sync::Arc<credgate_agent::captured::Captured>,
         registry: credgate_agent::guard::registry::RegistryOptions,
         view: &std::sync::Arc<super::check::ImageView>,
-        metrics: &credgate_agent::metrics::AgentMetrics,
+        metrics: &crate::metrics::ProxyMetrics,
     ) -> (Capture, tokio::task::JoinHandle<()>) {
         let verifier = credgate_agent::guard::registry::Verifier::new(registry);
         let (capturer, task) = Capturer::start(captured.clone(), verifier, metrics.clone());

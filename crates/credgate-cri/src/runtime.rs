@@ -13,8 +13,7 @@ use tokio::task::JoinSet;
 
 use super::budget::{self, Budgets, Taken, Unread};
 use super::Body;
-use credgate_agent::listener::Guarded;
-use credgate_agent::status::ApiError;
+use credgate_listener::Guarded;
 
 /// One HTTP/2 connection to the runtime, made on first use and again after it fails.
 pub(super) struct Runtime {
@@ -74,8 +73,34 @@ pub(super) struct CallerConn {
     pub(super) budgets: Budgets,
 }
 
+/// Why the proxy answered a call itself: every status of its own comes from here.
+#[derive(Debug)]
+pub(super) enum ProxyError {
+    /// The caller's deadline passed.
+    Deadline(String),
+    /// A message larger than the proxy reads, or than its budget holds now.
+    TooLarge(String),
+    /// The container runtime cannot be reached or broke off.
+    Runtime(String),
+    /// The caller gave up on its call (its request ended early).
+    Cancelled(String),
+}
+
+impl From<ProxyError> for tonic::Status {
+    fn from(e: ProxyError) -> tonic::Status {
+        use tonic::Code;
+        let (code, message) = match e {
+            ProxyError::Deadline(m) => (Code::DeadlineExceeded, m),
+            ProxyError::TooLarge(m) => (Code::ResourceExhausted, m),
+            ProxyError::Runtime(m) => (Code::Unavailable, m),
+            ProxyError::Cancelled(m) => (Code::Cancelled, m),
+        };
+        tonic::Status::new(code, message)
+    }
+}
+
 /// The proxy's own error as a trailers-only answer.
-pub(super) fn status(e: ApiError) -> hyper::Response<Body> {
+pub(super) fn status(e: ProxyError) -> hyper::Response<Body> {
     tonic::Status::from(e)
         .into_http::<tonic::body::Body>()
         .map(|b| b.map_err(|e| Box::new(e) as _).boxed_unsync())
@@ -215,14 +240,14 @@ pub(super) async fn read_whole(
     let (parts, body) = request.into_parts();
     match budget::collect(body, limit, &caller.budgets).await {
         Ok(c) => Ok((parts, c.data, c.taken)),
-        Err(Unread::TooLarge) => Err(status(ApiError::TooLarge(format!(
+        Err(Unread::TooLarge) => Err(status(ProxyError::TooLarge(format!(
             "credgate: a {what} request larger than {} KiB",
             limit >> 10
         )))),
-        Err(Unread::Exhausted) => Err(status(ApiError::TooLarge(format!(
+        Err(Unread::Exhausted) => Err(status(ProxyError::TooLarge(format!(
             "credgate: too many unfinished requests held for this connection or for all callers; {what} refused"
         )))),
-        Err(Unread::Broken) => Err(status(ApiError::Cancelled(format!(
+        Err(Unread::Broken) => Err(status(ProxyError::Cancelled(format!(
             "credgate: the {what} request ended before its message did"
         )))),
     }
@@ -256,12 +281,12 @@ pub(super) async fn exchange(
     let collected =
         match budget::collect(body, limit, &caller.budgets).await {
             Ok(c) => c,
-            Err(Unread::Exhausted) => return Err(status(ApiError::TooLarge(
+            Err(Unread::Exhausted) => return Err(status(ProxyError::TooLarge(
                 "credgate: too many unfinished answers held for this connection or for all callers"
                     .into(),
             ))),
             Err(Unread::TooLarge | Unread::Broken) => {
-                return Err(status(ApiError::Runtime(
+                return Err(status(ProxyError::Runtime(
                     "credgate: the runtime's answer was cut short or too large".into(),
                 )))
             }
@@ -296,7 +321,7 @@ pub(super) fn framed(message: &[u8]) -> Option<Bytes> {
 
 pub(super) fn unreachable_runtime(runtime: &Runtime, e: &std::io::Error) -> hyper::Response<Body> {
     runtime.unreachable.inc();
-    status(ApiError::Runtime(format!(
+    status(ProxyError::Runtime(format!(
         "credgate: cannot reach the container runtime at {}: {e}",
         runtime.path.display()
     )))
@@ -304,7 +329,7 @@ pub(super) fn unreachable_runtime(runtime: &Runtime, e: &std::io::Error) -> hype
 
 pub(super) fn broken_runtime(runtime: &Runtime, e: &hyper::Error) -> hyper::Response<Body> {
     runtime.unreachable.inc();
-    status(ApiError::Runtime(format!(
+    status(ProxyError::Runtime(format!(
         "credgate: the container runtime's connection failed: {e}"
     )))
 }

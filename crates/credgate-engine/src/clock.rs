@@ -4,6 +4,12 @@
 
 use std::time::{Duration, Instant, SystemTime};
 
+/// Milliseconds since the Unix epoch (0 before it), as the API and the state files write times.
+pub fn unix_ms(t: SystemTime) -> i64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
+
 /// A source of time.
 pub trait Clock: Send + Sync + 'static {
     /// Monotonic now.

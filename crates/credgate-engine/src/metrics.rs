@@ -4,7 +4,7 @@
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
-use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
+use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::{Atomic, Counter};
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -72,11 +72,22 @@ struct FailureLabels {
     reason: FailureReason,
 }
 
-impl EncodeLabelValue for FailureReason {
-    fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
-        EncodeLabelValue::encode(&self.as_str(), encoder)
-    }
+/// A metric label's value is its `as_str`: for the label enums of every crate.
+#[macro_export]
+macro_rules! label_values {
+    ($($label:ty),*) => {
+        $(impl prometheus_client::encoding::EncodeLabelValue for $label {
+            fn encode(
+                &self,
+                encoder: &mut prometheus_client::encoding::LabelValueEncoder,
+            ) -> std::fmt::Result {
+                std::fmt::Write::write_str(encoder, self.as_str())
+            }
+        })*
+    };
 }
+
+label_values!(FailureReason);
 
 /// Every metric family of the engine; providers hold handles into it.
 #[derive(Clone)]

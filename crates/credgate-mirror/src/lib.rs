@@ -28,14 +28,14 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use secrecy::ExposeSecret as _;
 
 use credgate_agent::captured::Captured;
-use credgate_agent::conn::Throttle;
 use credgate_agent::guard::registry::RegistryOptions;
-use credgate_agent::listener::{Accept, Listener, ListenerLimits, Peer};
 use credgate_agent::metrics::AgentMetrics;
 use credgate_agent::refusal::Refuser;
 use credgate_agent::tasks::CancellationToken;
 use credgate_agent::{CallerAllowlist, Service};
 use credgate_engine::Engine;
+use credgate_listener::conn::Throttle;
+use credgate_listener::{Accept, Listener, ListenerLimits, Peer};
 
 use route::{NotRoute, Route};
 use upstream::{Credential, Upstream};
@@ -173,7 +173,7 @@ async fn accept_loop(
         "registry_mirror",
         Loopback(listener),
         options.limits.clone(),
-        shared.context.metrics.clone(),
+        shared.context.metrics.connections.clone(),
     );
     while let Some(accepted) = listener.next(shutdown).await {
         let (shared, registries) = (shared.clone(), registries.clone());

@@ -29,7 +29,7 @@ pub struct ProxyConfig {
     pub registry: RegistryOptions,
     /// The images the node keeps present, pulled on its own behalf (the runtime's sandbox
     /// image, the operator's kept images: decision 0022), and how often they are checked.
-    pub node_images: Vec<credgate_agent::node_images::NodeImage>,
+    pub node_images: Vec<credgate_cri::node_images::NodeImage>,
     pub keep_every: Duration,
     /// The most of a `ListImages` answer the proxy reads for itself
     /// ([`credgate_cri::MAX_LIST_MESSAGE`] unless a test lowers it).
@@ -116,7 +116,7 @@ const RESERVED_DESCRIPTORS: usize = 256;
 /// `limits` with the API's connection budget fitting the open-file limit (raised to its hard
 /// maximum first): every listener has a budget of its own, and together they fit.
 fn fit_open_files(mut limits: server::Limits, proxy: bool) -> server::Limits {
-    let nofile = credgate_agent::conn::raise_nofile_limit();
+    let nofile = credgate_listener::conn::raise_nofile_limit();
     let proxy = if proxy {
         credgate_cri::default_limits().max_connections
     } else {
@@ -198,6 +198,24 @@ fn open_captured(
     Ok(None)
 }
 
+/// What the proxy tells the agent's `Admin` service: the seam between the two crates is
+/// crossed here, in the composition root, and nowhere else.
+struct ProxyView(credgate_cri::Context);
+
+impl credgate_agent::explain::ProxyView for ProxyView {
+    fn explain(&self, image: &str, answer: &mut credgate_api::v1::ExplainResponse) {
+        self.0.explain(image, answer);
+    }
+
+    fn pulls(&self, repository: Option<&str>) -> Vec<credgate_api::v1::Pull> {
+        self.0.list_pulls(repository)
+    }
+
+    fn node_images(&self) -> Vec<credgate_api::v1::NodeImageStatus> {
+        self.0.node_images_status()
+    }
+}
+
 impl Node {
     /// Builds the agent (never running a plugin), binds every socket and starts every task;
     /// returns once the CRI proxy, when configured, serves.
@@ -223,6 +241,13 @@ impl Node {
             .clone();
         options.agent.captured = open_captured(options.proxy.as_ref(), &options.state_dir, &clock)?;
         let limits = fit_open_files(options.limits, options.proxy.is_some());
+        // The proxy's families are registered beside the agent's whether it runs or not: the
+        // alert rules and the dashboard read them.
+        let proxy_metrics = credgate_cri::metrics::ProxyMetrics::default();
+        options.agent.also_register = Some(Arc::new({
+            let m = proxy_metrics.clone();
+            move |r| m.register(r)
+        }));
         let agent = Agent::new(options.agent)?;
         let mut handed = options.handed;
         let (listener, bound) = match handed
@@ -266,7 +291,7 @@ impl Node {
                 let inherited = handed
                     .take("cri", &p.socket, "--cri-proxy-socket")
                     .map_err(NodeError::Handed)?;
-                Some(Self::proxy(&agent, p, &limits, inherited).await?)
+                Some(Self::proxy(&agent, proxy_metrics, p, &limits, inherited).await?)
             }
             None => None,
         };
@@ -352,6 +377,7 @@ impl Node {
     /// waits for its thread and logs when it ends early.
     async fn proxy(
         agent: &Agent,
+        metrics: credgate_cri::metrics::ProxyMetrics,
         config: &ProxyConfig,
         limits: &server::Limits,
         inherited: Option<std::os::unix::net::UnixListener>,
@@ -374,18 +400,19 @@ impl Node {
         tracing::info!(socket = %config.socket.display(), runtime = %runtime.display(), "serving the CRI image-service proxy");
         let context = credgate_cri::Context {
             clock: agent.clock().clone(),
-            metrics: agent.metrics().clone(),
+            metrics,
+            connections: agent.metrics().connections.clone(),
             engine: agent.engine_handle(),
             refusal: agent.refusal().clone(),
-            pulls: agent.pulls().clone(),
-            node_images: agent.node_images().clone(),
+            pulls: Arc::default(),
+            node_images: Arc::default(),
             policy: config.policy.clone(),
         };
         let options = credgate_cri::ProxyOptions {
             runtime,
             captured: agent.captured().cloned(),
             guard: agent.guard().cloned(),
-            limits: credgate_agent::listener::ListenerLimits {
+            limits: credgate_listener::ListenerLimits {
                 shutdown_timeout: limits.shutdown_timeout,
                 ..credgate_cri::default_limits()
             },
@@ -399,7 +426,7 @@ impl Node {
         let thread = credgate_cri::start(listener, options, agent.tasks().token().clone())
             .await
             .map_err(|e| failed(credgate_core::text::error_chain(&e)))?;
-        agent.set_proxy_running(Arc::new(context));
+        agent.set_proxy_running(Arc::new(ProxyView(context)));
         let stopping = agent.tasks().token().clone();
         let watched = agent.clone();
         agent.tasks().spawn_blocking(move || {

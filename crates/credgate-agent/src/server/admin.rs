@@ -226,31 +226,9 @@ impl Admin for Api {
             };
             let pulls = self
                 .agent
-                .pulls()
-                .list(repository.as_deref())
-                .into_iter()
-                .map(|p| {
-                    let (auth, source_kind, source) = p.auth.wire();
-                    pb::Pull {
-                        at_unix_ms: unix_ms(Some(p.at)),
-                        image: p.image,
-                        pod_namespace: p.pod_namespace,
-                        pod_name: p.pod_name,
-                        auth: auth as i32,
-                        source_kind: source_kind as i32,
-                        source,
-                        result: crate::outcome::PullResult::of(p.code, &p.message).wire() as i32,
-                        code: p.code,
-                        message: p.message,
-                        duration_ms: u64::try_from(p.duration.as_millis()).unwrap_or(u64::MAX),
-                        refusal: p.refusal,
-                        node_image: p
-                            .node_image
-                            .map(|w| w.as_str().to_owned())
-                            .unwrap_or_default(),
-                    }
-                })
-                .collect();
+                .proxy_view()
+                .map(|view| view.pulls(repository.as_deref()))
+                .unwrap_or_default();
             Ok(Response::new(pb::ListPullsResponse { pulls }))
         })
         .await
@@ -348,36 +326,9 @@ impl Api {
             cri_proxy: self.agent.proxy_state(),
             node_images: self
                 .agent
-                .node_images()
-                .list()
-                .into_iter()
-                .map(node_image)
-                .collect(),
+                .proxy_view()
+                .map(|view| view.node_images())
+                .unwrap_or_default(),
         }
-    }
-}
-
-/// What the keeper knows of a node image, as `Status` tells it.
-fn node_image(s: crate::node_images::Seen) -> pb::NodeImageStatus {
-    let pull = s.last_pull.as_ref();
-    pb::NodeImageStatus {
-        image: s.image.image,
-        why: s.image.why.as_str().to_owned(),
-        named_by: s.image.named_by,
-        state: match s.present {
-            Some(true) => "PRESENT",
-            Some(false) => "ABSENT",
-            None => "UNKNOWN",
-        }
-        .to_owned(),
-        checked_unix_ms: unix_ms(s.checked),
-        pulled_unix_ms: unix_ms(pull.map(|p| p.at)),
-        pull_auth: pull.map(|p| p.auth.to_string()).unwrap_or_default(),
-        pull_result: pull
-            .map(|p| p.result.as_str().to_owned())
-            .unwrap_or_default(),
-        pull_message: pull.map(|p| p.message.clone()).unwrap_or_default(),
-        failures: s.failures,
-        retry_unix_ms: unix_ms(s.retry_at),
     }
 }

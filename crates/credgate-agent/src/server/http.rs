@@ -3,7 +3,7 @@
 //! every request, the deadlines of a connection (handshake, idle, per request), and graceful
 //! shutdown with a deadline of its own.
 //!
-//! Every call runs as a task of its own (the listener's [`crate::listener::Streams`], ended
+//! Every call runs as a task of its own (the listener's [`credgate_listener::Streams`], ended
 //! when it drains), so a slow call never holds up the other calls of its connection.
 
 use crate::tasks::CancellationToken;
@@ -18,8 +18,8 @@ use tonic::service::Routes;
 
 use super::{Limits, Peer};
 use crate::agent::CallerAllowlist;
-use crate::listener::{ConnectionState, Listener, OpenBody};
 use crate::metrics::AgentMetrics;
+use credgate_listener::{ConnectionState, Listener, OpenBody};
 
 /// The largest header block a client may send.
 pub const MAX_HEADER_LIST: u32 = 16 << 10;
@@ -38,7 +38,7 @@ pub(super) async fn serve(
     // Root and the agent's own uid count only against the total, so that another local user
     // can never take every connection from them; a caller that no service admits has nothing
     // to do here and is closed at once, holding nothing.
-    let mut listener = Listener::new("api", listener, limits.listener(), metrics)
+    let mut listener = Listener::new("api", listener, limits.listener(), metrics.connections)
         .admit(move |uid| callers.admits_any(uid));
     let mut http2 = listener.http2(limits.max_streams, MAX_HEADER_LIST);
     http2

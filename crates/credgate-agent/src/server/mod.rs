@@ -113,7 +113,7 @@ fn service_account(sa: pb::ServiceAccount) -> Result<ServiceAccount, Status> {
     })
 }
 
-use crate::listener::Peer;
+use credgate_listener::Peer;
 
 /// An answer with no credential and no failure says why, source by source (`explain`).
 fn with_reasons(
@@ -274,8 +274,8 @@ pub struct Limits {
 impl Limits {
     /// The listener's part of the limits (root and the agent's own uid exempt from the
     /// per-uid share).
-    pub fn listener(&self) -> crate::listener::ListenerLimits {
-        crate::listener::ListenerLimits {
+    pub fn listener(&self) -> credgate_listener::ListenerLimits {
+        credgate_listener::ListenerLimits {
             max_connections: self.max_connections,
             max_connections_per_uid: self.max_connections_per_uid,
             exempt: Vec::new(),

@@ -13,7 +13,6 @@ pub mod sealed;
 use std::io::{Read as _, Write as _};
 use std::os::unix::fs::OpenOptionsExt as _;
 use std::path::Path;
-use std::time::SystemTime;
 
 /// The file's bytes: `None` when there is none; an error (never a wait) when it is a link,
 /// not a regular file, not the agent's own, writable by others, or larger than `max` bytes.
@@ -151,14 +150,10 @@ pub(crate) fn private_dir() -> tempfile::TempDir {
 /// through its clock).
 #[cfg(test)]
 pub(crate) fn now_ms() -> i64 {
-    unix_ms(SystemTime::now())
+    unix_ms(std::time::SystemTime::now())
 }
 
-/// `t` in milliseconds since the Unix epoch.
-pub fn unix_ms(t: SystemTime) -> i64 {
-    t.duration_since(SystemTime::UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
-}
+pub use credgate_engine::clock::unix_ms;
 
 /// Creates the state directory (0700) when it is absent, and refuses it unless it is the
 /// agent's own: not a link, owned by the agent's uid, writable by nobody else, and every

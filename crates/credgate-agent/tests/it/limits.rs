@@ -447,7 +447,7 @@ async fn the_metrics_listener_bounds_idle_connections() {
         counters.clone(),
         stop.clone(),
     ));
-    let held = counters.open_connections("metrics");
+    let held = counters.connections.open("metrics");
     let outcome = tokio::task::spawn_blocking(move || {
         let read_to_end = |s: &mut TcpStream| -> (bool, Vec<u8>) {
             s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();

@@ -111,6 +111,8 @@ fn node_options(args: &ServeArgs) -> Result<NodeOptions> {
             // With the CRI proxy the node's image calls pass through the agent: a provider
             // config it refuses at start must not stop the pods that need nothing from it.
             serve_without_refused_sources: args.cri_proxy_socket.is_some(),
+            // The node registers the CRI proxy's families (`node.rs`).
+            also_register: None,
         },
         state_dir,
         socket: args
@@ -162,7 +164,7 @@ fn node_options(args: &ServeArgs) -> Result<NodeOptions> {
 
 /// The images the node keeps present: the sandbox image (named, or read from containerd's
 /// config), then the kept ones.
-fn node_images(args: &ServeArgs) -> Result<Vec<credgate_agent::node_images::NodeImage>> {
+fn node_images(args: &ServeArgs) -> Result<Vec<credgate_cri::node_images::NodeImage>> {
     let sandbox = match (&args.cri_sandbox_image, &args.cri_runtime_config) {
         (Some(image), _) => Some((image.clone(), "--cri-sandbox-image".to_owned())),
         (None, Some(path)) => {
@@ -177,7 +179,7 @@ fn node_images(args: &ServeArgs) -> Result<Vec<credgate_agent::node_images::Node
         }
         (None, None) => None,
     };
-    credgate_agent::node_images::named(sandbox, &args.cri_proxy_keep_image).map_err(|e| {
+    credgate_cri::node_images::named(sandbox, &args.cri_proxy_keep_image).map_err(|e| {
         crate::usage(format!(
             "invalid node image: {}",
             credgate_core::text::error_chain(&e)

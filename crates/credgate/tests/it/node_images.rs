@@ -389,7 +389,7 @@ async fn a_removal_storm_of_a_kept_image_costs_a_bounded_number_of_pulls() {
     let mut most = 1;
     let mut waited = Duration::ZERO;
     while waited <= elapsed {
-        waited += credgate_agent::node_images::backoff(most as u32 - 1);
+        waited += credgate_cri::node_images::backoff(most as u32 - 1);
         most += 1;
     }
     assert!(

@@ -2,7 +2,6 @@
 //! uid), accept errors that pause instead of spinning, warnings that cannot flood the log, and
 //! IO that remembers how much its peer sent and when.
 
-use crate::tasks::CancellationToken;
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::io;
@@ -11,6 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
 
 use tokio::io::{AsyncRead, ReadBuf};
 

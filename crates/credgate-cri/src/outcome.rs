@@ -1,57 +1,7 @@
-//! Where a pull's credential came from and how the pull ended: the words the pull log, the
-//! metrics, `Status`, `explain` and the CRI proxy share. A leaf: it names no other module.
+//! How a pull through the proxy went: the credential it went with and the runtime's answer,
+//! in the words the pull log, the proxy's metrics, `Status` and `explain` share.
 
-/// The source that gave a credential.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Given {
-    /// A provider's cached answer (by provider name).
-    Provider(String),
-    /// A node-wide docker config file (by path).
-    DockerConfig(String),
-    /// The pull credential the CRI proxy captured for the repository (the pod's namespace).
-    Captured(String),
-}
-
-impl From<credgate_engine::Source> for Given {
-    fn from(source: credgate_engine::Source) -> Given {
-        match source {
-            credgate_engine::Source::Provider(name) => Given::Provider(name),
-            credgate_engine::Source::DockerConfig(file) => Given::DockerConfig(file),
-        }
-    }
-}
-
-impl Given {
-    /// The API's kind of source and its name (provider, docker config path, namespace).
-    pub fn wire(&self) -> (credgate_api::v1::SourceKind, String) {
-        use credgate_api::v1::SourceKind;
-        match self {
-            Given::Provider(name) => (SourceKind::Provider, name.clone()),
-            Given::DockerConfig(file) => (SourceKind::DockerConfig, file.clone()),
-            Given::Captured(namespace) => (SourceKind::Captured, namespace.clone()),
-        }
-    }
-
-    /// Its kind, as metrics label it: `provider`, `docker_config`, `captured`.
-    pub fn label(&self) -> AuthLabel {
-        match self {
-            Given::Provider(_) => AuthLabel::Provider,
-            Given::DockerConfig(_) => AuthLabel::DockerConfig,
-            Given::Captured(_) => AuthLabel::Captured,
-        }
-    }
-}
-
-impl std::fmt::Display for Given {
-    /// As the pull log names it: `provider:NAME`, `docker-config`, `captured`.
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Given::Provider(name) => write!(f, "provider:{name}"),
-            Given::DockerConfig(_) => f.write_str("docker-config"),
-            Given::Captured(_) => f.write_str("captured"),
-        }
-    }
-}
+use credgate_agent::refusal::Given;
 
 /// The credential a pull through the proxy went with.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -107,7 +57,7 @@ impl PullAuth {
     pub fn label(&self) -> AuthLabel {
         match self {
             PullAuth::None => AuthLabel::None,
-            PullAuth::Given(g) => g.label(),
+            PullAuth::Given(g) => AuthLabel::of(g),
             PullAuth::Filled(_) => AuthLabel::Filled,
             PullAuth::Unknown => AuthLabel::Unknown,
         }
@@ -126,6 +76,15 @@ pub enum AuthLabel {
 }
 
 impl AuthLabel {
+    /// A source's kind.
+    pub fn of(given: &Given) -> AuthLabel {
+        match given {
+            Given::Provider(_) => AuthLabel::Provider,
+            Given::DockerConfig(_) => AuthLabel::DockerConfig,
+            Given::Captured(_) => AuthLabel::Captured,
+        }
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             AuthLabel::None => "none",
@@ -213,22 +172,7 @@ fn unquoted(message: &str) -> String {
     out
 }
 
-/// A metric label's value: its `as_str` (for the label enums of every module).
-macro_rules! label_values {
-    ($($label:ty),*) => {
-        $(impl prometheus_client::encoding::EncodeLabelValue for $label {
-            fn encode(
-                &self,
-                encoder: &mut prometheus_client::encoding::LabelValueEncoder,
-            ) -> std::fmt::Result {
-                std::fmt::Write::write_str(encoder, self.as_str())
-            }
-        })*
-    };
-}
-
-pub(crate) use label_values;
-label_values!(AuthLabel, PullResult, Why);
+credgate_engine::label_values!(AuthLabel, PullResult, Why);
 
 /// Why the node keeps an image.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -58,7 +58,7 @@ pub struct PullRecord {
     pub message: String,
     pub duration: Duration,
     /// For a pull that ended unauthorized with a credential one of the agent's sources gave:
-    /// what became of it ([`crate::refusal::Report::describe`], or why it was not sent).
+    /// what became of it ([`credgate_agent::refusal::Report::describe`], or why it was not sent).
     pub refusal: String,
     /// A pull the agent made itself, on the node's behalf, and why (no caller asked for it).
     pub node_image: Option<crate::outcome::Why>,

@@ -1,7 +1,7 @@
 //! The images the node keeps present on its own behalf: the runtime's sandbox (pause) image and
-//! the images the operator names (`--cri-proxy-keep-image`). The CRI proxy's keeper
-//! (`credgate-cri`'s `keep.rs`) checks and pulls them; this is what it knows of each, for `Status`,
-//! `explain`, the pull log and metrics (decision 0022).
+//! the images the operator names (`--cri-proxy-keep-image`). The keeper (`keep.rs`) checks
+//! and pulls them; this is what it knows of each, for `Status`, `explain`, the pull log and
+//! metrics (decision 0022).
 
 use std::time::{Duration, SystemTime};
 
@@ -104,6 +104,32 @@ impl NodeImages {
             .iter()
             .filter(|s| s.present == Some(false))
             .count()
+    }
+}
+
+/// What the keeper knows of a node image, as `Status` tells it.
+pub fn status(s: Seen) -> credgate_api::v1::NodeImageStatus {
+    let pull = s.last_pull.as_ref();
+    let ms = |t: Option<SystemTime>| t.map_or(0, credgate_engine::clock::unix_ms);
+    credgate_api::v1::NodeImageStatus {
+        image: s.image.image,
+        why: s.image.why.as_str().to_owned(),
+        named_by: s.image.named_by,
+        state: match s.present {
+            Some(true) => "PRESENT",
+            Some(false) => "ABSENT",
+            None => "UNKNOWN",
+        }
+        .to_owned(),
+        checked_unix_ms: ms(s.checked),
+        pulled_unix_ms: ms(pull.map(|p| p.at)),
+        pull_auth: pull.map(|p| p.auth.to_string()).unwrap_or_default(),
+        pull_result: pull
+            .map(|p| p.result.as_str().to_owned())
+            .unwrap_or_default(),
+        pull_message: pull.map(|p| p.message.clone()).unwrap_or_default(),
+        failures: s.failures,
+        retry_unix_ms: ms(s.retry_at),
     }
 }
 

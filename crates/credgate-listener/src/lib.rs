@@ -1,5 +1,5 @@
-//! The one accept loop of every listener of the agent: the API socket, the CRI proxy's socket
-//! and the metrics port.
+//! The one accept loop of every listener of the agent: the API socket, the CRI proxy's socket,
+//! the registry mirror's and the metrics port.
 //!
 //! A [`Listener`] decides at accept whether a connection may stay (the caller's uid admitted,
 //! a slot free in its budget: in all and per uid), owns every connection task it starts
@@ -9,7 +9,6 @@
 //! budgets together fit in the open-file limit (`credgate serve` sizes them), so that no
 //! listener can take descriptors from another.
 
-use crate::tasks::CancellationToken;
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
@@ -17,6 +16,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
+use tokio_util::sync::CancellationToken;
 
 use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
@@ -24,8 +24,14 @@ use prometheus_client::metrics::gauge::Gauge;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::task::JoinSet;
 
-use crate::conn::{self, Activity, Slot, Slots, Throttle};
-use crate::metrics::AgentMetrics;
+pub mod conn;
+mod rewrite;
+
+use crate::conn::{Activity, Slot, Slots, Throttle};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry;
 
 /// Who is calling: the peer's credentials of a unix socket (SO_PEERCRED); nothing for TCP.
 #[derive(Debug, Clone, Copy, Default)]
@@ -163,6 +169,58 @@ impl ListenerLimits {
 
 type Admit = Arc<dyn Fn(Option<u32>) -> bool + Send + Sync>;
 
+/// A listener's name (`api`, `metrics`, `cri-proxy`, `registry-mirror`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ListenerLabels {
+    listener: &'static str,
+}
+
+/// A connection a listener closed: its name and `reason`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ClosedLabels {
+    listener: &'static str,
+    reason: &'static str,
+}
+
+/// The connection families every listener counts into (`credgate_connections`,
+/// `credgate_connections_closed_total`). Cheap to clone; clones count into the same families.
+#[derive(Clone, Default)]
+pub struct ConnectionMetrics {
+    open: Family<ListenerLabels, Gauge>,
+    closed: Family<ClosedLabels, Counter>,
+}
+
+impl ConnectionMetrics {
+    /// Registers both families (into a registry with the `credgate` prefix).
+    pub fn register(&self, r: &mut Registry) {
+        r.register(
+            "connections",
+            "Open connections by listener (api, metrics, cri-proxy, registry-mirror)",
+            self.open.clone(),
+        );
+        r.register(
+            "connections_closed",
+            "Connections the agent closed at once or early, by listener and reason",
+            self.closed.clone(),
+        );
+    }
+
+    /// The gauge of open connections of `listener`.
+    pub fn open(&self, listener: &'static str) -> Gauge {
+        self.open
+            .get_or_create(&ListenerLabels { listener })
+            .clone()
+    }
+
+    /// Counts a connection a listener closed at once or early (limit, uid_limit,
+    /// not_allowed, handshake_timeout, idle_timeout).
+    pub fn closed(&self, listener: &'static str, reason: &'static str) {
+        self.closed
+            .get_or_create(&ClosedLabels { listener, reason })
+            .inc();
+    }
+}
+
 /// A listening socket and the connections it accepted.
 pub struct Listener<L> {
     what: &'static str,
@@ -170,7 +228,7 @@ pub struct Listener<L> {
     slots: Slots,
     limits: ListenerLimits,
     admit: Admit,
-    metrics: AgentMetrics,
+    metrics: ConnectionMetrics,
     open: Gauge,
     accept_errors: Throttle,
     refusals: Throttle,
@@ -191,13 +249,13 @@ pub struct Held {
     _slot: Slot,
     open: Gauge,
     what: &'static str,
-    metrics: AgentMetrics,
+    metrics: ConnectionMetrics,
 }
 
 impl Held {
     /// Counts why the agent closed the connection early.
     pub fn closed(&self, reason: &'static str) {
-        self.metrics.connection_closed(self.what, reason);
+        self.metrics.closed(self.what, reason);
     }
 }
 
@@ -213,7 +271,7 @@ impl<L: Accept> Listener<L> {
         what: &'static str,
         socket: L,
         limits: ListenerLimits,
-        metrics: AgentMetrics,
+        metrics: ConnectionMetrics,
     ) -> Self {
         Listener {
             what,
@@ -223,7 +281,7 @@ impl<L: Accept> Listener<L> {
                 limits.max_connections_per_uid,
                 limits.exempt.clone(),
             ),
-            open: metrics.open_connections(what),
+            open: metrics.open(what),
             limits,
             admit: Arc::new(|_| true),
             metrics,
@@ -279,7 +337,7 @@ impl<L: Accept> Listener<L> {
     }
 
     fn refuse(&self, reason: &'static str, peer: Peer) {
-        self.metrics.connection_closed(self.what, reason);
+        self.metrics.closed(self.what, reason);
         if let Some(held) = self.refusals.check() {
             tracing::warn!(
                 listener = self.what,
