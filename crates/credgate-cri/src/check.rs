@@ -95,13 +95,48 @@ pub(super) struct ImageView {
 
 /// The longest reading the runtime's image list may take.
 const LIST_TIMEOUT: Duration = Duration::from_secs(60);
+/// Why the runtime's image list was not read whole (and nothing is acted on).
+#[derive(Debug, thiserror::Error)]
+pub(super) enum Unlisted {
+    #[error("the runtime did not list its images within {0:?}")]
+    Timeout(Duration),
+    #[error("the request could not be built")]
+    Unbuilt,
+    #[error("cannot reach the runtime")]
+    Unreachable(#[source] std::io::Error),
+    #[error("the runtime's connection failed")]
+    Connection(#[source] hyper::Error),
+    #[error("the stream ended without a status")]
+    NoStatus,
+    #[error("the stream broke")]
+    Broken(#[source] hyper::Error),
+    #[error("the stream ended inside a message")]
+    Cut,
+    #[error("StreamImages ended with code {code}: {message}")]
+    Status { code: i32, message: String },
+    #[error("a compressed StreamImages message")]
+    Compressed,
+    #[error(
+        "a StreamImages message of {0} bytes, more than the {MAX_LIST_MESSAGE} the proxy reads"
+    )]
+    TooLarge(usize),
+    #[error("a StreamImages message that does not decode")]
+    Undecodable(#[source] ListError),
+    #[error("ListImages (the runtime serves no StreamImages; at most {limit} bytes are read)")]
+    List {
+        limit: usize,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+}
+
 /// What a `StreamImages` call gave.
 enum Streamed {
     /// The candidates the list names.
     All(HashSet<String>),
     /// The runtime does not serve it (containerd before 2.4): `ListImages` instead.
     Unimplemented,
-    Incomplete(String),
+    Incomplete(Unlisted),
 }
 
 impl ImageView {
@@ -110,7 +145,7 @@ impl ImageView {
     pub(super) async fn present(
         &self,
         candidates: &HashSet<String>,
-    ) -> Result<HashSet<String>, String> {
+    ) -> Result<HashSet<String>, Unlisted> {
         let _one_at_a_time = self.reading.lock().await;
         let read = async {
             match self.stream(candidates).await {
@@ -121,11 +156,7 @@ impl ImageView {
         };
         tokio::time::timeout(LIST_TIMEOUT, read)
             .await
-            .unwrap_or_else(|_| {
-                Err(format!(
-                    "the runtime did not list its images within {LIST_TIMEOUT:?}"
-                ))
-            })
+            .unwrap_or(Err(Unlisted::Timeout(LIST_TIMEOUT)))
     }
 
     /// `StreamImages`, read batch by batch.
@@ -133,7 +164,7 @@ impl ImageView {
         let runtime = &self.own.runtime;
         let frame = credgate_api::unary::grpc_message(&wire::StreamImagesRequest {});
         let Some(parts) = runtime::own_call(wire::STREAM_IMAGES, Some(LIST_TIMEOUT)) else {
-            return Streamed::Incomplete("the request could not be built".into());
+            return Streamed::Incomplete(Unlisted::Unbuilt);
         };
         let request = hyper::Request::from_parts(
             parts,
@@ -143,11 +174,11 @@ impl ImageView {
         );
         let answer = match runtime.sender().await {
             Ok(mut sender) => sender.send_request(request).await,
-            Err(e) => return Streamed::Incomplete(format!("cannot reach the runtime: {e}")),
+            Err(e) => return Streamed::Incomplete(Unlisted::Unreachable(e)),
         };
         let (parts, mut body) = match answer {
             Ok(answer) => answer.into_parts(),
-            Err(e) => return Streamed::Incomplete(format!("the runtime's connection failed: {e}")),
+            Err(e) => return Streamed::Incomplete(Unlisted::Connection(e)),
         };
         if let Some(code) = grpc_code(&parts.headers) {
             // A trailers-only answer: no image, or an error.
@@ -158,8 +189,8 @@ impl ImageView {
         let mut received = false;
         loop {
             let frame = match body.frame().await {
-                None => return Streamed::Incomplete("the stream ended without a status".into()),
-                Some(Err(e)) => return Streamed::Incomplete(format!("the stream broke: {e}")),
+                None => return Streamed::Incomplete(Unlisted::NoStatus),
+                Some(Err(e)) => return Streamed::Incomplete(Unlisted::Broken(e)),
                 Some(Ok(frame)) => frame,
             };
             let data = match frame.into_data() {
@@ -168,7 +199,7 @@ impl ImageView {
                     let trailers = frame.into_trailers().unwrap_or_default();
                     let code = grpc_code(&trailers).unwrap_or(2);
                     if !buffer.is_empty() {
-                        return Streamed::Incomplete("the stream ended inside a message".into());
+                        return Streamed::Incomplete(Unlisted::Cut);
                     }
                     return ended(code, &trailers, found, received);
                 }
@@ -183,12 +214,10 @@ impl ImageView {
     }
 
     /// `ListImages`, read whole within the limit, its images decoded one at a time.
-    async fn unary(&self, candidates: &HashSet<String>) -> Result<HashSet<String>, String> {
-        let why = |why: String| {
-            format!(
-                "ListImages (the runtime serves no StreamImages; at most {} bytes are read): {why}",
-                self.limit
-            )
+    async fn unary(&self, candidates: &HashSet<String>) -> Result<HashSet<String>, Unlisted> {
+        let why = |source: Box<dyn std::error::Error + Send + Sync>| Unlisted::List {
+            limit: self.limit,
+            source,
         };
         let list = ask_bytes(
             &self.own,
@@ -197,10 +226,10 @@ impl ImageView {
             self.limit,
         )
         .await
-        .map_err(why)?;
+        .map_err(|e| why(Box::new(e)))?;
         let mut found = HashSet::new();
         each_image(&list, |image| named(&image, candidates, &mut found))
-            .map_err(|e| why(e.to_string()))?;
+            .map_err(|e| why(Box::new(e)))?;
         Ok(found)
     }
 
@@ -216,7 +245,7 @@ impl ImageView {
             Ok(remaining) => remaining,
             Err(why) => {
                 self.metrics.image_list_incomplete.inc();
-                tracing::warn!(why = %why, "the runtime's image list could not be read whole: no captured credential is dropped on a part of it");
+                tracing::warn!(why = %credgate_core::text::error_chain(&why), "the runtime's image list could not be read whole: no captured credential is dropped on a part of it");
                 return;
             }
         };
@@ -329,16 +358,14 @@ fn take_batches(
     buffer: &mut Vec<u8>,
     candidates: &HashSet<String>,
     found: &mut HashSet<String>,
-) -> Result<usize, String> {
+) -> Result<usize, Unlisted> {
     let mut taken = 0;
     while let Some(len) = next_message(buffer) {
         if buffer.first().is_some_and(|&flag| flag != 0) {
-            return Err("a compressed StreamImages message".into());
+            return Err(Unlisted::Compressed);
         }
         if len > MAX_LIST_MESSAGE {
-            return Err(format!(
-                "a StreamImages message of {len} bytes, more than the {MAX_LIST_MESSAGE} the proxy reads"
-            ));
+            return Err(Unlisted::TooLarge(len));
         }
         if buffer.len() < 5 + len {
             break;
@@ -346,7 +373,7 @@ fn take_batches(
         each_image(&buffer[5..5 + len], |image| {
             named(&image, candidates, found)
         })
-        .map_err(|why| format!("a StreamImages message that does not decode: {why}"))?;
+        .map_err(Unlisted::Undecodable)?;
         buffer.drain(..5 + len);
         taken += 1;
     }
@@ -370,10 +397,10 @@ fn ended(
         0 => Streamed::All(found),
         // UNIMPLEMENTED before any batch: a runtime without StreamImages.
         12 if !received => Streamed::Unimplemented,
-        _ => Streamed::Incomplete(format!(
-            "StreamImages ended with code {code}: {}",
-            grpc_message_of(headers)
-        )),
+        _ => Streamed::Incomplete(Unlisted::Status {
+            code,
+            message: grpc_message_of(headers),
+        }),
     }
 }
 
@@ -442,11 +469,13 @@ mod tests {
         compressed[0] = 1;
         assert!(take_batches(&mut compressed, &candidates, &mut found)
             .unwrap_err()
+            .to_string()
             .contains("compressed"));
         let mut huge = vec![0];
         huge.extend_from_slice(&(MAX_LIST_MESSAGE as u32 + 1).to_be_bytes());
         assert!(take_batches(&mut huge, &candidates, &mut found)
             .unwrap_err()
+            .to_string()
             .contains("more than"));
         let mut garbage = vec![0, 0, 0, 0, 2, 0xff, 0xff];
         assert!(take_batches(&mut garbage, &candidates, &mut found).is_err());

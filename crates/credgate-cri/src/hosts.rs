@@ -30,15 +30,74 @@ pub const RECHECK: Duration = Duration::from_secs(30);
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Entry {
     /// A directory, and its `hosts.toml`'s text (`None`: it has none).
-    Dir(Result<Option<String>, String>),
+    Dir(Result<Option<String>, HostsError>),
     /// Something else: containerd fails a pull that reaches it.
     NotDir,
     /// Its metadata could not be read.
-    Unreadable(String),
+    Unreadable(HostsError),
 }
 
 /// One root: its entries by name, or why it could not be read (a missing root has none).
-type Root = Result<BTreeMap<OsString, Entry>, String>;
+type Root = Result<BTreeMap<OsString, Entry>, HostsError>;
+
+/// Why containerd's hosts for a registry are not known with certainty: the proxy then keeps
+/// the credential with the registry.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum HostsError {
+    #[error("{}", path.display())]
+    Io {
+        path: PathBuf,
+        /// Shared: a reading is cloned into every view that holds it.
+        #[source]
+        source: std::sync::Arc<std::io::Error>,
+    },
+    #[error("{} has more than {MAX_ENTRIES} entries", path.display())]
+    TooMany { path: PathBuf },
+    #[error("{} is not a regular file", path.display())]
+    NotFile { path: PathBuf },
+    #[error("{} is over {MAX_HOSTS_FILE} bytes", path.display())]
+    TooLarge { path: PathBuf },
+    #[error("{} is not a directory (containerd fails such pulls)", path.display())]
+    NotDir { path: PathBuf },
+    #[error("{}", path.display())]
+    Toml {
+        path: PathBuf,
+        #[source]
+        source: std::sync::Arc<crate::policy::HostsTomlError>,
+    },
+}
+
+impl HostsError {
+    fn io(path: &Path, e: std::io::Error) -> HostsError {
+        HostsError::Io {
+            path: path.to_owned(),
+            source: std::sync::Arc::new(e),
+        }
+    }
+}
+
+/// Two readings are the same when they fail the same way on the same path (what the watcher
+/// compares).
+impl PartialEq for HostsError {
+    fn eq(&self, other: &Self) -> bool {
+        use HostsError::*;
+        match (self, other) {
+            (Io { path: a, source: x }, Io { path: b, source: y }) => {
+                a == b && x.kind() == y.kind()
+            }
+            (TooMany { path: a }, TooMany { path: b })
+            | (NotFile { path: a }, NotFile { path: b })
+            | (TooLarge { path: a }, TooLarge { path: b })
+            | (NotDir { path: a }, NotDir { path: b }) => a == b,
+            (Toml { path: a, source: x }, Toml { path: b, source: y }) => {
+                a == b && x.to_string() == y.to_string()
+            }
+            _ => false,
+        }
+    }
+}
+
+impl Eq for HostsError {}
 
 /// What the hosts directories held at one reading.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -60,7 +119,7 @@ impl HostsView {
     /// directory at all. `Err` where containerd would fail or credgate cannot be sure (a
     /// candidate that is not a directory, an unreadable or malformed `hosts.toml`, a root that
     /// could not be read): the caller then keeps the credential with the registry.
-    pub fn configured_mirrors(&self, registry: &str) -> Result<Vec<String>, String> {
+    pub fn configured_mirrors(&self, registry: &str) -> Result<Vec<String>, HostsError> {
         for (root, entries) in &self.roots {
             let entries = entries.as_ref().map_err(Clone::clone)?;
             for dir in host_dirs(root, registry) {
@@ -71,12 +130,12 @@ impl HostsView {
                 return match entry {
                     Entry::Dir(Ok(None)) => Ok(Vec::new()),
                     Entry::Dir(Ok(Some(text))) => crate::policy::mirrors_in(text, registry)
-                        .map_err(|e| format!("{}: {e}", file.display())),
+                        .map_err(|e| HostsError::Toml {
+                            path: file,
+                            source: std::sync::Arc::new(e),
+                        }),
                     Entry::Dir(Err(e)) | Entry::Unreadable(e) => Err(e.clone()),
-                    Entry::NotDir => Err(format!(
-                        "{} is not a directory (containerd fails such pulls)",
-                        dir.display()
-                    )),
+                    Entry::NotDir => Err(HostsError::NotDir { path: dir }),
                 };
             }
         }
@@ -113,16 +172,15 @@ fn read_root(root: &Path) -> Root {
     let listing = match std::fs::read_dir(root) {
         Ok(listing) => listing,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(BTreeMap::new()),
-        Err(e) => return Err(format!("{}: {e}", root.display())),
+        Err(e) => return Err(HostsError::io(root, e)),
     };
     let mut entries = BTreeMap::new();
     for entry in listing {
-        let entry = entry.map_err(|e| format!("{}: {e}", root.display()))?;
+        let entry = entry.map_err(|e| HostsError::io(root, e))?;
         if entries.len() == MAX_ENTRIES {
-            return Err(format!(
-                "{} has more than {MAX_ENTRIES} entries",
-                root.display()
-            ));
+            return Err(HostsError::TooMany {
+                path: root.to_owned(),
+            });
         }
         let path = entry.path();
         let read = match std::fs::metadata(&path) {
@@ -130,14 +188,14 @@ fn read_root(root: &Path) -> Root {
             Ok(_) => Entry::NotDir,
             // A link to nothing: containerd's os.Stat says it does not exist.
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-            Err(e) => Entry::Unreadable(format!("{}: {e}", path.display())),
+            Err(e) => Entry::Unreadable(HostsError::io(&path, e)),
         };
         entries.insert(entry.file_name(), read);
     }
     Ok(entries)
 }
 
-fn read_hosts_toml(path: &Path) -> Result<Option<String>, String> {
+fn read_hosts_toml(path: &Path) -> Result<Option<String>, HostsError> {
     use std::io::Read as _;
     use std::os::unix::fs::OpenOptionsExt as _;
     let file = match std::fs::OpenOptions::new()
@@ -147,17 +205,21 @@ fn read_hosts_toml(path: &Path) -> Result<Option<String>, String> {
     {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(format!("{}: {e}", path.display())),
+        Err(e) => return Err(HostsError::io(path, e)),
     };
     if !file.metadata().is_ok_and(|m| m.is_file()) {
-        return Err(format!("{} is not a regular file", path.display()));
+        return Err(HostsError::NotFile {
+            path: path.to_owned(),
+        });
     }
     let mut text = String::new();
     file.take(MAX_HOSTS_FILE + 1)
         .read_to_string(&mut text)
-        .map_err(|e| format!("{}: {e}", path.display()))?;
+        .map_err(|e| HostsError::io(path, e))?;
     if text.len() as u64 > MAX_HOSTS_FILE {
-        return Err(format!("{} is over {MAX_HOSTS_FILE} bytes", path.display()));
+        return Err(HostsError::TooLarge {
+            path: path.to_owned(),
+        });
     }
     Ok(Some(text))
 }

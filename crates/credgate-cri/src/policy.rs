@@ -217,7 +217,10 @@ impl ProxyPolicy {
         match hosts.view().configured_mirrors(registry) {
             Err(e) => Scoped::Registry {
                 address,
-                why: format!("where containerd finds its hosts is not certain: {e}"),
+                why: format!(
+                    "where containerd finds its hosts is not certain: {}",
+                    credgate_core::text::error_chain(&e)
+                ),
             },
             Ok(configured) => {
                 let untrusted: Vec<&String> =

@@ -122,16 +122,30 @@ pub(super) fn own_call(
     Some(request.body(()).ok()?.into_parts().0)
 }
 
+/// Why a call of the proxy's own to the runtime gave no answer to use.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum AskError {
+    #[error("the request could not be built")]
+    Unbuilt,
+    /// The proxy's own refusal (its budget, the runtime unreachable): the status message.
+    #[error("{0}")]
+    Refused(String),
+    #[error("code {code}: {message}")]
+    Status { code: i32, message: String },
+    #[error("an answer that does not decode")]
+    Undecodable,
+}
+
 /// One unary call of our own to the runtime: its answer's message when it succeeded and fit
-/// in `limit` bytes; why not, otherwise (the runtime's status, or the proxy's own).
+/// in `limit` bytes; why not, otherwise.
 pub(super) async fn ask<M: prost::Message, R: prost::Message + Default>(
     caller: &CallerConn,
     method: &str,
     message: &M,
     limit: usize,
-) -> Result<R, String> {
+) -> Result<R, AskError> {
     let answer = ask_bytes(caller, method, message, limit).await?;
-    R::decode(answer).map_err(|_| "an answer that does not decode".to_owned())
+    R::decode(answer).map_err(|_| AskError::Undecodable)
 }
 
 /// [`ask`], the answer's message left as bytes (for a reader that decodes it in parts).
@@ -140,21 +154,20 @@ pub(super) async fn ask_bytes<M: prost::Message>(
     method: &str,
     message: &M,
     limit: usize,
-) -> Result<Bytes, String> {
+) -> Result<Bytes, AskError> {
     let frame = credgate_api::unary::grpc_message(message);
-    let head = own_call(method, None).ok_or("the request could not be built")?;
+    let head = own_call(method, None).ok_or(AskError::Unbuilt)?;
     let whole = exchange(caller, head, Bytes::from(frame), limit)
         .await
-        .map_err(|refused| grpc_message_of(refused.headers()))?;
+        .map_err(|refused| AskError::Refused(grpc_message_of(refused.headers())))?;
     if whole.code() != Some(0) {
         tracing::debug!(method, code = ?whole.code(), message = %whole.message(), "the runtime refused the proxy's own call");
-        return Err(format!(
-            "code {}: {}",
-            whole.code().unwrap_or(2),
-            whole.message()
-        ));
+        return Err(AskError::Status {
+            code: whole.code().unwrap_or(2),
+            message: whole.message(),
+        });
     }
-    let message = grpc_message(&whole.data).ok_or("an answer that does not decode")?;
+    let message = grpc_message(&whole.data).ok_or(AskError::Undecodable)?;
     Ok(whole.data.slice_ref(message))
 }
 

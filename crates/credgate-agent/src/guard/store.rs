@@ -317,7 +317,8 @@ impl Store {
             }
         }
         migrate(&conn, &path)?;
-        let (mem, log_rows) = load(&conn).map_err(corrupt)?;
+        let (mem, log_rows) =
+            load(&conn).map_err(|e| corrupt(credgate_core::text::error_chain(&e)))?;
         let mem = Arc::new(RwLock::new(mem));
         let (tx, rx) = mpsc::channel::<Msg>();
         let writer_mem = mem.clone();
@@ -434,49 +435,61 @@ fn migrate(conn: &Connection, path: &Path) -> Result<(), StoreError> {
     Ok(())
 }
 
+/// Why the stored state could not be read (the store is then damaged).
+#[derive(Debug, thiserror::Error)]
+enum LoadError {
+    #[error("reading it failed")]
+    Sql(#[from] rusqlite::Error),
+    #[error("record {image_ref:?} does not decode")]
+    Decode {
+        image_ref: String,
+        #[source]
+        source: credgate_core::guard::stored::StoredError,
+    },
+    #[error("record {image_ref:?} holds {holds:?}")]
+    Elsewhere { image_ref: String, holds: String },
+}
+
 /// Reads the state; also returns the length of the record log.
-fn load(conn: &Connection) -> Result<(Mem, usize), String> {
+fn load(conn: &Connection) -> Result<(Mem, usize), LoadError> {
     let mut mem = Mem::default();
     let mut log_rows = 0usize;
-    let mut stmt = conn
-        .prepare("SELECT image_ref, body FROM record_log ORDER BY seq")
-        .map_err(|e| e.to_string())?;
-    let rows = stmt
-        .query_map([], |r| {
-            Ok((r.get::<_, String>(0)?, r.get::<_, Option<String>>(1)?))
-        })
-        .map_err(|e| e.to_string())?;
+    let mut stmt = conn.prepare("SELECT image_ref, body FROM record_log ORDER BY seq")?;
+    let rows = stmt.query_map([], |r| {
+        Ok((r.get::<_, String>(0)?, r.get::<_, Option<String>>(1)?))
+    })?;
     for row in rows {
-        let (image_ref, body) = row.map_err(|e| e.to_string())?;
+        let (image_ref, body) = row?;
         log_rows += units(body.as_deref().map_or(0, str::len));
         let Some(body) = body else {
             mem.records.remove(&image_ref);
             continue;
         };
-        let record = stored::decode(body.as_bytes())
-            .map_err(|e| format!("record {image_ref:?} does not decode: {e}"))?;
+        let record = match stored::decode(body.as_bytes()) {
+            Ok(record) => record,
+            Err(source) => return Err(LoadError::Decode { image_ref, source }),
+        };
         if record.image_ref != image_ref {
-            return Err(format!("record {image_ref:?} holds {:?}", record.image_ref));
+            return Err(LoadError::Elsewhere {
+                image_ref,
+                holds: record.image_ref,
+            });
         }
         mem.records.insert(Arc::new(record));
     }
-    let mut stmt = conn
-        .prepare("SELECT image, name, count, created_ms FROM intents")
-        .map_err(|e| e.to_string())?;
-    let rows = stmt
-        .query_map([], |r| {
-            Ok((
-                r.get::<_, String>(0)?,
-                Intent {
-                    name: r.get(1)?,
-                    count: r.get(2)?,
-                    created_ms: r.get(3)?,
-                },
-            ))
-        })
-        .map_err(|e| e.to_string())?;
+    let mut stmt = conn.prepare("SELECT image, name, count, created_ms FROM intents")?;
+    let rows = stmt.query_map([], |r| {
+        Ok((
+            r.get::<_, String>(0)?,
+            Intent {
+                name: r.get(1)?,
+                count: r.get(2)?,
+                created_ms: r.get(3)?,
+            },
+        ))
+    })?;
     for row in rows {
-        let (image, intent) = row.map_err(|e| e.to_string())?;
+        let (image, intent) = row?;
         mem.add_intent(&image, intent);
     }
     Ok((mem, log_rows))
