@@ -16,7 +16,7 @@ const PROXY_OFF: &str = "the CRI proxy does not run on this agent (--cri-proxy-s
 /// Images one flush may name.
 const MAX_FLUSH_IMAGES: usize = 1024;
 
-impl Api {
+impl AdminApi {
     /// Leaves out of an explanation what the caller could not learn from the services it may
     /// call: the guard's records without image-access, the sources, their cache and the
     /// captured credential without credentials (`--allow-uids`).
@@ -38,14 +38,14 @@ impl Api {
 }
 
 #[tonic::async_trait]
-impl Admin for Api {
+impl Admin for AdminApi {
     async fn flush(
         &self,
         request: Request<pb::FlushRequest>,
     ) -> Result<Response<pb::FlushResponse>, Status> {
         let peer = peer(&request);
         let req = request.into_inner();
-        self.observed(peer, "Flush", async {
+        self.calls.observed(peer, "Flush", async {
             if req.images.len() > MAX_FLUSH_IMAGES {
                 return Err(status::invalid(format!(
                     "at most {MAX_FLUSH_IMAGES} images per flush"
@@ -86,52 +86,56 @@ impl Admin for Api {
         &self,
         request: Request<pb::HealthRequest>,
     ) -> Result<Response<pb::HealthResponse>, Status> {
-        self.observed(peer(&request), "Health", async {
-            Ok(Response::new(pb::HealthResponse {
-                status: "SERVING".to_owned(),
-            }))
-        })
-        .await
+        self.calls
+            .observed(peer(&request), "Health", async {
+                Ok(Response::new(pb::HealthResponse {
+                    status: "SERVING".to_owned(),
+                }))
+            })
+            .await
     }
 
     async fn version(
         &self,
         request: Request<pb::VersionRequest>,
     ) -> Result<Response<pb::VersionResponse>, Status> {
-        self.observed(peer(&request), "Version", async {
-            Ok(Response::new(pb::VersionResponse {
-                version: env!("CARGO_PKG_VERSION").to_owned(),
-                api: credgate_api::API.to_owned(),
-            }))
-        })
-        .await
+        self.calls
+            .observed(peer(&request), "Version", async {
+                Ok(Response::new(pb::VersionResponse {
+                    version: env!("CARGO_PKG_VERSION").to_owned(),
+                    api: credgate_api::API.to_owned(),
+                }))
+            })
+            .await
     }
 
     async fn status(
         &self,
         request: Request<pb::StatusRequest>,
     ) -> Result<Response<pb::StatusResponse>, Status> {
-        self.observed(peer(&request), "Status", async {
-            Ok(Response::new(self.status_inner()))
-        })
-        .await
+        self.calls
+            .observed(peer(&request), "Status", async {
+                Ok(Response::new(self.status_inner()))
+            })
+            .await
     }
 
     async fn reload(
         &self,
         request: Request<pb::ReloadRequest>,
     ) -> Result<Response<pb::ReloadResponse>, Status> {
-        self.observed(peer(&request), "Reload", async {
-            let reloaded = self.agent.reload_logged().await.map_err(|e| match e {
-                ReloadError::Refused(msg) => ApiError::Reload(msg),
-                ReloadError::Task => ApiError::Internal("reload task failed"),
-            })?;
-            Ok(Response::new(pb::ReloadResponse {
-                config_identity: reloaded.identity.unwrap_or_default(),
-                changed: reloaded.changed,
-            }))
-        })
-        .await
+        self.calls
+            .observed(peer(&request), "Reload", async {
+                let reloaded = self.agent.reload_logged().await.map_err(|e| match e {
+                    ReloadError::Refused(msg) => ApiError::Reload(msg),
+                    ReloadError::Task => ApiError::Internal("reload task failed"),
+                })?;
+                Ok(Response::new(pb::ReloadResponse {
+                    config_identity: reloaded.identity.unwrap_or_default(),
+                    changed: reloaded.changed,
+                }))
+            })
+            .await
     }
 
     async fn ping(
@@ -146,34 +150,35 @@ impl Admin for Api {
         request: Request<pb::ListCapturedRequest>,
     ) -> Result<Response<pb::ListCapturedResponse>, Status> {
         let peer = peer(&request);
-        self.observed(peer, "ListCaptured", async {
-            // Captured pull credentials are credentials: the Credentials allowlist applies.
-            self.also_allowed(peer, Service::Credentials)?;
-            let Some(captured) = self.agent.captured() else {
-                return Err(ApiError::NotEnabled(if self.agent.proxy_running() {
+        self.calls
+            .observed(peer, "ListCaptured", async {
+                // Captured pull credentials are credentials: the Credentials allowlist applies.
+                self.calls.also_allowed(peer, Service::Credentials)?;
+                let Some(captured) = self.agent.captured() else {
+                    return Err(ApiError::NotEnabled(if self.agent.proxy_running() {
                     "the CRI proxy keeps no pull credentials on this agent (--no-cri-proxy-capture)"
                 } else {
                     PROXY_OFF
                 })
                 .into());
-            };
-            let age = captured
-                .max_age()
-                .map(|a| i64::try_from(a.as_millis()).unwrap_or(i64::MAX));
-            let list = captured
-                .list()
-                .into_iter()
-                .map(|(repository, c)| pb::CapturedCredential {
-                    repository,
-                    namespace: c.namespace,
-                    username: c.username,
-                    captured_unix_ms: c.captured_ms,
-                    expires_unix_ms: age.map_or(0, |a| c.captured_ms.saturating_add(a)),
-                })
-                .collect();
-            Ok(Response::new(pb::ListCapturedResponse { captured: list }))
-        })
-        .await
+                };
+                let age = captured
+                    .max_age()
+                    .map(|a| i64::try_from(a.as_millis()).unwrap_or(i64::MAX));
+                let list = captured
+                    .list()
+                    .into_iter()
+                    .map(|(repository, c)| pb::CapturedCredential {
+                        repository,
+                        namespace: c.namespace,
+                        username: c.username,
+                        captured_unix_ms: c.captured_ms,
+                        expires_unix_ms: age.map_or(0, |a| c.captured_ms.saturating_add(a)),
+                    })
+                    .collect();
+                Ok(Response::new(pb::ListCapturedResponse { captured: list }))
+            })
+            .await
     }
 
     async fn explain(
@@ -182,17 +187,19 @@ impl Admin for Api {
     ) -> Result<Response<pb::ExplainResponse>, Status> {
         let peer = peer(&request);
         let req = request.into_inner();
-        self.observed(peer, "Explain", async {
-            self.may_claim_identity(peer, req.service_account.as_ref())?;
-            let sa = req.service_account.map(service_account).transpose()?;
-            let mut answer = self
-                .agent
-                .explain(&req.image, sa.as_ref())
-                .map_err(ApiError::from)?;
-            self.only_what_the_caller_may_see(peer, &mut answer);
-            Ok(Response::new(answer))
-        })
-        .await
+        self.calls
+            .observed(peer, "Explain", async {
+                self.calls
+                    .may_claim_identity(peer, req.service_account.as_ref())?;
+                let sa = req.service_account.map(service_account).transpose()?;
+                let mut answer = self
+                    .agent
+                    .explain(&req.image, sa.as_ref())
+                    .map_err(ApiError::from)?;
+                self.only_what_the_caller_may_see(peer, &mut answer);
+                Ok(Response::new(answer))
+            })
+            .await
     }
 
     async fn list_pulls(
@@ -201,37 +208,38 @@ impl Admin for Api {
     ) -> Result<Response<pb::ListPullsResponse>, Status> {
         let peer = peer(&request);
         let req = request.into_inner();
-        self.observed(peer, "ListPulls", async {
-            // Pulls name pods and images: what the image-access service is restricted for.
-            if !self.agent.callers().allows(Service::ImageAccess, peer.uid) {
-                return Err(not_for(peer, Service::ImageAccess).into());
-            }
-            if !self.agent.proxy_running() {
-                return Err(ApiError::NotEnabled(PROXY_OFF).into());
-            }
-            let repository = if req.image.is_empty() {
-                None
-            } else {
-                Some(
-                    credgate_core::reference::ImageRef::parse(&req.image)
-                        .map_err(|e| {
-                            status::invalid(format!(
-                                "invalid image {}: {e}",
-                                credgate_core::text::Quoted(&req.image)
-                            ))
-                        })?
-                        .name()
-                        .to_owned(),
-                )
-            };
-            let pulls = self
-                .agent
-                .proxy_view()
-                .map(|view| view.pulls(repository.as_deref()))
-                .unwrap_or_default();
-            Ok(Response::new(pb::ListPullsResponse { pulls }))
-        })
-        .await
+        self.calls
+            .observed(peer, "ListPulls", async {
+                // Pulls name pods and images: what the image-access service is restricted for.
+                if !self.agent.callers().allows(Service::ImageAccess, peer.uid) {
+                    return Err(not_for(peer, Service::ImageAccess).into());
+                }
+                if !self.agent.proxy_running() {
+                    return Err(ApiError::NotEnabled(PROXY_OFF).into());
+                }
+                let repository = if req.image.is_empty() {
+                    None
+                } else {
+                    Some(
+                        credgate_core::reference::ImageRef::parse(&req.image)
+                            .map_err(|e| {
+                                status::invalid(format!(
+                                    "invalid image {}: {e}",
+                                    credgate_core::text::Quoted(&req.image)
+                                ))
+                            })?
+                            .name()
+                            .to_owned(),
+                    )
+                };
+                let pulls = self
+                    .agent
+                    .proxy_view()
+                    .map(|view| view.pulls(repository.as_deref()))
+                    .unwrap_or_default();
+                Ok(Response::new(pb::ListPullsResponse { pulls }))
+            })
+            .await
     }
 
     async fn forget_captured(
@@ -240,29 +248,30 @@ impl Admin for Api {
     ) -> Result<Response<pb::ForgetCapturedResponse>, Status> {
         let peer = peer(&request);
         let req = request.into_inner();
-        self.observed(peer, "ForgetCaptured", async {
-            self.also_allowed(peer, Service::Credentials)?;
-            let Some(captured) = self.agent.captured() else {
-                return Err(ApiError::NotEnabled(PROXY_OFF).into());
-            };
-            let repository = credgate_core::reference::ImageRef::parse(&req.repository)
-                .map_err(|e| {
-                    status::invalid(format!(
-                        "invalid repository {}: {e}",
-                        credgate_core::text::Quoted(&req.repository)
-                    ))
-                })?
-                .name()
-                .to_owned();
-            let forgotten = captured.forget(&repository).map_err(ApiError::from)?;
-            Ok(Response::new(pb::ForgetCapturedResponse { forgotten }))
-        })
-        .await
+        self.calls
+            .observed(peer, "ForgetCaptured", async {
+                self.calls.also_allowed(peer, Service::Credentials)?;
+                let Some(captured) = self.agent.captured() else {
+                    return Err(ApiError::NotEnabled(PROXY_OFF).into());
+                };
+                let repository = credgate_core::reference::ImageRef::parse(&req.repository)
+                    .map_err(|e| {
+                        status::invalid(format!(
+                            "invalid repository {}: {e}",
+                            credgate_core::text::Quoted(&req.repository)
+                        ))
+                    })?
+                    .name()
+                    .to_owned();
+                let forgotten = captured.forget(&repository).map_err(ApiError::from)?;
+                Ok(Response::new(pb::ForgetCapturedResponse { forgotten }))
+            })
+            .await
     }
 }
 
 /// `Status`.
-impl Api {
+impl AdminApi {
     fn status_inner(&self) -> pb::StatusResponse {
         let engine = self.agent.engine();
         let statuses = engine.provider_status();

@@ -9,31 +9,33 @@ use super::*;
 use crate::status::ApiError;
 
 #[tonic::async_trait]
-impl Credentials for Api {
+impl Credentials for CredentialsApi {
     async fn report_refused(
         &self,
         request: Request<pb::ReportRefusedRequest>,
     ) -> Result<Response<pb::ReportRefusedResponse>, Status> {
         let peer = peer(&request);
         let req = request.into_inner();
-        self.observed(peer, "ReportRefused", async {
-            let password = SecretString::from(req.password);
-            let first =
-                credgate_engine::rate::Caller::of(peer.uid, rustix::process::geteuid().as_raw())
-                    .privileged;
-            let report = self
-                .agent
-                .refusal()
-                .report(&req.image, &req.username, &password, first)
-                .await
-                .map_err(ApiError::from)?;
-            let message = report.describe(&req.image);
-            Ok(Response::new(pb::ReportRefusedResponse {
-                outcome: report.wire() as i32,
-                message,
-            }))
-        })
-        .await
+        self.calls
+            .observed(peer, "ReportRefused", async {
+                let password = SecretString::from(req.password);
+                let first = credgate_engine::rate::Caller::of(
+                    peer.uid,
+                    rustix::process::geteuid().as_raw(),
+                )
+                .privileged;
+                let report = self
+                    .refusal
+                    .report(&req.image, &req.username, &password, first)
+                    .await
+                    .map_err(ApiError::from)?;
+                let message = report.describe(&req.image);
+                Ok(Response::new(pb::ReportRefusedResponse {
+                    outcome: report.wire() as i32,
+                    message,
+                }))
+            })
+            .await
     }
 
     async fn lookup(
@@ -43,16 +45,18 @@ impl Credentials for Api {
         let peer = peer(&request);
         let request = request.into_inner();
         let bridge = request.caller == "kubelet";
-        self.observed(peer, "Lookup", async {
-            self.may_claim_identity(peer, request.service_account.as_ref())?;
-            let answer = self.lookup_inner(request, peer).await?;
-            if bridge {
-                self.handed_out(&answer);
-            }
-            Ok(answer)
-        })
-        .await
-        .map(Response::new)
+        self.calls
+            .observed(peer, "Lookup", async {
+                self.calls
+                    .may_claim_identity(peer, request.service_account.as_ref())?;
+                let answer = self.lookup_inner(request, peer).await?;
+                if bridge {
+                    self.handed_out(&answer);
+                }
+                Ok(answer)
+            })
+            .await
+            .map(Response::new)
     }
 
     async fn track(
@@ -61,15 +65,15 @@ impl Credentials for Api {
     ) -> Result<Response<pb::TrackResponse>, Status> {
         let peer = peer(&request);
         let req = request.into_inner();
-        self.observed(peer, "Track", async {
-            let n = self
-                .agent
-                .renewer()
-                .track_as(peer.uid, &req.consumer, &req.refs)
-                .map_err(ApiError::from)?;
-            Ok(Response::new(pb::TrackResponse { tracked: count(n) }))
-        })
-        .await
+        self.calls
+            .observed(peer, "Track", async {
+                let n = self
+                    .renewer
+                    .track_as(peer.uid, &req.consumer, &req.refs)
+                    .map_err(ApiError::from)?;
+                Ok(Response::new(pb::TrackResponse { tracked: count(n) }))
+            })
+            .await
     }
 
     async fn untrack(
@@ -78,15 +82,15 @@ impl Credentials for Api {
     ) -> Result<Response<pb::UntrackResponse>, Status> {
         let peer = peer(&request);
         let req = request.into_inner();
-        self.observed(peer, "Untrack", async {
-            let n = self
-                .agent
-                .renewer()
-                .untrack(&req.consumer, &req.refs)
-                .map_err(ApiError::from)?;
-            Ok(Response::new(pb::UntrackResponse { tracked: count(n) }))
-        })
-        .await
+        self.calls
+            .observed(peer, "Untrack", async {
+                let n = self
+                    .renewer
+                    .untrack(&req.consumer, &req.refs)
+                    .map_err(ApiError::from)?;
+                Ok(Response::new(pb::UntrackResponse { tracked: count(n) }))
+            })
+            .await
     }
 
     async fn set_tracked(
@@ -95,18 +99,18 @@ impl Credentials for Api {
     ) -> Result<Response<pb::SetTrackedResponse>, Status> {
         let peer = peer(&request);
         let req = request.into_inner();
-        self.observed(peer, "SetTracked", async {
-            let change = self
-                .agent
-                .renewer()
-                .set_tracked_as(peer.uid, &req.consumer, &req.refs)
-                .map_err(ApiError::from)?;
-            Ok(Response::new(pb::SetTrackedResponse {
-                added: count(change.added.len()),
-                removed: count(change.removed.len()),
-            }))
-        })
-        .await
+        self.calls
+            .observed(peer, "SetTracked", async {
+                let change = self
+                    .renewer
+                    .set_tracked_as(peer.uid, &req.consumer, &req.refs)
+                    .map_err(ApiError::from)?;
+                Ok(Response::new(pb::SetTrackedResponse {
+                    added: count(change.added.len()),
+                    removed: count(change.removed.len()),
+                }))
+            })
+            .await
     }
 
     async fn list_tracked(
@@ -115,28 +119,28 @@ impl Credentials for Api {
     ) -> Result<Response<pb::ListTrackedResponse>, Status> {
         let peer = peer(&request);
         let req = request.into_inner();
-        self.observed(peer, "ListTracked", async {
-            let consumer = (!req.consumer.is_empty()).then_some(req.consumer.as_str());
-            let refs = self
-                .agent
-                .renewer()
-                .list(consumer)
-                .into_iter()
-                .map(|t| pb::TrackedRef {
-                    r#ref: t.image,
-                    consumers: t.consumers,
-                    last_success_unix_ms: unix_ms(t.last_success),
-                    last_error: t.last_error.unwrap_or_default(),
-                    next_attempt_unix_ms: unix_ms(t.next_attempt),
-                    consecutive_failures: t.consecutive_failures,
-                    credentials: count(t.credentials),
-                    expires_at_unix_ms: unix_ms(t.expires_at),
-                    flushed: t.flushed,
-                })
-                .collect();
-            Ok(Response::new(pb::ListTrackedResponse { refs }))
-        })
-        .await
+        self.calls
+            .observed(peer, "ListTracked", async {
+                let consumer = (!req.consumer.is_empty()).then_some(req.consumer.as_str());
+                let refs = self
+                    .renewer
+                    .list(consumer)
+                    .into_iter()
+                    .map(|t| pb::TrackedRef {
+                        r#ref: t.image,
+                        consumers: t.consumers,
+                        last_success_unix_ms: unix_ms(t.last_success),
+                        last_error: t.last_error.unwrap_or_default(),
+                        next_attempt_unix_ms: unix_ms(t.next_attempt),
+                        consecutive_failures: t.consecutive_failures,
+                        credentials: count(t.credentials),
+                        expires_at_unix_ms: unix_ms(t.expires_at),
+                        flushed: t.flushed,
+                    })
+                    .collect();
+                Ok(Response::new(pb::ListTrackedResponse { refs }))
+            })
+            .await
     }
 
     type WatchStream = WatchEvents;
@@ -147,43 +151,16 @@ impl Credentials for Api {
     ) -> Result<Response<Self::WatchStream>, Status> {
         let peer = peer(&request);
         let req = request.into_inner();
-        self.observed(peer, "Watch", async {
-            self.watch_inner(peer.uid, req).map(Response::new)
-        })
-        .await
+        self.calls
+            .observed(peer, "Watch", async {
+                self.watch_inner(peer.uid, req).map(Response::new)
+            })
+            .await
     }
 }
 
 /// The service's bodies.
-impl Api {
-    /// A `Lookup` that names a service account is answered from that account's cache
-    /// entries, so only callers trusted to claim an identity may name one
-    /// ([`Service::ServiceAccountIdentity`]).
-    pub(super) fn may_claim_identity(
-        &self,
-        peer: Peer,
-        claim: Option<&pb::ServiceAccount>,
-    ) -> Result<(), Status> {
-        if claim.is_none()
-            || self
-                .agent
-                .callers()
-                .allows(Service::ServiceAccountIdentity, peer.uid)
-        {
-            return Ok(());
-        }
-        tracing::warn!(
-            uid = peer.uid,
-            pid = peer.pid,
-            "lookup refused: the caller may not claim a service account identity"
-        );
-        let uid = peer.uid.map_or("unknown".into(), |u| u.to_string());
-        Err(ApiError::Denied(format!(
-            "uid {uid} may not look up credentials for a service account (the agent trusts root, its own uid and --allow-uids service-account-identity=UID to name one)"
-        ))
-        .into())
-    }
-
+impl CredentialsApi {
     /// The validity a lookup asks for: its minimum, or longer to reach its deadline.
     fn min_valid_for(&self, req: &pb::LookupRequest) -> Duration {
         let min = Duration::from_millis(req.min_valid_for_ms);
@@ -192,18 +169,16 @@ impl Api {
         }
         let until =
             SystemTime::UNIX_EPOCH + Duration::from_millis(req.valid_until_unix_ms.unsigned_abs());
-        let wanted = until
-            .duration_since(self.agent.clock().wall())
-            .unwrap_or_default();
+        let wanted = until.duration_since(self.clock.wall()).unwrap_or_default();
         min.max(wanted)
     }
 
     /// A tracked ref's last good credentials, for when its providers fail: never one a
     /// registry refused since.
     fn last_known_good(&self, image: &str) -> Option<Vec<pb::Credential>> {
-        let value = self.agent.renewer().last_good(image)?;
-        let now = self.agent.clock().now();
-        let refusals = self.agent.refusal().memory();
+        let value = self.renewer.last_good(image)?;
+        let now = self.clock.now();
+        let refusals = self.refusal.memory();
         let kept = value
             .credentials
             .iter()
@@ -222,8 +197,8 @@ impl Api {
     /// knows whose credential the kubelet's stale copy is ([`crate::memory`]).
     fn handed_out(&self, answer: &pb::LookupResponse) {
         let cache_for = std::time::Duration::from_millis(answer.cache_for_ms.max(0).unsigned_abs());
-        let memory = self.agent.refusal().memory();
-        let now = self.agent.clock().wall();
+        let memory = self.refusal.memory();
+        let now = self.clock.wall();
         for c in answer
             .credentials
             .iter()
@@ -240,7 +215,7 @@ impl Api {
     ) -> Result<pb::LookupResponse, Status> {
         let caller =
             credgate_engine::rate::Caller::of(peer.uid, rustix::process::geteuid().as_raw());
-        self.agent.metrics().lookup_by(&req.caller);
+        self.calls.metrics.lookup_by(&req.caller);
         let sa = req
             .service_account
             .take()
@@ -250,7 +225,7 @@ impl Api {
         if req.captured_only {
             return self.captured_only(&req);
         }
-        let engine = self.agent.engine();
+        let engine = self.engine.load_full();
         if !req.provider.is_empty() {
             return self
                 .provider_lookup(&engine, &req, sa.as_ref(), min_valid_for, caller)
@@ -307,7 +282,7 @@ impl Api {
     /// (the docker helper's question) gets none: a pod's credential goes only to the
     /// repository it pulled (decision 0021).
     fn with_captured(&self, answer: &mut pb::LookupResponse, registry_host: bool) {
-        let Some(captured) = self.agent.captured().filter(|_| !registry_host) else {
+        let Some(captured) = self.captured.as_ref().filter(|_| !registry_host) else {
             return;
         };
         if let Some(c) = captured.for_repository(&answer.image) {
@@ -354,8 +329,8 @@ impl Api {
                 credgate_core::text::Quoted(name)
             )));
         }
-        let policy = *self.agent.renewer().policy();
-        let clock = self.agent.clock().clone();
+        let policy = *self.renewer.policy();
+        let clock = self.clock.clone();
         let mut request = LookupRequest {
             image: &req.image,
             min_valid_for,
@@ -383,8 +358,7 @@ impl Api {
             return Err(status::invalid("watch needs at least one ref"));
         }
         let mut sub = self
-            .agent
-            .renewer()
+            .renewer
             .watch_as(uid, &req.refs)
             .map_err(ApiError::from)?;
         let mut streams = StreamMap::new();
@@ -395,10 +369,10 @@ impl Api {
         // for the client: a client that stops reading costs a bounded amount of memory, and
         // one that has not taken an event for WATCH_SEND_TIMEOUT is dropped.
         let (tx, rx) = tokio::sync::mpsc::channel(WATCH_BUFFER);
-        let shutdown = self.shutdown.clone();
-        let metrics = self.agent.metrics().clone();
+        let shutdown = self.calls.shutdown.clone();
+        let metrics = self.calls.metrics.clone();
         let send_timeout = self.watch_send_timeout;
-        self.agent.tasks().spawn(async move {
+        self.tasks.spawn(async move {
             // The subscription lives as long as the stream: dropping it releases the refs.
             let _sub = sub;
             loop {

@@ -6,7 +6,7 @@ use credgate_core::guard::{Coords, Record};
 use secrecy::SecretString;
 use tonic::{Request, Response, Status};
 
-use super::{peer, Api};
+use super::{peer, ImageAccessApi};
 use crate::guard::store::PresentImage;
 use crate::guard::{Answer, CredentialIn, Guard, Presence, PullEnd, PullPolicy};
 use crate::status::{self, ApiError};
@@ -105,50 +105,51 @@ fn decision(a: Answer) -> i32 {
     d as i32
 }
 
-impl Api {
+impl ImageAccessApi {
     fn guard(&self) -> Result<&Guard, Status> {
-        self.agent.guard().ok_or_else(|| {
+        self.guard.as_ref().ok_or_else(|| {
             ApiError::NotEnabled("the image access guard is not enabled on this agent").into()
         })
     }
 }
 
 #[tonic::async_trait]
-impl ImageAccess for Api {
+impl ImageAccess for ImageAccessApi {
     async fn check_access(
         &self,
         request: Request<pb::CheckAccessRequest>,
     ) -> Result<Response<pb::CheckAccessResponse>, Status> {
         let peer = peer(&request);
         let req = request.into_inner();
-        self.observed(peer, "CheckAccess", async {
-            let guard = self.guard()?;
-            let policy = match pb::PullPolicy::try_from(req.pull_policy) {
-                Ok(pb::PullPolicy::Always) => PullPolicy::Always,
-                Ok(pb::PullPolicy::Never) => PullPolicy::Never,
-                Ok(_) => PullPolicy::IfNotPresent,
-                Err(_) => return Err(status::invalid("unknown pull_policy")),
-            };
-            if req.present && req.image_ref.is_empty() {
-                return Err(status::invalid("a present image needs its image_ref"));
-            }
-            let creds = credentials(req.credentials)?;
-            let a = guard
-                .check(
-                    &req.image,
-                    &req.image_ref,
-                    Presence::of(req.present),
-                    policy,
-                    &creds,
-                )
-                .map_err(ApiError::from)?;
-            Ok(Response::new(pb::CheckAccessResponse {
-                decision: decision(a.answer),
-                reason: super::wire::access_reason(a.reason),
-                message: a.message,
-            }))
-        })
-        .await
+        self.calls
+            .observed(peer, "CheckAccess", async {
+                let guard = self.guard()?;
+                let policy = match pb::PullPolicy::try_from(req.pull_policy) {
+                    Ok(pb::PullPolicy::Always) => PullPolicy::Always,
+                    Ok(pb::PullPolicy::Never) => PullPolicy::Never,
+                    Ok(_) => PullPolicy::IfNotPresent,
+                    Err(_) => return Err(status::invalid("unknown pull_policy")),
+                };
+                if req.present && req.image_ref.is_empty() {
+                    return Err(status::invalid("a present image needs its image_ref"));
+                }
+                let creds = credentials(req.credentials)?;
+                let a = guard
+                    .check(
+                        &req.image,
+                        &req.image_ref,
+                        Presence::of(req.present),
+                        policy,
+                        &creds,
+                    )
+                    .map_err(ApiError::from)?;
+                Ok(Response::new(pb::CheckAccessResponse {
+                    decision: decision(a.answer),
+                    reason: super::wire::access_reason(a.reason),
+                    message: a.message,
+                }))
+            })
+            .await
     }
 
     async fn record_pull_intent(
@@ -157,14 +158,15 @@ impl ImageAccess for Api {
     ) -> Result<Response<pb::RecordPullIntentResponse>, Status> {
         let peer = peer(&request);
         let req = request.into_inner();
-        self.observed(peer, "RecordPullIntent", async {
-            self.guard()?
-                .record_intent(&req.image)
-                .await
-                .map_err(ApiError::from)?;
-            Ok(Response::new(pb::RecordPullIntentResponse {}))
-        })
-        .await
+        self.calls
+            .observed(peer, "RecordPullIntent", async {
+                self.guard()?
+                    .record_intent(&req.image)
+                    .await
+                    .map_err(ApiError::from)?;
+                Ok(Response::new(pb::RecordPullIntentResponse {}))
+            })
+            .await
     }
 
     async fn record_pull_result(
@@ -173,17 +175,18 @@ impl ImageAccess for Api {
     ) -> Result<Response<pb::RecordPullResultResponse>, Status> {
         let peer = peer(&request);
         let req = request.into_inner();
-        self.observed(peer, "RecordPullResult", async {
-            let used = req.credential.map(credential).transpose()?;
-            let end = PullEnd::reported(req.success, &req.image_ref, used.as_ref())
-                .map_err(ApiError::from)?;
-            self.guard()?
-                .record_result(&req.image, end)
-                .await
-                .map_err(ApiError::from)?;
-            Ok(Response::new(pb::RecordPullResultResponse {}))
-        })
-        .await
+        self.calls
+            .observed(peer, "RecordPullResult", async {
+                let used = req.credential.map(credential).transpose()?;
+                let end = PullEnd::reported(req.success, &req.image_ref, used.as_ref())
+                    .map_err(ApiError::from)?;
+                self.guard()?
+                    .record_result(&req.image, end)
+                    .await
+                    .map_err(ApiError::from)?;
+                Ok(Response::new(pb::RecordPullResultResponse {}))
+            })
+            .await
     }
 
     async fn verify(
@@ -192,30 +195,31 @@ impl ImageAccess for Api {
     ) -> Result<Response<pb::VerifyResponse>, Status> {
         let peer = peer(&request);
         let req = request.into_inner();
-        self.observed(peer, "Verify", async {
-            let creds = credentials(req.credentials)?;
-            let expected =
-                (!req.expected_digest.is_empty()).then_some(req.expected_digest.as_str());
-            // Registry round trips: on the call's own task.
-            let v = self
-                .guard()?
-                .verify(&req.image, &req.image_ref, expected, &creds)
-                .await
-                .map_err(ApiError::from)?;
-            let decision = if v.accepted.is_some() {
-                pb::Decision::Allow
-            } else {
-                pb::Decision::MustAuthenticate
-            };
-            Ok(Response::new(pb::VerifyResponse {
-                decision: decision as i32,
-                reason: super::wire::verify_reason(v.reason),
-                message: v.message,
-                credential_index: v.accepted.map_or(-1, |i| i32::try_from(i).unwrap_or(-1)),
-                digest: v.digest.unwrap_or_default(),
-            }))
-        })
-        .await
+        self.calls
+            .observed(peer, "Verify", async {
+                let creds = credentials(req.credentials)?;
+                let expected =
+                    (!req.expected_digest.is_empty()).then_some(req.expected_digest.as_str());
+                // Registry round trips: on the call's own task.
+                let v = self
+                    .guard()?
+                    .verify(&req.image, &req.image_ref, expected, &creds)
+                    .await
+                    .map_err(ApiError::from)?;
+                let decision = if v.accepted.is_some() {
+                    pb::Decision::Allow
+                } else {
+                    pb::Decision::MustAuthenticate
+                };
+                Ok(Response::new(pb::VerifyResponse {
+                    decision: decision as i32,
+                    reason: super::wire::verify_reason(v.reason),
+                    message: v.message,
+                    credential_index: v.accepted.map_or(-1, |i| i32::try_from(i).unwrap_or(-1)),
+                    digest: v.digest.unwrap_or_default(),
+                }))
+            })
+            .await
     }
 
     async fn prune(
@@ -224,28 +228,29 @@ impl ImageAccess for Api {
     ) -> Result<Response<pb::PruneResponse>, Status> {
         let peer = peer(&request);
         let req = request.into_inner();
-        self.observed(peer, "Prune", async {
-            let present = req
-                .present
-                .into_iter()
-                .map(|p| PresentImage {
-                    image_ref: p.image_ref,
-                    references: p.references,
-                })
-                .collect();
-            let p = self
-                .guard()?
-                .prune(present, req.before_unix_ms)
-                .await
-                .map_err(ApiError::from)?;
-            let n = |x: usize| u32::try_from(x).unwrap_or(u32::MAX);
-            Ok(Response::new(pb::PruneResponse {
-                records_deleted: n(p.records_deleted),
-                intents_recovered: n(p.intents_recovered),
-                intents_dropped: n(p.intents_dropped),
-            }))
-        })
-        .await
+        self.calls
+            .observed(peer, "Prune", async {
+                let present = req
+                    .present
+                    .into_iter()
+                    .map(|p| PresentImage {
+                        image_ref: p.image_ref,
+                        references: p.references,
+                    })
+                    .collect();
+                let p = self
+                    .guard()?
+                    .prune(present, req.before_unix_ms)
+                    .await
+                    .map_err(ApiError::from)?;
+                let n = |x: usize| u32::try_from(x).unwrap_or(u32::MAX);
+                Ok(Response::new(pb::PruneResponse {
+                    records_deleted: n(p.records_deleted),
+                    intents_recovered: n(p.intents_recovered),
+                    intents_dropped: n(p.intents_dropped),
+                }))
+            })
+            .await
     }
 
     async fn list_records(
@@ -254,56 +259,57 @@ impl ImageAccess for Api {
     ) -> Result<Response<pb::ListRecordsResponse>, Status> {
         let peer = peer(&request);
         let req = request.into_inner();
-        self.observed(peer, "ListRecords", async {
-            let store = self.guard()?.store().map_err(ApiError::from)?;
-            let size = match req.page_size {
-                0 => DEFAULT_PAGE,
-                n => (n as usize).min(MAX_PAGE),
-            };
-            // Records then intents, each sorted: an item's key is `r<image ID>` or `i<image>`,
-            // which sort in that same order, and a token is the key of a page's last item.
-            let records = store.records();
-            let intents = store.intents();
-            let keyed = records
-                .iter()
-                .map(|r| (format!("r{}", r.image_ref), Some(r), None))
-                .chain(
-                    intents
-                        .into_iter()
-                        .map(|i| (format!("i{}", i.0), None, Some(i))),
-                );
-            let token = req.page_token;
-            if !(token.is_empty() || token.starts_with('r') || token.starts_with('i')) {
-                return Err(status::invalid("invalid page_token"));
-            }
-            let after = |key: &String| {
-                token.is_empty()
-                    || (key.as_bytes()[0] == token.as_bytes()[0] && *key > token)
-                    || (key.starts_with('i') && token.starts_with('r'))
-            };
-            let mut answer = pb::ListRecordsResponse::default();
-            let mut last = String::new();
-            for (n, (key, rec, intent)) in keyed.filter(|(k, _, _)| after(k)).enumerate() {
-                if n == size {
-                    answer.next_page_token = last;
-                    break;
+        self.calls
+            .observed(peer, "ListRecords", async {
+                let store = self.guard()?.store().map_err(ApiError::from)?;
+                let size = match req.page_size {
+                    0 => DEFAULT_PAGE,
+                    n => (n as usize).min(MAX_PAGE),
+                };
+                // Records then intents, each sorted: an item's key is `r<image ID>` or `i<image>`,
+                // which sort in that same order, and a token is the key of a page's last item.
+                let records = store.records();
+                let intents = store.intents();
+                let keyed = records
+                    .iter()
+                    .map(|r| (format!("r{}", r.image_ref), Some(r), None))
+                    .chain(
+                        intents
+                            .into_iter()
+                            .map(|i| (format!("i{}", i.0), None, Some(i))),
+                    );
+                let token = req.page_token;
+                if !(token.is_empty() || token.starts_with('r') || token.starts_with('i')) {
+                    return Err(status::invalid("invalid page_token"));
                 }
-                if let Some(r) = rec {
-                    answer.records.push(record(r));
+                let after = |key: &String| {
+                    token.is_empty()
+                        || (key.as_bytes()[0] == token.as_bytes()[0] && *key > token)
+                        || (key.starts_with('i') && token.starts_with('r'))
+                };
+                let mut answer = pb::ListRecordsResponse::default();
+                let mut last = String::new();
+                for (n, (key, rec, intent)) in keyed.filter(|(k, _, _)| after(k)).enumerate() {
+                    if n == size {
+                        answer.next_page_token = last;
+                        break;
+                    }
+                    if let Some(r) = rec {
+                        answer.records.push(record(r));
+                    }
+                    if let Some((image, i)) = intent {
+                        answer.intents.push(pb::PullIntent {
+                            image,
+                            name: i.name,
+                            count: i.count,
+                            created_unix_ms: i.created_ms,
+                        });
+                    }
+                    last = key;
                 }
-                if let Some((image, i)) = intent {
-                    answer.intents.push(pb::PullIntent {
-                        image,
-                        name: i.name,
-                        count: i.count,
-                        created_unix_ms: i.created_ms,
-                    });
-                }
-                last = key;
-            }
-            Ok(Response::new(answer))
-        })
-        .await
+                Ok(Response::new(answer))
+            })
+            .await
     }
 
     async fn get_record(
@@ -312,19 +318,20 @@ impl ImageAccess for Api {
     ) -> Result<Response<pb::GetRecordResponse>, Status> {
         let peer = peer(&request);
         let req = request.into_inner();
-        self.observed(peer, "GetRecord", async {
-            let store = self.guard()?.store().map_err(ApiError::from)?;
-            let r = store.record(&req.image_ref).ok_or_else(|| {
-                Status::from(ApiError::NotFound(format!(
-                    "no record of {}",
-                    credgate_core::text::Quoted(&req.image_ref)
-                )))
-            })?;
-            Ok(Response::new(pb::GetRecordResponse {
-                record: Some(record(&r)),
-            }))
-        })
-        .await
+        self.calls
+            .observed(peer, "GetRecord", async {
+                let store = self.guard()?.store().map_err(ApiError::from)?;
+                let r = store.record(&req.image_ref).ok_or_else(|| {
+                    Status::from(ApiError::NotFound(format!(
+                        "no record of {}",
+                        credgate_core::text::Quoted(&req.image_ref)
+                    )))
+                })?;
+                Ok(Response::new(pb::GetRecordResponse {
+                    record: Some(record(&r)),
+                }))
+            })
+            .await
     }
 
     async fn delete_record(
@@ -333,14 +340,15 @@ impl ImageAccess for Api {
     ) -> Result<Response<pb::DeleteRecordResponse>, Status> {
         let peer = peer(&request);
         let req = request.into_inner();
-        self.observed(peer, "DeleteRecord", async {
-            let deleted = self
-                .guard()?
-                .delete(&req.image_ref)
-                .await
-                .map_err(ApiError::from)?;
-            Ok(Response::new(pb::DeleteRecordResponse { deleted }))
-        })
-        .await
+        self.calls
+            .observed(peer, "DeleteRecord", async {
+                let deleted = self
+                    .guard()?
+                    .delete(&req.image_ref)
+                    .await
+                    .map_err(ApiError::from)?;
+                Ok(Response::new(pb::DeleteRecordResponse { deleted }))
+            })
+            .await
     }
 }

@@ -28,6 +28,16 @@ mod image_access;
 pub(crate) mod wire;
 
 use crate::agent::{Agent, CallerAllowlist, Service};
+use crate::captured::Captured;
+use crate::guard::Guard;
+use crate::metrics::AgentMetrics;
+use crate::refusal::Refuser;
+use crate::renewal::Renewer;
+use crate::tasks::Tasks;
+use arc_swap::ArcSwap;
+use credgate_engine::clock::Clock;
+use credgate_engine::Engine;
+use std::sync::Arc;
 
 /// Milliseconds since the Unix epoch; 0 for `None` or times before it.
 pub fn unix_ms(t: Option<SystemTime>) -> i64 {
@@ -178,12 +188,41 @@ fn not_for(peer: Peer, service: Service) -> ApiError {
     ))
 }
 
-/// The services, over one agent.
+/// What every service shares: the callers it admits, its call counter, the stop signal.
 #[derive(Clone)]
-pub struct Api {
-    agent: Agent,
+pub(crate) struct Calls {
+    metrics: AgentMetrics,
+    callers: CallerAllowlist,
     shutdown: CancellationToken,
+}
+
+/// The `Credentials` service's handles: the engine, the renewer, the refusal service, the
+/// captures; never the agent.
+#[derive(Clone)]
+pub(crate) struct CredentialsApi {
+    calls: Calls,
+    engine: Arc<ArcSwap<Engine>>,
+    renewer: Renewer,
+    refusal: Arc<Refuser>,
+    captured: Option<Arc<Captured>>,
+    clock: Arc<dyn Clock>,
+    tasks: Tasks,
     watch_send_timeout: Duration,
+}
+
+/// The `ImageAccess` service's handles: the guard.
+#[derive(Clone)]
+pub(crate) struct ImageAccessApi {
+    calls: Calls,
+    guard: Option<Guard>,
+}
+
+/// The `Admin` service: the agent's own operations (reload, flush, explain, status), so it
+/// holds the agent (decision 0032).
+#[derive(Clone)]
+pub(crate) struct AdminApi {
+    calls: Calls,
+    agent: Agent,
 }
 
 /// Watch events queued for a client that is not reading, beyond the transport's own window.
@@ -191,15 +230,7 @@ pub const WATCH_BUFFER: usize = 16;
 
 pub use crate::agent::WATCH_SEND_TIMEOUT;
 
-impl Api {
-    pub fn new(agent: Agent, shutdown: CancellationToken) -> Self {
-        Api {
-            watch_send_timeout: agent.watch_send_timeout(),
-            agent,
-            shutdown,
-        }
-    }
-
+impl Calls {
     /// Times a call, counts it by method and code, and logs who made it (debug level).
     async fn observed<T>(
         &self,
@@ -213,9 +244,7 @@ impl Api {
             .as_ref()
             .map_or_else(Status::code, |_| tonic::Code::Ok);
         let elapsed = started.elapsed();
-        self.agent
-            .metrics()
-            .rpc(method, code, elapsed.as_secs_f64());
+        self.metrics.rpc(method, code, elapsed.as_secs_f64());
         tracing::debug!(
             method,
             code = crate::metrics::code_name(code),
@@ -228,10 +257,37 @@ impl Api {
         result
     }
 
+    /// A `Lookup` that names a service account is answered from that account's cache
+    /// entries, so only callers trusted to claim an identity may name one
+    /// ([`Service::ServiceAccountIdentity`]).
+    fn may_claim_identity(
+        &self,
+        peer: Peer,
+        claim: Option<&pb::ServiceAccount>,
+    ) -> Result<(), Status> {
+        if claim.is_none()
+            || self
+                .callers
+                .allows(Service::ServiceAccountIdentity, peer.uid)
+        {
+            return Ok(());
+        }
+        tracing::warn!(
+            uid = peer.uid,
+            pid = peer.pid,
+            "lookup refused: the caller may not claim a service account identity"
+        );
+        let uid = peer.uid.map_or("unknown".into(), |u| u.to_string());
+        Err(ApiError::Denied(format!(
+            "uid {uid} may not look up credentials for a service account (the agent trusts root, its own uid and --allow-uids service-account-identity=UID to name one)"
+        ))
+        .into())
+    }
+
     /// Refuses a caller of one service whose uid may not call `also` either: what a call
     /// shows or changes belongs to that service too (captured credentials are credentials).
     fn also_allowed(&self, peer: Peer, also: Service) -> Result<(), Status> {
-        if self.agent.callers().allows(also, peer.uid) {
+        if self.callers.allows(also, peer.uid) {
             return Ok(());
         }
         Err(refused(
@@ -326,12 +382,29 @@ pub async fn serve_with(
 ) {
     let callers = agent.callers().clone();
     let metrics = agent.metrics().clone();
-    let api = Api::new(agent, shutdown.clone());
-    let credentials =
-        CredentialsServer::new(api.clone()).max_decoding_message_size(MAX_CREDENTIALS_MESSAGE);
-    let admin = AdminServer::new(api.clone()).max_decoding_message_size(MAX_ADMIN_MESSAGE);
-    let image_access =
-        ImageAccessServer::new(api).max_decoding_message_size(MAX_IMAGE_ACCESS_MESSAGE);
+    let calls = Calls {
+        metrics: metrics.clone(),
+        callers: callers.clone(),
+        shutdown: shutdown.clone(),
+    };
+    let credentials = CredentialsServer::new(CredentialsApi {
+        calls: calls.clone(),
+        engine: agent.engine_handle(),
+        renewer: agent.renewer().clone(),
+        refusal: agent.refusal().clone(),
+        captured: agent.captured().cloned(),
+        clock: agent.clock().clone(),
+        tasks: agent.tasks().clone(),
+        watch_send_timeout: agent.watch_send_timeout(),
+    })
+    .max_decoding_message_size(MAX_CREDENTIALS_MESSAGE);
+    let image_access = ImageAccessServer::new(ImageAccessApi {
+        calls: calls.clone(),
+        guard: agent.guard().cloned(),
+    })
+    .max_decoding_message_size(MAX_IMAGE_ACCESS_MESSAGE);
+    let admin =
+        AdminServer::new(AdminApi { calls, agent }).max_decoding_message_size(MAX_ADMIN_MESSAGE);
     let routes = tonic::service::Routes::new(InterceptedService::new(
         credentials,
         admit(&callers, Service::Credentials),
