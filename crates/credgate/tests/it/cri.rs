@@ -81,22 +81,6 @@ async fn image_service_calls_pass_through_with_the_runtimes_answers() {
     assert!(!proxy.exists(), "the proxy's socket is removed at stop");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_runtime_that_cannot_be_reached_is_unavailable() {
-    let dir = tempfile::tempdir().unwrap();
-    let (_agent, proxy) = proxy_agent(dir.path(), &dir.path().join("no-runtime.sock"));
-    let e =
-        call::<ListImagesRequest, ListImagesResponse>(&proxy, LIST_IMAGES, ListImagesRequest {})
-            .await
-            .unwrap_err();
-    assert_eq!(e.code(), tonic::Code::Unavailable);
-    assert!(
-        e.message().contains("cannot reach the container runtime"),
-        "{}",
-        e.message()
-    );
-}
-
 /// A pull with the registry's credentials through the proxy: containerd has the image; with
 /// wrong ones or none the pull fails with the runtime's own error.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1187,31 +1171,6 @@ async fn outside_text_cannot_forge_log_lines() {
     );
     assert!(log.contains(&format!("\\n{FORGED}")), "{log}");
     assert!(log.contains(&format!("pod\\r\\n{FORGED}")), "{log}");
-}
-
-/// A `runtime.v1alpha2` PullImage (containerd 1.6 and 1.7 serve that version) is logged and
-/// listed as a v1 pull is, not passed by unseen.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn v1alpha2_pulls_are_seen_as_v1_pulls_are() {
-    use credgate_testbed::fake_runtime::Answers;
-    let dir = tempfile::tempdir().unwrap();
-    let d = dir.path();
-    let (_fake, agent, proxy) =
-        crate::support::fake_runtime_agent(d, Answers::default(), &[]).await;
-    let pulled: PullImageResponse = call(
-        &proxy,
-        credgate_api::cri::PULL_IMAGE_V1ALPHA2,
-        pull_request("registry.example.com/team/old-api:v1", None, "ns-a"),
-    )
-    .await
-    .unwrap();
-    assert!(pulled.image_ref.starts_with("sha256:"));
-    let v: serde_json::Value =
-        serde_json::from_slice(&agent.credgate(&["ctl", "-o", "json", "pulls"]).stdout).unwrap();
-    assert_eq!(
-        v["pulls"][0]["image"], "registry.example.com/team/old-api:v1",
-        "{v}"
-    );
 }
 
 /// A pull without credentials refused as unauthorized is counted as missed only when a

@@ -1,0 +1,197 @@
+//! The proxy's behaviour, run in this process against the testbed's fake runtime: no
+//! `credgate` binary, no root, no containerd. What a maintainer of the proxy iterates on with
+//! `cargo nextest run -p credgate-cri`; the proxy against a real kubelet and containerd is
+//! the `credgate` crate's suite.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use credgate_agent::{Agent, AgentOptions};
+use credgate_cri::metrics::ProxyMetrics;
+use credgate_cri::outcome::{PullAuth, PullResult};
+use credgate_cri::{Context, ProxyOptions};
+use credgate_testbed::cri::*;
+use credgate_testbed::fake_runtime::{self, Answers};
+use tokio_util::sync::CancellationToken;
+
+/// The proxy on its own thread, serving `socket`, over an agent with no sources; stopped and
+/// joined when dropped.
+struct Proxy {
+    socket: PathBuf,
+    context: Context,
+    stop: CancellationToken,
+    thread: Option<std::thread::JoinHandle<std::io::Result<()>>>,
+}
+
+impl Proxy {
+    async fn start(dir: &Path, runtime: &Path) -> Proxy {
+        let agent = Agent::new(AgentOptions::default()).unwrap();
+        let context = Context {
+            clock: agent.clock().clone(),
+            metrics: ProxyMetrics::default(),
+            connections: Default::default(),
+            engine: agent.engine_handle(),
+            refusal: agent.refusal().clone(),
+            pulls: Arc::default(),
+            node_images: Arc::default(),
+            policy: Default::default(),
+        };
+        let socket = dir.join("proxy.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let options = ProxyOptions {
+            runtime: runtime.to_owned(),
+            captured: None,
+            guard: None,
+            limits: credgate_cri::default_limits(),
+            check_every: Duration::from_secs(3600),
+            registry: Default::default(),
+            context: context.clone(),
+            node_images: Vec::new(),
+            keep_every: Duration::from_secs(3600),
+            list_limit: credgate_cri::MAX_LIST_MESSAGE,
+        };
+        let stop = CancellationToken::new();
+        let thread = credgate_cri::start(listener, options, stop.clone())
+            .await
+            .unwrap();
+        Proxy {
+            socket,
+            context,
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    /// The proxy's families as `/metrics` shows them.
+    fn metrics(&self) -> String {
+        let mut registry = prometheus_client::registry::Registry::default();
+        self.context.metrics.register(&mut registry);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        text
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.stop.cancel();
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runtime_that_cannot_be_reached_is_unavailable() {
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = Proxy::start(dir.path(), &dir.path().join("no-runtime.sock")).await;
+    let e = call::<_, ListImagesResponse>(&proxy.socket, LIST_IMAGES, ListImagesRequest {})
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unavailable);
+    assert!(
+        e.message().contains("cannot reach the container runtime"),
+        "{}",
+        e.message()
+    );
+    assert!(
+        proxy
+            .metrics()
+            .contains("credgate_cri_runtime_unreachable_total 1"),
+        "{}",
+        proxy.metrics()
+    );
+}
+
+/// A failed pull's answer reaches the caller as the runtime sent it; each pull is recorded
+/// with the credential it went with and the runtime's answer, and counted in the proxy's own
+/// families.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pull_is_answered_as_the_runtime_answered_recorded_and_counted() {
+    let dir = tempfile::tempdir().unwrap();
+    let runtime = dir.path().join("fake-runtime.sock");
+    let fake = fake_runtime::start(
+        &runtime,
+        Answers {
+            pull: Err((2, "failed to resolve reference: 401 Unauthorized".into())),
+            ..Default::default()
+        },
+    )
+    .await;
+    let proxy = Proxy::start(dir.path(), &runtime).await;
+    let image = "registry.example.com/team/app:v1";
+    let e =
+        call::<_, PullImageResponse>(&proxy.socket, PULL_IMAGE, pull_request(image, None, "ns-a"))
+            .await
+            .unwrap_err();
+    assert_eq!(
+        (e.code(), e.message()),
+        (
+            tonic::Code::Unknown,
+            "failed to resolve reference: 401 Unauthorized"
+        )
+    );
+    fake.answers.lock().pull = Ok("sha256:feed".into());
+    let pulled: PullImageResponse = call(
+        &proxy.socket,
+        PULL_IMAGE,
+        pull_request(image, Some(("someone", "a-pods-Pa55word")), "ns-b"),
+    )
+    .await
+    .unwrap();
+    assert_eq!(pulled.image_ref, "sha256:feed");
+
+    let pulls = proxy.context.pulls.list(None);
+    assert_eq!(pulls.len(), 2);
+    // Newest first: the pod's own secret, which no source of the agent gave.
+    assert_eq!(
+        (&pulls[0].image, &pulls[0].pod_namespace, &pulls[0].auth),
+        (&image.to_owned(), &"ns-b".to_owned(), &PullAuth::Unknown)
+    );
+    assert_eq!(pulls[0].code, 0);
+    assert_eq!(
+        (
+            &pulls[1].auth,
+            PullResult::of(pulls[1].code, &pulls[1].message)
+        ),
+        (&PullAuth::None, PullResult::Unauthorized)
+    );
+    let listed = proxy
+        .context
+        .list_pulls(Some("registry.example.com/team/app"));
+    assert_eq!(listed.len(), 2);
+    assert!(listed.iter().all(|p| !p.message.contains("Pa55word")));
+    let text = proxy.metrics();
+    for line in [
+        r#"credgate_cri_pulls_total{auth="none",result="unauthorized"} 1"#,
+        r#"credgate_cri_pulls_total{auth="unknown",result="ok"} 1"#,
+        r#"credgate_cri_calls_total{method="PullImage"} 2"#,
+    ] {
+        assert!(text.contains(line), "{line} in\n{text}");
+    }
+    assert!(!text.contains("Pa55word"));
+}
+
+/// v1alpha2's pulls are seen as v1's are (its messages have v1's fields).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn v1alpha2_pulls_are_seen_as_v1_pulls_are() {
+    let dir = tempfile::tempdir().unwrap();
+    let runtime = dir.path().join("fake-runtime.sock");
+    let _fake = fake_runtime::start(&runtime, Answers::default()).await;
+    let proxy = Proxy::start(dir.path(), &runtime).await;
+    let pulled: PullImageResponse = call(
+        &proxy.socket,
+        PULL_IMAGE_V1ALPHA2,
+        pull_request("registry.example.com/team/old-api:v1", None, "ns-a"),
+    )
+    .await
+    .unwrap();
+    assert!(pulled.image_ref.starts_with("sha256:"));
+    let pulls = proxy.context.pulls.list(None);
+    assert_eq!(pulls[0].image, "registry.example.com/team/old-api:v1");
+    assert!(proxy
+        .metrics()
+        .contains(r#"credgate_cri_calls_total{method="PullImage"} 1"#));
+}
