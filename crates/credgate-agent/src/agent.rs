@@ -431,7 +431,7 @@ impl Agent {
             .filter(|s| s.kind == credgate_engine::SourceKind::DockerConfig.as_str())
         {
             if let Some(r) = self.inner.refusal.memory().docker_report(&source.name) {
-                source.dropped_unix_ms = crate::state::unix_ms(r.at);
+                source.dropped_unix_ms = credgate_engine::clock::unix_ms(r.at);
                 source.dropped_reason = format!(
                     "a registry refused an entry of it at a pull of {}: credgate does not change that file; update it",
                     r.image

@@ -321,7 +321,7 @@ impl Captured {
 
     /// Now, in Unix ms, by the agent's clock: what a capture is stamped with.
     pub fn now_ms(&self) -> i64 {
-        crate::state::unix_ms(self.clock.wall())
+        credgate_engine::clock::unix_ms(self.clock.wall())
     }
 
     /// Keeps at most `n` repositories' credentials instead of [`MAX_ENTRIES`].

@@ -20,7 +20,7 @@ pub trait ProxyView: Send + Sync {
 }
 
 fn ms(t: Option<SystemTime>) -> i64 {
-    t.map_or(0, crate::state::unix_ms)
+    t.map_or(0, credgate_engine::clock::unix_ms)
 }
 
 /// The explanation, with its verdict at `now`.

@@ -144,7 +144,7 @@ pub struct SavedCache {
 }
 
 fn ms(t: SystemTime) -> u64 {
-    u64::try_from(crate::state::unix_ms(t)).unwrap_or(0)
+    u64::try_from(credgate_engine::clock::unix_ms(t)).unwrap_or(0)
 }
 
 fn at(ms: u64) -> SystemTime {

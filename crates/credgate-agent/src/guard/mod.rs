@@ -278,7 +278,7 @@ impl Guard {
 
     /// Now, in milliseconds since the Unix epoch, by the guard's clock.
     fn now_ms(&self) -> i64 {
-        crate::state::unix_ms(self.clock.wall())
+        credgate_engine::clock::unix_ms(self.clock.wall())
     }
 
     /// Writes what decisions learn as one of `tasks`.

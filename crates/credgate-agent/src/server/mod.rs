@@ -41,7 +41,7 @@ use std::sync::Arc;
 
 /// Milliseconds since the Unix epoch; 0 for `None` or times before it.
 pub fn unix_ms(t: Option<SystemTime>) -> i64 {
-    t.map_or(0, crate::state::unix_ms)
+    t.map_or(0, credgate_engine::clock::unix_ms)
 }
 
 /// The wire form of a credential.

@@ -150,10 +150,8 @@ pub(crate) fn private_dir() -> tempfile::TempDir {
 /// through its clock).
 #[cfg(test)]
 pub(crate) fn now_ms() -> i64 {
-    unix_ms(std::time::SystemTime::now())
+    credgate_engine::clock::unix_ms(std::time::SystemTime::now())
 }
-
-pub use credgate_engine::clock::unix_ms;
 
 /// Creates the state directory (0700) when it is absent, and refuses it unless it is the
 /// agent's own: not a link, owned by the agent's uid, writable by nobody else, and every
