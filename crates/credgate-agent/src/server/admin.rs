@@ -220,17 +220,7 @@ impl Admin for AdminApi {
                 let repository = if req.image.is_empty() {
                     None
                 } else {
-                    Some(
-                        credgate_core::reference::ImageRef::parse(&req.image)
-                            .map_err(|e| {
-                                status::invalid(format!(
-                                    "invalid image {}: {e}",
-                                    credgate_core::text::Quoted(&req.image)
-                                ))
-                            })?
-                            .name()
-                            .to_owned(),
-                    )
+                    Some(repository_of("image", &req.image)?)
                 };
                 let pulls = self
                     .agent
@@ -254,20 +244,25 @@ impl Admin for AdminApi {
                 let Some(captured) = self.agent.captured() else {
                     return Err(ApiError::NotEnabled(PROXY_OFF).into());
                 };
-                let repository = credgate_core::reference::ImageRef::parse(&req.repository)
-                    .map_err(|e| {
-                        status::invalid(format!(
-                            "invalid repository {}: {e}",
-                            credgate_core::text::Quoted(&req.repository)
-                        ))
-                    })?
-                    .name()
-                    .to_owned();
+                let repository = repository_of("repository", &req.repository)?;
                 let forgotten = captured.forget(&repository).map_err(ApiError::from)?;
                 Ok(Response::new(pb::ForgetCapturedResponse { forgotten }))
             })
             .await
     }
+}
+
+/// The normalized repository of a request's `field` (`image`, `repository`); INVALID_ARGUMENT
+/// quoting what was sent when it does not parse.
+fn repository_of(field: &str, text: &str) -> Result<String, Status> {
+    credgate_core::reference::ImageRef::parse(text)
+        .map(|r| r.name().to_owned())
+        .map_err(|e| {
+            status::invalid(format!(
+                "invalid {field} {}: {e}",
+                credgate_core::text::Quoted(text)
+            ))
+        })
 }
 
 /// `Status`.
