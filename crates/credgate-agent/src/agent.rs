@@ -353,10 +353,16 @@ impl Agent {
         self.inner.proxy.lock().view.clone()
     }
 
+    /// What the CRI proxy tells the `Admin` service, while it serves (`None` when it is off
+    /// or ended).
+    pub fn serving_proxy(&self) -> Option<Arc<dyn crate::explain::ProxyView>> {
+        let state = self.inner.proxy.lock();
+        state.view.clone().filter(|_| state.ended.is_none())
+    }
+
     /// Whether the CRI proxy runs on this agent.
     pub fn proxy_running(&self) -> bool {
-        let state = self.inner.proxy.lock();
-        state.view.is_some() && state.ended.is_none()
+        self.serving_proxy().is_some()
     }
 
     /// Credentials registries refused: the service that finds, confirms and acts on them.
@@ -445,7 +451,7 @@ impl Agent {
         if let Some(guard) = self.guard() {
             self.explain_guard(guard, image, &mut answer);
         }
-        if let Some(proxy) = self.proxy_running().then(|| self.proxy_view()).flatten() {
+        if let Some(proxy) = self.serving_proxy() {
             proxy.explain(&explained.image, &mut answer);
         }
         if let Some(c) = self

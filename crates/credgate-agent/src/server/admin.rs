@@ -214,19 +214,15 @@ impl Admin for AdminApi {
                 if !self.agent.callers().allows(Service::ImageAccess, peer.uid) {
                     return Err(not_for(peer, Service::ImageAccess).into());
                 }
-                if !self.agent.proxy_running() {
+                let Some(proxy) = self.agent.serving_proxy() else {
                     return Err(ApiError::NotEnabled(PROXY_OFF).into());
-                }
+                };
                 let repository = if req.image.is_empty() {
                     None
                 } else {
                     Some(repository_of("image", &req.image)?)
                 };
-                let pulls = self
-                    .agent
-                    .proxy_view()
-                    .map(|view| view.pulls(repository.as_deref()))
-                    .unwrap_or_default();
+                let pulls = proxy.pulls(repository.as_deref());
                 Ok(Response::new(pb::ListPullsResponse { pulls }))
             })
             .await
