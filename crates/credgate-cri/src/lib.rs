@@ -17,7 +17,7 @@ use http_body_util::BodyExt;
 use hyper::body::{Bytes, Incoming};
 use tokio::net::UnixListener;
 
-use credgate_listener::{ConnectionState, Listener, ListenerLimits, OpenBody};
+use credgate_listener::{Listener, ListenerLimits};
 
 mod budget;
 mod capture;
@@ -181,27 +181,20 @@ pub fn default_limits() -> ListenerLimits {
     .root_and_own_exempt()
 }
 
-/// One caller connection's calls, each forwarded and counted as an open stream until its
-/// answer's body ends.
+/// One caller connection's calls, each forwarded.
 fn service(
     caller: std::sync::Arc<CallerConn>,
     pulls: std::sync::Arc<Pulls>,
-    streams: ConnectionState,
 ) -> impl hyper::service::Service<
     hyper::Request<Incoming>,
-    Response = hyper::Response<OpenBody<Body>>,
+    Response = hyper::Response<Body>,
     Error = Infallible,
-    Future = impl std::future::Future<Output = Result<hyper::Response<OpenBody<Body>>, Infallible>>
-                 + Send,
+    Future = impl std::future::Future<Output = Result<hyper::Response<Body>, Infallible>> + Send,
 > + Clone {
     hyper::service::service_fn(move |request: hyper::Request<Incoming>| {
         let caller = caller.clone();
         let pulls = pulls.clone();
-        let open = streams.stream();
-        async move {
-            let answer = forward(&caller, &pulls, request).await;
-            Ok::<_, Infallible>(answer.map(|body| OpenBody::new(body, open)))
-        }
+        async move { Ok::<_, Infallible>(forward(&caller, &pulls, request).await) }
     })
 }
 
@@ -229,9 +222,8 @@ pub async fn serve(listener: UnixListener, options: ProxyOptions, shutdown: Canc
             runtime: std::sync::Arc::new(Runtime::new(runtime.clone(), unreachable.clone())),
             budgets: Budgets::connection(&proxy_budget, budget::CONNECTION_BYTES),
         });
-        let tracker = ConnectionState::new();
-        let service = service(caller, background.pulls.clone(), tracker.clone());
-        listener.serve_http2(accepted, tracker, &http2, service, shutdown.clone());
+        let service = service(caller, background.pulls.clone());
+        listener.serve_http2(accepted, &http2, service, shutdown.clone());
     }
     listener.drain().await;
     background.stop(shutdown_timeout).await;

@@ -357,29 +357,35 @@ impl<L: Accept> Listener<L> {
 
     /// Serves an accepted connection with HTTP/2 as `builder` is set up, `service` answering
     /// its requests: the client's header blocks re-emitted with `:authority: localhost` (each
-    /// at most 4 x `max_header_list`, as sent or decoded), the connection driven under the
-    /// listener's deadlines by a task the listener owns.
+    /// at most 4 x `max_header_list`, as sent or decoded), each request counted as an open
+    /// stream until its answer's body ends (a connection with one is never idle), the
+    /// connection driven under the listener's deadlines by a task the listener owns.
     pub fn serve_http2<S, B>(
         &mut self,
         accepted: Accepted<L::Stream>,
-        tracker: ConnectionState,
         http2: &Http2,
         service: S,
         shutdown: CancellationToken,
     ) where
-        S: hyper::service::HttpService<Incoming, ResBody = B> + Send + 'static,
-        S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+        S: hyper::service::Service<hyper::Request<Incoming>, Response = hyper::Response<B>>
+            + Send
+            + 'static,
+        S::Error: Into<Box<dyn std::error::Error + Send + Sync>> + 'static,
         S::Future: Send + 'static,
-        B: Body + Send + 'static,
+        B: Body + Send + Unpin + 'static,
         B::Data: Send,
         B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-        Streams: hyper::rt::bounds::Http2ServerConnExec<S::Future, B>,
     {
+        let tracker = ConnectionState::new();
         let io = hyper_util::rt::TokioIo::new(crate::rewrite::Rewritten::new(
             conn::Watched::new(accepted.stream, tracker.activity.clone()),
             4 * http2.max_header_list as usize,
         ));
-        let connection = http2.builder.serve_connection(io, service);
+        let counted = Counted {
+            service,
+            state: tracker.clone(),
+        };
+        let connection = http2.builder.serve_connection(io, counted);
         let task = drive(
             connection,
             tracker,
@@ -409,13 +415,13 @@ impl<L: Accept> Listener<L> {
 /// What an HTTP/2 connection's deadlines watch: how much its peer sent and when, and how many
 /// of its streams are open.
 #[derive(Clone)]
-pub struct ConnectionState {
-    pub activity: Arc<Activity>,
+struct ConnectionState {
+    activity: Arc<Activity>,
     streams: Arc<AtomicUsize>,
 }
 
 impl ConnectionState {
-    pub fn new() -> Self {
+    fn new() -> Self {
         ConnectionState {
             activity: Activity::new(),
             streams: Arc::new(AtomicUsize::new(0)),
@@ -423,7 +429,7 @@ impl ConnectionState {
     }
 
     /// A stream counted as open until the returned guard (kept with its answer's body) drops.
-    pub fn stream(&self) -> OpenStream {
+    fn stream(&self) -> OpenStream {
         self.streams.fetch_add(1, Ordering::Relaxed);
         self.activity.requested();
         OpenStream(self.streams.clone(), self.activity.clone())
@@ -443,14 +449,8 @@ impl ConnectionState {
     }
 }
 
-impl Default for ConnectionState {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
 /// A stream counted as open while its request is handled and its answer is being sent.
-pub struct OpenStream(Arc<AtomicUsize>, Arc<Activity>);
+struct OpenStream(Arc<AtomicUsize>, Arc<Activity>);
 
 impl Drop for OpenStream {
     fn drop(&mut self) {
@@ -460,7 +460,36 @@ impl Drop for OpenStream {
 }
 
 /// A response body that keeps its stream counted until it is dropped.
-pub type OpenBody<B> = Guarded<B, OpenStream>;
+type OpenBody<B> = Guarded<B, OpenStream>;
+
+/// A connection's service with each request counted as one of its open streams until the
+/// answer's body is dropped.
+#[derive(Clone)]
+struct Counted<S> {
+    service: S,
+    state: ConnectionState,
+}
+
+type CountedAnswer<B, E> =
+    Pin<Box<dyn Future<Output = Result<hyper::Response<OpenBody<B>>, E>> + Send>>;
+
+impl<S, B> hyper::service::Service<hyper::Request<Incoming>> for Counted<S>
+where
+    S: hyper::service::Service<hyper::Request<Incoming>, Response = hyper::Response<B>>,
+    S::Future: Send + 'static,
+    S::Error: 'static,
+    B: 'static,
+{
+    type Response = hyper::Response<OpenBody<B>>;
+    type Error = S::Error;
+    type Future = CountedAnswer<B, S::Error>;
+
+    fn call(&self, request: hyper::Request<Incoming>) -> Self::Future {
+        let open = self.state.stream();
+        let answer = self.service.call(request);
+        Box::pin(async move { Ok(answer.await?.map(|body| OpenBody::new(body, open))) })
+    }
+}
 
 /// A body that keeps `G` (a count, a budget) until it is dropped.
 pub struct Guarded<B, G> {

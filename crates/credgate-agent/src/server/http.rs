@@ -19,7 +19,7 @@ use tonic::service::Routes;
 use super::{Limits, Peer};
 use crate::agent::CallerAllowlist;
 use crate::metrics::AgentMetrics;
-use credgate_listener::{ConnectionState, Listener, OpenBody};
+use credgate_listener::Listener;
 
 /// The largest header block a client may send.
 pub const MAX_HEADER_LIST: u32 = 16 << 10;
@@ -46,14 +46,12 @@ pub(super) async fn serve(
         .keep_alive_interval(Some(limits.keepalive_interval))
         .keep_alive_timeout(limits.keepalive_timeout);
     while let Some(accepted) = listener.next(&shutdown).await {
-        let tracker = ConnectionState::new();
         let service = CallService {
             routes: routes.clone(),
             peer: accepted.peer,
-            tracker: tracker.clone(),
             timeout: limits.request_timeout,
         };
-        listener.serve_http2(accepted, tracker, &http2, service, shutdown.clone());
+        listener.serve_http2(accepted, &http2, service, shutdown.clone());
     }
     // Connections saw the same shutdown signal and are finishing their calls.
     listener.drain().await;
@@ -93,17 +91,15 @@ fn unknown_method_message<B>(path: &str, response: &mut hyper::Response<B>) {
 }
 
 /// The per-request side: the caller's credentials on the request, a deadline for its answer
-/// (the head of a Watch stream: the stream itself may last), the connection's count of open
-/// streams.
+/// (the head of a Watch stream: the stream itself may last).
 #[derive(Clone)]
 struct CallService {
     routes: Routes,
     peer: Peer,
-    tracker: ConnectionState,
     timeout: Duration,
 }
 
-type Answer = hyper::Response<OpenBody<tonic::body::Body>>;
+type Answer = hyper::Response<tonic::body::Body>;
 
 impl hyper::service::Service<hyper::Request<Incoming>> for CallService {
     type Response = Answer;
@@ -112,7 +108,6 @@ impl hyper::service::Service<hyper::Request<Incoming>> for CallService {
 
     fn call(&self, mut request: hyper::Request<Incoming>) -> Self::Future {
         request.extensions_mut().insert(self.peer);
-        let open = self.tracker.stream();
         let path = request.uri().path().to_owned();
         let call = self.routes.clone().call(request);
         let timeout = self.timeout;
@@ -127,7 +122,7 @@ impl hyper::service::Service<hyper::Request<Incoming>> for CallService {
                 .into_http(),
             };
             unknown_method_message(&path, &mut response);
-            Ok(response.map(|body| OpenBody::new(body, open)))
+            Ok(response)
         })
     }
 }

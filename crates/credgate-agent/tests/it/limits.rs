@@ -249,14 +249,9 @@ async fn a_connection_with_no_stream_that_stays_quiet_is_closed_at_the_idle_dead
     let closed = tokio::task::spawn_blocking(move || closed_by_agent(&mut idle))
         .await
         .unwrap();
+    // That a call in flight keeps its connection however long it takes is the listener's
+    // (`cargo nextest run -p credgate-listener --test idle`, on a paused clock).
     assert!(closed);
-    // A connection with a call in flight is not idle, however long the call takes.
-    let channel = credgate_api::connect(&s.socket).await.unwrap();
-    let call = gated_lookup(&channel);
-    tokio::time::sleep(Duration::from_millis(900)).await;
-    s.release();
-    let answer = call.await.unwrap().expect("the slow call was answered");
-    assert_eq!(answer.into_inner().credentials.len(), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
