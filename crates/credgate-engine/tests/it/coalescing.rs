@@ -331,3 +331,45 @@ async fn plugin_runs_in_flight_are_bounded_per_provider_and_in_total() {
     assert!(waits.iter().all(|w| *w <= started.elapsed()));
     assert!(started.elapsed() >= RUN * 40 / 6);
 }
+
+/// `--plugin-rate`: runs beyond the rate wait for their turn and succeed; none fails, and the
+/// waits are counted.
+#[tokio::test(start_paused = true)]
+async fn a_plugin_rate_queues_runs_instead_of_failing_them() {
+    let runner = FakeRunner::new(Duration::ZERO, |_, _| {
+        Ok(response(
+            WIRE_V1,
+            "Image",
+            Some("1h"),
+            &[("registry.example.com", "u", "p")],
+        ))
+    });
+    let mut options = EngineOptions::default();
+    options.plugin_rates.insert(
+        "p".into(),
+        credgate_engine::rate::PluginRate {
+            per_second: 5.0,
+            burst: 1,
+        },
+    );
+    let engine = Engine::builder()
+        .config(config(&[("p", &["registry.example.com"], "10m", WIRE_V1)]))
+        .options(options)
+        .runner(runner.clone())
+        .build()
+        .unwrap();
+    let started = Instant::now();
+    let waits = burst(&engine, distinct(6)).await;
+    assert_eq!(runner.runs(), 6);
+    // One at once, then five at 5/s: a second in all, never all at once.
+    assert_eq!(started.elapsed(), Duration::from_secs(1));
+    assert_eq!(waits.iter().filter(|w| w.is_zero()).count(), 1, "{waits:?}");
+    let mut text = String::new();
+    let mut registry = prometheus_client::registry::Registry::default();
+    engine.metrics().register(&mut registry);
+    prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+    assert!(
+        text.contains("credgate_plugin_runs_delayed_total{provider=\"p\"} 5"),
+        "{text}"
+    );
+}
