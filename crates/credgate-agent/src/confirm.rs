@@ -275,4 +275,45 @@ mod tests {
         );
         assert_eq!(asked.load(Ordering::SeqCst), 2);
     }
+
+    /// A registry that takes connections and never answers: the confirmation gives up at
+    /// [`TIMEOUT`] and says so, refusing nothing (on tokio's paused clock: no real time
+    /// waited).
+    #[tokio::test(start_paused = true)]
+    async fn a_registry_that_never_answers_is_unknown_at_the_timeout() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let host = listener.local_addr().unwrap().to_string();
+        let held = tokio::spawn(async move {
+            let mut open = Vec::new();
+            while let Ok((conn, _)) = listener.accept().await {
+                open.push(conn);
+            }
+        });
+        let confirmations = Confirmations::new(Verifier::new(RegistryOptions {
+            timeout: Duration::from_secs(60),
+            insecure: Vec::new(),
+        }));
+        let asked = tokio::time::Instant::now();
+        let answer = confirmations
+            .confirm(
+                &host,
+                "team/app",
+                [1u8; 32],
+                "alice",
+                "pw",
+                Instant::now(),
+                false,
+            )
+            .await;
+        let waited = asked.elapsed();
+        assert!(
+            (TIMEOUT..TIMEOUT + Duration::from_secs(1)).contains(&waited),
+            "{waited:?}"
+        );
+        assert_eq!(
+            answer,
+            Confirmed::Unknown(format!("no answer within {}s", TIMEOUT.as_secs()))
+        );
+        held.abort();
+    }
 }

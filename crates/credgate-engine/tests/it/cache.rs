@@ -183,3 +183,81 @@ async fn lookup_cached_serves_hits_and_declines_misses() {
     let status = &engine.provider_status()[0];
     assert_eq!((status.cache_hits, status.cache_misses), (1, 1));
 }
+
+/// A provider whose backend lags the registry: asked again at a refusal, the plugin still
+/// answers the refused credential. That answer is kept 1 s, 2 s, then 4 s at most (not its
+/// hour), so the plugin is asked again soon but never once per lookup; once it answers a new
+/// credential, the next run serves it for its own duration and the provider no longer counts
+/// as answering a refused one.
+#[tokio::test(start_paused = true)]
+async fn a_plugin_that_still_answers_a_refused_credential_is_asked_again_at_doubling_intervals() {
+    let caught_up = Arc::new(AtomicBool::new(false));
+    let runner = FakeRunner::new(Duration::ZERO, {
+        let caught_up = caught_up.clone();
+        move |_, _| {
+            let password = if caught_up.load(Ordering::SeqCst) {
+                "new"
+            } else {
+                "old"
+            };
+            Ok(response(
+                WIRE_V1,
+                "Registry",
+                Some("1h"),
+                &[("registry.example.com", "u", password)],
+            ))
+        }
+    });
+    let engine = engine_with(runner.clone(), 64);
+    let password = |e: &Engine| {
+        let e = e.clone();
+        async move {
+            let got = e
+                .lookup(&LookupRequest {
+                    image: IMG,
+                    ..Default::default()
+                })
+                .await
+                .unwrap();
+            secrecy::ExposeSecret::expose_secret(&got.credentials[0].password).to_owned()
+        }
+    };
+    assert_eq!(password(&engine).await, "old");
+    engine
+        .refuse("p", IMG, "u", "old", "refused by the registry")
+        .unwrap();
+    let refused = tokio::time::Instant::now();
+    // A lookup every 100 ms for 12 s: the runs it causes, in seconds after the refusal.
+    let mut runs_at = Vec::new();
+    let mut ran = runner.runs();
+    for step in 0..120u64 {
+        if step == 80 {
+            caught_up.store(true, Ordering::SeqCst);
+        }
+        let got = password(&engine).await;
+        if runner.runs() > ran {
+            ran = runner.runs();
+            runs_at.push((refused.elapsed().as_millis() as u64, got));
+        } else if step < 80 {
+            assert!(engine.answers_refused_since("p").is_some());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let old = |ms: u64| (ms, "old".to_owned());
+    assert_eq!(
+        runs_at,
+        [
+            old(0),
+            old(1000),
+            old(3000),
+            old(7000),
+            (11000, "new".to_owned())
+        ],
+        "kept 1 s, 2 s, 4 s, 4 s; the new one served at the next run"
+    );
+    assert!(engine.answers_refused_since("p").is_none());
+    // The new answer keeps its hour.
+    tokio::time::sleep(Duration::from_secs(600)).await;
+    password(&engine).await;
+    assert_eq!(runner.runs(), ran);
+}
