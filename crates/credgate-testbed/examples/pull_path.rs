@@ -44,7 +44,10 @@ async fn parts(dir: &Path) {
     let auth = base64::engine::general_purpose::STANDARD.encode(format!("{USER}:{PASSWORD}"));
     std::fs::write(
         dir.join("config.json"),
-        format!(r#"{{"auths":{{"{}":{{"auth":"{auth}"}}}}}}"#, registry.host()),
+        format!(
+            r#"{{"auths":{{"{}":{{"auth":"{auth}"}}}}}}"#,
+            registry.host()
+        ),
     )
     .unwrap();
     let host = registry.host();

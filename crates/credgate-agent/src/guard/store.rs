@@ -252,6 +252,9 @@ enum Msg {
 }
 
 /// The store. Cheap to clone.
+/// How long [`Store::open`] waits for another process to let go of the file.
+pub const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
 #[derive(Clone)]
 pub struct Store {
     mem: Arc<RwLock<Mem>>,
@@ -263,8 +266,15 @@ pub struct Store {
 }
 
 impl Store {
-    /// Opens (or creates) `dir/guard.db`, checks it and loads it into memory.
+    /// Opens (or creates) `dir/guard.db`, checks it and loads it into memory; waits up to
+    /// [`LOCK_WAIT`] for a process that holds it (one stopping) to let go.
     pub fn open(dir: &Path) -> Result<Store, StoreError> {
+        Self::open_waiting(dir, LOCK_WAIT)
+    }
+
+    /// [`open`](Self::open), waiting at most `wait` for a holder of the file to let go before
+    /// it is [`StoreError::Locked`].
+    pub fn open_waiting(dir: &Path, wait: std::time::Duration) -> Result<Store, StoreError> {
         let io = |source| StoreError::Io {
             path: dir.to_owned(),
             source,
@@ -294,7 +304,7 @@ impl Store {
         };
         let conn = Connection::open(&path).map_err(open_err)?;
         let setup = || -> rusqlite::Result<(String, String)> {
-            conn.busy_timeout(std::time::Duration::from_secs(5))?;
+            conn.busy_timeout(wait)?;
             let mode: String = conn.query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0))?;
             // One process owns the file: exclusive locking spares a lock round trip per
             // transaction.
