@@ -26,6 +26,14 @@ struct Proxy {
 
 impl Proxy {
     async fn start(dir: &Path, runtime: &Path) -> Proxy {
+        Self::start_with(dir, runtime, credgate_cri::default_limits()).await
+    }
+
+    async fn start_with(
+        dir: &Path,
+        runtime: &Path,
+        limits: credgate_listener::ListenerLimits,
+    ) -> Proxy {
         let agent = Agent::new(AgentOptions::default()).unwrap();
         let context = Context {
             clock: agent.clock().clone(),
@@ -44,7 +52,7 @@ impl Proxy {
             runtime: runtime.to_owned(),
             captured: None,
             guard: None,
-            limits: credgate_cri::default_limits(),
+            limits,
             check_every: Duration::from_secs(3600),
             registry: Default::default(),
             context: context.clone(),
@@ -194,4 +202,81 @@ async fn v1alpha2_pulls_are_seen_as_v1_pulls_are() {
     assert!(proxy
         .metrics()
         .contains(r#"credgate_cri_calls_total{method="PullImage"} 1"#));
+}
+
+/// The proxy's listener bounds its connections: those beyond its budget (128 in all) are
+/// closed as they arrive while the others stay; silent ones are closed at its handshake
+/// deadline (5 s as shipped; 300 ms on a second proxy here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_proxy_bounds_connections_and_closes_silent_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = Proxy::start(dir.path(), &dir.path().join("no-runtime.sock")).await;
+    let socket = proxy.socket.clone();
+    let (closed, open) = tokio::task::spawn_blocking(move || {
+        let held: Vec<_> = (0..160)
+            .map(|_| {
+                let c = std::os::unix::net::UnixStream::connect(&socket).unwrap();
+                c.set_nonblocking(true).unwrap();
+                c
+            })
+            .collect();
+        // Until the 32 beyond the budget are closed (long before the handshake deadline).
+        let deadline = std::time::Instant::now() + Duration::from_secs(4);
+        loop {
+            let states: Vec<_> = held.iter().map(state).collect();
+            let closed = states.iter().filter(|s| **s == Conn::Closed).count();
+            if closed >= 32 || std::time::Instant::now() > deadline {
+                let open = states.iter().filter(|s| **s == Conn::Open).count();
+                return (closed, open);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!((closed, open), (32, 128), "(closed at once, kept)");
+    drop(proxy);
+
+    let quick = tempfile::tempdir().unwrap();
+    let limits = credgate_listener::ListenerLimits {
+        handshake_timeout: Duration::from_millis(300),
+        ..credgate_cri::default_limits()
+    };
+    let proxy =
+        Proxy::start_with(quick.path(), &quick.path().join("no-runtime.sock"), limits).await;
+    let socket = proxy.socket.clone();
+    let silent_closed = tokio::task::spawn_blocking(move || {
+        let c = std::os::unix::net::UnixStream::connect(&socket).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        use std::io::Read as _;
+        // Its SETTINGS, then the end.
+        let mut seen = Vec::new();
+        (&c).read_to_end(&mut seen).is_ok()
+    })
+    .await
+    .unwrap();
+    assert!(
+        silent_closed,
+        "a silent connection is closed at the handshake deadline"
+    );
+}
+
+#[derive(Debug, PartialEq)]
+enum Conn {
+    Open,
+    Closed,
+}
+
+/// Whether the other end closed a non-blocking connection that was sent nothing (what the
+/// server sent, its SETTINGS, is read and dropped).
+fn state(c: &std::os::unix::net::UnixStream) -> Conn {
+    use std::io::Read as _;
+    loop {
+        match (&*c).read(&mut [0u8; 256]) {
+            Ok(0) => return Conn::Closed,
+            Ok(_) => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Conn::Open,
+            Err(_) => return Conn::Closed,
+        }
+    }
 }
