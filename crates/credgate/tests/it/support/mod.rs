@@ -5,7 +5,6 @@
 #![allow(dead_code)]
 
 pub mod foreign;
-pub mod h2;
 pub mod stub_registry;
 pub mod token;
 
@@ -172,8 +171,10 @@ pub fn proxy_agent_with(dir: &Path, runtime: &Path, more: &[&str]) -> (Agent, Pa
     ];
     args.extend_from_slice(more);
     let agent = Agent::start(dir, &args);
+    // Accepting, not merely there: a socket left by an agent that was killed stays on disk
+    // until the next one replaces it.
     credgate_testbed::eventually("the CRI proxy comes up", Duration::from_secs(20), || {
-        proxy.exists()
+        std::os::unix::net::UnixStream::connect(&proxy).is_ok()
     });
     (agent, proxy)
 }
