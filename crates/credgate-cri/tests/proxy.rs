@@ -280,3 +280,141 @@ fn state(c: &std::os::unix::net::UnixStream) -> Conn {
         }
     }
 }
+
+/// A caller that leaves large answers unread holds back only its own calls: each caller has
+/// its own connection to the runtime, so another caller's calls go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_that_does_not_read_holds_back_only_its_own_calls() {
+    let dir = tempfile::tempdir().unwrap();
+    let runtime = dir.path().join("fake-runtime.sock");
+    let _fake = fake_runtime::start(
+        &runtime,
+        Answers {
+            list_bytes: 2_700_000,
+            ..Default::default()
+        },
+    )
+    .await;
+    let proxy = Proxy::start(dir.path(), &runtime).await;
+    // The greedy caller: three ListImages of 2.7 MB each, never read.
+    let mut greedy = credgate_testbed::h2::connect(&proxy.socket, 65_535).await;
+    let mut unread = Vec::new();
+    for _ in 0..3 {
+        greedy.ready().await.unwrap();
+        let answer = greedy
+            .send_request(credgate_testbed::h2::request(
+                LIST_IMAGES,
+                credgate_testbed::h2::message(vec![0, 0, 0, 0, 0]),
+            ))
+            .await
+            .unwrap();
+        unread.push(answer);
+    }
+    // Another caller: its calls are answered as usual.
+    let mut other = credgate_testbed::h2::connect(&proxy.socket, 1 << 20).await;
+    for _ in 0..20 {
+        other.ready().await.unwrap();
+        let answer = tokio::time::timeout(
+            Duration::from_secs(10),
+            other.send_request(credgate_testbed::h2::request(
+                IMAGE_STATUS,
+                credgate_testbed::h2::message(vec![0, 0, 0, 0, 0]),
+            )),
+        )
+        .await
+        .expect("another caller's call is not held back")
+        .unwrap();
+        let status = tokio::time::timeout(
+            Duration::from_secs(10),
+            credgate_testbed::h2::status(answer),
+        )
+        .await
+        .expect("its answer arrives");
+        assert_eq!(status.map(|s| s.0), Some(0));
+    }
+    drop(unread);
+}
+
+/// A `PullImage` with padding in a field credgate has no code for (the pod's annotations are
+/// such: large by nature, up to 256 KiB in Kubernetes).
+#[derive(Clone, PartialEq, prost::Message)]
+struct PaddedPull {
+    #[prost(message, optional, tag = "1")]
+    image: Option<ImageSpec>,
+    #[prost(bytes = "vec", tag = "15")]
+    pad: Vec<u8>,
+}
+
+/// One tenant's slow pulls cannot block the next pull on the kubelet's connection: twelve
+/// pulls of 400 KiB each (4.8 MB, more than the connection's 4 MiB budget), started one after
+/// the other and held by a registry that stalls, and the next pull (another tenant's) is
+/// still forwarded; a pull request above 512 KiB is refused at once, as no real one is that
+/// large.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_large_pulls_leave_room_for_the_next_pull() {
+    let dir = tempfile::tempdir().unwrap();
+    let runtime = dir.path().join("fake-runtime.sock");
+    let stalled = "registry.example.com/tenant-a/app:v1";
+    let registry = Arc::new(tokio::sync::Semaphore::new(0));
+    let fake = fake_runtime::start(
+        &runtime,
+        Answers {
+            held_image: Some((stalled.into(), registry.clone())),
+            ..Default::default()
+        },
+    )
+    .await;
+    let proxy = Proxy::start(dir.path(), &runtime).await;
+    let kubelet = credgate_api::connect(&proxy.socket).await.unwrap();
+    let padded = |n: usize| PaddedPull {
+        image: Some(ImageSpec {
+            image: stalled.into(),
+        }),
+        pad: vec![b'a'; n],
+    };
+    // One after the other, as a kubelet starts pulls: each is read whole and forwarded
+    // before the next is sent (read at once, they would share the budget while read).
+    let mut slow = Vec::new();
+    for i in 0..12 {
+        let channel = kubelet.clone();
+        let req = padded(400 << 10);
+        slow.push(tokio::spawn(async move {
+            call_on::<_, PullImageResponse>(channel, PULL_IMAGE, req).await
+        }));
+        credgate_testbed::eventually_async(
+            "the pull reaches the runtime",
+            Duration::from_secs(20),
+            || std::future::ready(fake.pulled.lock().len() == i + 1),
+        )
+        .await;
+    }
+    let next = call_on::<_, PullImageResponse>(
+        kubelet.clone(),
+        PULL_IMAGE,
+        pull_request(
+            "registry.example.com/tenant-b/app:v1",
+            Some(("b", "b-secret")),
+            "tenant-b",
+        ),
+    )
+    .await;
+    assert!(next.is_ok(), "the next tenant's pull: {next:?}");
+    assert!(
+        slow.iter().all(|p| !p.is_finished()),
+        "the registry still holds them"
+    );
+    registry.add_permits(12);
+    for pull in slow {
+        let answer = pull.await.unwrap();
+        assert!(answer.is_ok(), "a slow pull: {answer:?}");
+    }
+    let too_large = call_on::<_, PullImageResponse>(kubelet, PULL_IMAGE, padded(600 << 10))
+        .await
+        .unwrap_err();
+    assert_eq!(too_large.code(), tonic::Code::ResourceExhausted);
+    assert!(
+        too_large.message().contains("larger than 512 KiB"),
+        "{}",
+        too_large.message()
+    );
+}

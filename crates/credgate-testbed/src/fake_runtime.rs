@@ -24,6 +24,9 @@ pub struct Answers {
     pub pull_delay: std::time::Duration,
     /// How long a `PullImage` of one image takes instead (one slow registry among others).
     pub slow_image: Option<(String, std::time::Duration)>,
+    /// A `PullImage` of this image is answered only when it takes a permit of the semaphore
+    /// (a registry that answers when the test says).
+    pub held_image: Option<(String, Arc<tokio::sync::Semaphore>)>,
 }
 
 impl Default for Answers {
@@ -33,6 +36,7 @@ impl Default for Answers {
             pull: Ok(format!("sha256:{}", "0123456789abcdef".repeat(4))),
             pull_delay: std::time::Duration::ZERO,
             slow_image: None,
+            held_image: None,
         }
     }
 }
@@ -158,6 +162,13 @@ pub async fn start(socket: &Path, answers: Answers) -> FakeRuntime {
                                 _ => now.pull_delay,
                             };
                             tokio::time::sleep(delay).await;
+                            if let Some((held, gate)) = &now.held_image {
+                                if *held == image {
+                                    if let Ok(permit) = gate.acquire().await {
+                                        permit.forget();
+                                    }
+                                }
+                            }
                         }
                         Ok::<_, std::convert::Infallible>(answer(&path, &now))
                     }

@@ -1,6 +1,6 @@
 //! Raw HTTP/2 for the proxy's hardening tests: a hyper client whose request bodies the test
-//! controls (sent in part, never ended) and whose answers it may leave unread (the fake runtime
-//! they are tested against is credgate-testbed's).
+//! controls (sent in part, never ended) and whose answers it may leave unread (against
+//! [`crate::fake_runtime`]).
 
 use std::path::Path;
 

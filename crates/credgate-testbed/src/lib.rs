@@ -10,6 +10,7 @@
 
 pub mod cri;
 pub mod fake_runtime;
+pub mod h2;
 mod image;
 mod process;
 mod registry;

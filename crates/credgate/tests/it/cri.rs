@@ -562,22 +562,22 @@ async fn half_sent_pulls_hold_a_bounded_amount_and_let_go() {
     };
     assert_eq!(held(), 0);
     let pid = agent.child.id();
-    let before = crate::support::h2::rss(pid);
+    let before = credgate_testbed::h2::rss(pid);
     let mut bodies = Vec::new();
     let mut answers = Vec::new();
     for _ in 0..4 {
-        let mut sender = crate::support::h2::connect(&proxy, 1 << 20).await;
+        let mut sender = credgate_testbed::h2::connect(&proxy, 1 << 20).await;
         for _ in 0..60 {
             // A frame prefix announcing a message just under a PullImage's limit (512 KiB),
             // and most of it.
             let mut first = vec![0u8];
             first.extend_from_slice(&((1u32 << 19) - 64).to_be_bytes());
             first.resize((1 << 19) - 1024, b'x');
-            let (body, keep) = crate::support::h2::unfinished(first);
+            let (body, keep) = credgate_testbed::h2::unfinished(first);
             bodies.push(keep);
             sender.ready().await.unwrap();
             answers.push(tokio::spawn(
-                sender.send_request(crate::support::h2::request(PULL_IMAGE, body)),
+                sender.send_request(credgate_testbed::h2::request(PULL_IMAGE, body)),
             ));
         }
     }
@@ -587,7 +587,7 @@ async fn half_sent_pulls_hold_a_bounded_amount_and_let_go() {
         let exhausted = exhausted.clone();
         waiting.spawn(async move {
             if let Ok(Ok(answer)) = answer.await {
-                if let Some((8, message)) = crate::support::h2::status(answer).await {
+                if let Some((8, message)) = credgate_testbed::h2::status(answer).await {
                     assert!(message.contains("too%20many"), "{message}");
                     exhausted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 }
@@ -607,7 +607,7 @@ async fn half_sent_pulls_hold_a_bounded_amount_and_let_go() {
         holding > 0 && holding <= 4 * (4 << 20),
         "the proxy holds {holding} bytes for 4 connections of at most 4 MiB each"
     );
-    let during = crate::support::h2::rss(pid);
+    let during = credgate_testbed::h2::rss(pid);
     assert!(
         during < before + (48 << 20),
         "RSS went from {before} to {during} bytes"
@@ -621,58 +621,6 @@ async fn half_sent_pulls_hold_a_bounded_amount_and_let_go() {
     );
     let health = agent.credgate(&["ctl", "health"]);
     assert_eq!(crate::support::text(&health.stdout).trim(), "SERVING");
-}
-
-/// A caller that leaves large answers unread holds back only its own calls: each caller has
-/// its own connection to the runtime, so another caller's calls go on.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_caller_that_does_not_read_holds_back_only_its_own_calls() {
-    let dir = tempfile::tempdir().unwrap();
-    let runtime = dir.path().join("fake-runtime.sock");
-    let _fake = credgate_testbed::fake_runtime::start(
-        &runtime,
-        credgate_testbed::fake_runtime::Answers {
-            list_bytes: 2_700_000,
-            ..Default::default()
-        },
-    )
-    .await;
-    let (_agent, proxy) = proxy_agent(dir.path(), &runtime);
-    // The greedy caller: three ListImages of 2.7 MB each, never read.
-    let mut greedy = crate::support::h2::connect(&proxy, 65_535).await;
-    let mut unread = Vec::new();
-    for _ in 0..3 {
-        greedy.ready().await.unwrap();
-        let answer = greedy
-            .send_request(crate::support::h2::request(
-                LIST_IMAGES,
-                crate::support::h2::message(vec![0, 0, 0, 0, 0]),
-            ))
-            .await
-            .unwrap();
-        unread.push(answer);
-    }
-    // Another caller: its calls are answered as usual.
-    let mut other = crate::support::h2::connect(&proxy, 1 << 20).await;
-    for _ in 0..20 {
-        other.ready().await.unwrap();
-        let answer = tokio::time::timeout(
-            Duration::from_secs(10),
-            other.send_request(crate::support::h2::request(
-                IMAGE_STATUS,
-                crate::support::h2::message(vec![0, 0, 0, 0, 0]),
-            )),
-        )
-        .await
-        .expect("another caller's call is not held back")
-        .unwrap();
-        let status =
-            tokio::time::timeout(Duration::from_secs(10), crate::support::h2::status(answer))
-                .await
-                .expect("its answer arrives");
-        assert_eq!(status.map(|s| s.0), Some(0));
-    }
-    drop(unread);
 }
 
 /// The agent's metrics page (the agent started with `--metrics-addr 127.0.0.1:0`).
@@ -1026,79 +974,6 @@ async fn without_capture_pulls_are_still_recorded_and_logged() {
     );
     assert!(!state.join("captured.sealed").exists());
     assert!(!agent.log_text().contains(SECRET));
-}
-
-/// A `PullImage` with padding in a field credgate has no code for (the pod's annotations are
-/// such: large by nature, up to 256 KiB in Kubernetes).
-#[derive(Clone, PartialEq, prost::Message)]
-struct PaddedPull {
-    #[prost(message, optional, tag = "1")]
-    image: Option<ImageSpec>,
-    #[prost(bytes = "vec", tag = "15")]
-    pad: Vec<u8>,
-}
-
-/// One tenant's slow pulls cannot block the next pull on the kubelet's connection: twelve
-/// pulls of 400 KiB each (4.8 MB, more than the connection's 4 MiB budget), started one after
-/// the other and held by a registry that stalls, and the next pull (another tenant's) is
-/// still forwarded; a pull request above
-/// 512 KiB is refused at once, as no real one is that large.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn slow_large_pulls_leave_room_for_the_next_pull() {
-    use credgate_testbed::fake_runtime::Answers;
-    let dir = tempfile::tempdir().unwrap();
-    let d = dir.path();
-    let (_fake, _agent, proxy) = crate::support::fake_runtime_agent(
-        d,
-        Answers {
-            pull_delay: Duration::from_secs(3),
-            ..Default::default()
-        },
-        &[],
-    )
-    .await;
-    let kubelet = credgate_api::connect(&proxy).await.unwrap();
-    let padded = |n: usize| PaddedPull {
-        image: Some(ImageSpec {
-            image: "registry.example.com/tenant-a/app:v1".into(),
-        }),
-        pad: vec![b'a'; n],
-    };
-    // One after the other, as a kubelet starts pulls: each is read whole and forwarded
-    // before the next arrives (read at once, they would share the budget while read).
-    let mut slow = Vec::new();
-    for _ in 0..12 {
-        let channel = kubelet.clone();
-        let req = padded(400 << 10);
-        slow.push(tokio::spawn(async move {
-            call_on::<_, PullImageResponse>(channel, PULL_IMAGE, req).await
-        }));
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let next = call_on::<_, PullImageResponse>(
-        kubelet.clone(),
-        PULL_IMAGE,
-        pull_request(
-            "registry.example.com/tenant-b/app:v1",
-            Some(("b", "b-secret")),
-            "tenant-b",
-        ),
-    )
-    .await;
-    assert!(next.is_ok(), "the next tenant's pull: {next:?}");
-    for pull in slow {
-        let answer = pull.await.unwrap();
-        assert!(answer.is_ok(), "a slow pull: {answer:?}");
-    }
-    let too_large = call_on::<_, PullImageResponse>(kubelet, PULL_IMAGE, padded(600 << 10))
-        .await
-        .unwrap_err();
-    assert_eq!(too_large.code(), tonic::Code::ResourceExhausted);
-    assert!(
-        too_large.message().contains("larger than 512 KiB"),
-        "{}",
-        too_large.message()
-    );
 }
 
 /// A registry's error body reaches the runtime's message, and a pod name is the pod author's:
