@@ -251,10 +251,10 @@ enum Msg {
     Close(oneshot::Sender<()>),
 }
 
-/// The store. Cheap to clone.
 /// How long [`Store::open`] waits for another process to let go of the file.
 pub const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
+/// The store. Cheap to clone.
 #[derive(Clone)]
 pub struct Store {
     mem: Arc<RwLock<Mem>>,
