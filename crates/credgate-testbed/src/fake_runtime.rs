@@ -20,12 +20,8 @@ pub struct Answers {
     pub list_bytes: usize,
     /// `PullImage`: the image ID, or a gRPC code and message.
     pub pull: Result<String, (i32, String)>,
-    /// How long a `PullImage` takes (a registry that stalls).
-    pub pull_delay: std::time::Duration,
-    /// How long a `PullImage` of one image takes instead (one slow registry among others).
-    pub slow_image: Option<(String, std::time::Duration)>,
     /// A `PullImage` of this image is answered only when it takes a permit of the semaphore
-    /// (a registry that answers when the test says).
+    /// (a registry that stalls until the test says, or for good).
     pub held_image: Option<(String, Arc<tokio::sync::Semaphore>)>,
 }
 
@@ -34,8 +30,6 @@ impl Default for Answers {
         Answers {
             list_bytes: 16,
             pull: Ok(format!("sha256:{}", "0123456789abcdef".repeat(4))),
-            pull_delay: std::time::Duration::ZERO,
-            slow_image: None,
             held_image: None,
         }
     }
@@ -157,11 +151,6 @@ pub async fn start(socket: &Path, answers: Answers) -> FakeRuntime {
                                 .map(|i| i.image)
                                 .unwrap_or_default();
                             record.lock().push(image.clone());
-                            let delay = match &now.slow_image {
-                                Some((slow, delay)) if *slow == image => *delay,
-                                _ => now.pull_delay,
-                            };
-                            tokio::time::sleep(delay).await;
                             if let Some((held, gate)) = &now.held_image {
                                 if *held == image {
                                     if let Ok(permit) = gate.acquire().await {

@@ -402,7 +402,7 @@ async fn a_removal_storm_of_a_kept_image_costs_a_bounded_number_of_pulls() {
 }
 
 /// One registry's slowness delays only its own image: a kept image whose pull never ends
-/// (the runtime holds it for 10 minutes) does not keep the sandbox image, nor another kept
+/// (the runtime holds it for good) does not keep the sandbox image, nor another kept
 /// image, from being pulled (before: one pull at a time, the others waited behind it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_kept_image_does_not_hold_the_others() {
@@ -416,7 +416,11 @@ async fn a_slow_kept_image_does_not_hold_the_others() {
     let (fake, agent, _proxy) = crate::support::fake_runtime_agent(
         dir.path(),
         Answers {
-            slow_image: Some((slow.into(), Duration::from_secs(600))),
+            // Never released: the registry never answers.
+            held_image: Some((
+                slow.into(),
+                std::sync::Arc::new(tokio::sync::Semaphore::new(0)),
+            )),
             ..Default::default()
         },
         &[
