@@ -40,17 +40,8 @@ async fn parts(dir: &Path) {
         credgate_testbed::fake_runtime::Answers::default(),
     )
     .await;
-    use base64::Engine as _;
-    let auth = base64::engine::general_purpose::STANDARD.encode(format!("{USER}:{PASSWORD}"));
-    std::fs::write(
-        dir.join("config.json"),
-        format!(
-            r#"{{"auths":{{"{}":{{"auth":"{auth}"}}}}}}"#,
-            registry.host()
-        ),
-    )
-    .unwrap();
     let host = registry.host();
+    credgate_testbed::docker_config(dir, &host, USER, PASSWORD);
     std::fs::write(
         dir.join("providers.yaml"),
         format!(

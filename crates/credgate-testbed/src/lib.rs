@@ -20,4 +20,4 @@ pub use image::{oci_image, oci_image_saying, push};
 pub use process::{
     eventually, eventually_async, require, require_root, run, wait_for_exit, Containerd,
 };
-pub use registry::Registry;
+pub use registry::{docker_config, Registry};

@@ -208,3 +208,18 @@ impl Drop for Registry {
         }
     }
 }
+
+/// A docker `config.json` in `dir` with one entry, `host` → `user`:`password` (remembered as
+/// secrets a log must not hold); its path.
+pub fn docker_config(dir: &Path, host: &str, user: &str, password: &str) -> PathBuf {
+    use base64::Engine as _;
+    crate::secrets::login(user, password);
+    let path = dir.join("config.json");
+    let auth = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
+    std::fs::write(
+        &path,
+        format!(r#"{{"auths":{{"{host}":{{"auth":"{auth}"}}}}}}"#),
+    )
+    .unwrap();
+    path
+}

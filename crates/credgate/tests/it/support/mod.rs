@@ -193,19 +193,7 @@ pub async fn fake_runtime_agent(
     (fake, agent, proxy)
 }
 
-/// A docker `config.json` in `dir` with one entry, `host` → `user`:`password`; its path.
-pub fn docker_config(dir: &Path, host: &str, user: &str, password: &str) -> PathBuf {
-    use base64::Engine as _;
-    secrets::login(user, password);
-    let path = dir.join("config.json");
-    let auth = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
-    std::fs::write(
-        &path,
-        format!(r#"{{"auths":{{"{host}":{{"auth":"{auth}"}}}}}}"#),
-    )
-    .unwrap();
-    path
-}
+pub use credgate_testbed::docker_config;
 
 /// A loopback registry whose one user is `user`:`password`, holding `team/app:v1`, and
 /// containerd (a private root in `dir`) trusting it.
