@@ -57,6 +57,7 @@ pub(crate) fn exported() -> BTreeSet<String> {
                 names.insert(format!("{name}_total"));
             }
             "histogram" => {
+                names.insert(name.to_owned());
                 for s in ["_bucket", "_sum", "_count"] {
                     names.insert(format!("{name}{s}"));
                 }
