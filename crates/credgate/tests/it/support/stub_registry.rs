@@ -2,7 +2,8 @@
 //! users' credentials at `/v2/` and answers 401 for every repository (a credential that may not
 //! read the image, or a typo'd name, as token registries and Docker Hub answer them). It
 //! counts the requests it gets, and whether each carried credentials. `silent` stubs accept
-//! connections and never answer (a registry that does not answer in time).
+//! connections and never answer (a registry that does not answer in time); `holding` stubs
+//! never answer the requests that carry one user's credential.
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpListener;
@@ -19,8 +20,10 @@ struct State {
     seen: Vec<(String, bool)>,
     /// Manifests are served to its users (a registry they may read).
     serves: bool,
-    /// Connections a silent stub holds.
+    /// Connections a silent stub holds, or requests a holding stub holds.
     held: usize,
+    /// A holding stub's user, whose requests are never answered, and those requests.
+    holds: Option<(String, Vec<std::net::TcpStream>)>,
 }
 
 pub struct StubRegistry {
@@ -45,6 +48,14 @@ impl StubRegistry {
     pub fn serving(user: &str, password: &str) -> StubRegistry {
         let stub = Self::spawn(Some((user, password)));
         stub.state.lock().unwrap().serves = true;
+        stub
+    }
+
+    /// A stub whose one user is `user`:`password`, and that never answers a request carrying
+    /// `holds`'s credential (whatever its password): a registry stalling on one credential.
+    pub fn holding(user: &str, password: &str, holds: &str) -> StubRegistry {
+        let stub = Self::spawn(Some((user, password)));
+        stub.state.lock().unwrap().holds = Some((holds.to_owned(), Vec::new()));
         stub
     }
 
@@ -142,6 +153,16 @@ fn answer(stream: &mut std::net::TcpStream, state: &Mutex<State>) {
         .to_owned();
     let mut st = state.lock().unwrap();
     st.seen.push((path.clone(), authorized));
+    let user = basic
+        .as_deref()
+        .map(|pair| pair.split_once(':').map_or(pair, |(u, _)| u));
+    if let Some((holds, kept)) = st.holds.as_mut() {
+        if user == Some(holds.as_str()) {
+            kept.extend(stream.try_clone());
+            st.held += 1;
+            return;
+        }
+    }
     let accepted = basic.as_deref().is_some_and(|pair| {
         let (u, p) = pair.split_once(':').unwrap_or((pair, ""));
         st.users.iter().any(|(user, pw)| user == u && pw == p)
