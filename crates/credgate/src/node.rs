@@ -109,24 +109,31 @@ pub struct Node {
     lock: Option<credgate_agent::state::StateLock>,
 }
 
-/// Descriptors the agent keeps for itself beyond its connections: plugin pipes, the store,
-/// registry connections, the metrics listener's own connections.
+/// Descriptors the agent keeps for itself beyond its listeners' connections: plugin pipes, the
+/// store, the guard's and the confirmations' registry connections.
 const RESERVED_DESCRIPTORS: usize = 256;
+
+/// Descriptors the other listeners may hold: the metrics listener's connections, the proxy's
+/// (each caller connection with its own to the runtime) and the mirror's on each of its
+/// addresses (each with one to the registry it reads from).
+fn others_descriptors(proxy: bool, mirror: Option<&MirrorConfig>) -> usize {
+    let proxy = match proxy {
+        true => 2 * credgate_cri::default_limits().max_connections,
+        false => 0,
+    };
+    let mirror = mirror.map_or(0, |m| {
+        (1 + m.own.len()) * 2 * credgate_mirror::default_limits().max_connections
+    });
+    scrape::MetricsLimits::default().max_connections + proxy + mirror
+}
 
 /// `limits` with the API's connection budget fitting the open-file limit (raised to its hard
 /// maximum first): every listener has a budget of its own, and together they fit.
-fn fit_open_files(mut limits: server::Limits, proxy: bool) -> server::Limits {
+fn fit_open_files(mut limits: server::Limits, others: usize) -> server::Limits {
     let nofile = credgate_listener::conn::raise_nofile_limit();
-    let proxy = if proxy {
-        credgate_cri::default_limits().max_connections
-    } else {
-        0
-    };
     let room = usize::try_from(nofile)
         .unwrap_or(usize::MAX)
-        .saturating_sub(
-            RESERVED_DESCRIPTORS + scrape::MetricsLimits::default().max_connections + proxy,
-        );
+        .saturating_sub(RESERVED_DESCRIPTORS + others);
     let wanted = limits.max_connections.max(1);
     if wanted > room {
         tracing::warn!(
@@ -240,7 +247,10 @@ impl Node {
             .get_or_insert_with(|| Arc::new(credgate_engine::clock::SystemClock::new()))
             .clone();
         options.agent.captured = open_captured(options.proxy.as_ref(), &options.state_dir, &clock)?;
-        let limits = fit_open_files(options.limits, options.proxy.is_some());
+        let limits = fit_open_files(
+            options.limits,
+            others_descriptors(options.proxy.is_some(), options.mirror.as_ref()),
+        );
         // The proxy's families are registered beside the agent's whether it runs or not: the
         // alert rules and the dashboard read them.
         let proxy_metrics = credgate_cri::metrics::ProxyMetrics::default();

@@ -578,3 +578,34 @@ async fn a_revoked_capture_leaves_another_namespaces_capture_of_the_repository()
         assert!(!log.contains(secret), "{secret} in the log");
     }
 }
+
+/// The listeners' connection budgets fit the open-file limit together: under a limit of 1500,
+/// the mirror's 512 connections on its one address (two descriptors each, its and the
+/// registry's) and the metrics listener's 64 beside 256 reserved leave the API 156, and the
+/// agent says so at start, instead of letting the mirror's consumers take the descriptors
+/// the API's callers need.
+#[test]
+fn the_mirrors_connections_count_against_the_open_file_limit() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let addr = format!("127.0.0.1:{}", crate::support::free_port());
+    let agent = Agent::start_with_nofile(
+        d,
+        1500,
+        &[
+            "--registry-mirror-addr",
+            &addr,
+            "--registry-mirror-upstream",
+            "registry.example.com",
+        ],
+    );
+    let log = agent.log_text();
+    let line = log
+        .lines()
+        .find(|l| l.contains("--max-connections lowered to fit the open-file limit"))
+        .unwrap_or_else(|| panic!("no warning: {log}"));
+    assert!(
+        line.contains("allowed=156") && line.contains("open_file_limit=1500"),
+        "{line}"
+    );
+}

@@ -76,9 +76,24 @@ pub struct Agent {
 impl Agent {
     /// Starts the agent with `args` on a socket in `dir` and waits until it accepts calls.
     pub fn start(dir: &Path, args: &[&str]) -> Agent {
+        Self::start_in(Command::new(env!("CARGO_BIN_EXE_credgate")), dir, args)
+    }
+
+    /// As [`Agent::start`], with an open-file limit of `nofile` (soft and hard; `prlimit(1)`
+    /// sets it and runs the agent in its place).
+    pub fn start_with_nofile(dir: &Path, nofile: u64, args: &[&str]) -> Agent {
+        let mut command = Command::new("prlimit");
+        command
+            .arg(format!("--nofile={nofile}:{nofile}"))
+            .arg("--")
+            .arg(env!("CARGO_BIN_EXE_credgate"));
+        Self::start_in(command, dir, args)
+    }
+
+    fn start_in(mut command: Command, dir: &Path, args: &[&str]) -> Agent {
         let socket = dir.join("credgate.sock");
         let log = dir.join("agent.log");
-        let child = Command::new(env!("CARGO_BIN_EXE_credgate"))
+        let child = command
             .arg("serve")
             .args(["--socket", socket.to_str().unwrap()])
             .args(["--state-dir", dir.join("state").to_str().unwrap()])
