@@ -58,15 +58,18 @@ pub struct MirrorOptions {
     pub limits: ListenerLimits,
 }
 
-/// The mirror's listener limits: as many connections as a node's consumers open, a request
-/// head within 10 s, idle connections closed after a minute.
+/// The mirror's listener limits: as many connections as a node's consumers open, and each
+/// request head within 10 s of the connection or of the last answer. That one deadline (hyper's
+/// header timeout, `handshake_timeout` here) also closes a keep-alive connection idle for 10 s
+/// between reads; `idle_timeout`, which the listener applies to HTTP/2 connections only, says
+/// the same.
 pub fn default_limits() -> ListenerLimits {
     ListenerLimits {
         max_connections: 512,
         max_connections_per_uid: 256,
         exempt: Vec::new(),
         handshake_timeout: Duration::from_secs(10),
-        idle_timeout: Duration::from_secs(60),
+        idle_timeout: Duration::from_secs(10),
         shutdown_timeout: Duration::from_secs(5),
     }
 }
