@@ -165,7 +165,14 @@ pub struct ProxyOptions {
     /// The most of a `ListImages` answer the proxy reads for itself ([`MAX_LIST_MESSAGE`];
     /// tests lower it to stand for a node whose list is larger than that).
     pub list_limit: usize,
+    /// How long a pull's answer waits for its credential's capture ([`CAPTURE_WAIT`]; tests
+    /// shorten it).
+    pub capture_wait: Duration,
 }
+
+/// How long a pull's answer waits for its capture to be confirmed by the registry and on
+/// disk; past it the answer goes back and the capture goes on (counted as late).
+pub const CAPTURE_WAIT: Duration = Duration::from_secs(2);
 
 /// The proxy's listener limits by default: far more connections than a kubelet and the
 /// runtime's own tools open, the API socket's deadlines.
@@ -318,6 +325,7 @@ impl Background {
             node_images,
             keep_every,
             list_limit,
+            capture_wait,
             limits: _,
         } = options;
         let metrics = context.metrics.clone();
@@ -348,7 +356,8 @@ impl Background {
         }
         let (capture, capture_task) = match captured {
             Some(captured) => {
-                let (capture, task) = Capture::start(captured, registry, &view, &metrics);
+                let (capture, task) =
+                    Capture::start(captured, registry, &view, &metrics, capture_wait);
                 (Some(capture), Some(task))
             }
             None => (None, None),

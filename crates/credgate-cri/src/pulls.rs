@@ -15,10 +15,6 @@ use super::runtime::{self, exchange, grpc_message, read_whole, CallerConn};
 use super::{decision, policy, Body, MAX_PULL_MESSAGE, MAX_PULL_REQUEST};
 use credgate_agent::guard::PullEnd;
 
-/// How long a pull's answer waits for its capture to be confirmed by the registry and on
-/// disk; past it the answer goes back and the capture goes on (counted as late).
-pub(super) const CAPTURE_WAIT: Duration = Duration::from_secs(2);
-
 /// Whose a pull's credential is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Whose {
@@ -355,7 +351,7 @@ pub(super) async fn answered(
 
 /// What a forwarded pull leaves once the runtime answered: the guard's record of its result
 /// (with the guard), its credential's capture when it succeeded (with capture), on disk before
-/// the answer goes back (bounded by [`CAPTURE_WAIT`]).
+/// the answer goes back (bounded by the proxy's capture wait, [`crate::CAPTURE_WAIT`]).
 /// A [`Whose::Node`] credential is never captured as a pod's.
 pub(super) async fn settle(pulls: &Pulls, pull: Pull, whose: Whose, whole: &runtime::Whole) {
     use prost::Message as _;
@@ -417,9 +413,9 @@ pub(super) async fn settle(pulls: &Pulls, pull: Pull, whose: Whose, whole: &runt
     {
         // Acknowledged means kept: a crash right after the answer loses no confirmed capture.
         // A registry slow to confirm holds the answer only so long.
-        if tokio::time::timeout(CAPTURE_WAIT, settled).await.is_err() {
+        if tokio::time::timeout(capture.wait, settled).await.is_err() {
             pulls.ctx.metrics.captures_late.inc();
-            tracing::warn!(repository = %repository, "the pull is answered before its credential's capture is confirmed: the registry did not confirm it within {CAPTURE_WAIT:?}; the capture goes on");
+            tracing::warn!(repository = %repository, wait = ?capture.wait, "the pull is answered before its credential's capture is confirmed: the registry did not confirm it in time; the capture goes on");
         }
     }
 }
@@ -442,6 +438,8 @@ pub(super) struct Pulls {
 pub(super) struct Capture {
     pub(super) captured: std::sync::Arc<credgate_agent::captured::Captured>,
     pub(super) capturer: Capturer,
+    /// How long a pull's answer waits for its capture.
+    pub(super) wait: Duration,
     /// The proxy's own view of the runtime's images, on a budget of its own.
     pub(super) view: std::sync::Arc<super::check::ImageView>,
 }
@@ -455,12 +453,14 @@ impl Capture {
         registry: credgate_agent::guard::registry::RegistryOptions,
         view: &std::sync::Arc<super::check::ImageView>,
         metrics: &crate::metrics::ProxyMetrics,
+        wait: Duration,
     ) -> (Capture, tokio::task::JoinHandle<()>) {
         let verifier = credgate_agent::guard::registry::Verifier::new(registry);
         let (capturer, task) = Capturer::start(captured.clone(), verifier, metrics.clone());
         let capture = Capture {
             captured,
             capturer,
+            wait,
             view: view.clone(),
         };
         (capture, task)

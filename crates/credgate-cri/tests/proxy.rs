@@ -34,6 +34,36 @@ impl Proxy {
         runtime: &Path,
         limits: credgate_listener::ListenerLimits,
     ) -> Proxy {
+        Self::launch(dir, runtime, limits, None, credgate_cri::CAPTURE_WAIT).await
+    }
+
+    /// The proxy capturing pull credentials into a store in `dir/state`, a pull's answer
+    /// waiting at most `wait` for its capture; a stop does not wait for captures in flight.
+    async fn start_capturing(
+        dir: &Path,
+        runtime: &Path,
+        wait: Duration,
+    ) -> (Proxy, Arc<credgate_agent::captured::Captured>) {
+        let state = dir.join("state");
+        std::fs::create_dir(&state).unwrap();
+        std::fs::set_permissions(&state, std::os::unix::fs::PermissionsExt::from_mode(0o700))
+            .unwrap();
+        let captured = Arc::new(credgate_agent::captured::Captured::open(&state, None).unwrap());
+        let limits = credgate_listener::ListenerLimits {
+            shutdown_timeout: Duration::from_millis(100),
+            ..credgate_cri::default_limits()
+        };
+        let proxy = Self::launch(dir, runtime, limits, Some(captured.clone()), wait).await;
+        (proxy, captured)
+    }
+
+    async fn launch(
+        dir: &Path,
+        runtime: &Path,
+        limits: credgate_listener::ListenerLimits,
+        captured: Option<Arc<credgate_agent::captured::Captured>>,
+        capture_wait: Duration,
+    ) -> Proxy {
         let agent = Agent::new(AgentOptions::default()).unwrap();
         let context = Context {
             clock: agent.clock().clone(),
@@ -50,7 +80,7 @@ impl Proxy {
         listener.set_nonblocking(true).unwrap();
         let options = ProxyOptions {
             runtime: runtime.to_owned(),
-            captured: None,
+            captured,
             guard: None,
             limits,
             check_every: Duration::from_secs(3600),
@@ -59,6 +89,7 @@ impl Proxy {
             node_images: Vec::new(),
             keep_every: Duration::from_secs(3600),
             list_limit: credgate_cri::MAX_LIST_MESSAGE,
+            capture_wait,
         };
         let stop = CancellationToken::new();
         let thread = credgate_cri::start(listener, options, stop.clone())
@@ -417,4 +448,94 @@ async fn slow_large_pulls_leave_room_for_the_next_pull() {
         "{}",
         too_large.message()
     );
+}
+
+/// A tenant whose pulls' registries never answer the capture's confirmation (12 pulls with new
+/// secrets, from four namespaces, against eight such registries) holds back its own captures
+/// only: another tenant's pull with a new secret, for a registry that answers, is captured and
+/// on disk when its pull is answered (at the proxy's own capture wait).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalling_registry_holds_back_only_its_own_tenants_captures() {
+    use credgate_testbed::stub_registry::StubRegistry;
+    let dir = tempfile::tempdir().unwrap();
+    let runtime = dir.path().join("fake-runtime.sock");
+    let _fake = fake_runtime::start(&runtime, Answers::default()).await;
+    let (proxy, captured) =
+        Proxy::start_capturing(dir.path(), &runtime, credgate_cri::CAPTURE_WAIT).await;
+    let stalling: Vec<StubRegistry> = (0..8).map(|_| StubRegistry::silent()).collect();
+    let mut held = Vec::new();
+    for i in 0..12 {
+        let image = format!("{}/evil/app:v1", stalling[i % stalling.len()].host());
+        let request = pull_request(
+            &image,
+            Some(("evil", &format!("secret-{i}"))),
+            &format!("evil-{}", i % 4),
+        );
+        let socket = proxy.socket.clone();
+        held.push(tokio::spawn(async move {
+            call::<_, PullImageResponse>(&socket, PULL_IMAGE, request).await
+        }));
+    }
+    // Their confirmations are under way (the pulls are answered after the capture wait).
+    credgate_testbed::eventually_async(
+        "the stalling registries are asked to confirm",
+        Duration::from_secs(20),
+        || std::future::ready(stalling.iter().map(StubRegistry::held).sum::<usize>() > 0),
+    )
+    .await;
+    let good = StubRegistry::serving("bob", "bob-Pa55word");
+    let image = format!("{}/team-b/app:v1", good.host());
+    call::<_, PullImageResponse>(
+        &proxy.socket,
+        PULL_IMAGE,
+        pull_request(&image, Some(("bob", "bob-Pa55word")), "team-b"),
+    )
+    .await
+    .expect("the fake runtime pulls");
+    let listed = captured.list();
+    assert!(
+        listed
+            .iter()
+            .any(|(repository, c)| repository.ends_with("team-b/app") && c.namespace == "team-b"),
+        "the other tenant's capture was on disk when its pull was answered: {:?}",
+        listed.iter().map(|(r, _)| r).collect::<Vec<_>>()
+    );
+    // The held pulls are answered at the wait; what that shows is the next test.
+    for h in held {
+        h.abort();
+    }
+}
+
+/// A pull whose registry never confirms its credential is answered at the capture wait (here
+/// 50 ms), counted late, and nothing is captured; without the wait it would be answered only
+/// when the confirmation gives up (10 s), and not counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pull_is_answered_at_the_capture_wait_when_its_registry_never_confirms() {
+    use credgate_testbed::stub_registry::StubRegistry;
+    let dir = tempfile::tempdir().unwrap();
+    let runtime = dir.path().join("fake-runtime.sock");
+    let _fake = fake_runtime::start(&runtime, Answers::default()).await;
+    let (proxy, captured) =
+        Proxy::start_capturing(dir.path(), &runtime, Duration::from_millis(50)).await;
+    let silent = StubRegistry::silent();
+    let image = format!("{}/team/app:v1", silent.host());
+    call::<_, PullImageResponse>(
+        &proxy.socket,
+        PULL_IMAGE,
+        pull_request(&image, Some(("alice", "alice-Pa55word")), "team"),
+    )
+    .await
+    .expect("the fake runtime pulls");
+    credgate_testbed::eventually_async(
+        "the registry is asked to confirm",
+        Duration::from_secs(20),
+        || std::future::ready(silent.held() > 0),
+    )
+    .await;
+    let metrics = proxy.metrics();
+    assert!(
+        metrics.contains("credgate_cri_captures_late_total 1"),
+        "{metrics}"
+    );
+    assert!(captured.list().is_empty());
 }

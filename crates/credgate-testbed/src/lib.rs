@@ -15,6 +15,7 @@ mod image;
 mod process;
 mod registry;
 pub mod secrets;
+pub mod stub_registry;
 
 pub use image::{oci_image, oci_image_saying, push};
 pub use process::{

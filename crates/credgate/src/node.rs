@@ -432,6 +432,7 @@ impl Node {
             node_images: config.node_images.clone(),
             keep_every: config.keep_every,
             list_limit: config.list_limit,
+            capture_wait: credgate_cri::CAPTURE_WAIT,
         };
         let thread = credgate_cri::start(listener, options, agent.tasks().token().clone())
             .await

@@ -119,57 +119,6 @@ async fn every_field_a_caller_chose_is_bounded_in_the_log() {
     );
 }
 
-/// A tenant whose pulls' registries never answer the capture's confirmation (12 pulls with new
-/// secrets, from four namespaces, against eight such registries) holds back its own captures
-/// only: another tenant's pull with a new secret, for a registry that answers, is captured and
-/// on disk when its pull is answered.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stalling_registry_holds_back_only_its_own_tenants_captures() {
-    use crate::support::stub_registry::StubRegistry;
-    let dir = tempfile::tempdir().unwrap();
-    let d = dir.path();
-    let (_fake, agent, proxy) =
-        crate::support::fake_runtime_agent(d, Answers::default(), &[]).await;
-    let stalling: Vec<StubRegistry> = (0..8).map(|_| StubRegistry::silent()).collect();
-    let mut held = Vec::new();
-    for i in 0..12 {
-        let image = format!("{}/evil/app:v1", stalling[i % stalling.len()].host());
-        let request = pull_request(
-            &image,
-            Some(("evil", &format!("secret-{i}"))),
-            &format!("evil-{}", i % 4),
-        );
-        let proxy = proxy.clone();
-        held.push(tokio::spawn(async move {
-            call::<_, PullImageResponse>(&proxy, PULL_IMAGE, request).await
-        }));
-    }
-    // Their confirmations are under way (the pulls are answered after the capture wait).
-    credgate_testbed::eventually_async(
-        "the stalling registries are asked to confirm",
-        Duration::from_secs(20),
-        || std::future::ready(stalling.iter().map(StubRegistry::held).sum::<usize>() > 0),
-    )
-    .await;
-    let good = StubRegistry::serving("bob", "bob-Pa55word");
-    let image = format!("{}/team-b/app:v1", good.host());
-    call::<_, PullImageResponse>(
-        &proxy,
-        PULL_IMAGE,
-        pull_request(&image, Some(("bob", "bob-Pa55word")), "team-b"),
-    )
-    .await
-    .expect("the fake runtime pulls");
-    let listed = text(&agent.credgate(&["ctl", "captured"]).stdout);
-    assert!(
-        listed.contains("team-b/app") && listed.contains("team-b"),
-        "the other tenant's capture was on disk when its pull was answered: {listed}"
-    );
-    for h in held {
-        h.await.unwrap().expect("the fake runtime pulls");
-    }
-}
-
 /// A socket-group member's 40 reports about a credential the registry never answers for do
 /// not hold back root's: reports of one credential share one confirmation, and root's, of
 /// another credential for the same registry, goes first. Without that, root's would wait for

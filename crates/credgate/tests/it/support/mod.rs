@@ -5,7 +5,7 @@
 #![allow(dead_code)]
 
 pub mod foreign;
-pub mod stub_registry;
+pub use credgate_testbed::stub_registry;
 pub mod token;
 
 use std::os::unix::fs::PermissionsExt;

@@ -66,7 +66,7 @@ impl StubRegistry {
         let stop = Arc::new(AtomicBool::new(false));
         let answers = user.is_some();
         if let Some((u, p)) = user {
-            super::secrets::login(u, p);
+            crate::secrets::login(u, p);
             state.lock().unwrap().users.push((u.into(), p.into()));
         }
         let (st, halt) = (state.clone(), stop.clone());
@@ -98,7 +98,7 @@ impl StubRegistry {
 
     /// `user`'s password is `password` from now on.
     pub fn set_password(&self, user: &str, password: &str) {
-        super::secrets::login(user, password);
+        crate::secrets::login(user, password);
         let mut st = self.state.lock().unwrap();
         st.users.retain(|(u, _)| u != user);
         st.users.push((user.into(), password.into()));
