@@ -1,7 +1,8 @@
 //! The node's registry mirror (issue 51, decision 0029): an OCI distribution endpoint on
 //! loopback that forwards each read of a registry the operator named to that registry with the
-//! credential the agent holds now for the repository (the captured pod credential, then the
-//! providers' and docker configs' in try-order, then none), so that a consumer that reads long
+//! credential the agent holds now for the repository (the pod credentials captured for it,
+//! every namespace's, newest first, and those of its pulls under way; then the providers' and
+//! docker configs' in try-order; then none), so that a consumer that reads long
 //! after its pull (a lazy-pull snapshotter, containerd) never holds a credential that can go
 //! stale: rotation, expiry and restarts are the agent's concern.
 //!

@@ -1,6 +1,7 @@
 //! The composition root: an agent with everything `credgate serve` runs around it (the API
 //! socket, renewal, the saver of the provider cache, metrics, the CRI proxy of `credgate-cri`
-//! given its handles on the agent, the sweep of a dead agent's plugins, signals). Every task is the agent's ([`credgate_agent::tasks`]),
+//! and the registry mirror of `credgate-mirror`, each given its handles on the agent, the sweep
+//! of a dead agent's plugins, signals). Every task is the agent's ([`credgate_agent::tasks`]),
 //! stopped by its one token and waited for by [`Node::run`] under the shutdown deadline; the
 //! guard's store is closed last. A binary parses its flags into [`NodeOptions`], builds a
 //! [`Node`] and runs it until SIGTERM or SIGINT ([`Node::run_until_signalled`]).
