@@ -1,8 +1,11 @@
 //! A per-provider limit on plugin runs (`--plugin-rate PROVIDER=N/s[,burst=M]`): a token
-//! bucket. A run that finds no token waits for one (it is not refused): lookups of the same key
-//! keep joining the waiting run, so a flood of misses becomes at most N runs a second against
-//! the registry's token service (ECR's GetAuthorizationToken allows 20 a second per account and
-//! region, burst 200).
+//! bucket. A run that finds no token waits for one: lookups of the same key keep joining the
+//! waiting run, so a flood of misses becomes at most N runs a second against the registry's
+//! token service (ECR's GetAuthorizationToken allows 20 a second per account and region, burst
+//! 200). Root's and the agent's own runs wait first; any other caller may have
+//! [`MAX_WAITING_PER_CALLER`] runs waiting, and a run whose turn would come after [`MAX_WAIT`]
+//! is refused at once (`rate_limited`), so no caller can make the node's lookups wait behind
+//! its own.
 
 use parking_lot::Mutex;
 use std::time::Duration;
