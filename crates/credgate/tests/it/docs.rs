@@ -1,8 +1,9 @@
 //! The documents the tests hold (issue 52): every test or function, flag, metric and RPC or
 //! type that README.md, ARCHITECTURE.md, SECURITY.md, BENCHMARKS.md and the reference under
 //! `docs/` cite exists in this checkout. A renamed test, a removed flag or a metric that was
-//! never registered fails here, not in a reader's terminal. The decision records are history and
-//! are not held to today's names.
+//! never registered fails here, not in a reader's terminal; so does a relative link to a file or
+//! heading that is not there. The decision records are history and are not held to today's
+//! names.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -288,5 +289,67 @@ fn every_name_the_documents_cite_exists() {
         missing.is_empty(),
         "cited but not in this checkout:\n  {}",
         missing.join("\n  ")
+    );
+}
+
+/// A heading's anchor as GitHub makes it: lower case, punctuation dropped, spaces as hyphens.
+fn anchor(heading: &str) -> String {
+    heading
+        .trim()
+        .to_lowercase()
+        .chars()
+        .filter(|c| c.is_alphanumeric() || *c == ' ' || *c == '-' || *c == '_')
+        .map(|c| if c == ' ' { '-' } else { c })
+        .collect()
+}
+
+/// Every relative link of the documents names a file of this checkout, and a heading of it
+/// when it names one (`page.md#a-heading`).
+#[test]
+fn every_link_the_documents_make_reaches_its_target() {
+    let mut broken = Vec::new();
+    let mut checked = 0;
+    for doc in DOCS.iter().copied() {
+        let path = repo().join(doc);
+        let body = std::fs::read_to_string(&path).unwrap();
+        let base = path.parent().unwrap();
+        for (at, _) in body.match_indices("](") {
+            let rest = &body[at + 2..];
+            let Some(end) = rest.find(')') else { continue };
+            let target = &rest[..end];
+            if target.contains("://") || target.starts_with("mailto:") || target.contains(' ') {
+                continue;
+            }
+            checked += 1;
+            let (file, fragment) = target.split_once('#').unwrap_or((target, ""));
+            let resolved = if file.is_empty() {
+                path.clone()
+            } else {
+                base.join(file)
+            };
+            if !resolved.exists() {
+                broken.push(format!("{doc}: {target} (no such file)"));
+                continue;
+            }
+            if !fragment.is_empty() && resolved.extension().is_some_and(|e| e == "md") {
+                let text = std::fs::read_to_string(&resolved).unwrap();
+                let found = text
+                    .lines()
+                    .filter_map(|l| l.strip_prefix('#'))
+                    .any(|h| anchor(h.trim_start_matches('#')) == fragment);
+                if !found {
+                    broken.push(format!("{doc}: {target} (no such heading)"));
+                }
+            }
+        }
+    }
+    assert!(
+        checked > 20,
+        "only {checked} links found: is the parsing right?"
+    );
+    assert!(
+        broken.is_empty(),
+        "links that reach nothing:\n  {}",
+        broken.join("\n  ")
     );
 }
