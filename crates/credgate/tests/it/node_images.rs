@@ -433,10 +433,16 @@ async fn a_slow_kept_image_does_not_hold_the_others() {
         ],
     )
     .await;
+    // Each image's loop starts on its own: the slow pull may reach the runtime before the
+    // others or after them, so wait for all three (one pull at a time never pulls `other`).
     eventually(
         "the sandbox image and the other kept image are pulled while the slow one is",
         Duration::from_secs(30),
-        || pulls_of(&fake, sandbox) >= 1 && pulls_of(&fake, other) >= 1,
+        || {
+            pulls_of(&fake, sandbox) >= 1
+                && pulls_of(&fake, other) >= 1
+                && pulls_of(&fake, slow) >= 1
+        },
     );
     assert_eq!(pulls_of(&fake, slow), 1, "the slow pull is still under way");
     assert!(agent.stop().success());
