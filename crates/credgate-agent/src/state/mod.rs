@@ -1,11 +1,11 @@
 //! The agent's state directory and its files: the node key ([`key`]), the sealed files
 //! ([`sealed`]), and the rules they all follow: the directory trusted only when it is the
 //! agent's own, files opened without following links and refused unless they are the agent's
-//! regular files, and the sealed files (`captured.sealed`, `cache.sealed`, `memory.sealed`) read as the other
-//! state files are (no links, a regular file of the agent's uid that nobody else can write, size
-//! capped before reading, never waited on) and replaced whole (written to a private temporary
-//! file, fsynced, renamed into place, the directory fsynced), so that a crash leaves the old
-//! file or the new one, never a mix.
+//! regular files, and the sealed files (`captured.sealed`, `cache.sealed`, `memory.sealed`)
+//! read as the other state files are (no links, a regular file of the agent's uid that nobody
+//! else can write, size capped before reading, never waited on) and replaced whole (written to a
+//! private temporary file, fsynced, renamed into place, the directory fsynced), so that a crash
+//! leaves the old file or the new one, never a mix.
 
 pub mod key;
 pub mod sealed;

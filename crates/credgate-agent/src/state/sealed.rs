@@ -1,8 +1,8 @@
 //! The sealed files of the state directory (`captured.sealed`, `cache.sealed`,
-//! `memory.sealed`): a 16-byte header (an 8-byte magic, a version, the node key's id), a 96-bit
-//! nonce, and ChaCha20-Poly1305 of the body under a key derived from the node key, with the header as
-//! associated data: a file of another kind, version or node key never opens, and a header
-//! changed on disk fails like a changed body. Read like every state file (no links, the
+//! `memory.sealed`): a 16-byte header (an 8-byte magic, a version, the node key's id), a
+//! 96-bit nonce, and ChaCha20-Poly1305 of the body under a key derived from the node key, with
+//! the header as associated data: a file of another kind, version or node key never opens, and
+//! a header changed on disk fails like a changed body. Read like every state file (no links, the
 //! agent's own, size capped before reading) and replaced whole.
 
 use std::path::{Path, PathBuf};
