@@ -13,7 +13,7 @@ use secrecy::{ExposeSecret, SecretString};
 use sha2::{Digest, Sha256};
 
 use credgate_agent::guard::registry::{
-    fetch_token, parse_challenge, RegistryError, RegistryOptions,
+    client, fetch_token, parse_challenge, RegistryError, RegistryOptions,
 };
 
 use crate::route::Route;
@@ -60,13 +60,13 @@ const MAX_TOKENS: usize = 4096;
 
 impl Upstream {
     pub fn new(options: RegistryOptions) -> Upstream {
-        let client = reqwest::Client::builder()
-            .connect_timeout(options.timeout)
-            // A large blob streams for as long as it takes; a stall does not.
-            .read_timeout(Duration::from_secs(60))
-            .redirect(reqwest::redirect::Policy::limited(5))
-            .build()
-            .expect("a TLS client with built-in roots builds");
+        let client = client(|| {
+            reqwest::Client::builder()
+                .connect_timeout(options.timeout)
+                // A large blob streams for as long as it takes; a stall does not.
+                .read_timeout(Duration::from_secs(60))
+                .redirect(reqwest::redirect::Policy::limited(5))
+        });
         Upstream {
             client,
             options,

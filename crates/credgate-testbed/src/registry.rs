@@ -9,11 +9,12 @@ use std::time::Duration;
 
 use crate::process::{require, run, signal, wait_for_exit};
 
-/// A registry on 127.0.0.1, storing in `dir/data`.
+/// A registry on 127.0.0.1 (or the address given), storing in `dir/data`.
 pub struct Registry {
     child: Child,
     config: PathBuf,
     dir: PathBuf,
+    ip: String,
     pub port: u16,
     /// Its log's lines (the last [`LOG_LINES`]), across restarts.
     log: Arc<Mutex<VecDeque<String>>>,
@@ -26,38 +27,62 @@ impl Registry {
     /// Starts a registry in `dir` whose only user is `user`:`password` (htpasswd in
     /// `dir/htpasswd`).
     pub fn start(dir: &Path, user: &str, password: &str) -> Registry {
+        Self::with_auth(dir, &Self::htpasswd(dir, user, password))
+    }
+
+    /// As [`Registry::start`], serving HTTPS with `cert` and `key` on `ip`, an address of this
+    /// machine (a loopback registry is always asked over plain HTTP).
+    pub fn start_tls(
+        dir: &Path,
+        user: &str,
+        password: &str,
+        ip: &str,
+        (cert, key): (&Path, &Path),
+    ) -> Registry {
+        let auth = Self::htpasswd(dir, user, password);
+        let tls = format!(
+            "  tls:\n    certificate: {}\n    key: {}\n",
+            cert.display(),
+            key.display()
+        );
+        Self::configured(dir, &auth, ip, &tls)
+    }
+
+    /// The `auth:` section of one htpasswd user.
+    fn htpasswd(dir: &Path, user: &str, password: &str) -> String {
         require("htpasswd");
         crate::secrets::login(user, password);
         run(Command::new("htpasswd")
             .args(["-cbB", "-C", "4"])
             .arg(dir.join("htpasswd"))
             .args([user, password]));
-        Self::with_auth(
-            dir,
-            &format!(
-                "  htpasswd:\n    realm: credgate-test\n    path: {}\n",
-                dir.join("htpasswd").display()
-            ),
+        format!(
+            "  htpasswd:\n    realm: credgate-test\n    path: {}\n",
+            dir.join("htpasswd").display()
         )
     }
 
     /// Starts a registry in `dir` with `auth` as its config's `auth:` section (indented by
     /// two spaces).
     pub fn with_auth(dir: &Path, auth: &str) -> Registry {
+        Self::configured(dir, auth, "127.0.0.1", "")
+    }
+
+    fn configured(dir: &Path, auth: &str, ip: &str, http: &str) -> Registry {
         require("docker-registry");
         let config = dir.join("registry.yml");
         std::fs::write(
             &config,
             format!(
-                "version: 0.1\nlog:\n  level: info\n  accesslog:\n    disabled: true\nstorage:\n  filesystem:\n    rootdirectory: {}\nhttp:\n  addr: 127.0.0.1:0\nauth:\n{auth}",
+                "version: 0.1\nlog:\n  level: info\n  accesslog:\n    disabled: true\nstorage:\n  filesystem:\n    rootdirectory: {}\nhttp:\n  addr: {ip}:0\n{http}auth:\n{auth}",
                 dir.join("data").display(),
             ),
         )
         .unwrap();
-        Self::spawn(&config, dir, Arc::default())
+        Self::spawn(&config, dir, ip, Arc::default())
     }
 
-    fn spawn(config: &Path, dir: &Path, log: Arc<Mutex<VecDeque<String>>>) -> Registry {
+    fn spawn(config: &Path, dir: &Path, ip: &str, log: Arc<Mutex<VecDeque<String>>>) -> Registry {
         let mut child = Command::new("docker-registry")
             .arg("serve")
             .arg(config)
@@ -70,6 +95,7 @@ impl Registry {
         // Reads the registry's log until it ends (with the registry), so that it never blocks
         // on a full pipe.
         let kept = log.clone();
+        let listening = format!("listening on {ip}:");
         std::thread::spawn(move || {
             let mut tx = Some(tx);
             for line in BufReader::new(stderr).lines() {
@@ -81,8 +107,8 @@ impl Registry {
                     }
                     kept.push_back(line.clone());
                 }
-                if let Some(i) = line.find("listening on 127.0.0.1:") {
-                    let rest = &line[i + "listening on 127.0.0.1:".len()..];
+                if let Some(i) = line.find(&listening) {
+                    let rest = &line[i + listening.len()..];
                     let port: String = rest.chars().take_while(char::is_ascii_digit).collect();
                     if let Some(tx) = tx.take() {
                         let _ = tx.send(port.parse::<u16>().unwrap());
@@ -97,6 +123,7 @@ impl Registry {
             child,
             config: config.to_path_buf(),
             dir: dir.to_path_buf(),
+            ip: ip.to_owned(),
             port,
             log,
         }
@@ -134,9 +161,9 @@ impl Registry {
         }
     }
 
-    /// `127.0.0.1:PORT`.
+    /// `IP:PORT` (`127.0.0.1:PORT` unless started on another address).
     pub fn host(&self) -> String {
-        format!("127.0.0.1:{}", self.port)
+        format!("{}:{}", self.ip, self.port)
     }
 
     /// Adds `user`:`password` to the htpasswd file and restarts the registry to read it.
@@ -187,11 +214,11 @@ impl Registry {
     /// Starts the registry again on the same port with the same storage and auth.
     pub fn restart(&mut self) {
         let config = std::fs::read_to_string(&self.config).unwrap().replace(
-            "addr: 127.0.0.1:0\n",
-            &format!("addr: 127.0.0.1:{}\n", self.port),
+            &format!("addr: {}:0\n", self.ip),
+            &format!("addr: {}\n", self.host()),
         );
         std::fs::write(&self.config, config).unwrap();
-        let again = Self::spawn(&self.config, &self.dir, self.log.clone());
+        let again = Self::spawn(&self.config, &self.dir, &self.ip, self.log.clone());
         assert_eq!(again.port, self.port);
         *self = again;
     }

@@ -36,6 +36,20 @@ impl RegistryOptions {
     }
 }
 
+/// An HTTP client for registries from `builder`, trusting the node's own roots (the system's
+/// store, or `SSL_CERT_FILE`/`SSL_CERT_DIR`, as containerd does, so that a registry under a
+/// private CA is reached) besides the built-in public ones. A store with no certificate that
+/// parses is left out, never a reason not to start.
+pub fn client(builder: impl Fn() -> reqwest::ClientBuilder) -> reqwest::Client {
+    builder().build().unwrap_or_else(|e| {
+        tracing::warn!(error = %e, "the system's root certificates are left out");
+        builder()
+            .tls_built_in_native_certs(false)
+            .build()
+            .expect("a TLS client with built-in roots builds")
+    })
+}
+
 impl Default for RegistryOptions {
     fn default() -> Self {
         RegistryOptions {
@@ -181,12 +195,12 @@ pub fn parse_challenge(header: &str) -> (String, Vec<(String, String)>) {
 
 impl Verifier {
     pub fn new(options: RegistryOptions) -> Self {
-        let client = reqwest::Client::builder()
-            .timeout(options.timeout)
-            .connect_timeout(options.timeout)
-            .redirect(reqwest::redirect::Policy::limited(5))
-            .build()
-            .expect("a TLS client with built-in roots builds");
+        let client = client(|| {
+            reqwest::Client::builder()
+                .timeout(options.timeout)
+                .connect_timeout(options.timeout)
+                .redirect(reqwest::redirect::Policy::limited(5))
+        });
         Verifier { client, options }
     }
 
@@ -573,6 +587,10 @@ pub enum RegistryError {
     Timeout,
     #[error("connection failed")]
     Connect,
+    /// The registry's TLS certificate was refused (no root the node trusts signs it, or it
+    /// does not name the host).
+    #[error("certificate not trusted")]
+    Certificate,
     #[error("too many redirects")]
     Redirects,
     #[error("request failed")]
@@ -587,6 +605,8 @@ impl From<&reqwest::Error> for RegistryError {
     fn from(e: &reqwest::Error) -> RegistryError {
         if e.is_timeout() {
             RegistryError::Timeout
+        } else if e.is_connect() && refused_certificate(e) {
+            RegistryError::Certificate
         } else if e.is_connect() {
             RegistryError::Connect
         } else if e.is_redirect() {
@@ -597,6 +617,22 @@ impl From<&reqwest::Error> for RegistryError {
             RegistryError::Request
         }
     }
+}
+
+/// Whether rustls refused the peer's certificate somewhere in `e`'s sources (an
+/// `io::Error`'s own `source` skips the error it wraps: that one is looked at too).
+fn refused_certificate(e: &reqwest::Error) -> bool {
+    let mut next: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(e);
+    while let Some(cause) = next {
+        if let Some(rustls::Error::InvalidCertificate(_)) = cause.downcast_ref() {
+            return true;
+        }
+        next = match cause.downcast_ref::<std::io::Error>() {
+            Some(io) => io.get_ref().map(|inner| inner as _),
+            None => cause.source(),
+        };
+    }
+    false
 }
 
 impl From<reqwest::Error> for RegistryError {

@@ -430,6 +430,147 @@ fn a_registry_with_an_address_of_its_own_is_the_default_there() {
     assert!(!agent.log_text().contains("alice-pw"));
 }
 
+/// This machine's first IPv4 address that is not loopback (a loopback registry is always asked
+/// over plain HTTP).
+fn global_ipv4() -> String {
+    let out = Command::new("ip")
+        .args(["-4", "-o", "addr", "show", "scope", "global"])
+        .output()
+        .expect("ip runs");
+    text(&out.stdout)
+        .split_whitespace()
+        .skip_while(|w| *w != "inet")
+        .nth(1)
+        .and_then(|a| a.split('/').next())
+        .map(str::to_owned)
+        .expect("this test needs an IPv4 address that is not loopback (`ip -4 addr`)")
+}
+
+/// A private CA in `d` and a certificate it signs for `ip`: (the CA's, the server's, its key).
+fn private_ca(d: &Path, ip: &str) -> (std::path::PathBuf, std::path::PathBuf, std::path::PathBuf) {
+    crate::support::require("openssl");
+    let openssl = |args: &[&str]| {
+        let out = Command::new("openssl")
+            .current_dir(d)
+            .args(args)
+            .output()
+            .expect("openssl runs");
+        assert!(
+            out.status.success(),
+            "openssl {args:?}: {}",
+            text(&out.stderr)
+        );
+    };
+    let ec = [
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:P-256",
+        "-nodes",
+    ];
+    openssl(
+        &[
+            &["req", "-x509"],
+            &ec[..],
+            &["-days", "2", "-subj", "/CN=credgate-test-ca"],
+        ]
+        .concat()
+        .iter()
+        .chain(&["-keyout", "ca.key", "-out", "ca.crt"])
+        .copied()
+        .collect::<Vec<_>>(),
+    );
+    openssl(
+        &[
+            &["req"],
+            &ec[..],
+            &["-subj", "/CN=registry", "-keyout", "tls.key"],
+        ]
+        .concat()
+        .iter()
+        .chain(&["-out", "tls.csr"])
+        .copied()
+        .collect::<Vec<_>>(),
+    );
+    std::fs::write(
+        d.join("tls.ext"),
+        format!("subjectAltName=IP:{ip}\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n"),
+    )
+    .unwrap();
+    openssl(&[
+        "x509",
+        "-req",
+        "-in",
+        "tls.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        "tls.ext",
+        "-out",
+        "tls.crt",
+    ]);
+    (d.join("ca.crt"), d.join("tls.crt"), d.join("tls.key"))
+}
+
+/// A registry served over HTTPS under a private CA, as many a company's is: the mirror reaches it
+/// when the node trusts the CA (here `SSL_CERT_FILE`, as `update-ca-certificates` would add it
+/// to the system's store) and reads with the provider's credential; an agent that is not told
+/// of the CA refuses the registry's certificate and forwards nothing.
+#[test]
+fn a_registry_under_a_private_ca_is_reached_through_the_nodes_roots() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let ip = global_ipv4();
+    let (ca, cert, key) = private_ca(d, &ip);
+    let registry = crate::support::Registry::start_tls(d, "alice", "alice-pw", &ip, (&cert, &key));
+    crate::support::oci_image(d);
+    crate::support::push(d, &registry, "team/app", "alice", "alice-pw");
+    let host = registry.host();
+    let config = provider(d, &host, "alice", "alice-pw");
+    let read = |trusting: Option<&Path>| {
+        let agent_dir = tempfile::tempdir_in(d).unwrap();
+        let addr = format!("127.0.0.1:{}", crate::support::free_port());
+        let plugins = d.join("plugins");
+        let args = [
+            "--image-credential-provider-config",
+            config.to_str().unwrap(),
+            "--image-credential-provider-bin-dir",
+            plugins.to_str().unwrap(),
+            "--registry-mirror-addr",
+            &addr,
+            "--registry-mirror-upstream",
+            &host,
+        ];
+        let env: Vec<(&str, &Path)> = trusting
+            .map(|ca| ("SSL_CERT_FILE", ca))
+            .into_iter()
+            .collect();
+        let agent = Agent::start_with_env(agent_dir.path(), &env, &args);
+        let (status, _, body) = curl(
+            &format!("http://{addr}/v2/team/app/manifests/v1"),
+            &[MANIFEST_ACCEPT],
+            "GET",
+            None,
+        );
+        (status, text(&body), agent.log_text())
+    };
+    let (status, body, log) = read(None);
+    assert_ne!(
+        status, 200,
+        "a certificate no root signs is refused: {body}"
+    );
+    assert!(log.contains("certificate not trusted"), "{log}");
+    let (status, body, log) = read(Some(&ca));
+    assert_eq!(status, 200, "{body}\n{log}");
+    assert!(body.contains("layers"), "{body}");
+    assert!(registry.saw_user("alice", 0));
+}
+
 /// containerd reads through the mirror by its hosts.toml (as README tells an operator), with no
 /// credential of its own: the pull of a private image succeeds, with the provider's credential
 /// added by the mirror.

@@ -90,6 +90,13 @@ impl Agent {
         Self::start_in(command, dir, args)
     }
 
+    /// As [`Agent::start`], with `env` added to the agent's environment.
+    pub fn start_with_env(dir: &Path, env: &[(&str, &Path)], args: &[&str]) -> Agent {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_credgate"));
+        command.envs(env.iter().copied());
+        Self::start_in(command, dir, args)
+    }
+
     fn start_in(mut command: Command, dir: &Path, args: &[&str]) -> Agent {
         let socket = dir.join("credgate.sock");
         let log = dir.join("agent.log");
