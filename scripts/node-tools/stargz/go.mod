@@ -20,6 +20,7 @@ require (
 	github.com/containerd/stargz-snapshotter/estargz v0.19.1
 	github.com/pelletier/go-toml/v2 v2.4.3
 	google.golang.org/grpc v1.84.0
+	k8s.io/cri-api v0.37.1
 )
 
 require (
@@ -108,7 +109,6 @@ require (
 	k8s.io/api v0.37.1 // indirect
 	k8s.io/apimachinery v0.37.1 // indirect
 	k8s.io/client-go v0.37.1 // indirect
-	k8s.io/cri-api v0.37.1 // indirect
 	k8s.io/klog/v2 v2.140.0 // indirect
 	k8s.io/kube-openapi v0.0.0-20260721132016-d427ff9ee9ad // indirect
 	k8s.io/utils v0.0.0-20260626114624-be93311217bd // indirect

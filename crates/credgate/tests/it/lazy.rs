@@ -1,7 +1,7 @@
 //! The lazy-pull snapshotters on the real node (issues 40, 51): `scripts/lazy-compare` brings up
 //! a node with nydus-snapshotter (and nydusd), soci-snapshotter or stargz-snapshotter as the
 //! CRI's snapshotter, reading through credgate's registry mirror as README tells an operator, or
-//! in a baseline way (its own CRI keychain; stargz: credgate's helper; the other ways are
+//! in a baseline way (its own CRI keychain; stargz: credgate's helper too; the other ways are
 //! `scripts/lazy-compare`'s), starts pods from
 //! images in the snapshotter's format and has their containers read data the snapshotter
 //! fetches only then, across a snapshotter restart, a reboot of credgate, a pull secret's
@@ -173,6 +173,22 @@ fn soci_on_its_own_cri_keychain_cannot_start_again_after_a_restart() {
     // The baseline: soci reads the pod's image lazily with the secret its CRI keychain saw,
     // keeps it in memory only, and after a restart cannot restore the lazy mounts without it.
     let (steps, result) = compare("soci", "own");
+    assert_eq!(steps["start"], "served", "{steps:?}");
+    assert_eq!(result["lazy"]["team-a"], true, "{result}");
+    assert!(
+        steps["restart"].contains("did not start again"),
+        "{steps:?}"
+    );
+}
+
+#[test]
+#[ignore = "needs root"]
+fn stargz_on_its_own_cri_keychain_cannot_start_again_after_a_restart() {
+    // The baseline in stargz's own way: its CRI keychain (the kubelet's image service through
+    // it) gives the lazy mount the pod's secret, in memory only; after a restart stargz cannot
+    // restore that mount and exits, where through credgate's mirror a new pod of the image is
+    // read lazily (`stargz_through_credgates_mirror_...`).
+    let (steps, result) = compare("stargz", "own");
     assert_eq!(steps["start"], "served", "{steps:?}");
     assert_eq!(result["lazy"]["team-a"], true, "{result}");
     assert!(
