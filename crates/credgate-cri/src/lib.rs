@@ -3,9 +3,12 @@
 //!
 //! Calls pass through as HTTP/2 requests, their bodies and answers streamed frame by frame and
 //! never decoded, so a method credgate has no code for (a newer kubelet's) reaches the runtime
-//! as it is, and the runtime's status codes and messages come back as they are. The runtime
-//! unreachable: `UNAVAILABLE` with what failed. A call never outlives the caller's own
-//! deadline (`grpc-timeout`).
+//! as it is, and the runtime's status codes and messages come back as they are. Two are read:
+//! a `PullImage`, whose credential the operator's policy may fill in or replace before it is
+//! forwarded and which is captured once the runtime and the registry accept it (module
+//! `pulls`), and a `RemoveImage`, after which the captures of repositories with no image left
+//! go (module `check`). The runtime unreachable: `UNAVAILABLE` with what failed. A call never
+//! outlives the caller's own deadline (`grpc-timeout`).
 
 use std::convert::Infallible;
 use std::path::PathBuf;
