@@ -11,7 +11,9 @@
 //! The file (`captured.sealed`, 0600) is a [`crate::state::sealed`] file (`CGCAPTR\n`,
 //! version 2) of a JSON body, under a key derived from the node key: a lost or replaced node
 //! key makes it unreadable, and then it is discarded with a warning, never served as garbage.
-//! It is written, fsynced and renamed into place before the proxy answers the pull.
+//! It is written, fsynced and renamed into place before the proxy answers the pull, unless
+//! confirming and writing take longer than the proxy's capture wait (2 s): then the answer goes
+//! first and the capture follows, counted as late.
 
 use parking_lot::Mutex;
 use std::collections::BTreeMap;

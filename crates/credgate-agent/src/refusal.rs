@@ -11,11 +11,12 @@
 //! answer); a captured pod credential is forgotten; a docker config entry, which credgate does
 //! not own, is reported (log, metric, `explain`).
 //!
-//! The agent remembers each refused credential (a keyed fingerprint, never the secret, in
-//! memory only) until the answer it came from would have expired: a second refusal of it
-//! within [`HOLDOFF`] does nothing, so no caller can make a plugin run more than once per key
-//! per interval, and the proxy knows a client's stale copy (the kubelet caches what the bridge
-//! gave it) for what it is ([`Refusals::known`]).
+//! The agent remembers each refused credential (a keyed fingerprint, never the secret, kept
+//! across restarts sealed in `memory.sealed`: module `memory`) until the answer it came from
+//! would have expired: a second refusal of it within [`HOLDOFF`] does nothing, so no caller
+//! can make a plugin run more than once per key per interval, and the proxy knows a client's
+//! stale copy (the kubelet caches what the bridge gave it) for what it is
+//! ([`Refusals::known`]).
 
 use std::time::Duration;
 
