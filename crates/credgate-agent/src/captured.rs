@@ -161,7 +161,8 @@ fn entries(plain: &[u8]) -> Option<Entries> {
 /// small, and registry tokens a few KiB at most.
 pub const MAX_CREDENTIAL: usize = 12 << 10;
 /// How many captures are kept (a repository once per namespace that pulled it); beyond it the
-/// oldest capture is dropped.
+/// namespace holding the most loses its oldest capture, so that a namespace holding few keeps
+/// them.
 pub const MAX_ENTRIES: usize = 1024;
 /// How many of them one namespace may hold: beyond it, that namespace's oldest capture is
 /// dropped, never another tenant's.
@@ -326,7 +327,7 @@ impl Captured {
         credgate_engine::clock::unix_ms(self.clock.wall())
     }
 
-    /// Keeps at most `n` repositories' credentials instead of [`MAX_ENTRIES`].
+    /// Keeps at most `n` captures (and `n / 4` a namespace) instead of [`MAX_ENTRIES`].
     pub fn with_max_entries(mut self, n: usize) -> Self {
         self.max_entries = n.max(1);
         self
@@ -334,8 +335,9 @@ impl Captured {
 
     /// Keeps `credential` for `repository` and its namespace, replacing what that namespace
     /// held there (another namespace's capture stays), on disk before it returns (a blocking
-    /// write: call it where blocking is allowed). When that makes one more than the limit,
-    /// the oldest captures are dropped: how many.
+    /// write: call it where blocking is allowed). When that puts its namespace over its share,
+    /// that namespace's oldest other capture is dropped; when it puts the store over its limit,
+    /// the oldest capture of the namespace holding the most: how many were dropped.
     pub fn capture(
         &self,
         repository: &str,
