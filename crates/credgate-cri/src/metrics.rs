@@ -137,7 +137,7 @@ pub struct CaptureLabels {
 pub struct ProxyMetrics {
     /// Pull credentials offered for capture, by what became of them.
     pub captures: Family<CaptureLabels, Counter>,
-    /// Captured credentials dropped to stay within the limit of repositories.
+    /// Captured credentials dropped to stay within the store's limits (in all and a namespace).
     pub captured_dropped: Counter,
     /// Pulls through the proxy by the credentials the kubelet sent and the result.
     pub pulls: Family<PullLabels, Counter>,
@@ -215,7 +215,7 @@ impl ProxyMetrics {
         );
         r.register(
             "captured_dropped",
-            "Captured pull credentials dropped, oldest first, to stay within the limit of repositories",
+            "Captured pull credentials dropped to stay within the store's limits (the oldest of the namespace over its share, or of the one holding the most)",
             self.captured_dropped.clone(),
         );
         r.register(

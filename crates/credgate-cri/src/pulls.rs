@@ -192,7 +192,8 @@ pub(super) fn recorded_as(
 /// A `PullImage`: read whole (bounded), forwarded, its answer read whole, then logged
 /// ([`decision`]), recorded by the guard (when it is on) and, when the runtime says it
 /// succeeded, the credential it carried for the image's registry offered for capture (when
-/// capture is on; confirmed with the registry and written after the answer goes back).
+/// capture is on; confirmed with the registry and written before the answer goes back, or
+/// after it once the capture wait ([`crate::CAPTURE_WAIT`] as shipped) has passed: [`settle`]).
 pub(super) async fn pull(
     caller: &CallerConn,
     pulls: &Pulls,
