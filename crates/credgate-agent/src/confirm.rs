@@ -34,7 +34,8 @@ pub const REMEMBER: Duration = Duration::from_secs(10);
 pub const REMEMBER_UNKNOWN: Duration = Duration::from_secs(5);
 /// Confirmations remembered or in flight.
 pub const REMEMBERED: usize = 1024;
-/// Confirmations in flight in all.
+/// Confirmations in flight at once for other uids' reports in all, and as many more for root's
+/// and the agent's own.
 pub const IN_FLIGHT: usize = 4;
 /// Registries are spread over this many stripes of one confirmation in flight each.
 const STRIPES: usize = 16;

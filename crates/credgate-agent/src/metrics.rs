@@ -526,7 +526,6 @@ impl AgentMetrics {
             .inc();
     }
 
-    /// Counts a lookup by who asked: `kubelet`, `docker-helper`, anything else is `api`.
     /// Counts a read through the registry mirror.
     pub fn mirror_request(&self, result: &'static str, auth: &'static str) {
         self.mirror_requests
@@ -534,6 +533,7 @@ impl AgentMetrics {
             .inc();
     }
 
+    /// Counts a lookup by who asked: `kubelet`, `docker-helper`, anything else is `api`.
     pub fn lookup_by(&self, caller: &str) {
         let i = CALLERS.iter().position(|c| *c == caller).unwrap_or(2);
         self.callers[i].inc();

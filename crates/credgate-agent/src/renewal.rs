@@ -376,8 +376,9 @@ impl Renewer {
     }
 
     /// Refuses a change that would leave `consumer` holding more refs than allowed, its
-    /// caller `uid`'s consumers more than [`MAX_REFS_PER_UID`] together, or add a consumer
-    /// past the limit. `replace`: the refs become all it holds (SetTracked).
+    /// caller `uid`'s consumers more than [`MAX_REFS_PER_UID`] together or every other uid's
+    /// more than [`MAX_REFS_UNPRIVILEGED`] ([`uid_room`]), or add a consumer past the limit.
+    /// `replace`: the refs become all it holds (SetTracked).
     fn check_room(
         &self,
         uid: Option<u32>,

@@ -139,10 +139,10 @@ impl Saver {
         self.inner.report.lock().clone()
     }
 
-    /// Keeps the providers' answers and the tracked refs sealed on disk, off the lookup path:
-    /// checks every second whether either changed and writes them on a blocking thread (fsynced
-    /// before they count as kept); a last write when the agent's tasks stop. Nothing when the
-    /// sealed cache is off. The caller awaits it at shutdown.
+    /// Keeps the providers' answers, the tracked refs and the credential memory sealed on
+    /// disk, off the lookup path: checks every second whether any changed and writes them on a
+    /// blocking thread (fsynced before they count as kept); a last write when the agent's tasks
+    /// stop. Nothing when the sealed cache is off. The caller awaits it at shutdown.
     pub fn spawn(&self) -> JoinHandle<()> {
         let saver = self.clone();
         let shutdown = self.inner.tasks.token().clone();
