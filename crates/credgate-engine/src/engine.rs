@@ -838,7 +838,7 @@ impl Engine {
         &self.inner.metrics
     }
 
-    /// `sha256:` of the provider config bytes, when a config is loaded.
+    /// The docker config files' sources, in try-order.
     pub(crate) fn statics(&self) -> &[StaticSource] {
         &self.inner.statics
     }
@@ -855,6 +855,7 @@ impl Engine {
         &self.inner.memo.generation
     }
 
+    /// `sha256:` of the provider config bytes, when a config is loaded.
     pub fn config_identity(&self) -> Option<&str> {
         self.inner.identity.as_deref()
     }
