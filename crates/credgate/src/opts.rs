@@ -295,9 +295,11 @@ pub struct ServeArgs {
     #[arg(long, value_name = "DURATION", value_parser = parse_duration, default_value = "10s")]
     #[arg(help_heading = "Image access guard (docs/guard.md)")]
     pub registry_timeout: Duration,
-    /// Keep nothing across restarts: without it the providers' answers and the tracked refs
-    /// are kept sealed in the state directory, so that a restart serves them with no plugin
-    /// run while they are valid; with it the file of an earlier run is removed.
+    /// Keep no provider answers across restarts: without it the providers' answers, the
+    /// tracked refs and the memory of refused and handed-out credentials are kept sealed in
+    /// the state directory, so that a restart serves them with no plugin run while they are
+    /// valid; with it their files of an earlier run are removed (captured pull credentials
+    /// are --no-cri-proxy-capture's).
     #[arg(long)]
     #[arg(help_heading = "API socket and state (docs/operations.md)")]
     pub no_persist_cache: bool,
