@@ -174,7 +174,7 @@ async fn accept_loop(
         .header_read_timeout(options.limits.handshake_timeout)
         .max_buf_size(64 << 10);
     let mut listener = Listener::new(
-        "registry_mirror",
+        "registry-mirror",
         Loopback(listener),
         options.limits.clone(),
         shared.context.metrics.connections.clone(),

@@ -226,6 +226,11 @@ fn reads_carry_the_agents_credential_of_now_and_never_the_consumers() {
         count("credgate_credentials_refused_total{source=\"provider\"}"),
         0.0
     );
+    // Its connections are counted under the listener's name, as the API's and the proxy's.
+    assert!(
+        m.contains("credgate_connections{listener=\"registry-mirror\"}"),
+        "{m}"
+    );
     let log = agent.log_text();
     for secret in ["alice-pw", "stale-pw", "admin-pw", "Y29uc3VtZXI6c3RhbGU"] {
         assert!(!log.contains(secret), "{secret} in the agent's log");
