@@ -89,7 +89,6 @@ fn warn(text: &str) {
     let _ = writeln!(std::io::stderr().lock(), "{text}");
 }
 
-/// `CREDGATE_HELPER_ERASE=ignore`: `erase` succeeds and changes nothing.
 /// `CREDGATE_HELPER_ERASE=ignore` (any case; `1`, `true` and `yes` too): erase succeeds and
 /// does nothing. Any other value is said to be ignored, on stderr.
 fn erase_ignored() -> bool {
