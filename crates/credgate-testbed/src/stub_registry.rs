@@ -104,12 +104,13 @@ impl StubRegistry {
         st.users.push((user.into(), password.into()));
     }
 
-    /// Requests so far: (path, carried credentials).
-    /// Connections a silent stub accepted (and holds, never answering).
+    /// Connections a silent stub accepted, or requests a holding stub received, and holds,
+    /// never answering.
     pub fn held(&self) -> usize {
         self.state.lock().unwrap().held
     }
 
+    /// Requests so far: (path, carried credentials).
     pub fn seen(&self) -> Vec<(String, bool)> {
         self.state.lock().unwrap().seen.clone()
     }
