@@ -94,6 +94,17 @@ fn private_registry(d: &Path) -> (crate::support::Registry, String, std::path::P
 
 /// The agent with the mirror on a free loopback port serving `registry`; its address.
 fn mirror_agent(d: &Path, config: &Path, registry: &str, extra: &[&str]) -> (Agent, String) {
+    mirror_agent_with_env(d, &[], config, registry, extra)
+}
+
+/// [`mirror_agent`] with `env` added to the agent's environment.
+fn mirror_agent_with_env(
+    d: &Path,
+    env: &[(&str, &Path)],
+    config: &Path,
+    registry: &str,
+    extra: &[&str],
+) -> (Agent, String) {
     let addr = format!("127.0.0.1:{}", crate::support::free_port());
     let metrics = format!("127.0.0.1:{}", crate::support::free_port());
     let plugins = d.join("plugins");
@@ -110,7 +121,7 @@ fn mirror_agent(d: &Path, config: &Path, registry: &str, extra: &[&str]) -> (Age
         &metrics,
     ];
     args.extend_from_slice(extra);
-    let agent = Agent::start(d, &args);
+    let agent = Agent::start_with_env(d, env, &args);
     (agent, addr)
 }
 
@@ -537,25 +548,13 @@ fn a_registry_under_a_private_ca_is_reached_through_the_nodes_roots() {
     crate::support::push(d, &registry, "team/app", "alice", "alice-pw");
     let host = registry.host();
     let config = provider(d, &host, "alice", "alice-pw");
+    // One agent after the other in the same directory: each is stopped when `read` returns.
     let read = |trusting: Option<&Path>| {
-        let agent_dir = tempfile::tempdir_in(d).unwrap();
-        let addr = format!("127.0.0.1:{}", crate::support::free_port());
-        let plugins = d.join("plugins");
-        let args = [
-            "--image-credential-provider-config",
-            config.to_str().unwrap(),
-            "--image-credential-provider-bin-dir",
-            plugins.to_str().unwrap(),
-            "--registry-mirror-addr",
-            &addr,
-            "--registry-mirror-upstream",
-            &host,
-        ];
         let env: Vec<(&str, &Path)> = trusting
             .map(|ca| ("SSL_CERT_FILE", ca))
             .into_iter()
             .collect();
-        let agent = Agent::start_with_env(agent_dir.path(), &env, &args);
+        let (agent, addr) = mirror_agent_with_env(d, &env, &config, &host, &[]);
         let (status, _, body) = curl(
             &format!("http://{addr}/v2/team/app/manifests/v1"),
             &[MANIFEST_ACCEPT],
