@@ -289,7 +289,8 @@ fn verify_loop(socket: &Path, port: u16, counts: &Counts, running: &dyn Fn() -> 
 }
 
 /// Answers `HEAD` of a manifest with a Bearer challenge and the token endpoint with a body
-/// that never ends (each connection bounded to 1 GiB and to the attack's time).
+/// that never ends (each connection's body bounded to 1 GiB and each write to 5 s; the
+/// attack's stop waits for them).
 fn endless_registry(
     listener: &TcpListener,
     port: u16,

@@ -1,6 +1,7 @@
 //! Scenarios over the agent's socket: `rpc-hit` (G clients doing `Lookup` on a warm entry,
-//! beside `Ping`, the transport's floor) and `helper` (runs of `docker-credential-credgate get`
-//! against a warm agent, beside runs of the same binary doing nothing).
+//! beside `Ping`, the transport's floor), `helper` (runs of `docker-credential-credgate get`
+//! against a warm agent, beside runs of the same binary doing nothing) and `bridge` (runs of
+//! the kubelet bridge, likewise, and a burst of them on a cold agent).
 
 use std::io::Write;
 use std::path::{Path, PathBuf};

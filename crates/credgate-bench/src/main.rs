@@ -1,10 +1,15 @@
-//! `credgate-bench`: drives the credgate engine (not the CLI) with any provider config and plugin
-//! directory, and reports plugin runs from the engine's own counters.
+//! `credgate-bench`: the benchmarks BENCHMARKS.md cites. The engine's scenarios drive the
+//! credgate engine (not the CLI) with any provider config and plugin directory, and report
+//! plugin runs from the engine's own counters.
 //!
-//! Scenarios: `hit` (warm-cache lookups from G threads), `burst` (K concurrent cold lookups),
-//! `miss` (sequential lookups that each run the plugin), `rawexec` (the plugin spawned with no
-//! credgate code around it: the floor for `miss`), over the agent's socket `rpc-hit` and
-//! `helper` (see [`agent`]), and `cri-proxy` beside containerd (see [`cri`]).
+//! Scenarios (`credgate-bench --help` lists each): of the engine, `hit` (warm-cache lookups
+//! from G threads), `burst` (K concurrent cold lookups), `miss` (sequential lookups that each
+//! run the plugin) and `rawexec` (the plugin spawned with no credgate code around it: the
+//! floor for `miss`); over the agent's socket `rpc-hit`, `helper` and `bridge` (see
+//! [`agent`]); beside containerd `cri-proxy`, `cri-soak` and `rotation` (see [`cri`],
+//! [`cri_soak`], [`rotation`]); of the guard `guard-check`, `guard-record` and `guard-open`
+//! (see [`guard`]); and `rollout`, `soak`, `renewal-scale` and `capture-burst`, each in the
+//! module of its name.
 
 mod adversary;
 mod agent;
@@ -458,7 +463,6 @@ fn burst(args: &Args, rt: &tokio::runtime::Runtime) -> Result<()> {
     Ok(())
 }
 
-/// The `p` quantile (nearest rank) of `samples`, which it sorts.
 /// The resident set of a process (`self` or a pid), in KiB, from /proc; 0 when unreadable.
 pub fn rss_kib(pid: &str) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
@@ -477,6 +481,7 @@ pub(crate) fn ms(d: Duration) -> f64 {
     (d.as_secs_f64() * 1e6).round() / 1e3
 }
 
+/// The `p` quantile (nearest rank) of `samples`, which it sorts.
 pub fn percentile(samples: &mut [Duration], p: f64) -> Duration {
     samples.sort_unstable();
     samples[((samples.len() as f64 * p).ceil() as usize)

@@ -2,8 +2,9 @@
 //! consumers of 4,000 refs each, as root's are: not bounded per uid) behind one provider whose
 //! answers last an hour, all resolved once; then `--reps` wakes of the loop (a ref of another
 //! registry tracked and untracked, as consumers come and go; 1 ms apart, so that each is a
-//! wake of its own), with the process's CPU time a wake and its RSS. A loop that scans every ref at each wake costs O(n) a wake; one that keeps its refs
-//! in time order costs what falls due.
+//! wake of its own), with the process's CPU time a wake and its RSS. A loop that scans every
+//! ref at each wake costs O(n) a wake; one that keeps its refs in time order costs what falls
+//! due.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -69,7 +69,8 @@ impl Default for EngineOptions {
             cache_capacity: 4096,
             backoff: BackoffPolicy::default(),
             // High enough that a burst of 100 distinct images behind an `Image`-keyed plugin
-            // still waits at most two runs; low enough that no burst forks without limit.
+            // runs at once, none waiting for a slot; low enough that no burst forks without
+            // limit.
             max_runs_per_provider: 128,
             max_runs: 512,
             plugin_rates: HashMap::new(),

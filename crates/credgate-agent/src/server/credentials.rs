@@ -367,7 +367,8 @@ impl CredentialsApi {
         }
         // Each ref's stream keeps only its latest value, and at most WATCH_BUFFER events wait
         // for the client: a client that stops reading costs a bounded amount of memory, and
-        // one that has not taken an event for WATCH_SEND_TIMEOUT is dropped.
+        // one that has not taken an event within the send timeout (the agent's option,
+        // WATCH_SEND_TIMEOUT by default) is dropped.
         let (tx, rx) = tokio::sync::mpsc::channel(WATCH_BUFFER);
         let shutdown = self.calls.shutdown.clone();
         let metrics = self.calls.metrics.clone();

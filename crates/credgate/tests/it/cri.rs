@@ -144,7 +144,8 @@ async fn pulls_through_the_proxy_reach_the_registry_with_their_credentials() {
         );
         serde_json::from_slice(&out.stdout).unwrap_or_default()
     };
-    // Captured once the registry has confirmed the credential, after the pull's answer.
+    // Captured once the registry has confirmed the credential: before the pull's answer, or
+    // after it when the confirmation outlasts the capture wait.
     credgate_testbed::eventually(
         "the pull's credential is captured",
         Duration::from_secs(20),
@@ -277,7 +278,8 @@ async fn pulls_through_the_proxy_reach_the_registry_with_their_credentials() {
     let again: PullImageResponse = call(&proxy, PULL_IMAGE, pull(Some(PASSWORD)))
         .await
         .expect("pull");
-    // Captured once the registry has confirmed the credential, after the pull's answer.
+    // Captured once the registry has confirmed the credential: before the pull's answer, or
+    // after it when the confirmation outlasts the capture wait.
     credgate_testbed::eventually(
         "the pull's credential is captured again",
         Duration::from_secs(20),
@@ -307,7 +309,8 @@ async fn pulls_through_the_proxy_reach_the_registry_with_their_credentials() {
     let third: PullImageResponse = call(&proxy, PULL_IMAGE, pull(Some(PASSWORD)))
         .await
         .expect("pull");
-    // Captured once the registry has confirmed the credential, after the pull's answer.
+    // Captured once the registry has confirmed the credential: before the pull's answer, or
+    // after it when the confirmation outlasts the capture wait.
     credgate_testbed::eventually(
         "the pull's credential is captured again",
         Duration::from_secs(20),
