@@ -1,7 +1,6 @@
 //! The agent's state: the engine in use (swapped whole on reload), the renewal service, and
 //! the metric registry.
 
-use parking_lot::Mutex;
 use std::sync::Arc;
 use std::time::SystemTime;
 
@@ -13,6 +12,8 @@ use credgate_engine::Engine;
 use prometheus_client::registry::Registry;
 use tokio::task::JoinHandle;
 
+use crate::control::Control;
+use crate::explain::{Explainer, ProxySlot};
 use crate::guard::{Guard, GuardOptions};
 use crate::metrics::AgentMetrics;
 use crate::renewal::Renewer;
@@ -149,28 +150,8 @@ fn own_uid() -> u32 {
     rustix::process::geteuid().as_raw()
 }
 
-/// Why [`Agent::reload_logged`] changed nothing.
-#[derive(Debug, thiserror::Error)]
-pub enum ReloadError {
-    /// The sources were refused (the old config keeps serving): the error chain.
-    #[error("{0}")]
-    Refused(String),
-    #[error("reload task failed")]
-    Task,
-}
-
-/// What a reload did.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Reloaded {
-    /// The provider config identity now loaded (`None` without a provider config).
-    pub identity: Option<String>,
-    pub changed: bool,
-}
-
 struct Inner {
-    sources: Sources,
     engine: Arc<ArcSwap<Engine>>,
-    engine_metrics: EngineMetrics,
     metrics: AgentMetrics,
     registry: Registry,
     renewer: Renewer,
@@ -179,34 +160,19 @@ struct Inner {
     callers: CallerAllowlist,
     watch_send_timeout: std::time::Duration,
     started: SystemTime,
-    loaded: Mutex<SystemTime>,
     /// Pull credentials captured by the CRI proxy, when it runs.
     captured: Option<Arc<crate::captured::Captured>>,
     /// Every task the agent starts.
     tasks: crate::tasks::Tasks,
-    /// Held during a reload; the fingerprint of the sources the running engine was built from.
-    reload: Mutex<Option<[u8; 32]>>,
     /// The sealed provider cache's writer.
     saver: crate::saver::Saver,
     /// Credentials registries refused: found, confirmed and acted on.
     refusal: Arc<crate::refusal::Refuser>,
+    /// Reload and flush.
+    control: Control,
     /// The CRI proxy's state: off until it serves; why it ended, when it ended early.
-    proxy: Mutex<ProxyState>,
-    /// When a uid other than root's and the agent's own last flushed.
-    unprivileged_flush: Mutex<Option<std::time::Instant>>,
+    proxy: ProxySlot,
 }
-
-/// The CRI proxy's state: off until it serves; its view stays when it ends early.
-#[derive(Default)]
-struct ProxyState {
-    view: Option<Arc<dyn crate::explain::ProxyView>>,
-    /// Why it stopped while the agent serves.
-    ended: Option<String>,
-}
-
-/// Flushes by uids other than root's and the agent's own: one per this, all together (a flush
-/// costs a plugin run per key and a rewrite of `cache.sealed`).
-pub const UNPRIVILEGED_FLUSH_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// A running agent's shared state. Cheap to clone.
 #[derive(Clone)]
@@ -298,71 +264,37 @@ impl Agent {
             clock.clone(),
         ));
         let now = clock.wall();
+        let control = Control::new(crate::control::Parts {
+            sources: options.sources,
+            engine: engine.clone(),
+            engine_metrics,
+            metrics: metrics.clone(),
+            clock: clock.clone(),
+            renewer: renewer.clone(),
+            saver: saver.clone(),
+            tasks: tasks.clone(),
+            fingerprint,
+            loaded: now,
+        });
         Ok(Agent {
             inner: Arc::new(Inner {
                 saver,
                 refusal,
-                proxy: Mutex::default(),
-                unprivileged_flush: Mutex::new(None),
-                sources: options.sources,
+                control,
+                proxy: ProxySlot::default(),
                 engine,
-                engine_metrics,
                 metrics,
                 registry,
                 renewer,
                 guard,
                 clock,
                 started: now,
-                loaded: Mutex::new(now),
-                reload: Mutex::new(fingerprint),
                 captured: options.captured,
                 tasks,
                 callers: options.callers,
                 watch_send_timeout: options.watch_send_timeout.unwrap_or(WATCH_SEND_TIMEOUT),
             }),
         })
-    }
-
-    /// The CRI proxy serves from now on; the `Admin` service asks `view` what it would do
-    /// with a pull, its recent pulls and the node's images.
-    pub fn set_proxy_running(&self, view: Arc<dyn crate::explain::ProxyView>) {
-        *self.inner.proxy.lock() = ProxyState {
-            view: Some(view),
-            ended: None,
-        };
-    }
-
-    /// The CRI proxy ended while the agent serves (`why`): `Status` says so from now on.
-    pub fn set_proxy_ended(&self, why: String) {
-        self.inner.proxy.lock().ended = Some(why);
-    }
-
-    /// The CRI proxy's state for `Status`: `serving`, `off` (not configured), or
-    /// `ended: WHY`.
-    pub fn proxy_state(&self) -> String {
-        let state = self.inner.proxy.lock();
-        match (&state.ended, &state.view) {
-            (Some(why), _) => format!("ended: {why}"),
-            (None, Some(_)) => "serving".to_owned(),
-            (None, None) => "off".to_owned(),
-        }
-    }
-
-    /// What the CRI proxy tells the `Admin` service, once it served.
-    pub fn proxy_view(&self) -> Option<Arc<dyn crate::explain::ProxyView>> {
-        self.inner.proxy.lock().view.clone()
-    }
-
-    /// What the CRI proxy tells the `Admin` service, while it serves (`None` when it is off
-    /// or ended).
-    pub fn serving_proxy(&self) -> Option<Arc<dyn crate::explain::ProxyView>> {
-        let state = self.inner.proxy.lock();
-        state.view.clone().filter(|_| state.ended.is_none())
-    }
-
-    /// Whether the CRI proxy runs on this agent.
-    pub fn proxy_running(&self) -> bool {
-        self.serving_proxy().is_some()
     }
 
     /// Credentials registries refused: the service that finds, confirms and acts on them.
@@ -373,175 +305,6 @@ impl Agent {
     /// The sealed provider cache's writer (it writes nothing when the cache is off).
     pub fn saver(&self) -> &crate::saver::Saver {
         &self.inner.saver
-    }
-
-    /// Drops cached provider answers (of `provider`, or all; for `images`, or all) in memory
-    /// and in the sealed file, renews tracked refs at once (Watch streams get what changed).
-    pub async fn flush(
-        &self,
-        provider: Option<&str>,
-        images: &[String],
-    ) -> Result<Vec<credgate_engine::Dropped>, credgate_engine::FlushError> {
-        let dropped =
-            self.engine()
-                .flush(provider, images, "flushed by an operator (ctl flush)")?;
-        self.inner
-            .metrics
-            .cache_flushed
-            .inc_by(dropped.len() as u64);
-        tracing::info!(
-            provider = provider.unwrap_or("*"),
-            images = images.len(),
-            dropped = dropped.len(),
-            "provider answers flushed"
-        );
-        // A flush that dropped nothing (the answers the last one dropped are not back yet)
-        // adds nothing: no write, no renewal, no plugin run.
-        if !dropped.is_empty() {
-            self.inner.saver.save().await;
-            self.inner.renewer.flushed(&dropped);
-        }
-        Ok(dropped)
-    }
-
-    /// Whether a flush by a uid other than root's and the agent's own may go now: one per
-    /// `UNPRIVILEGED_FLUSH_EVERY` (5 s) for all of them together.
-    pub fn may_flush_unprivileged(&self) -> bool {
-        let now = self.inner.clock.now();
-        let mut last = self.inner.unprivileged_flush.lock();
-        if last.is_some_and(|t| now < t + UNPRIVILEGED_FLUSH_EVERY) {
-            return false;
-        }
-        *last = Some(now);
-        true
-    }
-
-    /// Explains a lookup of `image` (no plugin run): the engine's sources, the captured pod
-    /// credential of its repository, and a verdict.
-    pub fn explain(
-        &self,
-        image: &str,
-        service_account: Option<&credgate_engine::ServiceAccount>,
-    ) -> Result<credgate_api::v1::ExplainResponse, credgate_engine::LookupError> {
-        let engine = self.engine();
-        let explained = engine.explain(&credgate_engine::LookupRequest {
-            image,
-            service_account,
-            ..Default::default()
-        })?;
-        let now = self.inner.clock.wall();
-        let mut answer = crate::explain::to_wire(&explained, now);
-        for source in answer
-            .sources
-            .iter_mut()
-            .filter(|s| s.kind == credgate_engine::SourceKind::DockerConfig.as_str())
-        {
-            if let Some(r) = self.inner.refusal.memory().docker_report(&source.name) {
-                source.dropped_unix_ms = credgate_engine::clock::unix_ms(r.at);
-                source.dropped_reason = format!(
-                    "a registry refused an entry of it at a pull of {}: credgate does not change that file; update it",
-                    r.image
-                );
-                answer.verdict.push_str(&format!(
-                    "; docker config {} has an entry a registry refused ({})",
-                    source.name, r.image
-                ));
-            }
-        }
-        if let Some(guard) = self.guard() {
-            self.explain_guard(guard, image, &mut answer);
-        }
-        if let Some(proxy) = self.serving_proxy() {
-            proxy.explain(&explained.image, &mut answer);
-        }
-        if let Some(c) = self
-            .captured()
-            .and_then(|c| c.for_repository(&explained.image))
-        {
-            answer.captured = true;
-            answer.captured_namespace = c.namespace.clone();
-            answer.captured_unix_ms = c.captured_ms;
-            let prefix = format!("{}: ", explained.image);
-            let rest = answer
-                .verdict
-                .strip_prefix(&prefix)
-                .unwrap_or(&answer.verdict)
-                .to_owned();
-            answer.verdict = format!(
-                "{}the pod credential the CRI proxy captured for the repository (namespace {}) comes first for the API and snapshotters, for this repository only, never for the kubelet or a registry host's docker helper (other namespaces' pods still pull with what the providers give); then {rest}",
-                prefix,
-                if c.namespace.is_empty() { "-" } else { &c.namespace },
-            );
-        }
-        Ok(answer)
-    }
-
-    /// The guard's records of `image` and its decision for node-wide credentials.
-    fn explain_guard(
-        &self,
-        guard: &Guard,
-        image: &str,
-        answer: &mut credgate_api::v1::ExplainResponse,
-    ) {
-        let Ok((name, _)) = crate::guard::normalize(image) else {
-            return;
-        };
-        let Ok(store) = guard.store() else {
-            answer.guard_node_wide_decision = "the guard's store cannot be read".into();
-            return;
-        };
-        let mut first_ref = None;
-        for record in store.records() {
-            let Some(entry) = record.names.get(&name) else {
-                continue;
-            };
-            first_ref.get_or_insert_with(|| record.image_ref.clone());
-            let mut namespaces: Vec<&str> = entry
-                .secrets
-                .iter()
-                .map(|s| s.coords.namespace.as_str())
-                .collect();
-            namespaces.sort_unstable();
-            namespaces.dedup();
-            answer
-                .guard_record_summaries
-                .push(credgate_api::v1::GuardRecordSummary {
-                    image_ref: record.image_ref.clone(),
-                    node_wide: entry.node_accessible,
-                    secrets: u32::try_from(entry.secrets.len()).unwrap_or(u32::MAX),
-                    secret_namespaces: namespaces.iter().map(|n| (*n).to_owned()).collect(),
-                    service_accounts: u32::try_from(entry.service_accounts.len())
-                        .unwrap_or(u32::MAX),
-                });
-            answer.guard_records.push(format!(
-                "{}: node-wide {}; {} secret(s){}; {} service account(s)",
-                record.image_ref,
-                if entry.node_accessible { "yes" } else { "no" },
-                entry.secrets.len(),
-                if namespaces.is_empty() {
-                    String::new()
-                } else {
-                    format!(" of {}", namespaces.join(", "))
-                },
-                entry.service_accounts.len()
-            ));
-        }
-        if let Some(image_ref) = first_ref {
-            if let Ok(c) = guard.check(
-                image,
-                &image_ref,
-                crate::guard::Presence::OnNode,
-                crate::guard::PullPolicy::IfNotPresent,
-                &[crate::guard::CredentialIn::NodeWide],
-            ) {
-                answer.guard_node_wide_decision = format!(
-                    "{} ({}): {}",
-                    c.answer.as_str(),
-                    c.reason.as_str(),
-                    c.message
-                );
-            }
-        }
     }
 
     /// The engine in use now.
@@ -601,10 +364,6 @@ impl Agent {
         m.guard_store_available.set(i64::from(available));
     }
 
-    pub fn sources(&self) -> &Sources {
-        &self.inner.sources
-    }
-
     pub fn clock(&self) -> &Arc<dyn Clock> {
         &self.inner.clock
     }
@@ -613,69 +372,26 @@ impl Agent {
         self.inner.started
     }
 
-    /// When the config in use was loaded.
-    pub fn loaded(&self) -> SystemTime {
-        *self.inner.loaded.lock()
+    /// Reload and flush: the operator's operations, a handle of their own.
+    pub fn control(&self) -> &Control {
+        &self.inner.control
     }
 
-    /// Re-reads every source. On error the engine in use keeps serving.
-    pub fn reload(&self) -> Result<Reloaded, SourceError> {
-        let mut loaded_from = self.inner.reload.lock();
-        // The same bytes as the running engine's: nothing to rebuild, and its caches stay.
-        let fingerprint = self.inner.sources.fingerprint();
-        if fingerprint.is_some() && fingerprint == *loaded_from {
-            self.inner.metrics.reload(true);
-            return Ok(Reloaded {
-                identity: self.engine().config_identity().map(str::to_owned),
-                changed: false,
-            });
+    /// The CRI proxy's state, which the composition root sets.
+    pub fn proxy(&self) -> &ProxySlot {
+        &self.inner.proxy
+    }
+
+    /// What `Explain` reads, as a handle of its own.
+    pub fn explainer(&self) -> Explainer {
+        Explainer {
+            engine: self.inner.engine.clone(),
+            clock: self.inner.clock.clone(),
+            refusal: self.inner.refusal.clone(),
+            guard: self.inner.guard.clone(),
+            captured: self.inner.captured.clone(),
+            proxy: self.inner.proxy.clone(),
         }
-        let built = self.inner.sources.build(
-            Some(self.inner.engine_metrics.clone()),
-            Some(self.inner.clock.clone()),
-        );
-        let engine = match built {
-            Ok(e) => e,
-            Err(e) => {
-                self.inner.metrics.reload(false);
-                return Err(e);
-            }
-        };
-        let before = self.engine().config_identity().map(str::to_owned);
-        let identity = engine.config_identity().map(str::to_owned);
-        self.inner.engine.store(Arc::new(engine));
-        self.inner.metrics.config_refused.set(0);
-        *loaded_from = fingerprint;
-        *self.inner.loaded.lock() = self.inner.clock.wall();
-        self.inner.metrics.reload(true);
-        self.inner.renewer.refresh_all();
-        Ok(Reloaded {
-            changed: before != identity,
-            identity,
-        })
-    }
-
-    /// [`Agent::reload`] on a blocking thread, logged (SIGHUP and the Reload RPC).
-    pub async fn reload_logged(&self) -> Result<Reloaded, ReloadError> {
-        let agent = self.clone();
-        let reloaded = match self.tasks().spawn_blocking(move || agent.reload()).await {
-            Ok(Ok(r)) => r,
-            Ok(Err(e)) => {
-                let msg = credgate_core::text::error_chain(&e);
-                tracing::error!(error = %msg, "reload refused; the old config keeps serving");
-                return Err(ReloadError::Refused(msg));
-            }
-            Err(_) => {
-                tracing::error!("reload task failed");
-                return Err(ReloadError::Task);
-            }
-        };
-        tracing::info!(
-            config = reloaded.identity.as_deref().unwrap_or("none"),
-            changed = reloaded.changed,
-            "provider config reloaded"
-        );
-        Ok(reloaded)
     }
 
     /// Starts the renewal loop, until the agent's tasks stop.

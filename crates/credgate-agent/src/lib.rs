@@ -10,6 +10,7 @@
 mod agent;
 pub mod captured;
 mod confirm;
+pub mod control;
 pub mod explain;
 pub mod guard;
 pub mod memory;
@@ -25,9 +26,8 @@ pub mod state;
 pub mod status;
 pub mod tasks;
 
-pub use agent::{
-    Agent, AgentOptions, AllowUidsError, CallerAllowlist, ReloadError, Reloaded, Service,
-};
+pub use agent::{Agent, AgentOptions, AllowUidsError, CallerAllowlist, Service};
+pub use control::{ReloadError, Reloaded};
 pub use credgate_engine::sources::{SourceError, Sources};
 
 use credgate_core::text::error_chain;

@@ -438,9 +438,9 @@ impl Node {
         let thread = credgate_cri::start(listener, options, agent.tasks().token().clone())
             .await
             .map_err(|e| failed(credgate_core::text::error_chain(&e)))?;
-        agent.set_proxy_running(Arc::new(ProxyView(context)));
+        agent.proxy().set_running(Arc::new(ProxyView(context)));
         let stopping = agent.tasks().token().clone();
-        let watched = agent.clone();
+        let watched = agent.proxy().clone();
         agent.tasks().spawn_blocking(move || {
             let ended = thread.join();
             let why = match ended {
@@ -450,7 +450,7 @@ impl Node {
                 Err(_) => "its thread panicked".to_owned(),
             };
             tracing::error!(why = %why, "the CRI proxy ended: the kubelet's image calls fail until the agent is restarted");
-            watched.set_proxy_ended(why);
+            watched.set_ended(why);
         });
         Ok((config.socket.clone(), id))
     }
@@ -470,7 +470,7 @@ impl Node {
         self.agent.tasks().spawn(async move {
             loop {
                 tokio::select! {
-                    _ = hup.recv() => { let _ = agent.reload_logged().await; }
+                    _ = hup.recv() => { let _ = agent.control().reload_logged().await; }
                     _ = term.recv() => break,
                     _ = int.recv() => break,
                     () = stop.cancelled() => return,

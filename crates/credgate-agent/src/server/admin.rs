@@ -21,7 +21,7 @@ impl AdminApi {
     /// call: the guard's records without image-access, the sources, their cache and the
     /// captured credential without credentials (`--allow-uids`).
     fn only_what_the_caller_may_see(&self, peer: Peer, answer: &mut pb::ExplainResponse) {
-        let callers = self.agent.callers();
+        let callers = &self.calls.callers;
         if !callers.allows(Service::ImageAccess, peer.uid) {
             answer.guard_records.clear();
             answer.guard_record_summaries.clear();
@@ -54,16 +54,16 @@ impl Admin for AdminApi {
             let privileged =
                 credgate_engine::rate::Caller::of(peer.uid, rustix::process::geteuid().as_raw())
                     .privileged;
-            if !privileged && !self.agent.may_flush_unprivileged() {
+            if !privileged && !self.control.may_flush_unprivileged() {
                 return Err(ApiError::Limited(format!(
                     "flushes by uids other than root and the agent's own are limited to one per {}s in all",
-                    crate::agent::UNPRIVILEGED_FLUSH_EVERY.as_secs()
+                    crate::control::UNPRIVILEGED_FLUSH_EVERY.as_secs()
                 ))
                 .into());
             }
             let provider = Some(req.provider.as_str()).filter(|p| !p.is_empty());
             let dropped = self
-                .agent
+                .control
                 .flush(provider, &req.images)
                 .await
                 .map_err(ApiError::from)?;
@@ -126,7 +126,7 @@ impl Admin for AdminApi {
     ) -> Result<Response<pb::ReloadResponse>, Status> {
         self.calls
             .observed(peer(&request), "Reload", async {
-                let reloaded = self.agent.reload_logged().await.map_err(|e| match e {
+                let reloaded = self.control.reload_logged().await.map_err(|e| match e {
                     ReloadError::Refused(msg) => ApiError::Reload(msg),
                     ReloadError::Task => ApiError::Internal("reload task failed"),
                 })?;
@@ -154,8 +154,8 @@ impl Admin for AdminApi {
             .observed(peer, "ListCaptured", async {
                 // Captured pull credentials are credentials: the Credentials allowlist applies.
                 self.calls.also_allowed(peer, Service::Credentials)?;
-                let Some(captured) = self.agent.captured() else {
-                    return Err(ApiError::NotEnabled(if self.agent.proxy_running() {
+                let Some(captured) = &self.captured else {
+                    return Err(ApiError::NotEnabled(if self.proxy.serving().is_some() {
                     "the CRI proxy keeps no pull credentials on this agent (--no-cri-proxy-capture)"
                 } else {
                     PROXY_OFF
@@ -193,7 +193,7 @@ impl Admin for AdminApi {
                     .may_claim_identity(peer, req.service_account.as_ref())?;
                 let sa = req.service_account.map(service_account).transpose()?;
                 let mut answer = self
-                    .agent
+                    .explainer
                     .explain(&req.image, sa.as_ref())
                     .map_err(ApiError::from)?;
                 self.only_what_the_caller_may_see(peer, &mut answer);
@@ -211,10 +211,10 @@ impl Admin for AdminApi {
         self.calls
             .observed(peer, "ListPulls", async {
                 // Pulls name pods and images: what the image-access service is restricted for.
-                if !self.agent.callers().allows(Service::ImageAccess, peer.uid) {
+                if !self.calls.callers.allows(Service::ImageAccess, peer.uid) {
                     return Err(not_for(peer, Service::ImageAccess).into());
                 }
-                let Some(proxy) = self.agent.serving_proxy() else {
+                let Some(proxy) = self.proxy.serving() else {
                     return Err(ApiError::NotEnabled(PROXY_OFF).into());
                 };
                 let repository = if req.image.is_empty() {
@@ -237,7 +237,7 @@ impl Admin for AdminApi {
         self.calls
             .observed(peer, "ForgetCaptured", async {
                 self.calls.also_allowed(peer, Service::Credentials)?;
-                let Some(captured) = self.agent.captured() else {
+                let Some(captured) = &self.captured else {
                     return Err(ApiError::NotEnabled(PROXY_OFF).into());
                 };
                 let repository = repository_of("repository", &req.repository)?;
@@ -264,12 +264,9 @@ fn repository_of(field: &str, text: &str) -> Result<String, Status> {
 /// `Status`.
 impl AdminApi {
     fn status_inner(&self) -> pb::StatusResponse {
-        let engine = self.agent.engine();
+        let engine = self.control.engine();
         let statuses = engine.provider_status();
-        let next = self
-            .agent
-            .renewer()
-            .next_renewal_by_provider(statuses.len());
+        let next = self.renewer.next_renewal_by_provider(statuses.len());
         let providers = statuses
             .into_iter()
             .zip(next)
@@ -289,7 +286,7 @@ impl AdminApi {
                 answers_refused_since_unix_ms: unix_ms(s.answers_refused_since),
             })
             .collect();
-        let sources = self.agent.sources();
+        let sources = self.control.sources();
         pb::StatusResponse {
             config_identity: engine.config_identity().unwrap_or_default().to_owned(),
             // As the agent reads it, whatever the operator typed.
@@ -305,11 +302,11 @@ impl AdminApi {
                 .iter()
                 .map(|p| p.display().to_string())
                 .collect(),
-            tracked_refs: u32::try_from(self.agent.renewer().len()).unwrap_or(u32::MAX),
-            started_unix_ms: unix_ms(Some(self.agent.started())),
-            loaded_unix_ms: unix_ms(Some(self.agent.loaded())),
+            tracked_refs: u32::try_from(self.renewer.len()).unwrap_or(u32::MAX),
+            started_unix_ms: unix_ms(Some(self.started)),
+            loaded_unix_ms: unix_ms(Some(self.control.loaded())),
             saved_cache: Some({
-                let r = self.agent.saver().report();
+                let r = self.saver.report();
                 pb::SavedCacheStatus {
                     enabled: r.enabled,
                     restored: r.restored,
@@ -323,10 +320,10 @@ impl AdminApi {
                     last_saved_unix_ms: unix_ms(r.last_saved),
                 }
             }),
-            cri_proxy: self.agent.proxy_state(),
+            cri_proxy: self.proxy.state(),
             node_images: self
-                .agent
-                .proxy_view()
+                .proxy
+                .view()
                 .map(|view| view.node_images())
                 .unwrap_or_default(),
         }

@@ -29,10 +29,13 @@ pub(crate) mod wire;
 
 use crate::agent::{Agent, CallerAllowlist, Service};
 use crate::captured::Captured;
+use crate::control::Control;
+use crate::explain::{Explainer, ProxySlot};
 use crate::guard::Guard;
 use crate::metrics::AgentMetrics;
 use crate::refusal::Refuser;
 use crate::renewal::Renewer;
+use crate::saver::Saver;
 use crate::tasks::Tasks;
 use arc_swap::ArcSwap;
 use credgate_engine::clock::Clock;
@@ -217,12 +220,18 @@ pub(crate) struct ImageAccessApi {
     guard: Option<Guard>,
 }
 
-/// The `Admin` service: the agent's own operations (reload, flush, explain, status), so it
-/// holds the agent (decision 0032).
+/// The `Admin` service's handles: reload and flush, what `Explain` reads, the CRI proxy's
+/// state, the captures, and what `Status` reports; never the agent.
 #[derive(Clone)]
 pub(crate) struct AdminApi {
     calls: Calls,
-    agent: Agent,
+    control: Control,
+    explainer: Explainer,
+    proxy: ProxySlot,
+    captured: Option<Arc<Captured>>,
+    renewer: Renewer,
+    saver: Saver,
+    started: SystemTime,
 }
 
 /// Watch events queued for a client that is not reading, beyond the transport's own window.
@@ -403,8 +412,17 @@ pub async fn serve_with(
         guard: agent.guard().cloned(),
     })
     .max_decoding_message_size(MAX_IMAGE_ACCESS_MESSAGE);
-    let admin =
-        AdminServer::new(AdminApi { calls, agent }).max_decoding_message_size(MAX_ADMIN_MESSAGE);
+    let admin = AdminServer::new(AdminApi {
+        calls,
+        control: agent.control().clone(),
+        explainer: agent.explainer(),
+        proxy: agent.proxy().clone(),
+        captured: agent.captured().cloned(),
+        renewer: agent.renewer().clone(),
+        saver: agent.saver().clone(),
+        started: agent.started(),
+    })
+    .max_decoding_message_size(MAX_ADMIN_MESSAGE);
     let routes = tonic::service::Routes::new(InterceptedService::new(
         credentials,
         admit(&callers, Service::Credentials),
