@@ -1,14 +1,16 @@
 // The lazy-pull snapshotter stargz-snapshotter for the node rig (issue 51): its service from the
 // root module github.com/containerd/stargz-snapshotter v0.19.1, the newest the module proxy
-// serves (the module of its own programs, .../cmd, is not served), in a program of ours
-// (stargz-snapshotter), and an eStargz converter of layers (estargz-convert). Built by
-// scripts/node-tools/build into a cache outside the repository; never committed as binaries.
+// serves (the module of its own programs, .../cmd, is not served), in programs of ours
+// (stargz-snapshotter, and stargz-fuse-manager, its FUSE manager), and an eStargz converter of
+// layers (estargz-convert). Built by scripts/node-tools/build into a cache outside the
+// repository; never committed as binaries.
 module credgate.local/node-tools/stargz
 
 go 1.26.6
 
 tool (
 	credgate.local/node-tools/stargz/estargz-convert
+	credgate.local/node-tools/stargz/stargz-fuse-manager
 	credgate.local/node-tools/stargz/stargz-snapshotter
 )
 
@@ -60,6 +62,7 @@ require (
 	github.com/go-openapi/swag/stringutils v0.27.1 // indirect
 	github.com/go-openapi/swag/typeutils v0.27.1 // indirect
 	github.com/go-openapi/swag/yamlutils v0.27.1 // indirect
+	github.com/gogo/protobuf v1.3.2 // indirect
 	github.com/golang/groupcache v0.0.0-20241129210726-2c02b8208cf8 // indirect
 	github.com/google/gnostic-models v0.7.0 // indirect
 	github.com/google/uuid v1.6.0 // indirect
