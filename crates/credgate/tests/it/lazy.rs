@@ -44,6 +44,17 @@ fn compare(snapshotter: &str, way: &str) -> (BTreeMap<String, String>, serde_jso
     (steps, result)
 }
 
+/// Every step `scripts/lazy-compare` reads at: what a row served throughout must serve.
+const EVERY_STEP: &[&str] = &[
+    "start",
+    "restart",
+    "new pod",
+    "reboot",
+    "rotation",
+    "expiry-start",
+    "expiry",
+];
+
 /// One way's row, checked: the steps that must be served, whether the pod secret's image, its new
 /// pod after the restart (when given) and the provider's image are read lazily, and (with
 /// credgate) that no secret reached its log.
@@ -75,20 +86,7 @@ fn row(
 #[test]
 #[ignore = "needs root"]
 fn nydus_through_credgates_mirror_reads_through_rotation_expiry_and_restarts() {
-    let (_, result) = row(
-        "nydus",
-        "mirror",
-        &[
-            "start",
-            "restart",
-            "new pod",
-            "reboot",
-            "rotation",
-            "expiry-start",
-            "expiry",
-        ],
-        (true, Some(true), true),
-    );
+    let (_, result) = row("nydus", "mirror", EVERY_STEP, (true, Some(true), true));
     assert_eq!(result["late_restart"], "started", "{result}");
 }
 
@@ -125,28 +123,15 @@ fn soci_through_credgates_mirror_reads_a_pod_secrets_image_lazily() {
 #[test]
 #[ignore = "needs root"]
 fn stargz_through_credgates_mirror_reads_through_rotation_expiry_and_restarts() {
-    let (_, result) = row(
-        "stargz",
-        "mirror",
-        &[
-            "start",
-            "restart",
-            "new pod",
-            "reboot",
-            "rotation",
-            "expiry-start",
-            "expiry",
-        ],
-        (true, Some(true), true),
-    );
+    let (_, result) = row("stargz", "mirror", EVERY_STEP, (true, Some(true), true));
     assert_eq!(result["rotation_pod"], "lazy-a", "{result}");
     assert_eq!(result["late_restart"], "started", "{result}");
 }
 
 /// A baseline for stargz: its docker config with credgate's helper, told the registry's host
-/// only. The provider's image (a credential for the
-/// whole host) is read lazily across its expiry; a pod's secret never reaches stargz, so the
-/// pod's image is pulled whole and read from disk.
+/// only. The provider's image (a credential for the whole host) is read lazily across its
+/// expiry; a pod's secret never reaches stargz, so the pod's image is pulled whole and read from
+/// disk.
 #[test]
 #[ignore = "needs root"]
 fn stargz_through_credgates_helper_never_reads_a_pod_secrets_image_lazily() {
